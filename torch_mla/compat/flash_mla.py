@@ -1,0 +1,115 @@
+"""FlashMLA's decode interface on top of torch_mla, so callers switch by changing one import::
+
+    from torch_mla.compat.flash_mla import get_mla_metadata, flash_mla_with_kvcache
+
+Both of FlashMLA's forms are accepted:
+
+* the tensor form used by vLLM and SGLang:
+  ``tile_scheduler_metadata, num_splits = get_mla_metadata(cache_seqlens, s_q * h_q // h_kv, h_kv)``
+  returns int32 ``[num_sm_parts, 8]`` and int32 ``[batch + 1]``, passed on to every layer;
+* the newer object form: ``sched_meta, _ = get_mla_metadata()`` returns an empty
+  :class:`FlashMLASchedMeta` that the first ``flash_mla_with_kvcache`` call fills in and later
+  calls reuse (valid while the shapes and ``cache_seqlens`` values stay the same).
+
+Only dense decode is provided: the FP8 cache and sparse (``indices``) modes raise
+NotImplementedError.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Tuple
+
+import torch
+
+from ..ops.decode import mla_decode
+from ..ops.schedule import DecodeSchedule, get_decode_schedule
+
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+
+
+@dataclasses.dataclass
+class FlashMLASchedMeta:
+    """Schedule holder of FlashMLA's newer interface; filled in by the first decode call."""
+
+    have_initialized: bool = False
+    config: Optional[tuple] = None  # (b, s_q, h_q, page_block_size, h_k, causal)
+    tile_scheduler_metadata: Optional[torch.Tensor] = None  # int32 [num_sm_parts, 8]
+    num_splits: Optional[torch.Tensor] = None  # int32 [batch + 1]
+
+
+def get_mla_metadata(
+    cache_seqlens: Optional[torch.Tensor] = None,
+    num_q_tokens_per_head_k: Optional[int] = None,
+    num_heads_k: int = 1,
+    num_heads_q: Optional[int] = None,
+    is_fp8_kvcache: bool = False,
+    topk: Optional[int] = None,
+):
+    """FlashMLA's ``get_mla_metadata``.
+
+    With ``cache_seqlens`` (int32 [batch]) and ``num_q_tokens_per_head_k`` (= s_q * h_q // h_kv):
+    returns ``(tile_scheduler_metadata int32 [num_sm_parts, 8], num_splits int32 [batch + 1])``,
+    computed on the device. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
+    """
+    if is_fp8_kvcache or topk is not None:
+        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no topk)")
+    if cache_seqlens is None:
+        return FlashMLASchedMeta(), None
+    if num_q_tokens_per_head_k is None:
+        raise TypeError("get_mla_metadata needs num_q_tokens_per_head_k (= s_q * h_q // h_kv)")
+    if num_heads_k != 1:
+        raise NotImplementedError(f"MLA decode has one latent head; got num_heads_k={num_heads_k}")
+    sched = get_decode_schedule(cache_seqlens, 1, int(num_q_tokens_per_head_k))
+    return sched.metadata, sched.num_splits
+
+
+def flash_mla_with_kvcache(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata,
+    num_splits: Optional[torch.Tensor] = None,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    is_fp8_kvcache: bool = False,
+    indices: Optional[torch.Tensor] = None,
+    **unsupported,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """FlashMLA's ``flash_mla_with_kvcache`` (dense decode).
+
+    Args:
+        q: [batch, s_q, h_q, head_dim]; k_cache: [num_blocks, 64, 1, head_dim];
+        block_table: int32 [batch, max_blocks]; cache_seqlens: int32 [batch];
+        head_dim_v: width of V (the first head_dim_v columns of the cache);
+        tile_scheduler_metadata, num_splits: from :func:`get_mla_metadata` (either form).
+
+    Returns:
+        out [batch, s_q, h_q, head_dim_v] in q's dtype; softmax_lse float32 [batch, h_q, s_q].
+    """
+    if is_fp8_kvcache or indices is not None:
+        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no indices)")
+    extra = [k for k, v in unsupported.items() if v is not None]
+    if extra:
+        raise NotImplementedError(f"unsupported FlashMLA arguments: {', '.join(sorted(extra))}")
+    if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
+        meta = tile_scheduler_metadata
+        config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal)
+        if not meta.have_initialized:
+            sched = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
+            meta.tile_scheduler_metadata, meta.num_splits = sched
+            meta.config, meta.have_initialized = config, True
+        elif meta.config != config:
+            raise ValueError(
+                f"sched_meta was made for (b, s_q, h_q, page, h_k, causal) = {meta.config}, "
+                f"but this call has {config}; use one FlashMLASchedMeta per configuration"
+            )
+        schedule = DecodeSchedule(meta.tile_scheduler_metadata, meta.num_splits)
+    else:
+        if num_splits is None:
+            raise TypeError("num_splits is required with a tensor tile_scheduler_metadata")
+        schedule = DecodeSchedule(tile_scheduler_metadata, num_splits)
+    return mla_decode(q, k_cache, block_table, cache_seqlens, schedule,
+                      softmax_scale=softmax_scale, causal=causal, d_v=head_dim_v)

@@ -1,0 +1,26 @@
+"""Fake (meta) implementations of every torch_mla op: shapes and dtypes only, no data access."""
+
+import torch
+
+from ..ops import library  # noqa: F401  (defines the ops first)
+
+
+@torch.library.register_fake("torch_mla::get_decode_schedule")
+def _get_decode_schedule_fake(cache_seqlens, num_parts):
+    meta = cache_seqlens.new_empty((num_parts, 8), dtype=torch.int32)
+    splits = cache_seqlens.new_empty((cache_seqlens.shape[0] + 1,), dtype=torch.int32)
+    return meta, splits
+
+
+@torch.library.register_fake("torch_mla::mla_decode")
+def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
+                     softmax_scale, causal, d_v):
+    b, s_q, h_q, _ = q.shape
+    out = q.new_empty((b, s_q, h_q, d_v))
+    lse = q.new_empty((b, h_q, s_q), dtype=torch.float32)
+    return out, lse
+
+
+@torch.library.register_fake("torch_mla::append_kv")
+def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping):
+    return None

@@ -1,0 +1,9 @@
+"""The torch.library boundary: op schemas, validation, dispatch to kernel or reference."""
+
+from .. import fake_impls  # noqa: F401  (registers the fake implementations)
+from .cache import append_kv
+from .checks import set_value_checks
+from .decode import mla_decode
+from .schedule import DecodeSchedule, get_decode_schedule
+
+__all__ = ["DecodeSchedule", "append_kv", "get_decode_schedule", "mla_decode", "set_value_checks"]

@@ -1,0 +1,111 @@
+"""Split-KV work schedule for MLA decode, computed on the device from ``cache_seqlens``.
+
+The decode kernel runs one wave of ``num_m_blocks x num_parts`` CTAs. Each request's key blocks
+(pages of 64 tokens) are laid end to end in one stream, each request preceded by a fixed overhead
+of ``OVERHEAD_BLOCKS`` (the cost of starting a request: loading Q, writing its output), and the
+stream is cut into ``num_parts`` equal pieces. A part walks its piece request by request; a request
+cut across parts is computed as partial results that the combine step merges.
+
+Everything here is a handful of tensor ops with static shapes and no host synchronisation, so the
+schedule can be computed once per decode step, shared by every layer, and captured in a CUDA graph.
+
+Metadata layout (int32 ``[num_parts, 8]``), one row per part:
+    0 begin_req, 1 begin_blk, 2 end_req (inclusive), 3 end_blk (exclusive, in end_req),
+    4 split index of the first segment, 5-7 reserved (0).
+``num_splits`` (int32 ``[b + 1]``) is the exclusive prefix sum of each request's number of pieces;
+request r's partial results live in workspace slots ``num_splits[r] .. num_splits[r + 1] - 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+PAGE_SIZE = 64
+BLOCK_M = 64  # query rows (s_q * h_q) per CTA tile
+METADATA_WIDTH = 8
+# FlashMLA's get_mla_metadata charges 5 blocks per request; the same cost model is used here.
+OVERHEAD_BLOCKS = 5
+
+
+def num_m_blocks(s_q: int, h_q: int) -> int:
+    return max(1, -(-(s_q * h_q) // BLOCK_M))
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSplitConfig:
+    """How the decode work is spread over the GPU."""
+
+    num_parts: int  # CTAs per m-block; each walks one contiguous piece of the block stream
+
+    @classmethod
+    def from_heuristic(cls, s_q: int, h_q: int, num_sms: int) -> "DecodeSplitConfig":
+        # One wave: num_m_blocks * num_parts CTAs fill the SMs exactly once (as FlashMLA does);
+        # each CTA needs ~230 KB of shared memory, so only one fits per SM.
+        return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q)))
+
+
+def default_num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 132  # an H100/H200: CPU runs then exercise the same schedule shapes as the GPU
+
+
+def compute_schedule(
+    cache_seqlens: torch.Tensor, num_parts: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Returns ``(metadata int32 [num_parts, 8], num_splits int32 [b + 1])`` on seqlens' device."""
+    dev = cache_seqlens.device
+    b = cache_seqlens.shape[0]
+    meta = torch.zeros(num_parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
+    if b == 0:
+        return meta, torch.zeros(1, dtype=torch.int32, device=dev)
+    L = cache_seqlens.to(torch.int64).clamp(min=0)
+    nb = (L + PAGE_SIZE - 1) // PAGE_SIZE
+    units = torch.where(nb > 0, nb + OVERHEAD_BLOCKS, 0)
+    end = torch.cumsum(units, 0)
+    first_real = end - units + OVERHEAD_BLOCKS  # stream position of each request's block 0
+    total = end[-1]
+    per_part = torch.clamp((total + num_parts - 1) // num_parts, min=1)
+    a = torch.arange(num_parts, device=dev, dtype=torch.int64) * per_part
+    z = torch.minimum(a + per_part, total)
+    nonempty = a < total
+    begin_req = torch.searchsorted(end, a, right=True)
+    end_req = torch.searchsorted(end, (z - 1).clamp(min=0), right=True)
+    bi = begin_req.clamp(max=b - 1)
+    ei = end_req.clamp(max=b - 1)
+    begin_blk = torch.minimum((a - first_real[bi]).clamp(min=0), nb[bi])
+    end_blk = torch.minimum((z - first_real[ei]).clamp(min=0), nb[ei])
+    first_part = first_real // per_part
+    last_part = (first_real + nb - 1) // per_part
+    nsplit = torch.where(nb > 0, last_part - first_part + 1, 0)
+    begin_split = (torch.arange(num_parts, device=dev) - first_part[bi]).clamp(min=0)
+    meta[:, 0] = torch.where(nonempty, begin_req, b).to(torch.int32)
+    meta[:, 1] = torch.where(nonempty, begin_blk, 0).to(torch.int32)
+    meta[:, 2] = torch.where(nonempty, end_req, b - 1).to(torch.int32)
+    meta[:, 3] = torch.where(nonempty, end_blk, 0).to(torch.int32)
+    meta[:, 4] = torch.where(nonempty, begin_split, 0).to(torch.int32)
+    num_splits = torch.zeros(b + 1, dtype=torch.int32, device=dev)
+    num_splits[1:] = torch.cumsum(nsplit, 0).to(torch.int32)
+    return meta, num_splits
+
+
+def walk_schedule(meta: torch.Tensor, num_splits: torch.Tensor, cache_seqlens: torch.Tensor):
+    """Host-side replay of what each part computes: yields (part, req, blk_begin, blk_end, slot).
+
+    ``slot`` is the workspace slot of a split request's partial result, or -1 when the request is
+    done by this part alone. Used by tests to check that the schedule covers every block once.
+    """
+    meta, num_splits = meta.cpu().tolist(), num_splits.cpu().tolist()
+    L = cache_seqlens.cpu().tolist()
+    for p, (br, bb, er, eb, bs, *_rest) in enumerate(meta):
+        for r in range(br, er + 1):
+            nb = -(-max(L[r], 0) // PAGE_SIZE)
+            lo = bb if r == br else 0
+            hi = eb if r == er else nb
+            if lo >= hi:
+                continue
+            split = bs if r == br else 0
+            pieces = num_splits[r + 1] - num_splits[r]
+            yield p, r, lo, hi, (num_splits[r] + split if pieces > 1 else -1)
