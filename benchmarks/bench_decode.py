@@ -1,0 +1,120 @@
+"""MLA decode benchmark on the workload of shared/anchors/README.md (FlashMLA's decode test).
+
+    python benchmarks/bench_decode.py              # all anchor configurations
+    python benchmarks/bench_decode.py --quick      # a few of them
+
+Per configuration: the schedule is computed once (as in serving, shared by all layers), one decode
+call (split-KV kernel + combine) is captured in a CUDA graph, and the replay is timed with
+triton.testing.do_bench(warmup=50, rep=300, return_mode="median"). With mean length Lm:
+    FLOP  = b * h_q * s_q * (2 * 576 * Lm + 2 * 512 * Lm)
+    bytes = b * (s_q * h_q * 576 * 2 + Lm * 576 * 2 + s_q * h_q * 512 * 2)
+Ceilings (same H200): 4246 GB/s device-to-device copy, 679 TFLOP/s bf16 matmul. FlashMLA's figures
+(deepseek-ai/FlashMLA 9241ae3, measured the same way on the same machine) are built in; FlashMLA
+is also timed side by side when `flash_mla` is importable.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import torch
+
+import torch_mla
+from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import make_anchor_inputs
+
+COPY_GBPS = 4246.0
+MATMUL_TFLOPS = 679.0
+
+# (b, s_q, s_k, h_q, causal): FlashMLA us on the H200 (shared/anchors/h200-flashmla.json).
+ANCHORS = {
+    (128, 1, 4096, 128, False): 271.4,
+    (128, 1, 8192, 128, False): 521.7,
+    (128, 1, 16384, 128, False): 1034.3,
+    (128, 1, 32768, 128, False): 2068.9,
+    (128, 2, 4096, 128, True): 498.8,
+    (128, 2, 8192, 128, True): 1017.6,
+    (128, 2, 16384, 128, True): 2002.1,
+    (128, 2, 32768, 128, True): 4121.3,
+    (128, 1, 8192, 16, False): 326.1,
+    (128, 1, 8192, 32, False): 330.9,
+    (128, 1, 8192, 64, False): 343.0,
+    (1, 1, 4096, 128, False): 31.3,
+    (8, 1, 4096, 128, False): 39.0,
+    (32, 1, 4096, 128, False): 77.7,
+    (64, 1, 2048, 16, False): 58.9,
+}
+QUICK = [(128, 1, 8192, 128, False), (128, 2, 8192, 128, True), (128, 1, 8192, 16, False),
+         (1, 1, 4096, 128, False), (64, 1, 2048, 16, False)]
+
+
+def graph_time_us(fn) -> float:
+    import triton.testing
+
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
+
+
+def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None):
+    inp = make_anchor_inputs(b, s_q, h_q, s_k)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
+    err = float("nan")
+    if check:
+        out, lse = torch_mla.mla_decode(*args, causal=causal)
+        ref, ref_lse = mla_decode_reference(inp.q, inp.kv_cache, inp.block_table,
+                                            inp.cache_seqlens, 576**-0.5, causal, 512)
+        err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+        assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4), "lse mismatch"
+    us = graph_time_us(lambda: torch_mla.mla_decode(*args, causal=causal))
+    fm_us = float("nan")
+    if flash_mla is not None:
+        meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        fm_us = graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
+            inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits,
+            causal=causal))
+    lm = inp.cache_seqlens.float().mean().item()
+    flop = b * h_q * s_q * (2 * 576 * lm + 2 * 512 * lm)
+    nbytes = b * (s_q * h_q * 576 * 2 + lm * 576 * 2 + s_q * h_q * 512 * 2)
+    return us, flop / us / 1e6, nbytes / us / 1e3, err, fm_us
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="only a few configurations")
+    ap.add_argument("--no-check", action="store_true", help="skip the reference comparison")
+    args = ap.parse_args(argv)
+    try:
+        import flash_mla  # noqa: F401
+    except ImportError:
+        flash_mla = None
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
+          "| FlashMLA us (anchor) | FlashMLA / ours | rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    configs = QUICK if args.quick else list(ANCHORS)
+    for cfg in configs:
+        b, s_q, s_k, h_q, causal = cfg
+        check = not args.no_check and b * s_k <= 128 * 8192
+        us, tflops, gbps, err, fm_us = run_config(*cfg, check=check, flash_mla=flash_mla)
+        anchor = ANCHORS[cfg]
+        fm = f"{anchor:.1f}" + (f" ({fm_us:.1f} here)" if fm_us == fm_us else "")
+        print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "
+              f"{tflops:.0f} | {gbps:.0f} | {100 * tflops / MATMUL_TFLOPS:.0f} | "
+              f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {anchor / us:.2f} | {err:.1e} |")
+        sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,672 @@
+"""MLA decode on Hopper (SM90): split-KV flash decoding over a paged latent cache, in CuTe DSL.
+
+Problem: for each request r with L_r cached latents (576 = 512 + 64 wide) and s_q * h_q query rows,
+    out = softmax(scale * Q K^T) V,   K = latent (all 576 columns), V = its first 512 columns.
+
+Work split (torch_mla.scheduling): a grid of (num_m_blocks, num_parts) CTAs, one wave. CTA
+(m, p) takes query rows [64 m, 64 m + 64) of every request segment in part p's piece of the
+block stream; a request cut across parts writes fp32 partial results that combine.py merges.
+
+CTA: 256 threads = two warpgroups (WG0, WG1), no producer warp: the warpgroup that finishes with a
+shared-memory buffer issues the TMA that refills it. Tiles: 64 query rows x 64 keys (one page).
+Output O (64 x 512 fp32) does not fit one warpgroup's registers, so WG0 owns columns 0-255 and
+WG1 columns 256-511.
+
+Pipeline ("seesaw", after FlashMLA's published schedule): pages go alternately to two buffers,
+B0 (even blocks of the segment) and B1 (odd). WG0 computes S0 = Q K0^T, WG1 S1 = Q K1^T. Per pair:
+    WG0: softmax(S0) against the running max -> scale0; O_L = O_L*scale0 + P0 V0L; publishes P0
+         (rescaled by WG1's scale1) to smem; O_L = O_L*scale1 + P1 V1L; then S0' for the next pair.
+    WG1: softmax(S1) after WG0 -> scale1; O_R = O_R*scale0*scale1 + P1 V1R + P0 V0R; then S1'.
+so one warpgroup's softmax overlaps the other's tensor-core work. A buffer is released in halves
+(columns 0-255 and 256-575) by the warpgroup that reads it last, which then issues the TMA for the
+page two blocks ahead; QK^T waits per 64-column tile, so it starts on the tiles that land first.
+
+Shared memory: Q 72 KB + B0, B1 72 KB each + P0 8 KB; P1 lives in Q's last 64-column tile, which
+each warpgroup keeps in registers instead (the QK^T of that tile is register-sourced): ~226 KB.
+
+Masking: keys at or past a row's horizon (L, or L - s_q + i + 1 for causal query token i) get
+-inf scores; a row that sees no key keeps max = -inf and sum = 0 (output 0, lse +inf). Rows of V
+past L in a request's last page are zeroed in shared memory before P V, since the cache may hold
+anything (NaN) there and 0 * NaN = NaN.
+
+Limits: d_qk = 576, d_v = 512, page 64, one latent head, bf16/fp16, s_q * h_q any (rows padded
+to 64). Compiled per (dtype, causal); batch, s_q, h_q and the cache size are runtime values.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+
+D_QK = 576
+D_V = 512
+PAGE = 64
+BLOCK_M = 64
+N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
+HALF_V = D_V // 2
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
+
+# Named barrier ids (0 is __syncthreads).
+NB_SCALE0 = 1  # WG0 -> WG1: running max and scale0 of this pair are in smem
+NB_SCALE1 = 2  # WG1 -> WG0: scale1 is in smem
+NB_P0 = 3  # WG0 -> WG1: P0 (rescaled) is in smem
+NB_P1_ISSUED = 4  # WG1 -> WG0: P1 is in smem, and WG1 has issued its P0 @ V0R
+NB_WG0 = 5  # WG0 only
+NB_WG1 = 6  # WG1 only
+
+
+class MLADecodeSm90:
+    """Split-KV MLA decode for SM90; see the module docstring for the algorithm."""
+
+    num_threads = 256
+
+    def __init__(self, dtype, causal: bool):
+        self.dtype = dtype
+        self.causal = bool(causal)
+
+    @staticmethod
+    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
+        return (
+            dtype in (cutlass.BFloat16, cutlass.Float16)
+            and d_qk == D_QK
+            and d_v == D_V
+            and page == PAGE
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # host side: layouts, TMA descriptors, launch
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, rows, 576)
+        mKV: cute.Tensor,  # (num_blocks, 64, 576)
+        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
+        mSeqlens: cute.Tensor,  # (b,) int32
+        mMeta: cute.Tensor,  # (num_parts, 8) int32
+        mNumSplits: cute.Tensor,  # (b + 1,) int32
+        mO: cute.Tensor,  # (b, rows, 512)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
+        mOacc: cute.Tensor,  # (slots, rows, 512) fp32
+        mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
+        scale_log2: Float32,
+        stream,
+    ):
+        dt = self.dtype
+        k_atom = warpgroup.make_smem_layout_atom(
+            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
+        )
+        mn_atom = warpgroup.make_smem_layout_atom(
+            warpgroup.SmemLayoutAtomKind.MN_SW128, dt
+        )
+        self.swizzle = k_atom.inner
+        self.sQ_layout = cute.tile_to_shape(k_atom, (BLOCK_M, D_QK), order=(0, 1))
+        self.sK_layout = cute.tile_to_shape(k_atom, (PAGE, D_QK, 2), order=(0, 1, 2))
+        self.tile_layout = cute.tile_to_shape(k_atom, (64, 64), order=(0, 1))
+        # V half (256 d-columns x 64 keys) seen MN-major inside a K-major page buffer: 64-column
+        # chunks are 64 x 64 x 2 B = 8 KB apart, groups of 8 keys 1 KB apart.
+        self.vhalf_layout = cute.tile_to_shape(mn_atom, (HALF_V, PAGE), order=(1, 0))
+
+        self.tiled_qk_ss = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), (BLOCK_M, PAGE),
+        )
+        self.tiled_qk_rs = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            (1, 1, 1), (BLOCK_M, PAGE), warpgroup.OperandSource.RMEM,
+        )
+        self.tiled_pv_rs = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (1, 1, 1), (BLOCK_M, HALF_V), warpgroup.OperandSource.RMEM,
+        )
+        self.tiled_pv_ss = sm90_utils.make_trivial_tiled_mma(
+            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            (1, 1, 1), (BLOCK_M, HALF_V),
+        )
+
+        # TMA views: Q as (rows, 576, b), the cache as (64 keys, 576, pages).
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, self.sQ_layout, (BLOCK_M, D_QK))
+        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout, (PAGE, 64))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * D_QK], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * PAGE * D_QK], 1024]
+            sP0: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * PAGE], 1024]
+            sM: cute.struct.MemRange[Float32, BLOCK_M]
+            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
+            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
+            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
+            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
+            barQ: cute.struct.MemRange[cutlass.Int64, 1]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() <= 227 * 1024, SharedStorage.size_in_bytes()
+        num_parts = mMeta.shape[0]
+        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
+        self.kernel(
+            tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
+            mO, mLSE, mOacc, mLSEacc, scale_log2,
+            self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
+            self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
+        ).launch(
+            grid=[num_m_blocks, num_parts, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tma_mKV: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mMeta: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOacc: cute.Tensor,
+        mLSEacc: cute.Tensor,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        tile_layout: cute.ComposedLayout,
+        vhalf_layout: cute.ComposedLayout,
+        tiled_qk_ss: cute.TiledMma,
+        tiled_qk_rs: cute.TiledMma,
+        tiled_pv_rs: cute.TiledMma,
+        tiled_pv_ss: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, part, _ = cute.arch.block_idx()
+        wg = cute.arch.make_warp_uniform(tidx // 128)
+        wtid = tidx % 128  # thread index inside the warpgroup
+        warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
+
+        smem = cutlass.utils.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sw = sQ_layout.inner
+        # Device-side handles for the helper methods below (IR values of this kernel's region).
+        self.d_swizzle = sw
+        self.d_vhalf_layout = vhalf_layout
+        self.d_tiled_qk_ss, self.d_tiled_qk_rs = tiled_qk_ss, tiled_qk_rs
+        self.d_tiled_pv_rs, self.d_tiled_pv_ss = tiled_pv_rs, tiled_pv_ss
+        q_base = storage.sQ.data_ptr()
+        k_base = storage.sK.data_ptr()
+        sQ = cute.make_tensor(cute.recast_ptr(q_base, sw), sQ_layout.outer)
+        sK = cute.make_tensor(cute.recast_ptr(k_base, sw), sK_layout.outer)
+        sP0 = cute.make_tensor(
+            cute.recast_ptr(storage.sP0.data_ptr(), sw), tile_layout.outer
+        )
+        # P1 shares its 8 KB with Q's RoPE tile, which both warpgroups hold in registers.
+        sP1 = cute.make_tensor(
+            cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
+        )
+        sM = storage.sM.get_tensor(cute.make_layout(BLOCK_M))
+        sScale0 = storage.sScale0.get_tensor(cute.make_layout(BLOCK_M))
+        sScale1 = storage.sScale1.get_tensor(cute.make_layout(BLOCK_M))
+        sL = storage.sL.get_tensor(cute.make_layout(2 * BLOCK_M))
+        barK = storage.barK.data_ptr()
+        barQ = storage.barQ.data_ptr()
+
+        if tidx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            for i in cutlass.range_constexpr(2 * N_TILES):
+                cute.arch.mbarrier_init(barK + i, 1)
+            cute.arch.mbarrier_init(barQ, 1)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+
+        # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
+        sK_tiles = cute.flat_divide(sK, (PAGE, 64))  # (64, 64, 1, 9, 2)
+        gK_tiles = cute.local_tile(tma_mKV, (PAGE, 64), (0, None, None))  # (64, 64, 9, pages)
+        tKsK, tKgK = cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1),
+            cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
+        )
+
+        # MMA partitions (per warpgroup).
+        thr_qk = tiled_qk_ss.get_slice(wtid)
+        thr_qk_rs = tiled_qk_rs.get_slice(wtid)
+        thr_pv = tiled_pv_rs.get_slice(wtid)
+        thr_pv_ss = tiled_pv_ss.get_slice(wtid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, 36, 2)
+        tSrK_rs = thr_qk_rs.make_fragment_B(thr_qk_rs.partition_B(sK))
+        rQ8 = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_shape_A((BLOCK_M, 64)))
+        tOrP0s = thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP0))
+        tOrP1s = thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP1))
+        # V halves: [buffer][half]
+        tOrV = [
+            [
+                thr_pv.make_fragment_B(thr_pv.partition_B(self._v_half(k_base, s, h)))
+                for h in range(2)
+            ]
+            for s in range(2)
+        ]
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_M, PAGE)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_M, HALF_V)), Float32)
+        rP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_M, PAGE)))  # P as A operand
+
+        # P (registers, accumulator order) -> smem with stmatrix; Q's tile 8 -> registers.
+        st_P = cute.make_tiled_copy_C(
+            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_ss
+        ).get_slice(wtid)
+        ld_Q8 = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_rs
+        ).get_slice(wtid)
+        sQ8 = cute.make_tensor(
+            cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
+        )
+
+        # Rows this thread holds in the accumulators: r0 and r0 + 8; columns 8 j + c0 + {0, 1}.
+        r0 = warp_in_wg * 16 + (wtid % 32) // 4
+        c0 = (wtid % 32) % 4 * 2
+
+        # Loop-carried state lives in registers tensors (the DSL carries tensors, not lists).
+        phase = cute.make_rmem_tensor(3, Int32)  # parity to wait for next: buffer 0, 1, Q
+        phase.fill(0)
+        row_sum = cute.make_rmem_tensor(2, Float32)  # this thread's partial row sums
+
+        # Query rows are (s_q, h_q) flattened: row = s * h_q + h.
+        self.d_rows = mO.shape[1]
+        self.d_h_q = mLSE.shape[1]
+        self.d_s_q = mLSE.shape[2]
+        meta_row = mMeta[part, None]
+        begin_req = meta_row[0]
+        begin_blk = meta_row[1]
+        end_req = meta_row[2]
+        end_blk = meta_row[3]
+        begin_split = meta_row[4]
+
+        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+            L = mSeqlens[r]
+            nb_req = (L + PAGE - 1) // PAGE
+            lo = begin_blk if r == begin_req else 0
+            hi = end_blk if r == end_req else nb_req
+            if lo < hi:
+                n = hi - lo
+                split_idx = begin_split if r == begin_req else 0
+                pieces = mNumSplits[r + 1] - mNumSplits[r]
+                # Everyone is done with the previous segment's buffers and smem statistics.
+                cute.arch.sync_threads()
+                if tidx < 32:
+                    self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, lo, 0, 0, N_TILES)
+                    if n > 1:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, lo + 1, 1, 0,
+                                         N_TILES)
+                if tidx < BLOCK_M:
+                    sM[tidx] = -Float32.inf
+                acc_O.fill(0.0)
+                row_sum.fill(0.0)
+                # Horizon of each of this thread's rows: keys < border are visible.
+                border = [self._row_border(L, m_block, r0), self._row_border(L, m_block, r0 + 8)]
+                min_border = self._row_border(L, m_block, 0)
+                cute.arch.mbarrier_wait(barQ, phase[2])
+                phase[2] = phase[2] ^ 1
+                cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
+
+                if wg == 0:
+                    cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
+                    self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
+                             (0, 1, 2, 3, 4, 5, 6, 7, 8))
+                    warpgroup.wait_group(0)
+                    for i in cutlass.range((n + 1) // 2, unroll=1):
+                        self._wg0_pair(
+                            i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
+                            tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP1s, st_P, sP0, sM, sScale0,
+                            sScale1, k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0,
+                            c0, wtid, scale_log2,
+                        )
+                else:
+                    if n > 1:
+                        self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
+                                 (4, 5, 6, 7, 8, 0, 1, 2, 3))
+                        warpgroup.wait_group(0)
+                    for i in cutlass.range((n + 1) // 2, unroll=1):
+                        self._wg1_pair(
+                            i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
+                            tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sP1, sM, sScale0,
+                            sScale1, k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0,
+                            c0, wtid, scale_log2,
+                        )
+                self._epilogue(
+                    acc_O, row_sum, sM, sL, mO, mLSE, mOacc, mLSEacc, mNumSplits, r, m_block,
+                    split_idx, pieces, wg, wtid, r0, c0,
+                )
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _v_half(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
+        off = s * PAGE * D_QK + h * HALF_V * PAGE  # elements; 1 KB aligned, swizzle-phase safe
+        return cute.make_tensor(cute.recast_ptr(k_base + off, self.d_swizzle),
+                                self.d_vhalf_layout.outer)
+
+    @cute.jit
+    def _row_border(self, L: Int32, m_block: Int32, row: Int32) -> Int32:
+        res = L
+        if const_expr(self.causal):
+            g = m_block * BLOCK_M + row
+            if g < self.d_rows:
+                s_idx = g // self.d_h_q
+                res = L - (self.d_s_q - 1 - s_idx)
+        return res
+
+    @cute.jit
+    def _load_q(self, tma_q, tma_mQ, sQ, barQ, r: Int32, m_block: Int32):
+        gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
+        tQsQ, tQgQ = cpasync.tma_partition(
+            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
+        )
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(barQ, BLOCK_M * D_QK * self.dtype.width // 8)
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ)
+
+    @cute.jit
+    def _load_tiles(self, tma_k, tKgK, tKsK, barK, mBlockTable, r: Int32, blk: Int32,
+                    s: cutlass.Constexpr[int], t_begin: cutlass.Constexpr[int],
+                    t_end: cutlass.Constexpr[int]):
+        """One warp: TMA tiles [t_begin, t_end) of page `blk` of request r into buffer s."""
+        page = mBlockTable[r, blk]
+        for t in cutlass.range_constexpr(t_begin, t_end):
+            bar = barK + s * N_TILES + t
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64 * self.dtype.width // 8)
+            cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar)
+
+    @cute.jit
+    def _qk(self, acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, s: cutlass.Constexpr[int],
+            order: cutlass.Constexpr):
+        """Issues S = Q K_s^T tile by tile as each TMA tile lands (one commit group)."""
+        atom = cute.make_mma_atom(self.d_tiled_qk_ss.op)
+        atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
+        first = True
+        for t in cutlass.range_constexpr(len(order)):
+            tile = order[t]
+            cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+            warpgroup.fence()
+            for kk in cutlass.range_constexpr(4):
+                k = tile * 4 + kk
+                if const_expr(tile == N_TILES - 1):
+                    atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
+                    cute.gemm(atom_rs, acc_S, rQ8[None, None, kk], tSrK_rs[None, None, k, s],
+                              acc_S)
+                else:
+                    atom.set(warpgroup.Field.ACCUMULATE, not first)
+                    cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, s], acc_S)
+                first = False
+        warpgroup.commit_group()
+        phase[s] = phase[s] ^ 1
+
+    @cute.jit
+    def _pv(self, tiled, acc_O, tA, tB):
+        atom = cute.make_mma_atom(tiled.op)
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(PAGE // 16):
+            cute.gemm(atom, acc_O, tA[None, None, k], tB[None, None, k], acc_O)
+        warpgroup.commit_group()
+
+    @cute.jit
+    def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32):
+        """-inf for keys at or past each row's horizon (only where this block reaches one)."""
+        base = blk * PAGE
+        if base + PAGE > min_border:
+            for h in cutlass.range_constexpr(2):
+                lim = border[h] - base
+                for j in cutlass.range_constexpr(PAGE // 8):
+                    for c in cutlass.range_constexpr(2):
+                        idx = c + 2 * h + 4 * j
+                        if 8 * j + c0 + c >= lim:
+                            acc_S[idx] = -Float32.inf
+
+    @cute.jit
+    def _row_max(self, acc_S, h: cutlass.Constexpr[int]) -> Float32:
+        m = acc_S[2 * h]
+        for j in cutlass.range_constexpr(PAGE // 8):
+            for c in cutlass.range_constexpr(2):
+                m = cute.arch.fmax(m, acc_S[c + 2 * h + 4 * j])
+        return cute.arch.warp_reduction_max(m, threads_in_group=4)
+
+    @cute.jit
+    def _exp_rows(self, acc_S, m_use, scale_log2: Float32, row_sum, row_scale):
+        """P = exp2(S * scale - m) in place; row_sum = row_sum * row_scale + sum(P)."""
+        for h in cutlass.range_constexpr(2):
+            s = Float32(0.0)
+            for j in cutlass.range_constexpr(PAGE // 8):
+                for c in cutlass.range_constexpr(2):
+                    idx = c + 2 * h + 4 * j
+                    p = cute.math.exp2(acc_S[idx] * scale_log2 - m_use[h], fastmath=True)
+                    acc_S[idx] = p
+                    s += p
+            row_sum[h] = row_sum[h] * row_scale[h] + s
+
+    @cute.jit
+    def _scale_O(self, acc_O, row_scale):
+        for h in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(HALF_V // 8):
+                for c in cutlass.range_constexpr(2):
+                    idx = c + 2 * h + 4 * j
+                    acc_O[idx] = acc_O[idx] * row_scale[h]
+
+    @cute.jit
+    def _to_P(self, acc_S, rP, row_scale):
+        """rP (dtype, A-operand order == accumulator order) = acc_S * per-row scale."""
+        for h in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(PAGE // 8):
+                for c in cutlass.range_constexpr(2):
+                    idx = c + 2 * h + 4 * j
+                    rP[idx] = (acc_S[idx] * row_scale[h]).to(self.dtype)
+
+    @cute.jit
+    def _store_P(self, st_P, rP, sP):
+        cute.copy(st_P, st_P.retile(rP), st_P.partition_D(sP))
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _zero_v_tail(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int],
+                     valid: Int32, wtid: Int32, bar_id: cutlass.Constexpr[int]):
+        """Zeroes keys [valid, 64) of V half h in buffer s (whole 128-byte rows, so the swizzle
+        does not matter), then makes the stores visible to this warpgroup's wgmma."""
+        base = cute.recast_ptr(k_base + s * PAGE * D_QK + h * HALF_V * PAGE, dtype=Float32)
+        words = cute.make_tensor(base, cute.make_layout(HALF_V * PAGE // 2))
+        n_words = (PAGE - valid) * 32 * 4  # rows x 32 words x 4 column chunks
+        for i in cutlass.range(wtid, n_words, 128, unroll=1):
+            row = valid + i // 128
+            rem = i % 128
+            chunk = rem // 32
+            w = rem % 32
+            words[chunk * (PAGE * 32) + row * 32 + w] = Float32(0.0)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
+
+    @cute.jit
+    def _softmax_stats(self, acc_S, sM, r0, scale_log2):
+        """Row max of this block (scaled, log2 domain), old and new running max."""
+        m_old = [sM[r0], sM[r0 + 8]]
+        m_new = [Float32(0.0), Float32(0.0)]
+        m_use = [Float32(0.0), Float32(0.0)]
+        scale = [Float32(0.0), Float32(0.0)]
+        for h in cutlass.range_constexpr(2):
+            m_blk = self._row_max(acc_S, h) * scale_log2
+            m_new[h] = cute.arch.fmax(m_old[h], m_blk)
+            # A row that has seen no key yet keeps max -inf: subtract 0 instead (no NaN).
+            m_use[h] = Float32(0.0) if m_new[h] == -Float32.inf else m_new[h]
+            scale[h] = cute.math.exp2(m_old[h] - m_use[h], fastmath=True)
+        return m_new, m_use, scale
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _wg0_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
+                  tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP1s, st_P, sP0, sM, sScale0, sScale1,
+                  k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0, c0, wtid,
+                  scale_log2):
+        blk0 = lo + 2 * i
+        has1 = 2 * i + 1 < n
+        has2 = 2 * i + 2 < n
+        has3 = 2 * i + 3 < n
+        self._mask(acc_S, blk0, border, min_border, c0)
+        m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
+        cute.arch.sync_warp()
+        if wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                sM[r0 + 8 * h] = m_new[h]
+                sScale0[r0 + 8 * h] = scale0[h]
+        self._scale_O(acc_O, scale0)
+        self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale0)
+        one = [Float32(1.0), Float32(1.0)]
+        self._to_P(acc_S, rP, one)
+        cute.arch.barrier_arrive(barrier_id=NB_SCALE0, number_of_threads=256)
+
+        tail = L % PAGE
+        if blk0 == nb_req - 1:
+            if tail != 0:
+                self._zero_v_tail(k_base, 0, 0, tail, wtid, NB_WG0)
+        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[0][0])
+        warpgroup.wait_group(0)
+
+        cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
+        if has2:
+            if wtid < 32:
+                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 2, 0, 0, 4)
+        scale1 = [sScale1[r0], sScale1[r0 + 8]]
+        self._to_P(acc_S, rP, scale1)
+        self._store_P(st_P, rP, sP0)
+        cute.arch.barrier_arrive(barrier_id=NB_P0, number_of_threads=256)
+
+        self._scale_O(acc_O, scale1)
+        for h in cutlass.range_constexpr(2):
+            row_sum[h] = row_sum[h] * scale1[h]
+        if has1:
+            if blk0 + 1 == nb_req - 1:
+                if tail != 0:
+                    self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
+            cute.arch.barrier(barrier_id=NB_P1_ISSUED, number_of_threads=256)
+            self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0])
+        if has2:
+            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3, 4, 5, 6, 7, 8))
+        if has3:
+            warpgroup.wait_group(1)  # P1 @ V1L done; the QK^T may still run
+            if wtid < 32:
+                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 3, 1, 0, 4)
+        warpgroup.wait_group(0)
+
+    @cute.jit
+    def _wg1_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
+                  tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sP1, sM, sScale0, sScale1,
+                  k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0, c0, wtid,
+                  scale_log2):
+        blk0 = lo + 2 * i
+        has1 = 2 * i + 1 < n
+        has2 = 2 * i + 2 < n
+        has3 = 2 * i + 3 < n
+        tail = L % PAGE
+        cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
+        if has1:
+            self._mask(acc_S, blk0 + 1, border, min_border, c0)
+        else:
+            acc_S.fill(-Float32.inf)
+        m_new, m_use, scale1 = self._softmax_stats(acc_S, sM, r0, scale_log2)
+        scale0 = [sScale0[r0], sScale0[r0 + 8]]
+        cute.arch.sync_warp()
+        if wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                sM[r0 + 8 * h] = m_new[h]
+                sScale1[r0 + 8 * h] = scale1[h]
+        both = [scale0[0] * scale1[0], scale0[1] * scale1[1]]
+        self._scale_O(acc_O, both)
+        self._exp_rows(acc_S, m_use, scale_log2, row_sum, both)
+        cute.arch.barrier_arrive(barrier_id=NB_SCALE1, number_of_threads=256)
+
+        if has1:
+            one = [Float32(1.0), Float32(1.0)]
+            self._to_P(acc_S, rP, one)
+            self._store_P(st_P, rP, sP1)
+            if blk0 + 1 == nb_req - 1:
+                if tail != 0:
+                    self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
+            self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1])
+        cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
+        if blk0 == nb_req - 1:
+            if tail != 0:
+                self._zero_v_tail(k_base, 0, 1, tail, wtid, NB_WG1)
+        self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1])
+        if has1:
+            cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
+        if has3:
+            warpgroup.wait_group(1)  # P1 @ V1R done
+            if wtid < 32:
+                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 3, 1, 4, 9)
+        warpgroup.wait_group(0)
+        if has2:
+            if wtid < 32:
+                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 2, 0, 4, 9)
+        if has3:
+            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
+            warpgroup.wait_group(0)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _epilogue(self, acc_O, row_sum, sM, sL, mO, mLSE, mOacc, mLSEacc, mNumSplits, r, m_block,
+                  split_idx, pieces, wg, wtid, r0, c0):
+        for h in cutlass.range_constexpr(2):
+            s = row_sum[h]
+            s += cute.arch.shuffle_sync_bfly(s, offset=1)
+            s += cute.arch.shuffle_sync_bfly(s, offset=2)
+            row_sum[h] = s
+        if wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
+        cute.arch.sync_threads()
+        total = [sL[r0] + sL[BLOCK_M + r0], sL[r0 + 8] + sL[BLOCK_M + r0 + 8]]
+        # A row that saw no key has sum 0: output 0 (and lse +inf below).
+        inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
+               Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
+        col_base = wg * HALF_V + c0
+        is_split = pieces > 1
+        slot = mNumSplits[r] + split_idx
+        for h in cutlass.range_constexpr(2):
+            row = m_block * BLOCK_M + r0 + 8 * h
+            if row < self.d_rows:
+                if is_split:
+                    for j in cutlass.range_constexpr(HALF_V // 8):
+                        for c in cutlass.range_constexpr(2):
+                            mOacc[slot, row, col_base + 8 * j + c] = (
+                                acc_O[c + 2 * h + 4 * j] * inv[h]
+                            )
+                else:
+                    for j in cutlass.range_constexpr(HALF_V // 8):
+                        for c in cutlass.range_constexpr(2):
+                            mO[r, row, col_base + 8 * j + c] = (
+                                acc_O[c + 2 * h + 4 * j] * inv[h]
+                            ).to(self.dtype)
+                if wg == 0 and wtid % 4 == 0:
+                    m = sM[r0 + 8 * h]
+                    if is_split:
+                        lse2 = -Float32.inf
+                        if total[h] > 0.0:
+                            lse2 = cute.math.log2(total[h], fastmath=False) + m
+                        mLSEacc[slot, row] = lse2
+                    else:
+                        lse = Float32.inf
+                        if total[h] > 0.0:
+                            lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
+                        mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
