@@ -1,0 +1,29 @@
+"""nn.Modules on top of the torch_mla ops, and their cache.
+
+    MultiheadLatentAttention   DeepSeek-V2/V3 attention (transformers' parameter names): prefill
+                               unabsorbed, decode absorbed over the paged latent cache
+    MLACache                   the paged latent cache: static buffers, device-side lengths, a
+                               transformers Cache that ``generate`` accepts
+    swap_mla_attention         replaces every DeepSeek attention of a loaded model, in place
+    generate_kwargs            the keyword under which this transformers version takes a cache
+
+transformers is optional (extra ``hf``): without it the module and the cache still work, the cache
+is just not a transformers ``Cache``.
+"""
+
+from .attention import MultiheadLatentAttention, RMSNorm
+from .cache import MLACache
+from .swap import swap_mla_attention
+
+
+def generate_kwargs(model, cache) -> dict:
+    """``{"cache": cache}`` or ``{"past_key_values": cache}``, whichever this transformers'
+    ``generate`` takes (``cache`` from 5.24 on; the old name is deprecated there)."""
+    import inspect
+
+    params = inspect.signature(model.forward).parameters
+    return {"cache": cache} if "cache" in params else {"past_key_values": cache}
+
+
+__all__ = ["MLACache", "MultiheadLatentAttention", "RMSNorm", "generate_kwargs",
+           "swap_mla_attention"]

@@ -1,0 +1,349 @@
+"""MultiheadLatentAttention and MLACache against transformers' DeepSeek-V2/V3, in fp32 on the CPU.
+
+Small random-weight models built from configs: DeepSeek-V3 (interleaved RoPE, with and without
+YaRN; one variant with half-split RoPE and eager attention), DeepSeek-V2 (q_lora_rank None). The
+swapped model's logits must match the original's at the prefill and at every decode step, with
+requests of different lengths (left padding) and a shuffled block table, and greedy generate
+must give the same tokens. Unwritten cache slots are NaN, so reading one shows.
+"""
+
+import copy
+import subprocess
+import sys
+
+import expecttest
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("transformers")
+
+from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config  # noqa: E402
+
+from torch_mla.modules import (  # noqa: E402
+    MLACache,
+    MultiheadLatentAttention,
+    generate_kwargs,
+    swap_mla_attention,
+)
+from torch_mla.modules.rope import (  # noqa: E402
+    MLARotaryEmbedding,
+    apply_rope,
+    half_angles,
+    rope_parameters,
+    softmax_scale,
+)
+
+# fp32 end to end: absorbed vs expanded attention differ only by summation order.
+ATOL, RTOL = 2e-5, 2e-5
+VOCAB = 256
+
+COMMON = dict(
+    vocab_size=VOCAB, hidden_size=96, intermediate_size=128, moe_intermediate_size=32,
+    num_hidden_layers=2, num_attention_heads=6, num_key_value_heads=6, n_routed_experts=4,
+    n_shared_experts=1, num_experts_per_tok=2, kv_lora_rank=48, qk_rope_head_dim=16,
+    qk_nope_head_dim=32, v_head_dim=24, pad_token_id=0, bos_token_id=1, eos_token_id=VOCAB + 1,
+    max_position_embeddings=256,
+    # Larger than the default 0.02 so that attention is far from uniform and RoPE matters.
+    initializer_range=0.15,
+)
+YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=8.0, original_max_position_embeddings=32,
+            beta_fast=32, beta_slow=1, mscale=1.0, mscale_all_dim=1.0)
+KINDS = ["v3", "v3_yarn", "v3_halves_eager", "v2"]
+
+
+def make_config(kind):
+    if kind == "v2":
+        return DeepseekV2Config(**COMMON, q_lora_rank=None, first_k_dense_replace=2)
+    cfg = dict(COMMON, q_lora_rank=40, n_group=2, topk_group=1, first_k_dense_replace=1)
+    if kind == "v3_yarn":
+        cfg.update(rope_parameters=YARN, first_k_dense_replace=2)
+    if kind == "v3_halves_eager":
+        cfg.update(rope_interleave=False, first_k_dense_replace=2)
+    config = DeepseekV3Config(**cfg)
+    if kind == "v3_halves_eager":
+        config._attn_implementation = "eager"
+    return config
+
+
+def hf_model(kind):
+    return AutoModelForCausalLM.from_config(make_config(kind)).eval()
+
+
+def swapped(hf):
+    return swap_mla_attention(copy.deepcopy(hf))
+
+
+def poisoned_cache(model, max_batch, max_len):
+    """A cache over a shuffled page order whose every slot holds NaN until written."""
+    max_blocks = -(-max_len // 64)
+    table = torch.randperm(max_batch * max_blocks + 3)[: max_batch * max_blocks]
+    cache = MLACache.for_model(model, max_batch, max_len,
+                               block_table=table.view(max_batch, max_blocks).int(),
+                               num_blocks=max_batch * max_blocks + 3)
+    for kv in cache.kv_caches:
+        kv.fill_(float("nan"))
+    return cache
+
+
+def returned_cache(out):
+    return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+def left_padded_prompts(b, s, pads):
+    ids = torch.randint(2, VOCAB, (b, s))
+    mask = torch.ones(b, s, dtype=torch.long)
+    for r, p in enumerate(pads):
+        mask[r, :p] = 0
+    return ids.masked_fill(mask == 0, 0), mask
+
+
+# --- RoPE ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["v3", "v3_yarn", "v2"])
+def test_rope_and_softmax_scale_match_transformers(kind):
+    hf = hf_model(kind)
+    attn, config = hf.model.layers[0].self_attn, hf.config
+    assert softmax_scale(config) == pytest.approx(attn.scaling, rel=1e-12)
+    pos = torch.randint(0, config.max_position_embeddings, (3, 7))
+    x = torch.zeros(3, 7, config.hidden_size)
+    hf_pe = hf.model.rotary_emb(x, pos)
+    cos, sin = half_angles(hf_pe, config.qk_rope_head_dim)
+    own_cos, own_sin = MLARotaryEmbedding(config.qk_rope_head_dim, rope_parameters(config),
+                                          config.max_position_embeddings)(pos)
+    torch.testing.assert_close(own_cos, cos.float(), atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(own_sin, sin.float(), atol=1e-6, rtol=1e-6)
+
+    # The rotation itself, against transformers' functions on [b, heads, s, d] tensors.
+    mod = sys.modules[type(attn).__module__]
+    q = torch.randn(3, 4, 7, config.qk_rope_head_dim)
+    k = torch.randn(3, 1, 7, config.qk_rope_head_dim)
+    ours_q = apply_rope(q, cos[:, None], sin[:, None], interleave=True)
+    ours_k = apply_rope(k, cos[:, None], sin[:, None], interleave=True)
+    if kind == "v2":
+        ref_q, ref_k = mod.apply_rotary_emb(q, k, hf_pe)
+        # V2 keeps the pairs interleaved; this module writes them as [a | b] (same dot products).
+        ref_q = torch.cat([ref_q[..., 0::2], ref_q[..., 1::2]], -1)
+        ref_k = torch.cat([ref_k[..., 0::2], ref_k[..., 1::2]], -1)
+    else:
+        ref_q, ref_k = mod.apply_rotary_pos_emb_interleave(q, k, *hf_pe)
+        halves_q, halves_k = mod.apply_rotary_pos_emb(q, k, *hf_pe)
+        torch.testing.assert_close(apply_rope(q, cos[:, None], sin[:, None], False), halves_q)
+        torch.testing.assert_close(apply_rope(k, cos[:, None], sin[:, None], False), halves_k)
+    torch.testing.assert_close(ours_q, ref_q)
+    torch.testing.assert_close(ours_k, ref_k)
+
+
+# --- the module on its own ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", ["v3", "v2"])
+def test_module_loads_state_dict_and_matches_attention(kind):
+    hf = hf_model(kind)
+    attn, config = hf.model.layers[1].self_attn, hf.config
+    ours = MultiheadLatentAttention(config, layer_idx=1)
+    ref_sd, our_sd = attn.state_dict(), ours.state_dict()
+    assert {k: v.shape for k, v in our_sd.items()} == {k: v.shape for k, v in ref_sd.items()}
+    ours.load_state_dict(ref_sd, strict=True)
+
+    x = torch.randn(2, 9, config.hidden_size)
+    pos = torch.arange(9).expand(2, -1)
+    pe = hf.model.rotary_emb(x, pos)
+    causal = torch.ones(9, 9, dtype=torch.bool).tril()[None, None].expand(2, 1, 9, 9)
+    ref, _ = attn(hidden_states=x, position_embeddings=pe, attention_mask=causal)
+    out, weights = ours(hidden_states=x, position_embeddings=pe, attention_mask=causal)
+    assert weights is None
+    torch.testing.assert_close(out, ref, atol=ATOL, rtol=RTOL)
+    # Without the model's angles: its own RoPE from position_ids, and causality from no mask.
+    out_own, _ = ours(x, position_ids=pos)
+    torch.testing.assert_close(out_own, ref, atol=ATOL, rtol=RTOL)
+
+
+# --- swapped model vs transformers --------------------------------------------------------------
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_logits_match_transformers_prefill_and_every_decode_step(kind):
+    hf = hf_model(kind)
+    ours = swapped(hf)
+    b, s = 3, 21
+    ids, mask = left_padded_prompts(b, s, pads=(0, 5, 13))
+    cache = poisoned_cache(ours, max_batch=4, max_len=s + 40)  # batch below the cache's maximum
+    with torch.no_grad():
+        ref = hf(ids, attention_mask=mask, use_cache=True)
+        out = ours(ids, attention_mask=mask, use_cache=True, **generate_kwargs(ours, cache))
+        real = mask.bool()
+        torch.testing.assert_close(out.logits[real], ref.logits[real], atol=ATOL, rtol=RTOL)
+        # Padding never reaches the cache: each request holds its real tokens only.
+        assert cache.cache_seqlens.tolist() == [21, 16, 8, 0]
+        hf_cache = returned_cache(ref)
+        lens = mask.sum(1)
+        # Decode steps of 1 token, then 3 at once (causal among themselves), then 1.
+        for n_new in (1, 1, 3, 1, 2):
+            new = torch.randint(2, VOCAB, (b, n_new))
+            mask = torch.cat([mask, torch.ones(b, n_new, dtype=torch.long)], 1)
+            pos = lens[:, None] + torch.arange(n_new)
+            assert torch.equal(cache.position_ids(b, n_new), pos)
+            r = hf(new, attention_mask=mask, position_ids=pos, use_cache=True,
+                   **generate_kwargs(hf, hf_cache))
+            o = ours(new, attention_mask=mask, position_ids=pos, use_cache=True,
+                     **generate_kwargs(ours, cache))
+            torch.testing.assert_close(o.logits, r.logits, atol=ATOL, rtol=RTOL)
+            lens = lens + n_new
+            assert cache.cache_seqlens[:b].tolist() == lens.tolist()
+        if kind == "v3":
+            # The comparison has teeth: one position off changes the logits far past tolerance.
+            o = ours(new[:, :1], position_ids=cache.position_ids(b, 1) + 1, use_cache=True,
+                     **generate_kwargs(ours, copy.deepcopy(cache)))
+            r = hf(new[:, :1], position_ids=cache.position_ids(b, 1),
+                   attention_mask=torch.cat([mask, torch.ones(b, 1, dtype=torch.long)], 1),
+                   use_cache=True, **generate_kwargs(hf, hf_cache))
+            assert (o.logits - r.logits).abs().max() > 100 * ATOL
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_greedy_generate_matches_transformers(kind):
+    hf = hf_model(kind)
+    ours = swapped(hf)
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    cache = poisoned_cache(ours, max_batch=3, max_len=12 + 16)
+    with torch.no_grad():
+        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
+        out = ours.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
+                            **generate_kwargs(ours, cache))
+    assert ref.shape == (3, 28)
+    assert torch.equal(out, ref)
+    assert len(set(ref[:, 12:].flatten().tolist())) > 8  # not a degenerate repetition
+    # The last generated token is not fed back: 15 decode steps after the prompts.
+    assert cache.cache_seqlens.tolist() == [12 + 15, 9 + 15, 4 + 15]
+
+
+def test_generate_without_padding_and_cache_reuse_after_reset():
+    hf = hf_model("v3")
+    ours = swapped(hf)
+    ids = torch.randint(2, VOCAB, (2, 10))
+    cache = MLACache.for_model(ours, 2, 26)
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=16, do_sample=False)
+        for _ in range(2):
+            cache.reset()
+            out = ours.generate(ids, max_new_tokens=16, do_sample=False,
+                                **generate_kwargs(ours, cache))
+            assert torch.equal(out, ref)
+
+
+def test_other_transformers_cache_falls_back_to_unabsorbed_attention():
+    hf = hf_model("v3")
+    ours = swapped(hf)
+    ids = torch.randint(2, VOCAB, (2, 10))
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=6, do_sample=False)
+        with pytest.warns(UserWarning, match="Pass a torch_mla.modules.MLACache"):
+            import torch_mla.modules.attention as attention_module
+
+            attention_module._warned_foreign_cache = False
+            out = ours.generate(ids, max_new_tokens=6, do_sample=False)  # a DynamicCache
+    assert torch.equal(out, ref)
+
+
+def test_cache_bytes_per_token():
+    hf = hf_model("v3")
+    ours = swapped(hf)
+    cache = MLACache.for_model(ours, 2, 100)
+    # One latent row per token per layer: kv_lora_rank + qk_rope_head_dim fp32 values.
+    assert cache.kv_bytes_per_token_per_layer == (48 + 16) * 4
+    assert cache.kv_bytes_per_token == (48 + 16) * 4 * 2
+    assert cache.nbytes == 2 * (2 * 2 * 64) * (48 + 16) * 4  # 2 layers x 2 requests x 2 pages
+    # transformers (>= 5.15) also caches the latent, so the bytes per token are the same; what
+    # the swap saves is the per-head K/V it expands at every step (h x (qk + v) per token).
+    ids = torch.randint(2, VOCAB, (2, 10))
+    with torch.no_grad():
+        hf_cache = returned_cache(hf(ids, use_cache=True))
+    hf_bytes = sum(t.numel() * t.element_size() for layer in hf_cache.layers
+                   for t in (layer.keys, layer.values))
+    assert hf_bytes / (2 * 10) == cache.kv_bytes_per_token
+    bf16 = MLACache(hf.config, 1, 64, dtype=torch.bfloat16)
+    assert bf16.kv_bytes_per_token_per_layer == (48 + 16) * 2
+
+
+def test_swap_shares_weights_and_keeps_state_dict_keys():
+    hf = hf_model("v3")
+    before = {k: v.data_ptr() for k, v in hf.state_dict().items()}
+    out = swap_mla_attention(hf)
+    assert out is hf
+    assert all(isinstance(layer.self_attn, MultiheadLatentAttention) for layer in hf.model.layers)
+    assert {k: v.data_ptr() for k, v in hf.state_dict().items()} == before
+    assert swap_mla_attention(hf) is hf  # already swapped: nothing to do
+
+
+class TestRefusals(expecttest.TestCase):
+    def test_not_a_deepseek_model(self):
+        with self.assertRaises(ValueError) as e:
+            swap_mla_attention(nn.Sequential(nn.Linear(4, 4)))
+        self.assertExpectedInline(str(e.exception), """Sequential has no DeepseekV3Attention or DeepseekV2Attention module to swap; swap_mla_attention is for transformers' DeepSeek-V2/V3 models""")
+
+    def test_unknown_mla_variant(self):
+        class OtherMLAAttention(nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.kv_a_proj_with_mqa = nn.Linear(4, 4)
+                self.kv_b_proj = nn.Linear(4, 4)
+
+        with self.assertRaises(NotImplementedError) as e:
+            swap_mla_attention(nn.ModuleDict({"attn": OtherMLAAttention()}))
+        self.assertExpectedInline(str(e.exception), """attn is a OtherMLAAttention, an MLA attention swap_mla_attention does not know (supported: DeepseekV3Attention, DeepseekV2Attention); its forward may differ, so it is left alone and nothing was swapped""")
+
+    def test_quantized_projection(self):
+        hf = hf_model("v3")
+        hf.model.layers[1].self_attn.kv_b_proj.weight.data = \
+            hf.model.layers[1].self_attn.kv_b_proj.weight.data.to(torch.float8_e4m3fn)
+        with self.assertRaises(NotImplementedError) as e:
+            swap_mla_attention(hf)
+        self.assertExpectedInline(str(e.exception), """model.layers.1.self_attn.kv_b_proj is a Linear with torch.float8_e4m3fn weights; swap_mla_attention needs plain nn.Linear layers in fp32/bf16/fp16 (the decode path multiplies kv_b_proj.weight into the query and the output). Load or dequantize the model in bf16 first""")
+        assert not any(isinstance(m, MultiheadLatentAttention) for m in hf.modules())
+
+    def test_flex_attention(self):
+        hf = hf_model("v3")
+        hf.config._attn_implementation = "flex_attention"
+        with self.assertRaises(NotImplementedError) as e:
+            swap_mla_attention(hf)
+        self.assertExpectedInline(str(e.exception), """the model uses attn_implementation='flex_attention', whose masks MultiheadLatentAttention cannot read; load it with attn_implementation='sdpa' or 'eager'""")
+
+    def test_cache_given_to_unswapped_model(self):
+        hf = hf_model("v3")
+        cache = MLACache.for_model(hf, 1, 64)
+        with self.assertRaises(TypeError) as e, torch.no_grad():
+            hf(torch.randint(2, VOCAB, (1, 4)), use_cache=True, **generate_kwargs(hf, cache))
+        self.assertExpectedInline(str(e.exception), """MLACache stores latents for torch_mla.modules.MultiheadLatentAttention; this model still has transformers' attention. Call torch_mla.modules.swap_mla_attention(model) first""")
+
+    def test_batch_larger_than_cache(self):
+        ours = swapped(hf_model("v3"))
+        cache = MLACache.for_model(ours, 2, 64)
+        with self.assertRaises(ValueError) as e, torch.no_grad():
+            ours(torch.randint(2, VOCAB, (3, 4)), **generate_kwargs(ours, cache))
+        self.assertExpectedInline(str(e.exception), """batch of 3 requests, but the cache was built for max_batch_size=2""")
+
+    def test_cache_full(self):
+        ours = swapped(hf_model("v3"))
+        cache = MLACache.for_model(ours, 1, 6)
+        with torch.no_grad():
+            ours(torch.randint(2, VOCAB, (1, 4)), **generate_kwargs(ours, cache))
+            ours(torch.randint(2, VOCAB, (1, 2)), **generate_kwargs(ours, cache))
+            with self.assertRaises(ValueError) as e:
+                ours(torch.randint(2, VOCAB, (1, 1)), **generate_kwargs(ours, cache))
+        self.assertExpectedInline(str(e.exception), """MLACache is full: 7 positions (padding included) would exceed max_cache_len=6; build a larger cache""")
+        assert cache.cache_seqlens.tolist() == [6]
+
+    def test_beam_search(self):
+        ours = swapped(hf_model("v3"))
+        cache = MLACache.for_model(ours, 4, 64)
+        with self.assertRaises(NotImplementedError) as e, torch.no_grad():
+            ours.generate(torch.randint(2, VOCAB, (2, 4)), num_beams=2, max_new_tokens=3,
+                          do_sample=False, **generate_kwargs(ours, cache))
+        assert "MLACache does not support" in str(e.exception)
+
+
+def test_import_torch_mla_does_not_import_transformers():
+    code = "import sys, torch_mla; assert 'transformers' not in sys.modules, 'imported'"
+    subprocess.run([sys.executable, "-c", code], check=True)

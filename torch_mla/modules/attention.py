@@ -1,0 +1,269 @@
+"""``MultiheadLatentAttention``: DeepSeek-V2/V3's attention on torch_mla's paged latent cache.
+
+Parameters and names are transformers' ``DeepseekV3Attention`` / ``DeepseekV2Attention`` ones, so
+a state dict loads unchanged, and the forward takes and returns what theirs does.
+
+Per head h, with the normalised latent c (kv_lora_rank wide) and the up-projection
+``kv_b_proj.weight`` viewed as [H, qk_nope + v, kv_lora_rank] = [W_UK_h; W_UV_h]:
+
+    k_nope_h = W_UK_h c,   v_h = W_UV_h c
+    q_h . k_h = (W_UK_h^T q_nope_h) . c + q_pe_h . k_pe      (absorb W_UK into the query)
+    sum_j p_j v_h,j = W_UV_h (sum_j p_j c_j)                  (absorb W_UV into the output)
+
+so a decode step attends every query head directly to the cached ``[c | k_pe]`` rows
+(:func:`torch_mla.mla_decode` with ``d_v = kv_lora_rank``) and never materialises per-head keys or
+values. The prefill (the first forward on an empty :class:`MLACache`, or any forward without one)
+expands the latents of its own tokens instead, exactly as transformers does, and writes the
+latents into the cache. The softmax scale is the model's (with YaRN's mscale ** 2).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..ops import mla_decode
+from .cache import LatentStep, MLACache
+from .rope import MLARotaryEmbedding, apply_rope, half_angles, rope_parameters, softmax_scale
+
+_warned_foreign_cache = False
+
+
+class RMSNorm(nn.Module):
+    """DeepSeek's RMSNorm (normalises in float32, scales in the input dtype); [..., d] -> same."""
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(hidden_size))
+        self.variance_epsilon = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        xf = x.float()
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        return self.weight * xf.to(dtype)
+
+
+def key_padding(attention_mask: Any, num_keys: int) -> torch.Tensor | None:
+    """bool [b, num_keys], False for keys no query may see (padding), from a transformers
+    attention mask over a prompt; None when the mask shows no padding.
+
+    Accepts a 2D padding mask [b, >= num_keys] (1 = token), a 4D bool mask [b, 1, q, >= num_keys]
+    (True = attend) or a 4D additive float mask (0 = attend, very negative = masked).
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -num_keys:].bool()
+    m = attention_mask[:, 0, :, :num_keys]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    return m.any(dim=1)  # a real key is seen at least by itself
+
+
+def _attention_mask(attention_mask: Any, q_len: int, k_len: int, batch: int,
+                    device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+    """The mask for SDPA over ``k_len`` keys whose last ``q_len`` are the queries: transformers'
+    4D mask sliced to the keys, a 2D padding mask combined with causality, or plain causality
+    (bottom-right aligned) when there is none."""
+    if attention_mask is not None and attention_mask.dim() == 4:
+        m = attention_mask[..., :k_len]
+        return m if m.dtype == torch.bool else m.to(dtype)
+    if q_len == 1 and attention_mask is None:
+        return None
+    qi = torch.arange(q_len, device=device)[:, None]
+    kj = torch.arange(k_len, device=device)[None, :]
+    causal = kj <= qi + (k_len - q_len)  # (q_len, k_len)
+    if attention_mask is None:
+        return causal
+    return causal[None, None] & attention_mask[:, None, None, -k_len:].bool()
+
+
+class MultiheadLatentAttention(nn.Module):
+    """DeepSeek-V2/V3 multi-head latent attention on torch_mla's ops.
+
+    Args:
+        config: a DeepseekV3Config / DeepseekV2Config (or any object with the same fields:
+            hidden_size, num_attention_heads, q_lora_rank (None: one q_proj), kv_lora_rank,
+            qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias, rope_parameters,
+            rope_interleave, max_position_embeddings, attention_dropout).
+        layer_idx: the layer's index in the model (its slot in the cache).
+
+    Shapes: ``hidden_states`` [b, s, hidden_size] -> ``(out [b, s, hidden_size], None)``.
+    """
+
+    def __init__(self, config: Any, layer_idx: int | None = None):
+        super().__init__()
+        self._setup(config, layer_idx)
+        H, dqk, R = self.num_heads, self.qk_head_dim, self.kv_lora_rank
+        bias = bool(getattr(config, "attention_bias", False))
+        if self.q_lora_rank is None:
+            self.q_proj = nn.Linear(self.hidden_size, H * dqk, bias=False)
+            self.q_a_proj = self.q_a_layernorm = self.q_b_proj = None
+        else:
+            self.q_proj = None
+            self.q_a_proj = nn.Linear(self.hidden_size, self.q_lora_rank, bias=bias)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank)
+            self.q_b_proj = nn.Linear(self.q_lora_rank, H * dqk, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(self.hidden_size, R + self.qk_rope_head_dim, bias=bias)
+        self.kv_a_layernorm = RMSNorm(R)
+        self.kv_b_proj = nn.Linear(R, H * (self.qk_nope_head_dim + self.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(H * self.v_head_dim, self.hidden_size, bias=bias)
+
+    def _setup(self, config: Any, layer_idx: int | None) -> None:
+        self.config = config
+        self.layer_idx = layer_idx
+        self.hidden_size = config.hidden_size
+        self.num_heads = config.num_attention_heads
+        self.q_lora_rank = config.q_lora_rank
+        self.kv_lora_rank = config.kv_lora_rank
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
+        self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self.is_causal = True
+        # DeepSeek-V2 always pairs dimensions interleaved; V3 does when rope_interleave is set.
+        self.rope_interleave = (getattr(config, "model_type", "") == "deepseek_v2"
+                                or bool(getattr(config, "rope_interleave", True)))
+        self.scaling = softmax_scale(config)
+        try:
+            self.rotary = MLARotaryEmbedding(self.qk_rope_head_dim, rope_parameters(config),
+                                             config.max_position_embeddings)
+        except NotImplementedError:
+            self.rotary = None  # fine inside a transformers model, which passes the angles in
+
+    @classmethod
+    def from_hf(cls, attn: nn.Module) -> MultiheadLatentAttention:
+        """The module for a transformers DeepseekV3Attention/DeepseekV2Attention, sharing (not
+        copying) its projections and norms."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self._setup(attn.config, attn.layer_idx)
+        self.scaling = float(attn.scaling)
+        for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
+                     "kv_a_layernorm", "kv_b_proj", "o_proj"):
+            setattr(self, name, getattr(attn, name, None))
+        self.train(attn.training)
+        return self
+
+    def extra_repr(self) -> str:
+        return (f"heads={self.num_heads}, q_lora_rank={self.q_lora_rank}, "
+                f"kv_lora_rank={self.kv_lora_rank}, qk_nope={self.qk_nope_head_dim}, "
+                f"qk_rope={self.qk_rope_head_dim}, v={self.v_head_dim}, "
+                f"interleave={self.rope_interleave}, scale={self.scaling:.6g}")
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        position_embeddings: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        past_key_values: Any = None,
+        cache: Any = None,
+        position_ids: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> tuple[torch.Tensor, None]:
+        """Attention of ``hidden_states`` [b, s, hidden_size] over the cache and themselves.
+
+        Args:
+            hidden_states: [b, s, hidden_size].
+            position_embeddings: what the transformers model passes: ``(cos, sin)`` [b, s, d_rope]
+                (V3) or complex ``freqs_cis`` [b, s, d_rope / 2] (V2). If None, the angles are
+                computed from ``position_ids`` (int [b, s]) with the config's RoPE.
+            attention_mask: transformers' mask (4D bool or additive, 2D padding, or None for
+                causal); read at prefill only: decode steps attend to every cached token of
+                the request, and new tokens causally among themselves.
+            past_key_values / cache: an :class:`MLACache` (the torch_mla path), None (attention
+                over these tokens alone) or another transformers Cache (latents stored there,
+                attention computed unabsorbed, as transformers does).
+
+        Returns:
+            ``(out [b, s, hidden_size], None)``: no attention weights.
+        """
+        cache = cache if cache is not None else past_key_values
+        b, s, _ = hidden_states.shape
+        H, dn, dr, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, \
+            self.kv_lora_rank
+        if self.q_proj is not None:
+            q = self.q_proj(hidden_states)
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+        q_nope, q_pe = q.view(b, s, H, dn + dr).split([dn, dr], dim=-1)
+        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([R, dr], dim=-1)
+        kv_c = self.kv_a_layernorm(kv_c)  # [b, s, R]
+        cos, sin = self._angles(position_embeddings, position_ids)  # [b, s, dr / 2]
+        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], self.rope_interleave)
+        k_pe = apply_rope(k_pe, cos, sin, self.rope_interleave)  # [b, s, dr]
+
+        if isinstance(cache, MLACache):
+            prefill = cache.begin_layer(self.layer_idx, b, s)
+            key_valid = key_padding(attention_mask, s) if prefill else None
+            step = cache.append_latents(self.layer_idx, kv_c, k_pe, H, key_valid)
+            if prefill:
+                out = self._attend_expanded(q_nope, q_pe, kv_c, k_pe, attention_mask)
+            else:
+                out = self._attend_absorbed(q_nope, q_pe, step)
+        elif cache is None:
+            out = self._attend_expanded(q_nope, q_pe, kv_c, k_pe, attention_mask)
+        else:
+            _warn_foreign_cache(cache)
+            kv_all, pe_all = cache.update(kv_c.view(b, 1, s, R), k_pe.view(b, 1, s, dr),
+                                          self.layer_idx)
+            out = self._attend_expanded(q_nope, q_pe, kv_all[:, 0], pe_all[:, 0], attention_mask)
+        return self.o_proj(out.reshape(b, s, H * self.v_head_dim)), None
+
+    def _angles(self, position_embeddings, position_ids):
+        if position_embeddings is not None:
+            return half_angles(position_embeddings, self.qk_rope_head_dim)
+        if position_ids is None:
+            raise ValueError("MultiheadLatentAttention needs position_embeddings (as transformers "
+                             "models pass them) or position_ids [b, s]")
+        if self.rotary is None:
+            raise NotImplementedError(
+                f"rope_type {rope_parameters(self.config)['rope_type']!r} is computed only by "
+                "transformers: pass the model's position_embeddings")
+        return self.rotary(position_ids)
+
+    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, attention_mask) -> torch.Tensor:
+        """Unabsorbed attention of [b, s, H, *] queries over ``kv_c`` [b, S, R] / ``k_pe``
+        [b, S, dr] (the last s of which are the queries' own tokens) -> [b, s, H, v_head_dim]."""
+        b, s, H, _ = q_nope.shape
+        S = kv_c.shape[1]
+        dn, dv = self.qk_nope_head_dim, self.v_head_dim
+        kv = self.kv_b_proj(kv_c.to(self.kv_b_proj.weight.dtype)).view(b, S, H, dn + dv)
+        k_nope, v = kv.split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, :, None].to(k_nope.dtype).expand(b, S, H, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)
+        mask = _attention_mask(attention_mask, s, S, b, q.device, q.dtype)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
+            dropout_p=self.attention_dropout if self.training else 0.0, scale=self.scaling)
+        return out.transpose(1, 2)
+
+    def _attend_absorbed(self, q_nope, q_pe, step: LatentStep) -> torch.Tensor:
+        """Decode: W_UK into the query, torch_mla.mla_decode over the latent cache, W_UV into the
+        output. [b, s, H, *] -> [b, s, H, v_head_dim]."""
+        H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
+        w = self.kv_b_proj.weight.view(H, dn + dv, R)
+        w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
+        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.kv_cache.dtype)
+        out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
+                                step.schedule, softmax_scale=self.scaling, causal=True, d_v=R)
+        return torch.einsum("bshr,hvr->bshv", out_lat.to(w.dtype), w_uv)
+
+
+def _warn_foreign_cache(cache) -> None:
+    global _warned_foreign_cache
+    if not _warned_foreign_cache and not torch.compiler.is_compiling():
+        _warned_foreign_cache = True
+        import warnings
+
+        warnings.warn(
+            f"MultiheadLatentAttention got a {type(cache).__name__}: attention runs unabsorbed, "
+            "as in transformers. Pass a torch_mla.modules.MLACache for the torch_mla decode path",
+            stacklevel=3,
+        )
