@@ -41,8 +41,10 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
     decode, combine = _compiled_sm90(q.dtype, bool(causal) and s_q > 1)
     rows = s_q * h_q
     q3 = q.reshape(b, rows, D_QK)
-    if not q3.is_contiguous():
-        q3 = q3.contiguous()
+    if not q3.is_contiguous() or q3.data_ptr() % 16:  # TMA needs 16-byte aligned rows
+        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()
+    if kv_cache.data_ptr() % 16:
+        raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernel (TMA)")
     kv3 = kv_cache.view(kv_cache.shape[0], PAGE_SIZE, D_QK)
     out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
