@@ -66,6 +66,31 @@ def graph_time_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
 
 
+def breakdown_us(inp, sched, causal):
+    """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
+    import math
+
+    from torch_mla.ops import dispatch
+
+    q = inp.q
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    decode, combine = dispatch._compiled_sm90(q.dtype, causal and s_q > 1)
+    q3 = q.reshape(b, rows, 576)
+    kv3 = inp.kv_cache.view(-1, 64, 576)
+    out3 = torch.empty(b, rows, 512, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    slots = b + sched.metadata.shape[0]
+    oacc = torch.empty(slots, rows, 512, dtype=torch.float32, device=q.device)
+    lseacc = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
+    scale = 576**-0.5 * math.log2(math.e)
+    t_dec = graph_time_us(lambda: decode(q3, kv3, inp.block_table, inp.cache_seqlens,
+                                         sched.metadata, sched.num_splits, out3, lse, oacc,
+                                         lseacc, scale))
+    t_comb = graph_time_us(lambda: combine(sched.num_splits, oacc, lseacc, out3, lse))
+    return t_dec, t_comb
+
+
 def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None):
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
@@ -94,6 +119,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only a few configurations")
     ap.add_argument("--no-check", action="store_true", help="skip the reference comparison")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time the split-KV kernel and the combine kernel on their own")
     args = ap.parse_args(argv)
     try:
         import flash_mla  # noqa: F401
@@ -113,6 +140,13 @@ def main(argv=None):
         print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "
               f"{tflops:.0f} | {gbps:.0f} | {100 * tflops / MATMUL_TFLOPS:.0f} | "
               f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {anchor / us:.2f} | {err:.1e} |")
+        if args.breakdown:
+            inp = make_anchor_inputs(b, s_q, h_q, s_k)
+            sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+            t_dec, t_comb = breakdown_us(inp, sched, causal)
+            pieces = int(sched.num_splits[-1])
+            print(f"|   | decode kernel {t_dec:.1f} us, combine kernel {t_comb:.1f} us, "
+                  f"{pieces} pieces for {b} requests, {sched.metadata.shape[0]} parts |")
         sys.stdout.flush()
 
 

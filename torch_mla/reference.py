@@ -95,10 +95,11 @@ def append_kv_reference(
     slot = slot_mapping.to(torch.int64)
     valid = slot >= 0
     any_valid = valid.any()
-    first = torch.argmax(valid.to(torch.int8))  # first valid row (0 if none)
-    dummy_slot = torch.where(any_valid, slot[first], 0)
+    # First valid row (0 if none); index_select keeps it on the device (no sync under capture).
+    first = torch.argmax(valid.to(torch.int8)).view(1)
+    dummy_slot = torch.where(any_valid, slot.index_select(0, first), 0)
     idx = torch.where(valid, slot, dummy_slot)
     # With no valid row at all, every write goes to slot 0 and rewrites what is there.
-    dummy_val = torch.where(any_valid, new[first], flat[0])
-    vals = torch.where(valid[:, None], new, dummy_val[None, :])
+    dummy_val = torch.where(any_valid, new.index_select(0, first), flat[:1])
+    vals = torch.where(valid[:, None], new, dummy_val)
     flat.index_put_((idx,), vals)

@@ -309,9 +309,9 @@ class MLADecodeSm90:
                 cute.arch.sync_threads()
                 if tidx < 32:
                     self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, lo, 0, 0, N_TILES)
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable[r, lo], 0, 0, N_TILES)
                     if n > 1:
-                        self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, lo + 1, 1, 0,
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable[r, lo + 1], 1, 0,
                                          N_TILES)
                 if tidx < BLOCK_M:
                     sM[tidx] = -Float32.inf
@@ -381,11 +381,9 @@ class MLADecodeSm90:
         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ)
 
     @cute.jit
-    def _load_tiles(self, tma_k, tKgK, tKsK, barK, mBlockTable, r: Int32, blk: Int32,
-                    s: cutlass.Constexpr[int], t_begin: cutlass.Constexpr[int],
-                    t_end: cutlass.Constexpr[int]):
-        """One warp: TMA tiles [t_begin, t_end) of page `blk` of request r into buffer s."""
-        page = mBlockTable[r, blk]
+    def _load_tiles(self, tma_k, tKgK, tKsK, barK, page: Int32, s: cutlass.Constexpr[int],
+                    t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
+        """One warp: TMA tiles [t_begin, t_end) of cache page `page` into buffer s."""
         for t in cutlass.range_constexpr(t_begin, t_end):
             bar = barK + s * N_TILES + t
             with cute.arch.elect_one():
@@ -523,6 +521,11 @@ class MLADecodeSm90:
         has1 = 2 * i + 1 < n
         has2 = 2 * i + 2 < n
         has3 = 2 * i + 3 < n
+        # Cache pages of the next pair, read now so the global-load latency hides behind the
+        # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
+        last = lo + n - 1
+        page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
+        page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
         cute.arch.sync_warp()
@@ -546,7 +549,7 @@ class MLADecodeSm90:
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
         if has2:
             if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 2, 0, 0, 4)
+                self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
         self._to_P(acc_S, rP, scale1)
         self._store_P(st_P, rP, sP0)
@@ -566,7 +569,7 @@ class MLADecodeSm90:
         if has3:
             warpgroup.wait_group(1)  # P1 @ V1L done; the QK^T may still run
             if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 3, 1, 0, 4)
+                self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
         warpgroup.wait_group(0)
 
     @cute.jit
@@ -578,6 +581,11 @@ class MLADecodeSm90:
         has1 = 2 * i + 1 < n
         has2 = 2 * i + 2 < n
         has3 = 2 * i + 3 < n
+        # Cache pages of the next pair, read now so the global-load latency hides behind the
+        # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
+        last = lo + n - 1
+        page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
+        page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
         tail = L % PAGE
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
         if has1:
@@ -614,11 +622,11 @@ class MLADecodeSm90:
         if has3:
             warpgroup.wait_group(1)  # P1 @ V1R done
             if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 3, 1, 4, 9)
+                self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         if has2:
             if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable, r, blk0 + 2, 0, 4, 9)
+                self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if has3:
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
             warpgroup.wait_group(0)
