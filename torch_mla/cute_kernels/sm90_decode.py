@@ -36,12 +36,15 @@ to 64). Compiled per (dtype, causal); batch, s_q, h_q and the cache size are run
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 D_QK = 576
 D_V = 512
@@ -59,6 +62,34 @@ NB_P0 = 3  # WG0 -> WG1: P0 (rescaled) is in smem
 NB_P1_ISSUED = 4  # WG1 -> WG0: P1 is in smem, and WG1 has issued its P0 @ V0R
 NB_WG0 = 5  # WG0 only
 NB_WG1 = 6  # WG1 only
+
+
+@dsl_user_op
+def _pin_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@cute.jit
+def fence_operand(t: cute.Tensor):
+    """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
+    values are computed before it and read after it. Without it the compiler sinks, e.g., the
+    bf16 conversion of P between the wgmma that read it, and ptxas then serializes every wgmma."""
+    if const_expr(t.element_type == Float32):
+        for i in cutlass.range_constexpr(cute.size(t)):
+            t[i] = _pin_f32(t[i])
+    else:
+        t32 = cute.recast_tensor(t, Int32)
+        for i in cutlass.range_constexpr(cute.size(t32)):
+            t32[i] = _pin_b32(t32[i])
 
 
 class MLADecodeSm90:
@@ -329,25 +360,51 @@ class MLADecodeSm90:
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
                     warpgroup.wait_group(0)
-                    for i in cutlass.range((n + 1) // 2, unroll=1):
-                        self._wg0_pair(
-                            i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
-                            tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP1s, st_P, sP0, sM, sScale0,
-                            sScale1, k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0,
-                            c0, wtid, scale_log2,
-                        )
+                    fence_operand(acc_S)
+                    wg0 = partial(
+                        self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
+                        min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
+                        tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8, tOrV=tOrV, tOrP1s=tOrP1s,
+                        st_P=st_P, sP0=sP0, sM=sM, sScale0=sScale0, sScale1=sScale1,
+                        k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
+                        tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
+                        scale_log2=scale_log2,
+                    )
+                    # Pairs whose both blocks and the next block exist, then the last pair.
+                    n_full = (n - 1) // 2
+                    for i in cutlass.range(n_full, unroll=1):
+                        wg0(i, has1=True, has2=True)
+                    if n % 2 == 0:
+                        wg0(n_full, has1=True, has2=False)
+                    else:
+                        wg0(n_full, has1=False, has2=False)
                 else:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
                         warpgroup.wait_group(0)
-                    for i in cutlass.range((n + 1) // 2, unroll=1):
-                        self._wg1_pair(
-                            i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
-                            tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sP1, sM, sScale0,
-                            sScale1, k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0,
-                            c0, wtid, scale_log2,
-                        )
+                        fence_operand(acc_S)
+                    wg1 = partial(
+                        self._wg1_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
+                        min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
+                        tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8, tOrV=tOrV, tOrP0s=tOrP0s,
+                        st_P=st_P, sP0=sP0, sP1=sP1, sM=sM, sScale0=sScale0, sScale1=sScale1,
+                        k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
+                        tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
+                        scale_log2=scale_log2,
+                    )
+                    # Pairs followed by a whole next pair, then the one or two last pairs.
+                    n_full = cutlass.max(n - 2, 0) // 2
+                    for i in cutlass.range(n_full, unroll=1):
+                        wg1(i, has1=True, has3=True)
+                    if n % 2 == 0:
+                        wg1(n_full, has1=True, has3=False)
+                    else:
+                        if n > 1:
+                            wg1(n_full, has1=True, has3=False)
+                            wg1(n_full + 1, has1=False, has3=False)
+                        else:
+                            wg1(n_full, has1=False, has3=False)
                 self._epilogue(
                     acc_O, row_sum, sM, sL, mO, mLSE, mOacc, mLSEacc, mNumSplits, r, m_block,
                     split_idx, pieces, wg, wtid, r0, c0,
@@ -396,6 +453,8 @@ class MLADecodeSm90:
         """Issues S = Q K_s^T tile by tile as each TMA tile lands (one commit group)."""
         atom = cute.make_mma_atom(self.d_tiled_qk_ss.op)
         atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
+        fence_operand(acc_S)
+        fence_operand(rQ8)
         first = True
         for t in cutlass.range_constexpr(len(order)):
             tile = order[t]
@@ -415,9 +474,12 @@ class MLADecodeSm90:
         phase[s] = phase[s] ^ 1
 
     @cute.jit
-    def _pv(self, tiled, acc_O, tA, tB):
+    def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool]):
         atom = cute.make_mma_atom(tiled.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
+        fence_operand(acc_O)
+        if const_expr(a_in_regs):
+            fence_operand(tA)
         warpgroup.fence()
         for k in cutlass.range_constexpr(PAGE // 16):
             cute.gemm(atom, acc_O, tA[None, None, k], tB[None, None, k], acc_O)
@@ -516,16 +578,17 @@ class MLADecodeSm90:
     def _wg0_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
                   tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP1s, st_P, sP0, sM, sScale0, sScale1,
                   k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0, c0, wtid,
-                  scale_log2):
+                  scale_log2, has1: cutlass.Constexpr[bool], has2: cutlass.Constexpr[bool]):
+        """WG0's share of pair i (blocks 2i -> B0, 2i+1 -> B1). has1/has2: blocks 2i+1 and 2i+2
+        exist. They are compile-time so that no wgmma sits in a runtime branch (ptxas would
+        then serialize every wgmma of the kernel)."""
         blk0 = lo + 2 * i
-        has1 = 2 * i + 1 < n
-        has2 = 2 * i + 2 < n
-        has3 = 2 * i + 3 < n
+        last = lo + n - 1
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
-        last = lo + n - 1
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
+        tail = L % PAGE
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
         cute.arch.sync_warp()
@@ -539,15 +602,15 @@ class MLADecodeSm90:
         self._to_P(acc_S, rP, one)
         cute.arch.barrier_arrive(barrier_id=NB_SCALE0, number_of_threads=256)
 
-        tail = L % PAGE
         if blk0 == nb_req - 1:
             if tail != 0:
                 self._zero_v_tail(k_base, 0, 0, tail, wtid, NB_WG0)
-        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[0][0])
+        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[0][0], True)
         warpgroup.wait_group(0)
+        fence_operand(acc_O)
 
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
-        if has2:
+        if const_expr(has2):
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
@@ -558,37 +621,36 @@ class MLADecodeSm90:
         self._scale_O(acc_O, scale1)
         for h in cutlass.range_constexpr(2):
             row_sum[h] = row_sum[h] * scale1[h]
-        if has1:
+        if const_expr(has1):
             if blk0 + 1 == nb_req - 1:
                 if tail != 0:
                     self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
             cute.arch.barrier(barrier_id=NB_P1_ISSUED, number_of_threads=256)
-            self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0])
-        if has2:
+            self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0], False)
+        if const_expr(has2):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3, 4, 5, 6, 7, 8))
-        if has3:
             warpgroup.wait_group(1)  # P1 @ V1L done; the QK^T may still run
-            if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
+            fence_operand(acc_O)
+            if blk0 + 3 <= last:
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
         warpgroup.wait_group(0)
+        fence_operand(acc_O)
+        fence_operand(acc_S)
 
     @cute.jit
     def _wg1_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
                   tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sP1, sM, sScale0, sScale1,
                   k_base, barK, phase, tma_k, tKgK, tKsK, mBlockTable, r, r0, c0, wtid,
-                  scale_log2):
+                  scale_log2, has1: cutlass.Constexpr[bool], has3: cutlass.Constexpr[bool]):
+        """WG1's share of pair i; has1/has3: blocks 2i+1 and 2i+3 exist (compile-time)."""
         blk0 = lo + 2 * i
-        has1 = 2 * i + 1 < n
-        has2 = 2 * i + 2 < n
-        has3 = 2 * i + 3 < n
-        # Cache pages of the next pair, read now so the global-load latency hides behind the
-        # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         last = lo + n - 1
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
         tail = L % PAGE
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
-        if has1:
+        if const_expr(has1):
             self._mask(acc_S, blk0 + 1, border, min_border, c0)
         else:
             acc_S.fill(-Float32.inf)
@@ -604,32 +666,34 @@ class MLADecodeSm90:
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, both)
         cute.arch.barrier_arrive(barrier_id=NB_SCALE1, number_of_threads=256)
 
-        if has1:
+        if const_expr(has1):
             one = [Float32(1.0), Float32(1.0)]
             self._to_P(acc_S, rP, one)
             self._store_P(st_P, rP, sP1)
             if blk0 + 1 == nb_req - 1:
                 if tail != 0:
                     self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
-            self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1])
+            self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1], True)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
         if blk0 == nb_req - 1:
             if tail != 0:
                 self._zero_v_tail(k_base, 0, 1, tail, wtid, NB_WG1)
-        self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1])
-        if has1:
+        self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1], False)
+        if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
-        if has3:
+        if const_expr(has3):
             warpgroup.wait_group(1)  # P1 @ V1R done
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
-        if has2:
+        fence_operand(acc_O)
+        if blk0 + 2 <= last:
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
-        if has3:
+        if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
             warpgroup.wait_group(0)
+            fence_operand(acc_S)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
