@@ -55,7 +55,13 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
     ids = torch.randint(2, VOCAB, (b, s))
     mask = torch.ones(b, s, dtype=torch.long)
     mask[2, :4] = 0  # requests of different lengths
-    eager_cache, compiled_cache = (prefilled(ours, ids, mask, 64) for _ in range(2))
+    eager_cache = prefilled(ours, ids, mask, 64)
+    # The compiled steps start from a cache filled directly (as the benchmark fills it), so that
+    # the very first compiled call starts from a state no eager forward has touched.
+    compiled_cache = MLACache.for_model(ours, b, 64)
+    for dst, src in zip(compiled_cache.kv_caches, eager_cache.kv_caches):
+        dst.copy_(src)
+    compiled_cache.set_seqlens(eager_cache.cache_seqlens.clone())
     graphs = []
 
     def backend(gm, example_inputs):
@@ -165,3 +171,24 @@ def test_generate_on_gpu_compiles_with_cuda_graphs():
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     # bf16: compiled and eager round differently; greedy tokens agree at least at the start.
     assert torch.equal(out[:, :38], eager[:, :38])
+
+
+def test_e2e_benchmark_runs_on_cpu_and_agrees_with_transformers(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    bench.main(["--tiny", "--device", "cpu", "--layers", "2", "--batches", "2", "--context",
+                "70", "--steps", "2", "--systems", "hf,torch_mla"])
+    rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 2 |")]
+    assert [r[1] for r in rows] == ["transformers as shipped (eager, DynamicCache)",
+                                    "torch_mla, compiled (CPU: no CUDA graphs)"]
+    mla = rows[1]
+    assert float(mla[8]) < 1e-5  # first-step logits vs transformers, same cache contents
+    assert mla[9].strip(" |") == "1 graph"
+    assert mla[4] == rows[0][4] == f"{2 * (32 + 16) * 4:,}"  # KV bytes per token, 2 layers fp32

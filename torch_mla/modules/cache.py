@@ -266,7 +266,7 @@ class MLACache(_CacheBase):
 
     def _reset_python_state(self) -> None:
         self._prefilled = False
-        self._last_layer: int | None = None
+        # (prefill, batch, tokens, slots, schedule) of the step under way; None between steps.
         self._step: tuple | None = None
         self._host_bound = 0  # an upper bound of the longest request, tracked in eager mode
 
@@ -308,23 +308,29 @@ class MLACache(_CacheBase):
 
     def begin_layer(self, layer_idx: int, batch_size: int, num_tokens: int) -> bool:
         """Called by each attention layer before :meth:`append_latents`; returns whether this
-        forward is the prefill. The first layer of a forward starts a new step."""
-        if self._last_layer is None or layer_idx <= self._last_layer:
+        forward is the prefill. Layer 0 starts a new step; the layers of a forward must run in
+        order (0 .. num_layers - 1), as in every transformers model.
+
+        The start of a step reads no Python state that a step changes (only ``_prefilled``, which
+        stays True after the prefill), so a compiled decode step never recompiles."""
+        if layer_idx == 0:
             if batch_size > self._max_batch:
                 raise ValueError(f"batch of {batch_size} requests, but the cache was built for "
                                  f"max_batch_size={self._max_batch}")
             prefill = not self._prefilled
-            self._prefilled = True
             if not torch.compiler.is_compiling():
-                self._host_bound = (0 if prefill else self._host_bound) + num_tokens
-                if self._host_bound > self._max_len:
-                    self._prefilled = not prefill
+                bound = (0 if prefill else self._host_bound) + num_tokens
+                if bound > self._max_len:
                     raise ValueError(
-                        f"MLACache is full: {self._host_bound} positions (padding included) "
-                        f"would exceed max_cache_len={self._max_len}; build a larger cache"
+                        f"MLACache is full: {bound} positions (padding included) would exceed "
+                        f"max_cache_len={self._max_len}; build a larger cache"
                     )
+                self._host_bound = bound
+            self._prefilled = True
             self._step = (prefill, batch_size, num_tokens, None, None)
-        self._last_layer = layer_idx
+        elif self._step is None:
+            raise RuntimeError(f"layer {layer_idx} attends before layer 0 in this forward: "
+                               "MLACache expects layers 0 .. num_layers - 1 in order")
         prefill, b, s, _, _ = self._step
         if (b, s) != (batch_size, num_tokens):
             raise ValueError(f"layer {layer_idx} sees [{batch_size}, {num_tokens}] tokens but this "
@@ -352,7 +358,7 @@ class MLACache(_CacheBase):
         kv = self.kv_caches[layer_idx]
         append_kv(kv, kv_c.reshape(b * s, -1), k_pe.reshape(b * s, -1), slots)
         if layer_idx == self.num_layers - 1:
-            self._step = (prefill, b, s, None, None)  # hold no tensor past the step
+            self._step = None  # the step is over; hold no tensor past it
         return LatentStep(prefill, kv, self.block_table[:b], self.cache_seqlens[:b], sched)
 
     def _slots(self, b: int, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

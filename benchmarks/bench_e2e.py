@@ -1,0 +1,325 @@
+"""End-to-end decode step of a DeepSeek-V3-shaped model: transformers vs torch_mla.
+
+    python benchmarks/bench_e2e.py --out docs/e2e-h200.md     # one H200, ~4 min
+    python benchmarks/bench_e2e.py --tiny --device cpu       # plumbing check on a CPU
+
+Model: transformers' DeepseekV3ForCausalLM with DeepSeek-V3's attention shape (hidden 7168, 128
+heads, q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 4 layers with dense
+MLPs (intermediate 18432), vocab 129280, random bf16 weights. Each request's cache is filled with
+``--context`` (4096) random latents, the same values for every system, without a prefill.
+
+Systems, each timed over ``--steps`` decode steps of one token per request after 3 warm-up steps
+(CUDA-synchronised wall clock; the context grows by one token a step):
+    transformers as shipped   eager, sdpa, DynamicCache (the reference run's 'as shipped' numbers
+                              are printed next to it)
+    transformers static       StaticCache (max_cache_len = context + 64) and the forward under
+                              torch.compile(mode="reduce-overhead"), transformers' own recipe
+    torch_mla                 swap_mla_attention + MLACache, the forward under
+                              torch.compile(mode="reduce-overhead", fullgraph=True): CUDA graphs
+
+Memory floor of a step: the bytes it must read at least, over the H200's 4246 GB/s copy ceiling:
+    weights = every parameter except the embedding table, plus b rows of it (lm_head included)
+    cache   = b * context * layers * (kv_lora_rank + qk_rope_head_dim) * 2 bytes (the latents)
+    floor   = (weights + cache) / 4246 GB/s;   % of floor = floor / measured step time
+KV cache bytes per token: the cache object's bytes over the tokens it has room for (all layers).
+The first step's logits of each system are compared with transformers as shipped (same inputs,
+same cache contents): the relative error is printed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import gc
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+try:
+    import torch_mla  # noqa: F401
+except ImportError:  # run from a checkout without installing it
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from torch_mla.demo import V3_SHAPE, build_model, deepseek_config  # noqa: E402
+
+COPY_GBPS = 4246.0
+# transformers as shipped (eager, sdpa, DynamicCache filled to 4096), batch -> ms per step,
+# measured on the H200 (torch 2.11, transformers 5.17) before this benchmark existed.
+HF_REFERENCE_MS = {1: 5.86, 32: 75.7, 128: 302.0}
+TINY = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, rope_dim=16, nope_dim=16,
+            v_dim=16, intermediate=64, vocab=128)
+WARMUP = 3  # reduce-overhead: a warm-up run, the CUDA-graph recording, then replays
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def random_latents(layer: int, b: int, ctx: int, d_latent: int, d_rope: int, dtype, device):
+    """The context's cached latents of one layer, the same for every system: [b, ctx, d] each."""
+    g = torch.Generator(device=device).manual_seed(1000 + layer)
+    kv = torch.randn(b, ctx, d_latent, generator=g, device=device).to(dtype)
+    pe = torch.randn(b, ctx, d_rope, generator=g, device=device).to(dtype)
+    return kv, pe
+
+
+def forward_fn(model, cache):
+    """One decode step: ids int64 [b, 1] -> logits [b, 1, vocab]; positions come from the cache."""
+    from torch_mla.modules import generate_kwargs
+
+    kw = generate_kwargs(model, cache)
+
+    def step(ids):
+        return model(input_ids=ids, use_cache=True, **kw).logits
+
+    return step
+
+
+def hf_dynamic_cache(model, b, ctx, dims, dtype, device):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=model.config)
+    for layer in range(model.config.num_hidden_layers):
+        kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
+        cache.update(kv[:, None], pe[:, None], layer)
+    return cache
+
+
+def hf_static_cache(model, b, ctx, max_len, dims, dtype, device):
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=max_len)
+    for layer_idx, layer in enumerate(cache.layers):
+        kv, pe = random_latents(layer_idx, b, ctx, *dims, dtype, device)
+        layer.lazy_initialization(kv[:, None, :0], pe[:, None, :0])
+        layer.keys[:, 0, :ctx] = kv
+        layer.values[:, 0, :ctx] = pe
+        layer.cumulative_length.fill_(ctx)
+    return cache
+
+
+def mla_cache(model, b, ctx, max_len, dims, dtype, device):
+    from torch_mla.modules import MLACache
+
+    cache = MLACache.for_model(model, b, max_len)
+    for layer, kv_cache in enumerate(cache.kv_caches):
+        kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
+        rows = kv_cache.view(b, cache.max_blocks * 64, -1)  # default table: request r's pages
+        rows[:, :ctx] = torch.cat([kv, pe], dim=-1)
+    cache.set_seqlens(torch.full((b,), ctx, dtype=torch.int32, device=device))
+    return cache
+
+
+def cache_bytes_per_token(cache) -> float:
+    """The cache's bytes (all layers) over the token slots it holds (a static cache's full
+    length, a dynamic cache's current one)."""
+    if hasattr(cache, "kv_bytes_per_token"):
+        return cache.kv_bytes_per_token
+    total, slots = 0, 0
+    for layer in cache.layers:
+        total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        slots = layer.keys.shape[0] * layer.keys.shape[-2]
+    return total / slots
+
+
+def time_steps(step, token_ids, steps, device):
+    """Runs WARMUP + steps decode steps; returns (ms per timed step, first step's logits)."""
+    first = step(token_ids[0]).float().clone()
+    for i in range(1, WARMUP):
+        step(token_ids[i])
+    sync(device)
+    t0 = time.perf_counter()
+    for i in range(WARMUP, WARMUP + steps):
+        step(token_ids[i])
+    sync(device)
+    return (time.perf_counter() - t0) / steps * 1e3, first
+
+
+def free(device) -> None:
+    torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph memory pools
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+
+
+def run_system(system, model, b, args, dims, dtype, device):
+    """Times one system at batch b. Returns dict(ms, logits, kv_bpt, peak_gib, note)."""
+    ctx, max_len = args.context, args.context + 64
+    token_ids = [torch.randint(2, args.vocab, (b, 1), device=device,
+                               generator=torch.Generator(device=device).manual_seed(i))
+                 for i in range(WARMUP + args.steps)]
+    from torch._dynamo.utils import counters
+
+    counters.clear()
+    mode = "reduce-overhead" if device.type == "cuda" else "default"
+    note = ""
+    if system == "hf":
+        cache = hf_dynamic_cache(model, b, ctx, dims, dtype, device)
+        step = forward_fn(model, cache)
+    elif system == "hf_static":
+        cache = hf_static_cache(model, b, ctx, max_len, dims, dtype, device)
+        # transformers' own recipe (and generate's default compile config): not fullgraph.
+        step = torch.compile(forward_fn(model, cache), mode=mode, dynamic=False)
+    else:
+        cache = mla_cache(model, b, ctx, max_len, dims, dtype, device)
+        step = torch.compile(forward_fn(model, cache), mode=mode, fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        ms, logits = time_steps(step, token_ids, args.steps, device)
+    if system != "hf":
+        graphs = counters["stats"]["unique_graphs"]
+        note = f"{graphs} graph{'s' if graphs != 1 else ''}"
+        skips = counters["inductor"]["cudagraph_skips"]
+        if skips and device.type == "cuda":
+            note += f", {skips} CUDA graph(s) skipped"
+            log(f"warning: CUDA graphs skipped: {dict(counters['inductor'])}")
+    peak = torch.cuda.max_memory_allocated(device) / 2**30 if device.type == "cuda" else None
+    bpt = cache_bytes_per_token(cache)
+    del cache, step
+    return dict(ms=ms, logits=logits, kv_bpt=bpt, peak_gib=peak, note=note)
+
+
+def floor_ms(model, b, ctx, config) -> float:
+    embed = model.get_input_embeddings().weight
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    weights += -embed.numel() * embed.element_size() + b * embed.shape[1] * embed.element_size()
+    latent = config.kv_lora_rank + config.qk_rope_head_dim
+    cache = b * ctx * config.num_hidden_layers * latent * embed.element_size()
+    return (weights + cache) / (COPY_GBPS * 1e9) * 1e3
+
+
+NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
+         "hf_static": "transformers, StaticCache + torch.compile",
+         "torch_mla": "torch_mla, compiled + CUDA graphs"}
+CPU_NAMES = dict(NAMES, hf_static="transformers, StaticCache + torch.compile (CPU)",
+                 torch_mla="torch_mla, compiled (CPU: no CUDA graphs)")
+
+
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
+                    help="default: bf16 on a GPU, fp32 on a CPU")
+    ap.add_argument("--tiny", action="store_true", help="tiny layer shape (a CPU check)")
+    for k, v in V3_SHAPE.items():
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v}")
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,32,128")
+    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=10, help="timed decode steps per system")
+    ap.add_argument("--systems", default="hf,hf_static,torch_mla")
+    ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    args = ap.parse_args(argv)
+    shape = dict(TINY if args.tiny else V3_SHAPE)
+    for k in V3_SHAPE:
+        if getattr(args, k) is not None:
+            shape[k] = getattr(args, k)
+        setattr(args, k, shape[k])
+    device = torch.device(args.device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
+        args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
+    batches = [int(x) for x in args.batches.split(",")]
+    systems = args.systems.split(",")
+    names = NAMES if device.type == "cuda" else CPU_NAMES
+    if not set(systems) <= set(NAMES):
+        sys.exit(f"--systems: choose from {', '.join(NAMES)}")
+
+    import transformers
+
+    from torch_mla.modules import swap_mla_attention
+
+    t_start = time.perf_counter()
+    config = deepseek_config(shape["hidden"], shape["heads"], shape["q_lora_rank"],
+                             shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"],
+                             shape["v_dim"], shape["intermediate"], shape["vocab"], args.layers)
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    model = build_model(config, dtype, device)
+    dims = (config.kv_lora_rank, config.qk_rope_head_dim)
+    log(f"built the model: {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
+
+    results: dict[tuple[int, str], dict] = {}
+    for system in ("hf", "hf_static", "torch_mla"):  # transformers first, then the swap
+        if system not in systems:
+            continue
+        if system == "torch_mla":
+            swap_mla_attention(model)
+        for b in batches:
+            log(f"{names[system]}, batch {b} ...")
+            t0 = time.perf_counter()
+            try:
+                results[b, system] = run_system(system, model, b, args, dims, dtype, device)
+                log(f"  {results[b, system]['ms']:.2f} ms per step "
+                    f"({time.perf_counter() - t0:.0f} s with compile and warm-up)")
+            except torch.OutOfMemoryError:
+                results[b, system] = dict(ms=None, logits=None, kv_bpt=None, peak_gib=None,
+                                          note="out of memory")
+                log("  out of memory")
+            free(device)
+
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    lines = [
+        f"# End-to-end decode step: {name}",
+        "",
+        f"`python benchmarks/bench_e2e.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
+        f" ({datetime.date.today()}; torch {torch.__version__}, transformers "
+        f"{transformers.__version__}; {str(dtype).replace('torch.', '')}).",
+        "",
+        f"Model: DeepseekV3ForCausalLM, {args.layers} layers with dense MLPs "
+        f"(intermediate {shape['intermediate']}), hidden {shape['hidden']}, {shape['heads']} "
+        f"heads, q_lora_rank {shape['q_lora_rank']}, kv_lora_rank {shape['kv_lora_rank']} + "
+        f"rope {shape['rope_dim']}, nope {shape['nope_dim']}, v {shape['v_dim']}, vocab "
+        f"{shape['vocab']}, random weights. Context {args.context} cached tokens per request; "
+        f"one new token per request per step; mean of {args.steps} steps after {WARMUP} "
+        "warm-up steps. Floor: (weights + latent cache bytes) / 4246 GB/s.",
+        "",
+        "| batch | system | step (ms) | tokens/s | KV cache (bytes/token) | floor (ms) "
+        "| % of floor | peak memory (GiB) | logits rel. err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for b in batches:
+        fl = floor_ms(model, b, args.context, config)
+        ref = results.get((b, "hf"), {}).get("logits")
+        for system in systems:
+            r = results[b, system]
+            if r["ms"] is None:
+                lines.append(f"| {b} | {names[system]} | - | - | - | {fl:.3g} | - | - | - | "
+                             f"{r['note']} |")
+                continue
+            err = "-"
+            if ref is not None and system != "hf":
+                err = f"{((r['logits'] - ref).abs().max() / ref.abs().max()).item():.1e}"
+            note = r["note"]
+            if system == "hf" and b in HF_REFERENCE_MS and args.context == 4096 and not args.tiny:
+                note = f"reference run: {HF_REFERENCE_MS[b]} ms"
+            peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+            lines.append(
+                f"| {b} | {names[system]} | {r['ms']:.2f} | {b / r['ms'] * 1e3:,.0f} | "
+                f"{r['kv_bpt']:,.0f} | {fl:.3g} | {100 * fl / r['ms']:.3g}% | {peak} | {err} | "
+                f"{note} |")
+    d = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
+    el = torch.empty((), dtype=dtype).element_size()
+    lines += [
+        "",
+        f"Both caches hold one latent row per token and layer ({config.kv_lora_rank} + "
+        f"{config.qk_rope_head_dim} values); at every step transformers expands each cached "
+        f"token into {config.num_attention_heads} heads x {d} values of K and V "
+        f"({config.num_attention_heads * d * el * args.layers:,} bytes per token over all "
+        "layers), torch_mla attends to the latent directly (absorbed kv_b_proj).",
+    ]
+    table = "\n".join(lines)
+    print(table)
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write(table + "\n")
+    log(f"done in {time.perf_counter() - t_start:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
