@@ -111,11 +111,14 @@ class MLARotaryEmbedding(nn.Module):
     def __init__(self, dim: int, params: dict, max_position_embeddings: int):
         super().__init__()
         inv_freq, self.attention_factor = rope_frequencies(dim, params, max_position_embeddings)
-        self.inv_freq = nn.Buffer(inv_freq, persistent=False)
+        # A plain attribute, not a buffer: model.to(torch.bfloat16) must not round it.
+        self.inv_freq = inv_freq
 
     def forward(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """position_ids: int [b, s] -> (cos, sin), float32 [b, s, dim // 2]."""
-        freqs = position_ids[..., None].float() * self.inv_freq.to(position_ids.device)
+        if self.inv_freq.device != position_ids.device:
+            self.inv_freq = self.inv_freq.to(position_ids.device)
+        freqs = position_ids[..., None].float() * self.inv_freq
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
 
