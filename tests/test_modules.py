@@ -347,3 +347,34 @@ class TestRefusals(expecttest.TestCase):
 def test_import_torch_mla_does_not_import_transformers():
     code = "import sys, torch_mla; assert 'transformers' not in sys.modules, 'imported'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+WITHOUT_TRANSFORMERS = """
+import sys, types
+sys.modules["transformers"] = None  # import transformers now raises ImportError
+import torch
+from torch_mla.modules import MLACache, MultiheadLatentAttention
+torch.manual_seed(0)
+cfg = types.SimpleNamespace(
+    hidden_size=64, num_attention_heads=4, q_lora_rank=None, kv_lora_rank=32,
+    qk_nope_head_dim=16, qk_rope_head_dim=16, v_head_dim=16, num_hidden_layers=1,
+    rope_parameters={"rope_type": "default", "rope_theta": 10000.0}, max_position_embeddings=128)
+attn = MultiheadLatentAttention(cfg, layer_idx=0)
+for p in attn.parameters():
+    torch.nn.init.normal_(p, std=0.3)
+x = torch.randn(2, 12, 64)
+pos = torch.arange(12).expand(2, -1)
+full, _ = attn(x, position_ids=pos)  # causal attention over all 12 tokens, no cache
+cache = MLACache(cfg, 2, 64)
+outs = [attn(x[:, :8], position_ids=pos[:, :8], past_key_values=cache)[0]]  # prefill
+for a, b in ((8, 10), (10, 11), (11, 12)):  # decode steps of 2, 1, 1 tokens
+    outs.append(attn(x[:, a:b], position_ids=cache.position_ids(2, b - a),
+                     past_key_values=cache)[0])
+torch.testing.assert_close(torch.cat(outs, 1), full, atol=1e-5, rtol=1e-5)
+assert cache.cache_seqlens.tolist() == [12, 12]
+assert "transformers" not in type(cache).__mro__[1].__module__
+"""
+
+
+def test_module_and_cache_work_without_transformers():
+    subprocess.run([sys.executable, "-c", WITHOUT_TRANSFORMERS], check=True)

@@ -23,9 +23,13 @@ Nothing in a decode step reads a value on the host, so it compiles to one graph 
 not change from step to step, and replays in a CUDA graph: the buffers are marked as static
 addresses for cudagraph trees.
 
-Limits: tokens past ``max_cache_len`` cannot be stored. In eager mode that raises before anything
-is written; under torch.compile (no host read is possible) such tokens are dropped. Beam search,
-cropping (assisted decoding) and batch re-indexing are not supported and raise.
+Positions: a decode step needs each request's own positions when the lengths differ;
+``generate`` passes them, a hand-written loop passes ``position_ids=cache.position_ids(b, s)``.
+
+Limits: one device; tokens past ``max_cache_len`` cannot be stored. In eager mode that raises
+before anything is written; under torch.compile (no host read is possible) such tokens are
+dropped: size the cache for prompt + new tokens. Beam search, cropping (assisted decoding) and
+batch re-indexing are not supported and raise.
 """
 
 from __future__ import annotations
@@ -375,7 +379,7 @@ class MLACache(_CacheBase):
                        device: torch.device) -> torch.Tensor:
         if key_valid is None:
             key_valid = torch.ones(b, s, dtype=torch.bool, device=device)
-        key_valid = key_valid.to(self.device)
+        key_valid = key_valid.to(self.device).expand(b, s)
         pos = torch.cumsum(key_valid.to(torch.int64), dim=1) - 1  # padding is skipped
         lens = key_valid.sum(dim=1).clamp(max=self.max_blocks * PAGE_SIZE)
         self.cache_seqlens.zero_()
