@@ -7,8 +7,11 @@ written in the output dtype, with the natural-log lse. Pieces that saw no key ha
 and weight 0; a row with no key at all gets O = 0 and lse = +inf. Requests done in one piece were
 written by the decode kernel and are skipped; requests with no key (k = 0) are written here.
 
-Grid: (batch, ceil(rows / 4)); 128 threads, one warp per query row, each lane owning 16 of the
-512 output columns (four 16-byte loads per piece).
+Grid: (batch, rows), one CTA of d_v / 4 threads per query row: each thread owns 4 output columns
+(one 16-byte load per piece), and the loop over pieces is unrolled so that several loads are in
+flight (a row of a short request is cut into as many as ~60 pieces at batch 1). Launched with
+programmatic dependent launch: the CTA starts while the decode kernel drains and waits for it
+only before reading its results.
 """
 
 from __future__ import annotations
@@ -19,18 +22,18 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-ROWS_PER_CTA = 4
 LN_2 = math.log(2.0)
+UNROLL = 4
 
 
 class MLACombine:
     """Split-KV combine; compiled per (dtype, d_v); batch, s_q and h_q are runtime values."""
 
     def __init__(self, dtype, d_v: int = 512):
-        assert d_v % 32 == 0, d_v
+        assert d_v % 128 == 0, d_v
         self.dtype = dtype
         self.d_v = d_v
-        self.cols_per_lane = d_v // 32
+        self.threads = d_v // 4
 
     @cute.jit
     def __call__(
@@ -44,43 +47,55 @@ class MLACombine:
     ):
         b, rows = mO.shape[0], mO.shape[1]
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE).launch(
-            grid=[b, (rows + ROWS_PER_CTA - 1) // ROWS_PER_CTA, 1],
-            block=[32 * ROWS_PER_CTA, 1, 1],
-            stream=stream,
+            grid=[b, rows, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
         )
 
     @cute.kernel
     def kernel(self, mNumSplits, mOacc, mLSEacc, mO, mLSE):
         tidx, _, _ = cute.arch.thread_idx()
-        r, rb, _ = cute.arch.block_idx()
-        lane = tidx % 32
-        row = rb * ROWS_PER_CTA + tidx // 32
+        r, row, _ = cute.arch.block_idx()
+        n_warps = self.threads // 32
         start = mNumSplits[r]
         count = mNumSplits[r + 1] - start
         h_q = mLSE.shape[1]
-        if row < mO.shape[1]:
-            if count != 1:
-                n = self.cols_per_lane
-                acc = cute.make_rmem_tensor(n, Float32)
-                acc.fill(0.0)
-                lse_out = Float32.inf
-                if count > 1:
-                    mx = -Float32.inf
-                    for i in cutlass.range(lane, count, 32, unroll=1):
-                        mx = cute.arch.fmax(mx, mLSEacc[start + i, row])
-                    mx = cute.arch.warp_reduction_max(mx)
-                    if mx != -Float32.inf:
-                        total = Float32(0.0)
-                        for i in cutlass.range(lane, count, 32, unroll=1):
-                            total += cute.math.exp2(mLSEacc[start + i, row] - mx, fastmath=True)
-                        total = cute.arch.warp_reduction_sum(total)
-                        lse2 = cute.math.log2(total, fastmath=False) + mx
-                        lse_out = lse2 * LN_2
-                        for i in cutlass.range(count, unroll=1):
-                            w = cute.math.exp2(mLSEacc[start + i, row] - lse2, fastmath=True)
-                            src = cute.local_tile(mOacc[start + i, row, None], (n,), (lane,))
-                            acc.store(acc.load() + w * src.load())
-                dst = cute.local_tile(mO[r, row, None], (n,), (lane,))
-                dst.store(acc.load().to(self.dtype))
-                if lane == 0:
-                    mLSE[r, row % h_q, row // h_q] = lse_out
+        red = cute.make_tensor(
+            cute.arch.alloc_smem(Float32, 2 * n_warps), cute.make_layout(2 * n_warps)
+        )
+        if count != 1:
+            cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
+            acc = cute.make_rmem_tensor(4, Float32)
+            acc.fill(0.0)
+            lse_out = Float32.inf
+            if count > 1:
+                # max and sum of 2^lse over the pieces, across the CTA
+                mx = -Float32.inf
+                for i in cutlass.range(tidx, count, self.threads, unroll=1):
+                    mx = cute.arch.fmax(mx, mLSEacc[start + i, row])
+                mx = cute.arch.warp_reduction_max(mx)
+                if tidx % 32 == 0:
+                    red[tidx // 32] = mx
+                cute.arch.sync_threads()
+                mx = red[0]
+                for w in cutlass.range_constexpr(1, n_warps):
+                    mx = cute.arch.fmax(mx, red[w])
+                if mx != -Float32.inf:
+                    total = Float32(0.0)
+                    for i in cutlass.range(tidx, count, self.threads, unroll=1):
+                        total += cute.math.exp2(mLSEacc[start + i, row] - mx, fastmath=True)
+                    total = cute.arch.warp_reduction_sum(total)
+                    if tidx % 32 == 0:
+                        red[n_warps + tidx // 32] = total
+                    cute.arch.sync_threads()
+                    total = Float32(0.0)
+                    for w in cutlass.range_constexpr(n_warps):
+                        total += red[n_warps + w]
+                    lse2 = cute.math.log2(total, fastmath=False) + mx
+                    lse_out = lse2 * LN_2
+                    for i in cutlass.range(count, unroll=UNROLL):
+                        w_i = cute.math.exp2(mLSEacc[start + i, row] - lse2, fastmath=True)
+                        src = cute.local_tile(mOacc[start + i, row, None], (4,), (tidx,))
+                        acc.store(acc.load() + w_i * src.load())
+            dst = cute.local_tile(mO[r, row, None], (4,), (tidx,))
+            dst.store(acc.load().to(self.dtype))
+            if tidx == 0:
+                mLSE[r, row % h_q, row // h_q] = lse_out

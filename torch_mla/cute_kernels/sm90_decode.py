@@ -97,9 +97,11 @@ class MLADecodeSm90:
 
     num_threads = 256
 
-    def __init__(self, dtype, causal: bool):
+    def __init__(self, dtype, causal: bool, l2_prefetch: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
+        # Prefetch the pages two pairs ahead into L2 (cp.async.bulk.prefetch.tensor).
+        self.l2_prefetch = bool(l2_prefetch)
 
     @staticmethod
     def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
@@ -406,8 +408,8 @@ class MLADecodeSm90:
                         else:
                             wg1(n_full, has1=False, has3=False)
                 self._epilogue(
-                    acc_O, row_sum, sM, sL, mO, mLSE, mOacc, mLSEacc, mNumSplits, r, m_block,
-                    split_idx, pieces, wg, wtid, r0, c0,
+                    acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, mNumSplits, r,
+                    m_block, split_idx, pieces, wg, wtid, r0, c0,
                 )
 
     # ------------------------------------------------------------------------------------------
@@ -613,6 +615,11 @@ class MLADecodeSm90:
         if const_expr(has2):
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
+                if const_expr(self.l2_prefetch):
+                    if blk0 + 4 <= last:
+                        cute.prefetch(tma_k, tKgK[None, None, mBlockTable[r, blk0 + 4]])
+                    if blk0 + 5 <= last:
+                        cute.prefetch(tma_k, tKgK[None, None, mBlockTable[r, blk0 + 5]])
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
         self._to_P(acc_S, rP, scale1)
         self._store_P(st_P, rP, sP0)
@@ -697,8 +704,12 @@ class MLADecodeSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _epilogue(self, acc_O, row_sum, sM, sL, mO, mLSE, mOacc, mLSEacc, mNumSplits, r, m_block,
-                  split_idx, pieces, wg, wtid, r0, c0):
+    def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, mNumSplits, r,
+                  m_block, split_idx, pieces, wg, wtid, r0, c0):
+        """Normalizes O and writes it (dtype) or the fp32 partial of a split request, staged
+        through shared memory (the page buffers are free now) so that global stores are
+        coalesced 16-byte vectors."""
+        tidx = wg * 128 + wtid
         for h in cutlass.range_constexpr(2):
             s = row_sum[h]
             s += cute.arch.shuffle_sync_bfly(s, offset=1)
@@ -712,33 +723,55 @@ class MLADecodeSm90:
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
         inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
                Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
+        valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
         col_base = wg * HALF_V + c0
-        is_split = pieces > 1
-        slot = mNumSplits[r] + split_idx
+        if pieces > 1:
+            slot = mNumSplits[r] + split_idx
+            self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
+                                  m_block, valid_rows, r0, col_base, tidx)
+        else:
+            self._stage_and_store(acc_O, inv, k_base, self.dtype, mO[r, None, None],
+                                  m_block, valid_rows, r0, col_base, tidx)
+        if wg == 0:
+            if wtid % 4 == 0:
+                for h in cutlass.range_constexpr(2):
+                    row = m_block * BLOCK_M + r0 + 8 * h
+                    if row < self.d_rows:
+                        m = sM[r0 + 8 * h]
+                        if pieces > 1:
+                            lse2 = -Float32.inf
+                            if total[h] > 0.0:
+                                lse2 = cute.math.log2(total[h], fastmath=False) + m
+                            mLSEacc[mNumSplits[r] + split_idx, row] = lse2
+                        else:
+                            lse = Float32.inf
+                            if total[h] > 0.0:
+                                lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
+                            mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
+
+    @cute.jit
+    def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
+                         m_block, valid_rows, r0, col_base, tidx):
+        """acc_O * inv -> smem (64 x 512, rows padded by 16 B against bank conflicts) -> rows
+        [0, valid_rows) of gOut[m_block * 64 + row, :] with 16-byte stores by all 256 threads."""
+        pad = 16 // (out_dtype.width // 8)
+        stride = D_V + pad
+        sO = cute.make_tensor(cute.recast_ptr(k_base, dtype=out_dtype),
+                              cute.make_layout((BLOCK_M, D_V), stride=(stride, 1)))
         for h in cutlass.range_constexpr(2):
-            row = m_block * BLOCK_M + r0 + 8 * h
-            if row < self.d_rows:
-                if is_split:
-                    for j in cutlass.range_constexpr(HALF_V // 8):
-                        for c in cutlass.range_constexpr(2):
-                            mOacc[slot, row, col_base + 8 * j + c] = (
-                                acc_O[c + 2 * h + 4 * j] * inv[h]
-                            )
-                else:
-                    for j in cutlass.range_constexpr(HALF_V // 8):
-                        for c in cutlass.range_constexpr(2):
-                            mO[r, row, col_base + 8 * j + c] = (
-                                acc_O[c + 2 * h + 4 * j] * inv[h]
-                            ).to(self.dtype)
-                if wg == 0 and wtid % 4 == 0:
-                    m = sM[r0 + 8 * h]
-                    if is_split:
-                        lse2 = -Float32.inf
-                        if total[h] > 0.0:
-                            lse2 = cute.math.log2(total[h], fastmath=False) + m
-                        mLSEacc[slot, row] = lse2
-                    else:
-                        lse = Float32.inf
-                        if total[h] > 0.0:
-                            lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
-                        mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
+            for j in cutlass.range_constexpr(HALF_V // 8):
+                for c in cutlass.range_constexpr(2):
+                    sO[r0 + 8 * h, col_base + 8 * j + c] = (
+                        acc_O[c + 2 * h + 4 * j] * inv[h]
+                    ).to(out_dtype)
+        cute.arch.sync_threads()
+        vec = 16 // (out_dtype.width // 8)  # elements per 16-byte chunk
+        chunks_per_row = D_V // vec
+        n_chunks = valid_rows * chunks_per_row
+        gRows = cute.local_tile(gOut, (BLOCK_M, D_V), (m_block, 0))
+        for i in cutlass.range(tidx, n_chunks, self.num_threads, unroll=4):
+            row = i // chunks_per_row
+            ch = i % chunks_per_row
+            src = cute.local_tile(sO[row, None], (vec,), (ch,))
+            dst = cute.local_tile(gRows[row, None], (vec,), (ch,))
+            dst.store(src.load())
