@@ -33,6 +33,7 @@ import datetime
 import gc
 import sys
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -245,10 +246,16 @@ def main(argv=None) -> None:
     log(f"built the model: {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
 
     results: dict[tuple[int, str], dict] = {}
-    for system in ("hf", "hf_static", "torch_mla"):  # transformers first, then the swap
+    failed = False
+    # torch_mla first (swapped, then the original attention put back), the riskiest last:
+    # transformers' static cache expands the whole static length at every step.
+    for system in ("torch_mla", "hf", "hf_static"):
         if system not in systems:
             continue
+        originals = None
         if system == "torch_mla":
+            originals = {n: m for n, m in model.named_modules()
+                         if type(m).__name__ == "DeepseekV3Attention"}
             swap_mla_attention(model)
         for b in batches:
             log(f"{names[system]}, batch {b} ...")
@@ -257,13 +264,20 @@ def main(argv=None) -> None:
                 results[b, system] = run_system(system, model, b, args, dims, dtype, device)
                 log(f"  {results[b, system]['ms']:.2f} ms per step "
                     f"({time.perf_counter() - t0:.0f} s with compile and warm-up)")
-            except Exception as e:  # an OOM may also surface wrapped, from inside compilation
-                if not isinstance(e, torch.OutOfMemoryError) and "out of memory" not in str(e):
-                    raise
+            except Exception as e:  # report it and go on with the other systems
+                oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+                note = "out of memory" if oom else f"failed: {type(e).__name__}"
+                failed |= system == "torch_mla" or not oom
+                log(f"  {note}: {e}")
+                if not oom:
+                    traceback.print_exc()
                 results[b, system] = dict(ms=None, logits=None, kv_bpt=None, peak_gib=None,
-                                          note="out of memory")
-                log("  out of memory")
+                                          note=note)
             free(device)
+        if originals:
+            for n, m in originals.items():
+                parent, _, child = n.rpartition(".")
+                setattr(model.get_submodule(parent), child, m)
 
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
     lines = [
@@ -321,6 +335,8 @@ def main(argv=None) -> None:
         with open(args.out, "w") as f:
             f.write(table + "\n")
     log(f"done in {time.perf_counter() - t_start:.0f} s")
+    if failed:
+        sys.exit(1)
 
 
 if __name__ == "__main__":
