@@ -237,10 +237,14 @@ class MultiheadLatentAttention(nn.Module):
         k_nope, v = kv.split([dn, dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, :, None].to(k_nope.dtype).expand(b, S, H, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)
-        mask = _attention_mask(attention_mask, s, S, b, q.device, q.dtype)
+        # A prompt without padding: SDPA's own causal masking (its fused kernels need no mask).
+        plain_causal = attention_mask is None and s == S and s > 1
+        mask = None if plain_causal else _attention_mask(attention_mask, s, S, b, q.device,
+                                                         q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0, scale=self.scaling)
+            dropout_p=self.attention_dropout if self.training else 0.0, is_causal=plain_causal,
+            scale=self.scaling)
         return out.transpose(1, 2)
 
     def _attend_absorbed(self, q_nope, q_pe, step: LatentStep) -> torch.Tensor:

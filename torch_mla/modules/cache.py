@@ -10,9 +10,9 @@ What it holds (all preallocated at construction, on one device, never reallocate
                    (default: request r owns pages ``r * max_blocks ...``, in order).
     cache_seqlens  int32 [max_batch_size], tokens cached per request, shared by all layers.
 
-A forward of the model is one *step*: the first layer to write in a forward starts it (computes
-this step's slots, advances the lengths on the device and computes the decode schedule, which all
-layers then share), every layer appends its latents. The first step after construction or
+A forward of the model is one *step*: its layer 0 starts it (computes this step's slots, advances
+the lengths on the device and computes the decode schedule, which all layers then share), every
+layer appends its latents. The first step after construction or
 :meth:`MLACache.reset` is the *prefill*: the attention runs over the prompt itself and its latents
 are written; a padding token (found from the attention mask) is not written, so each request's
 cache holds only its real tokens and requests of different lengths sit side by side. Every later
