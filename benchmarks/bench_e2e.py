@@ -295,17 +295,18 @@ def main(argv=None) -> None:
         f"one new token per request per step; mean of {args.steps} steps after {WARMUP} "
         "warm-up steps. Floor: (weights + latent cache bytes) / 4246 GB/s.",
         "",
-        "| batch | system | step (ms) | tokens/s | KV cache (bytes/token) | floor (ms) "
-        "| % of floor | peak memory (GiB) | logits rel. err | note |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| batch | system | step (ms) | tokens/s | vs shipped | KV cache (bytes/token) "
+        "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for b in batches:
         fl = floor_ms(model, b, args.context, config)
         ref = results.get((b, "hf"), {}).get("logits")
+        ref_ms = results.get((b, "hf"), {}).get("ms")
         for system in systems:
             r = results[b, system]
             if r["ms"] is None:
-                lines.append(f"| {b} | {names[system]} | - | - | - | {fl:.3g} | - | - | - | "
+                lines.append(f"| {b} | {names[system]} | - | - | - | - | {fl:.3g} | - | - | - | "
                              f"{r['note']} |")
                 continue
             err = "-"
@@ -315,8 +316,9 @@ def main(argv=None) -> None:
             if system == "hf" and b in HF_REFERENCE_MS and args.context == 4096 and not args.tiny:
                 note = f"reference run: {HF_REFERENCE_MS[b]} ms"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
+            ratio = f"{ref_ms / r['ms']:.2f}x" if ref_ms else "-"
             lines.append(
-                f"| {b} | {names[system]} | {r['ms']:.2f} | {b / r['ms'] * 1e3:,.0f} | "
+                f"| {b} | {names[system]} | {r['ms']:.2f} | {b / r['ms'] * 1e3:,.0f} | {ratio} | "
                 f"{r['kv_bpt']:,.0f} | {fl:.3g} | {100 * fl / r['ms']:.3g}% | {peak} | {err} | "
                 f"{note} |")
     d = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim

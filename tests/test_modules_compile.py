@@ -189,6 +189,7 @@ def test_e2e_benchmark_runs_on_cpu_and_agrees_with_transformers(capsys):
     assert [r[1] for r in rows] == ["transformers as shipped (eager, DynamicCache)",
                                     "torch_mla, compiled (CPU: no CUDA graphs)"]
     mla = rows[1]
-    assert float(mla[8]) < 1e-5  # first-step logits vs transformers, same cache contents
-    assert mla[9].strip(" |") == "1 graph"
-    assert mla[4] == rows[0][4] == f"{2 * (32 + 16) * 4:,}"  # KV bytes per token, 2 layers fp32
+    assert float(mla[9]) < 1e-5  # first-step logits vs transformers, same cache contents
+    assert mla[10].strip(" |") == "1 graph"
+    assert mla[5] == rows[0][5] == f"{2 * (32 + 16) * 4:,}"  # KV bytes per token, 2 layers fp32
+    assert rows[0][4] == "1.00x" and mla[4].endswith("x")
