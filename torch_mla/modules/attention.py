@@ -49,7 +49,7 @@ class RMSNorm(nn.Module):
 
 def key_padding(attention_mask: Any, num_keys: int) -> torch.Tensor | None:
     """bool [b, num_keys], False for keys no query may see (padding), from a transformers
-    attention mask over a prompt; None when the mask shows no padding.
+    attention mask over a prompt; None when there is no mask (no padding).
 
     Accepts a 2D padding mask [b, >= num_keys] (1 = token), a 4D bool mask [b, 1, q, >= num_keys]
     (True = attend) or a 4D additive float mask (0 = attend, very negative = masked).
@@ -64,8 +64,8 @@ def key_padding(attention_mask: Any, num_keys: int) -> torch.Tensor | None:
     return m.any(dim=1)  # a real key is seen at least by itself
 
 
-def _attention_mask(attention_mask: Any, q_len: int, k_len: int, batch: int,
-                    device: torch.device, dtype: torch.dtype) -> torch.Tensor | None:
+def _attention_mask(attention_mask: Any, q_len: int, k_len: int, device: torch.device,
+                    dtype: torch.dtype) -> torch.Tensor | None:
     """The mask for SDPA over ``k_len`` keys whose last ``q_len`` are the queries: transformers'
     4D mask sliced to the keys, a 2D padding mask combined with causality, or plain causality
     (bottom-right aligned) when there is none."""
@@ -239,8 +239,7 @@ class MultiheadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)
         # A prompt without padding: SDPA's own causal masking (its fused kernels need no mask).
         plain_causal = attention_mask is None and s == S and s > 1
-        mask = None if plain_causal else _attention_mask(attention_mask, s, S, b, q.device,
-                                                         q.dtype)
+        mask = None if plain_causal else _attention_mask(attention_mask, s, S, q.device, q.dtype)
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
             dropout_p=self.attention_dropout if self.training else 0.0, is_causal=plain_causal,
