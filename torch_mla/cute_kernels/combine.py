@@ -23,7 +23,7 @@ import cutlass.cute as cute
 from cutlass import Float32
 
 LN_2 = math.log(2.0)
-UNROLL = 4
+UNROLL = 8
 
 
 class MLACombine:
@@ -54,13 +54,15 @@ class MLACombine:
     def kernel(self, mNumSplits, mOacc, mLSEacc, mO, mLSE):
         tidx, _, _ = cute.arch.thread_idx()
         r, row, _ = cute.arch.block_idx()
-        n_warps = self.threads // 32
+        nt = self.threads
+        n_warps = nt // 32
         start = mNumSplits[r]
         count = mNumSplits[r + 1] - start
         h_q = mLSE.shape[1]
         red = cute.make_tensor(
             cute.arch.alloc_smem(Float32, 2 * n_warps), cute.make_layout(2 * n_warps)
         )
+        sW = cute.make_tensor(cute.arch.alloc_smem(Float32, nt), cute.make_layout(nt))
         if count != 1:
             cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
             acc = cute.make_rmem_tensor(4, Float32)
@@ -69,7 +71,7 @@ class MLACombine:
             if count > 1:
                 # max and sum of 2^lse over the pieces, across the CTA
                 mx = -Float32.inf
-                for i in cutlass.range(tidx, count, self.threads, unroll=1):
+                for i in cutlass.range(tidx, count, nt, unroll=1):
                     mx = cute.arch.fmax(mx, mLSEacc[start + i, row])
                 mx = cute.arch.warp_reduction_max(mx)
                 if tidx % 32 == 0:
@@ -80,7 +82,7 @@ class MLACombine:
                     mx = cute.arch.fmax(mx, red[w])
                 if mx != -Float32.inf:
                     total = Float32(0.0)
-                    for i in cutlass.range(tidx, count, self.threads, unroll=1):
+                    for i in cutlass.range(tidx, count, nt, unroll=1):
                         total += cute.math.exp2(mLSEacc[start + i, row] - mx, fastmath=True)
                     total = cute.arch.warp_reduction_sum(total)
                     if tidx % 32 == 0:
@@ -91,10 +93,18 @@ class MLACombine:
                         total += red[n_warps + w]
                     lse2 = cute.math.log2(total, fastmath=False) + mx
                     lse_out = lse2 * LN_2
-                    for i in cutlass.range(count, unroll=UNROLL):
-                        w_i = cute.math.exp2(mLSEacc[start + i, row] - lse2, fastmath=True)
-                        src = cute.local_tile(mOacc[start + i, row, None], (4,), (tidx,))
-                        acc.store(acc.load() + w_i * src.load())
+                    # Pieces in chunks of nt: weights to smem, then independent 16-byte loads.
+                    for c0 in cutlass.range(0, count, nt, unroll=1):
+                        n = cutlass.min(count - c0, nt)
+                        if tidx < n:
+                            sW[tidx] = cute.math.exp2(
+                                mLSEacc[start + c0 + tidx, row] - lse2, fastmath=True)
+                        cute.arch.sync_threads()
+                        for i in cutlass.range(n, unroll=UNROLL):
+                            src = cute.local_tile(mOacc[start + c0 + i, row, None], (4,),
+                                                  (tidx,))
+                            acc.store(acc.load() + sW[i] * src.load())
+                        cute.arch.sync_threads()
             dst = cute.local_tile(mO[r, row, None], (4,), (tidx,))
             dst.store(acc.load().to(self.dtype))
             if tidx == 0:

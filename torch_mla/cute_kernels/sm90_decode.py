@@ -634,16 +634,17 @@ class MLADecodeSm90:
                     self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
             cute.arch.barrier(barrier_id=NB_P1_ISSUED, number_of_threads=256)
             self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0], False)
-        if const_expr(has2):
-            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3, 4, 5, 6, 7, 8))
-            warpgroup.wait_group(1)  # P1 @ V1L done; the QK^T may still run
+            # Refill B1's left half as soon as P1 @ V1L is done, before the QK^T below blocks
+            # on B0's tiles: the load then has the whole QK^T to land.
+            warpgroup.wait_group(0)
             fence_operand(acc_O)
             if blk0 + 3 <= last:
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
-        warpgroup.wait_group(0)
-        fence_operand(acc_O)
-        fence_operand(acc_S)
+        if const_expr(has2):
+            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3, 4, 5, 6, 7, 8))
+            warpgroup.wait_group(0)
+            fence_operand(acc_S)
 
     @cute.jit
     def _wg1_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
@@ -681,6 +682,13 @@ class MLADecodeSm90:
                 if tail != 0:
                     self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
             self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1], True)
+            if const_expr(has3):
+                # B1's right half is free: refill it before waiting for WG0's P0, so the load
+                # lands before this warpgroup's next QK^T asks for it.
+                warpgroup.wait_group(0)
+                fence_operand(acc_O)
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
         if blk0 == nb_req - 1:
             if tail != 0:
@@ -688,10 +696,6 @@ class MLADecodeSm90:
         self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1], False)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
-        if const_expr(has3):
-            warpgroup.wait_group(1)  # P1 @ V1R done
-            if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if blk0 + 2 <= last:
