@@ -142,7 +142,9 @@ def test_reduce_overhead_decode_step_replays_cuda_graphs():
             eager = decode_step(ours, eager_cache, new)
             out = compiled(ours, compiled_cache, new).clone()
             scale = ref.abs().max().item()
-            torch.testing.assert_close(out.float(), eager.float(), atol=2e-2 * scale, rtol=0)
+            # bf16 through 2 layers: inductor's fusions round differently from eager (seen on
+            # the H200: 2.2e-2 * scale at worst), so both are held to the fp32 reference's bound.
+            torch.testing.assert_close(out.float(), eager.float(), atol=5e-2 * scale, rtol=0)
             torch.testing.assert_close(out.float(), ref, atol=5e-2 * scale, rtol=0)
     assert torch.equal(compiled_cache.cache_seqlens, eager_cache.cache_seqlens)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
@@ -160,17 +162,27 @@ def test_generate_on_gpu_compiles_with_cuda_graphs():
                       qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
     ids = torch.randint(2, VOCAB, (2, 30), device="cuda")
     cache = MLACache.for_model(ours, 2, 30 + 16)
+    kw = dict(max_new_tokens=16, do_sample=False, output_scores=True,
+              return_dict_in_generate=True)
     with torch.no_grad():
         # generate compiles the decode step itself (mode="reduce-overhead") for a static cache.
-        out = ours.generate(ids, max_new_tokens=16, do_sample=False,
-                            **generate_kwargs(ours, cache))
+        out = ours.generate(ids, **kw, **generate_kwargs(ours, cache))
         cache.reset()
-        eager = ours.generate(ids, max_new_tokens=16, do_sample=False, disable_compile=True,
-                              **generate_kwargs(ours, cache))
+        eager = ours.generate(ids, disable_compile=True, **kw, **generate_kwargs(ours, cache))
     assert counters["stats"]["unique_graphs"] >= 1, "generate did not compile"
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    # bf16: compiled and eager round differently; greedy tokens agree at least at the start.
-    assert torch.equal(out[:, :38], eager[:, :38])
+    # bf16: compiled and eager round differently (2e-2 of the logits' scale seen on the H200), so
+    # greedy tokens may part at a near-tie. While a row's tokens agree, its logits must agree,
+    # and where the tokens part, eager must rate both tokens within that rounding.
+    same = torch.ones(ids.shape[0], dtype=torch.bool, device="cuda")
+    for step, (sc, se) in enumerate(zip(out.scores, eager.scores)):
+        tol = 5e-2 * se.abs().max().item()
+        if same.any():
+            torch.testing.assert_close(sc[same].float(), se[same].float(), atol=tol, rtol=0)
+        tc, te = out.sequences[:, 30 + step], eager.sequences[:, 30 + step]
+        gap = (se.gather(1, te[:, None]) - se.gather(1, tc[:, None])).squeeze(1).abs()
+        assert bool((gap[same & (tc != te)] <= tol).all()), (step, gap.tolist())
+        same &= tc == te
 
 
 def test_e2e_benchmark_runs_on_cpu_and_agrees_with_transformers(capsys):
