@@ -97,11 +97,9 @@ class MLADecodeSm90:
 
     num_threads = 256
 
-    def __init__(self, dtype, causal: bool, l2_prefetch: bool = False):
+    def __init__(self, dtype, causal: bool):
         self.dtype = dtype
         self.causal = bool(causal)
-        # Prefetch the pages two pairs ahead into L2 (cp.async.bulk.prefetch.tensor).
-        self.l2_prefetch = bool(l2_prefetch)
 
     @staticmethod
     def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
@@ -615,11 +613,6 @@ class MLADecodeSm90:
         if const_expr(has2):
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
-                if const_expr(self.l2_prefetch):
-                    if blk0 + 4 <= last:
-                        cute.prefetch(tma_k, tKgK[None, None, mBlockTable[r, blk0 + 4]])
-                    if blk0 + 5 <= last:
-                        cute.prefetch(tma_k, tKgK[None, None, mBlockTable[r, blk0 + 5]])
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
         self._to_P(acc_S, rP, scale1)
         self._store_P(st_P, rP, sP0)

@@ -70,9 +70,8 @@ def _compiled_sm90(dtype: torch.dtype, causal: bool):
     from ..cute_kernels.sm90_decode import MLADecodeSm90
 
     cdt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    l2_prefetch = os.environ.get("TORCH_MLA_SM90_L2_PREFETCH", "0") == "1"  # experiment switch
     return (
-        compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal, l2_prefetch), cdt),
+        compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt),
         compile_combine(cute, cutlass, MLACombine(cdt, D_V), cdt),
     )
 
