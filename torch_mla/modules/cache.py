@@ -77,7 +77,23 @@ def _unsupported(what: str):
     )
 
 
-class MLACacheLayer(_LayerBase):
+class _RefusesReshaping:
+    """Cache and cache-layer methods for beam search and assisted decoding: refused clearly."""
+
+    def reorder_cache(self, beam_idx):
+        _unsupported("beam search (reorder_cache)")
+
+    def crop(self, *args):
+        _unsupported("cropping (assisted decoding)")
+
+    def batch_repeat_interleave(self, repeats):
+        _unsupported("batch_repeat_interleave")
+
+    def batch_select_indices(self, indices):
+        _unsupported("batch_select_indices")
+
+
+class MLACacheLayer(_RefusesReshaping, _LayerBase):
     """One layer's entry in ``MLACache.layers`` (what transformers' generic code iterates over);
     the buffers and the step logic live on the cache."""
 
@@ -123,20 +139,9 @@ class MLACacheLayer(_LayerBase):
     def prefetch(self):
         _unsupported("offloading")
 
-    def reorder_cache(self, beam_idx):
-        _unsupported("beam search (reorder_cache)")
-
-    def crop(self, tokens_to_remove):
-        _unsupported("cropping (assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats):
-        _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices):
-        _unsupported("batch_select_indices")
 
 
-class MLACache(_CacheBase):
+class MLACache(_RefusesReshaping, _CacheBase):
     """Paged latent cache for MLA models (DeepSeek-V2/V3), a transformers ``Cache`` that
     ``generate`` accepts (pass it as ``past_key_values=`` or, from transformers 5.24, ``cache=``).
 
@@ -273,18 +278,6 @@ class MLACache(_CacheBase):
         # (prefill, batch, tokens, slots, schedule) of the step under way; None between steps.
         self._step: tuple | None = None
         self._host_bound = 0  # an upper bound of the longest request, tracked in eager mode
-
-    def reorder_cache(self, beam_idx):
-        _unsupported("beam search (reorder_cache)")
-
-    def crop(self, max_length):
-        _unsupported("cropping (assisted decoding)")
-
-    def batch_repeat_interleave(self, repeats):
-        _unsupported("batch_repeat_interleave")
-
-    def batch_select_indices(self, indices):
-        _unsupported("batch_select_indices")
 
     # --- the step -----------------------------------------------------------------------------
 
