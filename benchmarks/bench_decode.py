@@ -75,7 +75,9 @@ def breakdown_us(inp, sched, causal):
     q = inp.q
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    decode, combine = dispatch._compiled_sm90(q.dtype, causal and s_q > 1)
+    decode = dispatch._compiled_decode_sm90(q.dtype, causal and s_q > 1)
+    combine = dispatch._compiled_combine(
+        q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0]))
     q3 = q.reshape(b, rows, 576)
     kv3 = inp.kv_cache.view(-1, 64, 576)
     out3 = torch.empty(b, rows, 512, dtype=q.dtype, device=q.device)

@@ -17,14 +17,16 @@ from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
 compile_decode_sm90(cute, cutlass, MLADecodeSm90(dt, causal), dt)
-compile_combine(cute, cutlass, MLACombine(dt, 512), dt)
-counts = {}
+for wpr in (1, 4):
+    compile_combine(cute, cutlass, MLACombine(dt, 512, wpr), dt)
+counts = {"decode": {}, "combine": {}}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     ptx = open(f).read()
     kind = "decode" if "MLADecodeSm90" in f else "combine"
-    counts[kind] = {k: len(re.findall(k, ptx)) for k in
-                    ["wgmma.mma_async", "cp.async.bulk.tensor", "stmatrix", "ldmatrix",
-                     "ld.local", "st.local"]}
+    for k in ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.global", "stmatrix",
+              "ldmatrix", "ld.local", "st.local", "griddepcontrol.launch_dependents",
+              "griddepcontrol.wait", "ld.global.v4"]:
+        counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 print(json.dumps(counts))
 """
 
@@ -42,4 +44,8 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal):
     assert dec["wgmma.mma_async"] >= 100, dec
     assert dec["cp.async.bulk.tensor"] > 0 and dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
-    assert counts["combine"]["wgmma.mma_async"] == 0
+    # output staged in smem and written by bulk copies; the combine may launch early (PDL)
+    assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
+    comb = counts["combine"]
+    assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0 and comb["st.local"] == 0, comb
+    assert comb["griddepcontrol.wait"] >= 1 and comb["ld.global.v4"] > 0, comb

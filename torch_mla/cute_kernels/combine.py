@@ -7,11 +7,15 @@ written in the output dtype, with the natural-log lse. Pieces that saw no key ha
 and weight 0; a row with no key at all gets O = 0 and lse = +inf. Requests done in one piece were
 written by the decode kernel and are skipped; requests with no key (k = 0) are written here.
 
-Grid: (batch, rows), one CTA of d_v / 4 threads per query row: each thread owns 4 output columns
-(one 16-byte load per piece), and the loop over pieces is unrolled so that several loads are in
-flight (a row of a short request is cut into as many as ~60 pieces at batch 1). Launched with
-programmatic dependent launch: the CTA starts while the decode kernel drains and waits for it
-only before reading its results.
+Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps. A row is merged by one warp (many short
+requests: few pieces each) or by all 4 warps of its CTA, which split the pieces and add their
+sums through shared memory (few long requests cut into many pieces, e.g. batch 1: ~60 pieces).
+Lane j loads lse of piece j (32 pieces at a time) and the warp reduces them with shuffles, so a
+row costs two dependent global round trips (its lse values, then its partial rows); each lane
+owns 4 x 4 output columns (16-byte loads, the warp reads 512 contiguous bytes per load) and the
+loop over pieces is unrolled so that several pieces are in flight. Launched with programmatic
+dependent launch: the decode kernel lets it start early, and a row waits for the decode kernel
+only once it knows that it has something to merge.
 """
 
 from __future__ import annotations
@@ -20,20 +24,25 @@ import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 LN_2 = math.log(2.0)
-UNROLL = 8
+WARPS = 4
+UNROLL = 4
 
 
 class MLACombine:
-    """Split-KV combine; compiled per (dtype, d_v); batch, s_q and h_q are runtime values."""
+    """Split-KV combine; compiled per (dtype, d_v, warps_per_row); batch, s_q and h_q are
+    runtime values. warps_per_row: 1 or 4 warps merge one row (see the module docstring)."""
 
-    def __init__(self, dtype, d_v: int = 512):
+    def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1):
         assert d_v % 128 == 0, d_v
+        assert warps_per_row in (1, WARPS), warps_per_row
         self.dtype = dtype
         self.d_v = d_v
-        self.threads = d_v // 4
+        self.n_vec = d_v // 128  # 16-byte vectors per lane
+        self.wpr = warps_per_row
+        self.rows_per_cta = WARPS // warps_per_row
 
     @cute.jit
     def __call__(
@@ -47,65 +56,69 @@ class MLACombine:
     ):
         b, rows = mO.shape[0], mO.shape[1]
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE).launch(
-            grid=[b, rows, 1], block=[self.threads, 1, 1], stream=stream, use_pdl=True
+            grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
+            block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True,
         )
 
     @cute.kernel
     def kernel(self, mNumSplits, mOacc, mLSEacc, mO, mLSE):
         tidx, _, _ = cute.arch.thread_idx()
-        r, row, _ = cute.arch.block_idx()
-        nt = self.threads
-        n_warps = nt // 32
-        start = mNumSplits[r]
+        r, row_block, _ = cute.arch.block_idx()
+        lane = tidx % 32
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+        row = row_block * self.rows_per_cta + warp // self.wpr
+        part = warp % self.wpr  # this warp takes pieces part, part + wpr, ...
+        start = mNumSplits[r]  # written before the decode kernel ran: safe before the wait
         count = mNumSplits[r + 1] - start
-        h_q = mLSE.shape[1]
-        red = cute.make_tensor(
-            cute.arch.alloc_smem(Float32, 2 * n_warps), cute.make_layout(2 * n_warps)
-        )
-        sW = cute.make_tensor(cute.arch.alloc_smem(Float32, nt), cute.make_layout(nt))
-        if count != 1:
+        sAcc = None
+        if const_expr(self.wpr > 1):
+            sAcc = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * self.d_v, 16),
+                                    cute.make_layout((self.d_v, WARPS)))
+        if row < mO.shape[1] and count != 1:
             cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
-            acc = cute.make_rmem_tensor(4, Float32)
-            acc.fill(0.0)
+            acc = [cute.make_rmem_tensor(4, Float32) for _ in range(self.n_vec)]
+            for k in cutlass.range_constexpr(self.n_vec):
+                acc[k].fill(0.0)
             lse_out = Float32.inf
-            if count > 1:
-                # max and sum of 2^lse over the pieces, across the CTA
-                mx = -Float32.inf
-                for i in cutlass.range(tidx, count, nt, unroll=1):
-                    mx = cute.arch.fmax(mx, mLSEacc[start + i, row])
-                mx = cute.arch.warp_reduction_max(mx)
-                if tidx % 32 == 0:
-                    red[tidx // 32] = mx
+            mx = -Float32.inf
+            for c in cutlass.range(0, count, 32, unroll=1):
+                if c + lane < count:
+                    mx = cute.arch.fmax(mx, mLSEacc[start + c + lane, row])
+            mx = cute.arch.warp_reduction_max(mx)
+            if mx != -Float32.inf:
+                total = Float32(0.0)
+                for c in cutlass.range(0, count, 32, unroll=1):
+                    if c + lane < count:
+                        total += cute.math.exp2(mLSEacc[start + c + lane, row] - mx,
+                                                fastmath=True)
+                total = cute.arch.warp_reduction_sum(total)
+                lse2 = cute.math.log2(total, fastmath=False) + mx
+                lse_out = lse2 * LN_2
+                for c in cutlass.range(0, count, 32, unroll=1):
+                    w = Float32(0.0)
+                    if c + lane < count:
+                        w = cute.math.exp2(mLSEacc[start + c + lane, row] - lse2, fastmath=True)
+                    n = cutlass.min(count - c, 32)
+                    for j in cutlass.range(part, n, self.wpr, unroll=UNROLL):
+                        wj = cute.arch.shuffle_sync(w, j)
+                        for k in cutlass.range_constexpr(self.n_vec):
+                            src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
+                                                  (lane + 32 * k,))
+                            acc[k].store(acc[k].load() + wj * src.load())
+            if const_expr(self.wpr > 1):
+                # Every warp of the CTA is here (the row and count are the CTA's).
+                for k in cutlass.range_constexpr(self.n_vec):
+                    for e in cutlass.range_constexpr(4):
+                        sAcc[4 * (lane + 32 * k) + e, part] = acc[k][e]
                 cute.arch.sync_threads()
-                mx = red[0]
-                for w in cutlass.range_constexpr(1, n_warps):
-                    mx = cute.arch.fmax(mx, red[w])
-                if mx != -Float32.inf:
-                    total = Float32(0.0)
-                    for i in cutlass.range(tidx, count, nt, unroll=1):
-                        total += cute.math.exp2(mLSEacc[start + i, row] - mx, fastmath=True)
-                    total = cute.arch.warp_reduction_sum(total)
-                    if tidx % 32 == 0:
-                        red[n_warps + tidx // 32] = total
-                    cute.arch.sync_threads()
-                    total = Float32(0.0)
-                    for w in cutlass.range_constexpr(n_warps):
-                        total += red[n_warps + w]
-                    lse2 = cute.math.log2(total, fastmath=False) + mx
-                    lse_out = lse2 * LN_2
-                    # Pieces in chunks of nt: weights to smem, then independent 16-byte loads.
-                    for c0 in cutlass.range(0, count, nt, unroll=1):
-                        n = cutlass.min(count - c0, nt)
-                        if tidx < n:
-                            sW[tidx] = cute.math.exp2(
-                                mLSEacc[start + c0 + tidx, row] - lse2, fastmath=True)
-                        cute.arch.sync_threads()
-                        for i in cutlass.range(n, unroll=UNROLL):
-                            src = cute.local_tile(mOacc[start + c0 + i, row, None], (4,),
-                                                  (tidx,))
-                            acc.store(acc.load() + sW[i] * src.load())
-                        cute.arch.sync_threads()
-            dst = cute.local_tile(mO[r, row, None], (4,), (tidx,))
-            dst.store(acc.load().to(self.dtype))
-            if tidx == 0:
-                mLSE[r, row % h_q, row // h_q] = lse_out
+            if part == 0:
+                for k in cutlass.range_constexpr(self.n_vec):
+                    if const_expr(self.wpr > 1):
+                        for e in cutlass.range_constexpr(4):
+                            col = 4 * (lane + 32 * k) + e
+                            acc[k][e] = sAcc[col, 0] + sAcc[col, 1] + sAcc[col, 2] + sAcc[col, 3]
+                    dst = cute.local_tile(mO[r, row, None], (4,), (lane + 32 * k,))
+                    dst.store(acc[k].load().to(self.dtype))
+                if lane == 0:
+                    h_q = mLSE.shape[1]
+                    mLSE[r, row % h_q, row // h_q] = lse_out

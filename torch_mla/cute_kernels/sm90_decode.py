@@ -54,6 +54,7 @@ N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS = 64, 6, 10
 
 # Named barrier ids (0 is __syncthreads).
 NB_SCALE0 = 1  # WG0 -> WG1: running max and scale0 of this pair are in smem
@@ -78,6 +79,23 @@ def _pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
                                  asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
+    """cp.async.bulk global <- shared::cta of nbytes (16-byte aligned), in a bulk group."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[cutlass.Int64(dst_addr), Int32(src_addr), Int32(nbytes)],
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def _globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
+    return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @cute.jit
 def fence_operand(t: cute.Tensor):
     """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
@@ -97,9 +115,12 @@ class MLADecodeSm90:
 
     num_threads = 256
 
-    def __init__(self, dtype, causal: bool):
+    def __init__(self, dtype, causal: bool, trace: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
+        # trace: a development build that takes one more argument, an int64 (ctas, 64) tensor,
+        # and writes %globaltimer stamps into it (see _stamp); tools/trace_decode.py reads them.
+        self.trace = bool(trace)
 
     @staticmethod
     def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
@@ -128,6 +149,7 @@ class MLADecodeSm90:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         scale_log2: Float32,
         stream,
+        mTrace: cute.Tensor = None,
     ):
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(
@@ -186,7 +208,7 @@ class MLADecodeSm90:
         num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2,
+            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace,
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
         ).launch(
@@ -215,6 +237,7 @@ class MLADecodeSm90:
         mOacc: cute.Tensor,
         mLSEacc: cute.Tensor,
         scale_log2: Float32,
+        mTrace,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tile_layout: cute.ComposedLayout,
@@ -264,6 +287,13 @@ class MLADecodeSm90:
             cute.arch.mbarrier_init(barQ, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
+        # finish before reading what it writes, so they only fill idle warp slots meanwhile.
+        cute.arch.griddepcontrol_launch_dependents()
+        cta = part * cute.arch.grid_dim()[0] + m_block
+        seg = cute.make_rmem_tensor(1, Int32)  # segment counter (trace builds only)
+        seg.fill(0)
+        self._stamp(mTrace, cta, 0, tidx, 0)
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
         sK_tiles = cute.flat_divide(sK, (PAGE, 64))  # (64, 64, 1, 9, 2)
@@ -327,23 +357,36 @@ class MLADecodeSm90:
         end_blk = meta_row[3]
         begin_split = meta_row[4]
 
+        # Scalars of the request a segment works on (L, its first two pages, its slot range),
+        # loaded one segment ahead so that their latency hides behind the previous segment.
+        req = cute.make_rmem_tensor(5, Int32)
+        self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
+                           cutlass.min(begin_req, mSeqlens.shape[0] - 1), begin_blk)
+        q_ready = cute.make_rmem_tensor(1, Int32)  # 1: the next segment's Q is already loading
+        q_ready.fill(0)
+
         for r in cutlass.range(begin_req, end_req + 1, unroll=1):
-            L = mSeqlens[r]
+            L = req[0]
+            page_lo = req[1]
+            page_lo1 = req[2]
+            slot0 = req[3]
+            pieces = req[4] - req[3]
             nb_req = (L + PAGE - 1) // PAGE
             lo = begin_blk if r == begin_req else 0
             hi = end_blk if r == end_req else nb_req
+            r_next = cutlass.min(r + 1, end_req)
+            self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:
                 n = hi - lo
                 split_idx = begin_split if r == begin_req else 0
-                pieces = mNumSplits[r + 1] - mNumSplits[r]
                 # Everyone is done with the previous segment's buffers and smem statistics.
                 cute.arch.sync_threads()
                 if tidx < 32:
-                    self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable[r, lo], 0, 0, N_TILES)
+                    if q_ready[0] == 0:
+                        self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
                     if n > 1:
-                        self._load_tiles(tma_k, tKgK, tKsK, barK, mBlockTable[r, lo + 1], 1, 0,
-                                         N_TILES)
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
                 if tidx < BLOCK_M:
                     sM[tidx] = -Float32.inf
                 acc_O.fill(0.0)
@@ -351,8 +394,11 @@ class MLADecodeSm90:
                 # Horizon of each of this thread's rows: keys < border are visible.
                 border = [self._row_border(L, m_block, r0), self._row_border(L, m_block, r0 + 8)]
                 min_border = self._row_border(L, m_block, 0)
+                ts = 1 + TRACE_PER_SEG * cutlass.min(seg[0], TRACE_SEGS - 1)
+                self._stamp(mTrace, cta, ts, tidx, 0)
                 cute.arch.mbarrier_wait(barQ, phase[2])
                 phase[2] = phase[2] ^ 1
+                self._stamp(mTrace, cta, ts + 1, tidx, 0)
                 cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
 
                 if wg == 0:
@@ -361,6 +407,7 @@ class MLADecodeSm90:
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
                     warpgroup.wait_group(0)
                     fence_operand(acc_S)
+                    self._stamp(mTrace, cta, ts + 2, tidx, 0)
                     wg0 = partial(
                         self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
                         min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
@@ -378,6 +425,7 @@ class MLADecodeSm90:
                         wg0(n_full, has1=True, has2=False)
                     else:
                         wg0(n_full, has1=False, has2=False)
+                    self._stamp(mTrace, cta, ts + 3, tidx, 0)
                 else:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
@@ -405,12 +453,35 @@ class MLADecodeSm90:
                             wg1(n_full + 1, has1=False, has3=False)
                         else:
                             wg1(n_full, has1=False, has3=False)
+                    self._stamp(mTrace, cta, ts + 4, tidx, 128)
+                # The next segment's Q can load while this one's output is written.
+                next_q = cutlass.Boolean(False)
+                if r + 1 <= end_req:
+                    hi_next = end_blk if r + 1 == end_req else (req[0] + PAGE - 1) // PAGE
+                    next_q = hi_next > 0
+                q_ready[0] = 0
+                if next_q:
+                    q_ready[0] = 1
                 self._epilogue(
-                    acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, mNumSplits, r,
-                    m_block, split_idx, pieces, wg, wtid, r0, c0,
+                    acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
+                    slot0 + split_idx, pieces, wg, wtid, r0, c0,
+                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
                 )
+                self._stamp(mTrace, cta, ts + 5, tidx, 0)
+                seg[0] = seg[0] + 1
+        self._stamp(mTrace, cta, TRACE_SLOTS - 1, tidx, 0)
 
     # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _stamp(self, mTrace, cta: Int32, slot, tidx: Int32, who: cutlass.Constexpr[int]):
+        """Trace builds: thread `who` writes %globaltimer (ns) to mTrace[cta, slot]. Slots: 0
+        kernel start, 63 end; per segment k (the last slot set is reused past 10 segments) at
+        1 + 6 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
+        done."""
+        if const_expr(self.trace):
+            if tidx == who:
+                mTrace[cta, slot] = _globaltimer()
+
     @cute.jit
     def _v_half(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
         off = s * PAGE * D_QK + h * HALF_V * PAGE  # elements; 1 KB aligned, swizzle-phase safe
@@ -701,11 +772,12 @@ class MLADecodeSm90:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, mNumSplits, r,
-                  m_block, split_idx, pieces, wg, wtid, r0, c0):
-        """Normalizes O and writes it (dtype) or the fp32 partial of a split request, staged
-        through shared memory (the page buffers are free now) so that global stores are
-        coalesced 16-byte vectors."""
+    def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
+                  slot, pieces, wg, wtid, r0, c0, next_q, tma_q, tma_mQ, sQ, barQ,
+                  r_next: Int32):
+        """Normalizes O and writes it (dtype) or the fp32 partial of a split request (slot).
+        Once both warpgroups are past their last MMA, the next segment's Q starts loading
+        (next_q); the output is staged in the page buffers and written by bulk copies."""
         tidx = wg * 128 + wtid
         for h in cutlass.range_constexpr(2):
             s = row_sum[h]
@@ -716,19 +788,20 @@ class MLADecodeSm90:
             for h in cutlass.range_constexpr(2):
                 sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
         cute.arch.sync_threads()
+        if next_q:
+            if tidx < 32:
+                self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
         total = [sL[r0] + sL[BLOCK_M + r0], sL[r0 + 8] + sL[BLOCK_M + r0 + 8]]
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
         inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
                Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
-        col_base = wg * HALF_V + c0
         if pieces > 1:
-            slot = mNumSplits[r] + split_idx
             self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
-                                  m_block, valid_rows, r0, col_base, tidx)
+                                  m_block, valid_rows, r0, c0, wg, wtid)
         else:
             self._stage_and_store(acc_O, inv, k_base, self.dtype, mO[r, None, None],
-                                  m_block, valid_rows, r0, col_base, tidx)
+                                  m_block, valid_rows, r0, c0, wg, wtid)
         if wg == 0:
             if wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
@@ -739,7 +812,7 @@ class MLADecodeSm90:
                             lse2 = -Float32.inf
                             if total[h] > 0.0:
                                 lse2 = cute.math.log2(total[h], fastmath=False) + m
-                            mLSEacc[mNumSplits[r] + split_idx, row] = lse2
+                            mLSEacc[slot, row] = lse2
                         else:
                             lse = Float32.inf
                             if total[h] > 0.0:
@@ -748,27 +821,44 @@ class MLADecodeSm90:
 
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
-                         m_block, valid_rows, r0, col_base, tidx):
-        """acc_O * inv -> smem (64 x 512, rows padded by 16 B against bank conflicts) -> rows
-        [0, valid_rows) of gOut[m_block * 64 + row, :] with 16-byte stores by all 256 threads."""
-        pad = 16 // (out_dtype.width // 8)
-        stride = D_V + pad
-        sO = cute.make_tensor(cute.recast_ptr(k_base, dtype=out_dtype),
-                              cute.make_layout((BLOCK_M, D_V), stride=(stride, 1)))
+                         m_block, valid_rows, r0, c0, wg, wtid):
+        """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
+        buffers, rows padded by 16 B against bank conflicts) -> rows [0, valid_rows) of
+        gOut[m_block * 64 + row, 256 wg:] by one bulk copy per row. The issuing threads wait
+        until the copies have read shared memory, so the buffers are free at the next
+        __syncthreads."""
+        nbytes = out_dtype.width // 8
+        stride = HALF_V + 16 // nbytes
+        base = cute.recast_ptr(k_base, dtype=out_dtype) + wg * (BLOCK_M * stride)
+        sO = cute.make_tensor(base, cute.make_layout((BLOCK_M, HALF_V), stride=(stride, 1)))
+        pair = cute.make_rmem_tensor(2, out_dtype)
         for h in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(HALF_V // 8):
                 for c in cutlass.range_constexpr(2):
-                    sO[r0 + 8 * h, col_base + 8 * j + c] = (
-                        acc_O[c + 2 * h + 4 * j] * inv[h]
-                    ).to(out_dtype)
-        cute.arch.sync_threads()
-        vec = 16 // (out_dtype.width // 8)  # elements per 16-byte chunk
-        chunks_per_row = D_V // vec
-        n_chunks = valid_rows * chunks_per_row
-        gRows = cute.local_tile(gOut, (BLOCK_M, D_V), (m_block, 0))
-        for i in cutlass.range(tidx, n_chunks, self.num_threads, unroll=4):
-            row = i // chunks_per_row
-            ch = i % chunks_per_row
-            src = cute.local_tile(sO[row, None], (vec,), (ch,))
-            dst = cute.local_tile(gRows[row, None], (vec,), (ch,))
-            dst.store(src.load())
+                    pair[c] = (acc_O[c + 2 * h + 4 * j] * inv[h]).to(out_dtype)
+                cute.local_tile(sO[r0 + 8 * h, None], (2,), (4 * j + c0 // 2,)).store(
+                    pair.load())
+        cute.arch.fence_view_async_shared()
+        if wg == 0:
+            cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
+        else:
+            cute.arch.barrier(barrier_id=NB_WG1, number_of_threads=128)
+        if wtid < valid_rows:
+            row = m_block * BLOCK_M + wtid
+            dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
+            src = base + wtid * stride
+            _bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+
+    @cute.jit
+    def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):
+        """req <- (L, pages lo and lo + 1, slot range start and end) of request r (loads only:
+        the values are read a segment later). Page indices are clamped to the table's row."""
+        last_col = mBlockTable.shape[1] - 1
+        req[0] = mSeqlens[r]
+        if last_col >= 0:
+            req[1] = mBlockTable[r, cutlass.min(lo, last_col)]
+            req[2] = mBlockTable[r, cutlass.min(lo + 1, last_col)]
+        req[3] = mNumSplits[r]
+        req[4] = mNumSplits[r + 1]

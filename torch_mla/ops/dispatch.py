@@ -38,7 +38,8 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
 
 def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
     b, s_q, h_q, _ = q.shape
-    decode, combine = _compiled_sm90(q.dtype, bool(causal) and s_q > 1)
+    decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
+    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0]))
     rows = s_q * h_q
     q3 = q.reshape(b, rows, D_QK)
     if not q3.is_contiguous() or q3.data_ptr() % 16:  # TMA needs 16-byte aligned rows
@@ -60,20 +61,34 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
     return out, lse
 
 
+def combine_warps_per_row(batch: int, num_parts: int) -> int:
+    """4 warps per row when requests are cut into many pieces each (batch well below the
+    number of parts: up to ~num_parts / batch + 1 pieces per request), else 1."""
+    return 4 if 4 * batch <= num_parts else 1
+
+
 @functools.lru_cache(maxsize=None)
-def _compiled_sm90(dtype: torch.dtype, causal: bool):
+def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    import cutlass
+    import cutlass.cute as cute
+
+    from ..cute_kernels.sm90_decode import MLADecodeSm90
+
+    cdt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+    return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass
     import cutlass.cute as cute
 
     from ..cute_kernels.combine import MLACombine
-    from ..cute_kernels.sm90_decode import MLADecodeSm90
 
     cdt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
-    return (
-        compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt),
-        compile_combine(cute, cutlass, MLACombine(cdt, D_V), cdt),
-    )
+    return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
 
 
 def _fake(cute, dtype, shape, stride, align=16):
@@ -99,6 +114,8 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt):
         f32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
+    if getattr(kernel, "trace", False):  # development builds: a (ctas, 64) int64 stamp table
+        args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 64), (64, 1), 8))
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")
 
 

@@ -1,0 +1,134 @@
+"""Per-CTA timeline of the SM90 decode kernel (development tool, needs the H200).
+
+    python tools/trace_decode.py [OUT_DIR] [B,S_Q,S_K,H_Q ...]
+
+Builds the kernel with trace=True (each CTA writes %globaltimer stamps, see
+MLADecodeSm90._stamp), runs it on the anchor workload of each configuration, prints where the
+time goes (segment start-up, per-block loop time, epilogue, tail imbalance) and saves the raw
+stamps with the schedule to OUT_DIR/trace_B_SQ_SK_HQ.pt for offline analysis. Also times the
+decode kernel alone, the combine kernel alone and the whole op in CUDA graphs.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import torch
+
+import torch_mla
+from torch_mla.scheduling import walk_schedule
+from torch_mla.testing import make_anchor_inputs
+
+DEFAULT = ["128,1,4096,128", "32,1,4096,128", "8,1,4096,128", "64,1,2048,16", "128,1,8192,16"]
+
+
+def graph_us(fn) -> float:
+    import triton.testing
+
+    fn()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s), torch.cuda.graph(g):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    return triton.testing.do_bench(g.replay, warmup=30, rep=200, return_mode="median") * 1e3
+
+
+def traced_kernel(causal: bool):
+    import cutlass
+    import cutlass.cute as cute
+
+    from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+    from torch_mla.ops.dispatch import compile_decode_sm90
+
+    return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, causal, trace=True),
+                               cutlass.BFloat16)
+
+
+def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]]) -> dict:
+    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order."""
+    t0 = stamps[:, 0].min().item()
+    st = (stamps - t0).double() / 1e3  # us from the first CTA's start
+    ends = st[:, 63]
+    q_lat, first_s, per_blk, epi, seg_over = [], [], [], [], []
+    for c, ss in enumerate(segs):
+        for k, (n, _split) in enumerate(ss[:10]):
+            b = 1 + 6 * k
+            start, q, s0, l0, l1, e = (st[c, b + j].item() for j in range(6))
+            q_lat.append(q - start)
+            first_s.append(s0 - q)
+            if n > 1:
+                per_blk.append((l0 - s0) / (n - 1))
+            epi.append(e - max(l0, l1))
+            seg_over.append((s0 - start) + (e - max(l0, l1)))
+
+    def avg(x):
+        return sum(x) / max(1, len(x))
+
+    return dict(span=ends.max().item(), start_skew=st[:, 0].max().item(),
+                end_min=ends.min().item(), end_med=ends.median().item(), end_max=ends.max().item(),
+                q_latency=avg(q_lat), first_s=avg(first_s), per_block=avg(per_blk),
+                epilogue=avg(epi), seg_overhead=avg(seg_over),
+                segs_per_cta=avg([len(s) for s in segs]))
+
+
+def trace_config(cfg: str, out_dir: str) -> None:
+    from torch_mla.ops import dispatch
+
+    b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
+    causal = s_q > 1
+    inp = make_anchor_inputs(b, s_q, h_q, s_k)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    rows = s_q * h_q
+    q3 = inp.q.reshape(b, rows, 576)
+    kv3 = inp.kv_cache.view(-1, 64, 576)
+    out3 = torch.empty(b, rows, 512, dtype=inp.q.dtype, device="cuda")
+    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
+    parts = sched.metadata.shape[0]
+    slots = b + parts
+    oacc = torch.empty(slots, rows, 512, dtype=torch.float32, device="cuda")
+    lseacc = torch.empty(slots, rows, dtype=torch.float32, device="cuda")
+    scale = 576**-0.5 * math.log2(math.e)
+    m_blocks = -(-rows // 64)
+    stamps = torch.zeros(parts * m_blocks, 64, dtype=torch.int64, device="cuda")
+    traced = traced_kernel(causal)
+    args = (q3, kv3, inp.block_table, inp.cache_seqlens, sched.metadata, sched.num_splits,
+            out3, lse, oacc, lseacc, scale)
+    for _ in range(3):
+        traced(*args, stamps)
+    torch.cuda.synchronize()
+    segs = [[] for _ in range(parts * m_blocks)]
+    for p, _r, lo, hi, slot in walk_schedule(sched.metadata, sched.num_splits,
+                                             inp.cache_seqlens):
+        for m in range(m_blocks):
+            segs[p * m_blocks + m].append((hi - lo, slot >= 0))
+    summ = summarize(stamps.cpu(), segs)
+    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal)
+    combine = dispatch._compiled_combine(inp.q.dtype, dispatch.combine_warps_per_row(b, parts))
+    t_dec = graph_us(lambda: decode(*args))
+    t_comb = graph_us(lambda: combine(sched.num_splits, oacc, lseacc, out3, lse))
+    t_all = graph_us(lambda: torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table,
+                                                  inp.cache_seqlens, sched, causal=causal))
+    torch.save(dict(stamps=stamps.cpu(), meta=sched.metadata.cpu(),
+                    num_splits=sched.num_splits.cpu(), seqlens=inp.cache_seqlens.cpu(),
+                    cfg=(b, s_q, s_k, h_q), t_dec=t_dec, t_comb=t_comb, t_all=t_all),
+               os.path.join(out_dir, f"trace_{b}_{s_q}_{s_k}_{h_q}.pt"))
+    print(f"{cfg}: op {t_all:.1f} us = decode {t_dec:.1f} + combine {t_comb:.1f} (alone); "
+          f"pieces {int(sched.num_splits[-1])}, parts {parts}")
+    print("   traced run: " + ", ".join(f"{k} {v:.2f}" for k, v in summ.items()))
+    sys.stdout.flush()
+
+
+def main():
+    out_dir = sys.argv[1] if len(sys.argv) > 1 else os.environ.get("OUT", "/tmp")
+    torch_mla.set_value_checks(False)
+    for cfg in sys.argv[2:] or DEFAULT:
+        trace_config(cfg, out_dir)
+
+
+if __name__ == "__main__":
+    main()
