@@ -14,6 +14,8 @@ CASES = [
     ([4096, 0, 65], 2, 128, True),
     ([64, 1, 2000, 130], 1, 128, False),
     ([20, 140, 4096, 0], 4, 9, True),
+    ([1], 1, 128, False),  # most parts lie inside the request's overhead units: no block
+    ([3000], 1, 64, False),  # one request cut into ~50 pieces: 4-warp combine
 ]
 
 

@@ -364,6 +364,12 @@ class MLADecodeSm90:
                            cutlass.min(begin_req, mSeqlens.shape[0] - 1), begin_blk)
         q_ready = cute.make_rmem_tensor(1, Int32)  # 1: the next segment's Q is already loading
         q_ready.fill(0)
+        # The first segment's Q can load now, while the scalars above are still in flight. (A
+        # part may lie wholly inside a request's overhead units: then it has no block at all.)
+        if begin_req < end_req or (begin_req == end_req and begin_blk < end_blk):
+            q_ready[0] = 1
+            if tidx < 32:
+                self._load_q(tma_q, tma_mQ, sQ, barQ, begin_req, m_block)
 
         for r in cutlass.range(begin_req, end_req + 1, unroll=1):
             L = req[0]
