@@ -24,6 +24,10 @@ page two blocks ahead; QK^T waits per 64-column tile, so it starts on the tiles 
 Shared memory: Q 72 KB + B0, B1 72 KB each + P0 8 KB; P1 lives in Q's last 64-column tile, which
 each warpgroup keeps in registers instead (the QK^T of that tile is register-sourced): ~226 KB.
 
+Between segments (a CTA's part may hold several requests): the next request's scalars (length,
+first pages, slots) are loaded a segment ahead, its Q loads during the epilogue, and each
+warpgroup stages its half of O in the page buffers and writes it with one bulk copy per row.
+
 Masking: keys at or past a row's horizon (L, or L - s_q + i + 1 for causal query token i) get
 -inf scores; a row that sees no key keeps max = -inf and sum = 0 (output 0, lse +inf). Rows of V
 past L in a request's last page are zeroed in shared memory before P V, since the cache may hold
