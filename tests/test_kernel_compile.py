@@ -17,7 +17,7 @@ from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
 compile_decode_sm90(cute, cutlass, MLADecodeSm90(dt, causal), dt)
-for wpr in (1, 4):
+for wpr in (1, 4, 16):
     compile_combine(cute, cutlass, MLACombine(dt, 512, wpr), dt)
 counts = {"decode": {}, "combine": {}}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):

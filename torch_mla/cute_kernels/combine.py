@@ -7,9 +7,10 @@ written in the output dtype, with the natural-log lse. Pieces that saw no key ha
 and weight 0; a row with no key at all gets O = 0 and lse = +inf. Requests done in one piece were
 written by the decode kernel and are skipped; requests with no key (k = 0) are written here.
 
-Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps. A row is merged by one warp (many short
-requests: few pieces each) or by all 4 warps of its CTA, which split the pieces and add their
-sums through shared memory (few long requests cut into many pieces, e.g. batch 1: ~60 pieces).
+Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps (16 with 16 warps per row). A row is merged
+by one warp (many short requests: few pieces each) or by 4 or 16 warps, which split the pieces
+and add their sums through shared memory (few long requests cut into many pieces, e.g. batch 1:
+~60 pieces per row).
 Lane j loads lse of piece j (32 pieces at a time) and the warp reduces them with shuffles, so a
 row costs two dependent global round trips (its lse values, then its partial rows); each lane
 owns 4 x 4 output columns (16-byte loads, the warp reads 512 contiguous bytes per load) and the
@@ -27,7 +28,6 @@ import cutlass.cute as cute
 from cutlass import Float32, const_expr
 
 LN_2 = math.log(2.0)
-WARPS = 4
 UNROLL = 4
 
 
@@ -37,12 +37,13 @@ class MLACombine:
 
     def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1):
         assert d_v % 128 == 0, d_v
-        assert warps_per_row in (1, WARPS), warps_per_row
+        assert warps_per_row in (1, 4, 16), warps_per_row
         self.dtype = dtype
         self.d_v = d_v
         self.n_vec = d_v // 128  # 16-byte vectors per lane
         self.wpr = warps_per_row
-        self.rows_per_cta = WARPS // warps_per_row
+        self.warps = max(4, warps_per_row)
+        self.rows_per_cta = self.warps // warps_per_row
 
     @cute.jit
     def __call__(
@@ -57,7 +58,7 @@ class MLACombine:
         b, rows = mO.shape[0], mO.shape[1]
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
-            block=[32 * WARPS, 1, 1], stream=stream, use_pdl=True,
+            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
         )
 
     @cute.kernel
@@ -72,8 +73,8 @@ class MLACombine:
         count = mNumSplits[r + 1] - start
         sAcc = None
         if const_expr(self.wpr > 1):
-            sAcc = cute.make_tensor(cute.arch.alloc_smem(Float32, WARPS * self.d_v, 16),
-                                    cute.make_layout((self.d_v, WARPS)))
+            sAcc = cute.make_tensor(cute.arch.alloc_smem(Float32, self.warps * self.d_v, 16),
+                                    cute.make_layout((self.d_v, self.warps)))
         if row < mO.shape[1] and count != 1:
             cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
             acc = [cute.make_rmem_tensor(4, Float32) for _ in range(self.n_vec)]
@@ -116,7 +117,10 @@ class MLACombine:
                     if const_expr(self.wpr > 1):
                         for e in cutlass.range_constexpr(4):
                             col = 4 * (lane + 32 * k) + e
-                            acc[k][e] = sAcc[col, 0] + sAcc[col, 1] + sAcc[col, 2] + sAcc[col, 3]
+                            v = sAcc[col, 0]
+                            for w in cutlass.range_constexpr(1, self.wpr):
+                                v += sAcc[col, w]
+                            acc[k][e] = v
                     dst = cute.local_tile(mO[r, row, None], (4,), (lane + 32 * k,))
                     dst.store(acc[k].load().to(self.dtype))
                 if lane == 0:

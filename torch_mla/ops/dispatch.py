@@ -62,8 +62,10 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
 
 
 def combine_warps_per_row(batch: int, num_parts: int) -> int:
-    """4 warps per row when requests are cut into many pieces each (batch well below the
-    number of parts: up to ~num_parts / batch + 1 pieces per request), else 1."""
+    """Warps of the combine kernel that merge one row: more when requests are cut into many
+    pieces each (up to about num_parts / batch + 1 per request), else 1."""
+    if 16 * batch <= num_parts:
+        return 16
     return 4 if 4 * batch <= num_parts else 1
 
 
