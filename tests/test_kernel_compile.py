@@ -49,3 +49,26 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal):
     comb = counts["combine"]
     assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0 and comb["st.local"] == 0, comb
     assert comb["griddepcontrol.wait"] >= 1 and comb["ld.global.v4"] > 0, comb
+
+
+TRACE_SCRIPT = r"""
+import glob, os
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import compile_decode_sm90
+from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, False, trace=True),
+                    cutlass.BFloat16)
+ptx = "".join(open(f).read() for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"],
+                                                               "*.ptx")))
+print(ptx.count("%globaltimer"))
+"""
+
+
+def test_sm90_trace_build_compiles(tmp_path):
+    """The development build used by tools/trace_decode.py (one more argument, stamps)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert int(res.stdout.strip().splitlines()[-1]) >= 8  # start, 6 per segment, end

@@ -81,11 +81,14 @@ def test_append_kv_all_padding_changes_nothing():
 def test_schedule_covers_every_block_once():
     from torch_mla.scheduling import compute_schedule, walk_schedule
 
+    cases = [(torch.tensor([1], dtype=torch.int32), 66)]  # parts inside the overhead units
     for _ in range(50):
         b = int(torch.randint(1, 40, ()))
         lens = torch.randint(0, 5000, (b,), dtype=torch.int32)
         lens[torch.rand(b) < 0.2] = 0
-        parts = int(torch.randint(1, 140, ()))
+        cases.append((lens, int(torch.randint(1, 140, ()))))
+    for lens, parts in cases:
+        b = lens.shape[0]
         meta, splits = compute_schedule(lens, parts)
         seen, slots = {}, set()
         for p, r, lo, hi, slot in walk_schedule(meta, splits, lens):
@@ -100,6 +103,13 @@ def test_schedule_covers_every_block_once():
             assert all((r, k) in seen for k in range(nb))
             assert len({seen[(r, k)] for k in range(nb)}) == int(splits[r + 1] - splits[r])
         assert int(splits[-1]) <= b + parts  # fits the static partial-result workspace
+        # The SM90 kernel loads a part's first Q before walking it, exactly when this says
+        # that the part has a first segment with blocks (short requests and many parts leave
+        # parts with none: a CTA must not exit with that load in flight).
+        first = {p: hi > lo for p, r, lo, hi, _ in walk_schedule(meta, splits, lens)
+                 if r == int(meta[p, 0])}
+        for p, (br, bb, er, eb, *_rest) in enumerate(meta.tolist()):
+            assert (br < er or (br == er and bb < eb)) == first.get(p, False), (p, br, bb, er, eb)
 
 
 def test_compat_flash_mla_both_forms():
