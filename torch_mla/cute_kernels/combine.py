@@ -21,6 +21,7 @@ only once it knows that it has something to merge.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import cutlass
@@ -29,6 +30,23 @@ from cutlass import Float32, const_expr
 
 LN_2 = math.log(2.0)
 UNROLL = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """How many warps merge one row (1, 4 or 16)."""
+
+    warps_per_row: int
+
+    @classmethod
+    def from_heuristic(cls, batch: int, num_parts: int) -> "CombineConfig":
+        # A request is cut into up to ~num_parts / batch + 1 pieces. H200, anchor workload,
+        # 1 / 4 / 16 warps per row (tools/sweep_schedule.py, docs/kernel-notes.md):
+        if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5 us
+            return cls(16)
+        if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5 us
+            return cls(4)
+        return cls(1)  # b=32 h128 (~3 pieces): 92.1 / 96.4 / 122.2 us
 
 
 class MLACombine:

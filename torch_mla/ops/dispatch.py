@@ -62,11 +62,9 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
 
 
 def combine_warps_per_row(batch: int, num_parts: int) -> int:
-    """Warps of the combine kernel that merge one row: more when requests are cut into many
-    pieces each (up to about num_parts / batch + 1 per request), else 1."""
-    if 16 * batch <= num_parts:
-        return 16
-    return 4 if 4 * batch <= num_parts else 1
+    from ..cute_kernels.combine import CombineConfig
+
+    return CombineConfig.from_heuristic(batch, num_parts).warps_per_row
 
 
 @functools.lru_cache(maxsize=None)
