@@ -144,3 +144,8 @@ class MLACombine:
                 if lane == 0:
                     h_q = mLSE.shape[1]
                     mLSE[r, row % h_q, row // h_q] = lse_out
+        if r == 0 and row_block == 0:
+            # Rows of unsplit requests return at once, so this grid could end before the decode
+            # kernel: one CTA waits for it, and the grid's completion (which later kernels in the
+            # stream wait for) then implies the decode kernel's.
+            cute.arch.griddepcontrol_wait()
