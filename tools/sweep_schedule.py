@@ -7,6 +7,7 @@ and the number of warps per row of the combine kernel."""
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch_mla
@@ -14,7 +15,7 @@ from torch_mla import scheduling
 from torch_mla.ops import dispatch
 from torch_mla.testing import make_anchor_inputs
 
-sys.path.insert(0, "benchmarks")
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_decode import graph_time_us  # noqa: E402
 
 

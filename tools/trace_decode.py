@@ -21,21 +21,10 @@ import torch_mla
 from torch_mla.scheduling import walk_schedule
 from torch_mla.testing import make_anchor_inputs
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_decode import graph_time_us as graph_us  # noqa: E402  (the anchors' timing method)
+
 DEFAULT = ["128,1,4096,128", "32,1,4096,128", "8,1,4096,128", "64,1,2048,16", "128,1,8192,16"]
-
-
-def graph_us(fn) -> float:
-    import triton.testing
-
-    fn()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s), torch.cuda.graph(g):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    return triton.testing.do_bench(g.replay, warmup=30, rep=200, return_mode="median") * 1e3
 
 
 def traced_kernel(causal: bool):

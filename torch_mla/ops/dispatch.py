@@ -61,7 +61,9 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
     return out, lse
 
 
+@functools.lru_cache(maxsize=None)
 def combine_warps_per_row(batch: int, num_parts: int) -> int:
+    """CombineConfig's choice, cached: it runs on every eager decode call."""
     from ..cute_kernels.combine import CombineConfig
 
     return CombineConfig.from_heuristic(batch, num_parts).warps_per_row
