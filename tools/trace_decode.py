@@ -39,29 +39,42 @@ def traced_kernel(causal: bool):
 
 
 def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]]) -> dict:
-    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order."""
+    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order. Means over
+    segments, in us: start -> Q landed, -> first S, loop time per block, epilogue phases (sync of
+    both warpgroups, staging, bulk-copy read wait, rest, WG1's end after WG0's), and the gap from
+    the epilogue's end to the next segment's start."""
+    from torch_mla.cute_kernels.sm90_decode import TRACE_PER_SEG, TRACE_SEGS
+
     t0 = stamps[:, 0].min().item()
     st = (stamps - t0).double() / 1e3  # us from the first CTA's start
     ends = st[:, 63]
-    q_lat, first_s, per_blk, epi, seg_over = [], [], [], [], []
+    keys = ("q_latency", "first_s", "per_block", "epi_sync", "epi_stage", "epi_bulk", "epi_rest",
+            "wg1_after", "epilogue", "gap_next")
+    acc = {k: [] for k in keys}
     for c, ss in enumerate(segs):
-        for k, (n, _split) in enumerate(ss[:10]):
-            b = 1 + 6 * k
-            start, q, s0, l0, l1, e = (st[c, b + j].item() for j in range(6))
-            q_lat.append(q - start)
-            first_s.append(s0 - q)
+        for k, (n, _split) in enumerate(ss[:TRACE_SEGS]):
+            v = st[c, 1 + TRACE_PER_SEG * k: 1 + TRACE_PER_SEG * (k + 1)].tolist()
+            start, q, s0, l0, l1, e, e_sync, e_stage, e_bulk, e1 = v
+            loop_end = max(l0, l1)
+            acc["q_latency"].append(q - start)
+            acc["first_s"].append(s0 - q)
             if n > 1:
-                per_blk.append((l0 - s0) / (n - 1))
-            epi.append(e - max(l0, l1))
-            seg_over.append((s0 - start) + (e - max(l0, l1)))
+                acc["per_block"].append((l0 - s0) / (n - 1))
+            acc["epi_sync"].append(e_sync - loop_end)
+            acc["epi_stage"].append(e_stage - e_sync)
+            acc["epi_bulk"].append(e_bulk - e_stage)
+            acc["epi_rest"].append(e - e_bulk)
+            acc["wg1_after"].append(e1 - e)
+            acc["epilogue"].append(max(e, e1) - loop_end)
+            if k + 1 < min(len(ss), TRACE_SEGS):
+                acc["gap_next"].append(st[c, 1 + TRACE_PER_SEG * (k + 1)].item() - max(e, e1))
 
     def avg(x):
         return sum(x) / max(1, len(x))
 
     return dict(span=ends.max().item(), start_skew=st[:, 0].max().item(),
                 end_min=ends.min().item(), end_med=ends.median().item(), end_max=ends.max().item(),
-                q_latency=avg(q_lat), first_s=avg(first_s), per_block=avg(per_blk),
-                epilogue=avg(epi), seg_overhead=avg(seg_over),
+                **{k: avg(v) for k, v in acc.items()},
                 segs_per_cta=avg([len(s) for s in segs]))
 
 

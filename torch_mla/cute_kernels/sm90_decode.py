@@ -58,7 +58,7 @@ N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS = 64, 6, 10
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS = 64, 10, 6
 
 # Named barrier ids (0 is __syncthreads).
 NB_SCALE0 = 1  # WG0 -> WG1: running max and scale0 of this pair are in smem
@@ -297,6 +297,7 @@ class MLADecodeSm90:
         cta = part * cute.arch.grid_dim()[0] + m_block
         seg = cute.make_rmem_tensor(1, Int32)  # segment counter (trace builds only)
         seg.fill(0)
+        self.d_trace, self.d_cta = mTrace, cta  # for the stamps inside the epilogue
         self._stamp(mTrace, cta, 0, tidx, 0)
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
@@ -475,9 +476,10 @@ class MLADecodeSm90:
                 self._epilogue(
                     acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                     slot0 + split_idx, pieces, wg, wtid, r0, c0,
-                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
+                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1, ts,
                 )
                 self._stamp(mTrace, cta, ts + 5, tidx, 0)
+                self._stamp(mTrace, cta, ts + 9, tidx, 128)
                 seg[0] = seg[0] + 1
         self._stamp(mTrace, cta, TRACE_SLOTS - 1, tidx, 0)
 
@@ -485,9 +487,10 @@ class MLADecodeSm90:
     @cute.jit
     def _stamp(self, mTrace, cta: Int32, slot, tidx: Int32, who: cutlass.Constexpr[int]):
         """Trace builds: thread `who` writes %globaltimer (ns) to mTrace[cta, slot]. Slots: 0
-        kernel start, 63 end; per segment k (the last slot set is reused past 10 segments) at
-        1 + 6 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
-        done."""
+        kernel start, 63 end; per segment k (the last slot set is reused past 6 segments) at
+        1 + 10 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
+        done (WG0), then inside the epilogue: both warpgroups synced, WG0's half of O staged,
+        its bulk copies read, and WG1's epilogue done."""
         if const_expr(self.trace):
             if tidx == who:
                 mTrace[cta, slot] = _globaltimer()
@@ -784,7 +787,7 @@ class MLADecodeSm90:
     @cute.jit
     def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                   slot, pieces, wg, wtid, r0, c0, next_q, tma_q, tma_mQ, sQ, barQ,
-                  r_next: Int32):
+                  r_next: Int32, ts: Int32):
         """Normalizes O and writes it (dtype) or the fp32 partial of a split request (slot).
         Once both warpgroups are past their last MMA, the next segment's Q starts loading
         (next_q); the output is staged in the page buffers and written by bulk copies."""
@@ -798,6 +801,7 @@ class MLADecodeSm90:
             for h in cutlass.range_constexpr(2):
                 sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
         cute.arch.sync_threads()
+        self._stamp(self.d_trace, self.d_cta, ts + 6, tidx, 0)
         if next_q:
             if tidx < 32:
                 self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
@@ -808,10 +812,10 @@ class MLADecodeSm90:
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
         if pieces > 1:
             self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid)
+                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
         else:
             self._stage_and_store(acc_O, inv, k_base, self.dtype, mO[r, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid)
+                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
         if wg == 0:
             if wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
@@ -831,7 +835,7 @@ class MLADecodeSm90:
 
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
-                         m_block, valid_rows, r0, c0, wg, wtid):
+                         m_block, valid_rows, r0, c0, wg, wtid, ts):
         """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
         buffers, rows padded by 16 B against bank conflicts) -> rows [0, valid_rows) of
         gOut[m_block * 64 + row, 256 wg:] by one bulk copy per row. The issuing threads wait
@@ -853,6 +857,7 @@ class MLADecodeSm90:
             cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
         else:
             cute.arch.barrier(barrier_id=NB_WG1, number_of_threads=128)
+        self._stamp(self.d_trace, self.d_cta, ts + 7, wg * 128 + wtid, 0)
         if wtid < valid_rows:
             row = m_block * BLOCK_M + wtid
             dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
@@ -860,6 +865,7 @@ class MLADecodeSm90:
             _bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self._stamp(self.d_trace, self.d_cta, ts + 8, wg * 128 + wtid, 0)
 
     @cute.jit
     def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):
