@@ -837,12 +837,16 @@ class MLADecodeSm90:
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
                          m_block, valid_rows, r0, c0, wg, wtid, ts):
         """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
-        buffers, rows padded by 16 B against bank conflicts) -> rows [0, valid_rows) of
-        gOut[m_block * 64 + row, 256 wg:] by one bulk copy per row. The issuing threads wait
+        buffers, rows padded by 8 elements so that the lanes of a store phase hit 32 distinct
+        banks) -> rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy
+        per row. The issuing threads wait
         until the copies have read shared memory, so the buffers are free at the next
         __syncthreads."""
         nbytes = out_dtype.width // 8
-        stride = HALF_V + 16 // nbytes
+        # Lane (k, m) = (lane // 4, lane % 4) stores at word k * stride_words + 2 m (fp32 pairs,
+        # two 16-lane phases) or k * stride_words + m (16-bit pairs, one phase): a stride of
+        # 8 words mod 32 (fp32) or 4 words mod 32 (16-bit) spreads them over all 32 banks.
+        stride = HALF_V + 8
         base = cute.recast_ptr(k_base, dtype=out_dtype) + wg * (BLOCK_M * stride)
         sO = cute.make_tensor(base, cute.make_layout((BLOCK_M, HALF_V), stride=(stride, 1)))
         pair = cute.make_rmem_tensor(2, out_dtype)
