@@ -5,7 +5,8 @@ the H200):
     python tools/ab_decode.py /tmp/old_decode.py 8,1,4096,128 32,1,4096,128 ...
 
 "new" is the kernel of the working tree (the dispatcher's), "old" the module file given first
-(compiled for bf16 with the same fake tensors). Per configuration (b,s_q,s_k,h_q; causal when
+(compiled for bf16 with the same fake tensors; --old-arg epilogue=direct passes constructor
+arguments, e.g. to an experiment's variant). Per configuration (b,s_q,s_k,h_q; causal when
 s_q > 1) both run the anchor workload through torch_mla.mla_decode, interleaved for --rounds
 rounds (run-to-run drift then hits both alike), each timed as bench_decode.py times it. Prints
 one line per configuration and marks a version whose output or lse differs bitwise from new's
@@ -41,12 +42,15 @@ def main(argv=None):
     ap.add_argument("old", help="path of the other sm90_decode.py")
     ap.add_argument("configs", nargs="+", metavar="B,S_Q,S_K,H_Q")
     ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--old-arg", action="append", default=[], metavar="KEY=VALUE",
+                    help="extra constructor argument of the old kernel class (a string)")
     args = ap.parse_args(argv)
 
     import cutlass
     import cutlass.cute as cute
 
     old_cls = load_old(args.old)
+    old_kwargs = dict(kv.split("=", 1) for kv in args.old_arg)
     new_fn = dispatch._compiled_decode_sm90
     old_cache = {}
 
@@ -54,7 +58,8 @@ def main(argv=None):
         if causal not in old_cache:
             assert dtype == torch.bfloat16, dtype
             old_cache[causal] = dispatch.compile_decode_sm90(
-                cute, cutlass, old_cls(cutlass.BFloat16, causal), cutlass.BFloat16)
+                cute, cutlass, old_cls(cutlass.BFloat16, causal, **old_kwargs),
+                cutlass.BFloat16)
         return old_cache[causal]
 
     versions = {"new": new_fn, "old": old_fn}
