@@ -38,13 +38,13 @@ def traced_kernel(causal: bool):
                                cutlass.BFloat16)
 
 
-def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]]) -> dict:
-    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order. Means over
-    segments, in us: start -> Q landed, -> first S, loop time per block, epilogue phases (sync of
-    both warpgroups, staging, bulk-copy read wait, rest, WG1's end after WG0's), and the gap from
-    the epilogue's end to the next segment's start."""
-    from torch_mla.cute_kernels.sm90_decode import TRACE_PER_SEG, TRACE_SEGS
-
+def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: int,
+              max_segs: int) -> dict:
+    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order; per_seg
+    and max_segs: the kernel's TRACE_PER_SEG and TRACE_SEGS. Means over segments, in us: start ->
+    Q landed, -> first S, loop time per block, epilogue phases (sync of both warpgroups, staging,
+    bulk-copy read wait, rest, WG1's end after WG0's), and the gap from the epilogue's end to the
+    next segment's start."""
     t0 = stamps[:, 0].min().item()
     st = (stamps - t0).double() / 1e3  # us from the first CTA's start
     ends = st[:, 63]
@@ -52,8 +52,8 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]]) -> dict:
             "wg1_after", "epilogue", "gap_next")
     acc = {k: [] for k in keys}
     for c, ss in enumerate(segs):
-        for k, (n, _split) in enumerate(ss[:TRACE_SEGS]):
-            v = st[c, 1 + TRACE_PER_SEG * k: 1 + TRACE_PER_SEG * (k + 1)].tolist()
+        for k, (n, _split) in enumerate(ss[:max_segs]):
+            v = st[c, 1 + per_seg * k: 1 + per_seg * (k + 1)].tolist()
             start, q, s0, l0, l1, e, e_sync, e_stage, e_bulk, e1 = v
             loop_end = max(l0, l1)
             acc["q_latency"].append(q - start)
@@ -66,8 +66,8 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]]) -> dict:
             acc["epi_rest"].append(e - e_bulk)
             acc["wg1_after"].append(e1 - e)
             acc["epilogue"].append(max(e, e1) - loop_end)
-            if k + 1 < min(len(ss), TRACE_SEGS):
-                acc["gap_next"].append(st[c, 1 + TRACE_PER_SEG * (k + 1)].item() - max(e, e1))
+            if k + 1 < min(len(ss), max_segs):
+                acc["gap_next"].append(st[c, 1 + per_seg * (k + 1)].item() - max(e, e1))
 
     def avg(x):
         return sum(x) / max(1, len(x))
@@ -108,7 +108,9 @@ def trace_config(cfg: str, out_dir: str) -> None:
                                              inp.cache_seqlens):
         for m in range(m_blocks):
             segs[p * m_blocks + m].append((hi - lo, slot >= 0))
-    summ = summarize(stamps.cpu(), segs)
+    from torch_mla.cute_kernels.sm90_decode import TRACE_PER_SEG, TRACE_SEGS
+
+    summ = summarize(stamps.cpu(), segs, TRACE_PER_SEG, TRACE_SEGS)
     decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal)
     combine = dispatch._compiled_combine(inp.q.dtype, dispatch.combine_warps_per_row(b, parts))
     t_dec = graph_us(lambda: decode(*args))

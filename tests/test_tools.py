@@ -1,0 +1,38 @@
+"""The development tools' arithmetic on CPU (their GPU parts run on the H200 only)."""
+
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
+import trace_decode  # noqa: E402
+
+
+def test_trace_summary_reads_the_slot_layout():
+    """Two CTAs, three segments, stamps in ns: the means come out of the right slots."""
+    per_seg = 10  # start, Q, first S, WG0 loop end, WG1 loop end, E, synced, staged, bulk, E1
+    stamps = torch.zeros(2, 64, dtype=torch.int64)
+    stamps[0, 0], stamps[0, 63] = 1000, 13200
+    stamps[0, 1:11] = torch.tensor([2000, 2500, 3000, 7000, 7400, 9000, 8000, 8500, 8800, 8900])
+    stamps[0, 11:21] = torch.tensor([9500, 9600, 10000, 12000, 11900, 13000, 12300, 12600,
+                                     12900, 13100])
+    stamps[1, 0], stamps[1, 63] = 1100, 3700
+    stamps[1, 1:11] = torch.tensor([1500, 1700, 2000, 2500, 2600, 3600, 2800, 3100, 3400, 3500])
+    segs = [[(5, True), (3, False)], [(1, True)]]
+    s = trace_decode.summarize(stamps, segs, per_seg, 6)
+    approx = pytest.approx
+    assert s["span"] == approx(12.2) and s["start_skew"] == approx(0.1)
+    assert s["end_min"] == approx(2.7) and s["end_max"] == approx(12.2)
+    assert s["q_latency"] == approx((0.5 + 0.1 + 0.2) / 3)
+    assert s["first_s"] == approx((0.5 + 0.4 + 0.3) / 3)
+    assert s["per_block"] == approx(1.0)  # (7.0 - 3.0) / 4 and (12.0 - 10.0) / 2
+    assert s["epi_sync"] == approx((0.6 + 0.3 + 0.2) / 3)
+    assert s["epi_stage"] == approx((0.5 + 0.3 + 0.3) / 3)
+    assert s["epi_bulk"] == approx((0.3 + 0.3 + 0.3) / 3)
+    assert s["epi_rest"] == approx((0.2 + 0.1 + 0.2) / 3)
+    assert s["wg1_after"] == approx((-0.1 + 0.1 - 0.1) / 3)
+    assert s["epilogue"] == approx((1.6 + 1.1 + 1.0) / 3)
+    assert s["gap_next"] == approx(0.5)  # only CTA 0 has a next segment
+    assert s["segs_per_cta"] == approx(1.5)
