@@ -41,10 +41,10 @@ def traced_kernel(causal: bool):
 def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: int,
               max_segs: int) -> dict:
     """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order; per_seg
-    and max_segs: the kernel's TRACE_PER_SEG and TRACE_SEGS. Means over segments, in us: start ->
-    Q landed, -> first S, loop time per block, epilogue phases (sync of both warpgroups, staging,
-    bulk-copy read wait, rest, WG1's end after WG0's), and the gap from the epilogue's end to the
-    next segment's start."""
+    and max_segs: the kernel's TRACE_PER_SEG (the 10 slots unpacked below) and TRACE_SEGS.
+    Means over segments, in us: start -> Q landed, -> first S, loop time per block, epilogue
+    phases (sync of both warpgroups, staging, bulk-copy read wait, rest, WG1's end after WG0's),
+    and the gap from the epilogue's end to the next segment's start."""
     t0 = stamps[:, 0].min().item()
     st = (stamps - t0).double() / 1e3  # us from the first CTA's start
     ends = st[:, 63]

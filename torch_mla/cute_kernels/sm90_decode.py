@@ -839,9 +839,8 @@ class MLADecodeSm90:
         """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
         buffers, rows padded by 8 elements so that the lanes of a store phase hit 32 distinct
         banks) -> rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy
-        per row. The issuing threads wait
-        until the copies have read shared memory, so the buffers are free at the next
-        __syncthreads."""
+        per row. The issuing threads wait until the copies have read shared memory, so the
+        buffers are free at the next __syncthreads."""
         nbytes = out_dtype.width // 8
         # Lane (k, m) = (lane // 4, lane % 4) stores at word k * stride_words + 2 m (fp32 pairs,
         # two 16-lane phases) or k * stride_words + m (16-bit pairs, one phase): a stride of
