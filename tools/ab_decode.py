@@ -6,9 +6,10 @@
     git show BRANCH:torch_mla/cute_kernels/combine.py > /tmp/old_combine.py
     python tools/ab_decode.py --kernel combine /tmp/old_combine.py 8,1,4096,128 ...
 
-"new" is the kernel of the working tree (the dispatcher's), "old" the module file given first
-(compiled for bf16 with the same fake tensors; --old-arg epilogue=direct passes constructor
-arguments to the decode kernel class, e.g. to an experiment's variant). Per configuration
+"new" is the kernel of the working tree (the dispatcher's); every other version is a module file
+given among the arguments (any argument ending in .py; several may be given, each named by its
+file's stem), compiled for bf16 with the same fake tensors (--old-arg epilogue=direct passes
+constructor arguments to their kernel classes, e.g. to an experiment's variant). Per configuration
 (b,s_q,s_k,h_q; causal when s_q > 1) both run the anchor workload through
 torch_mla.mla_decode, interleaved for --rounds rounds (run-to-run drift then hits both alike),
 each timed as bench_decode.py times it. Prints one line per configuration and marks a version
@@ -33,7 +34,7 @@ from bench_decode import graph_time_us  # noqa: E402  (the anchors' timing metho
 
 
 def load_old(path: str, name: str = "MLADecodeSm90"):
-    spec = importlib.util.spec_from_file_location("old_kernel_module", path)
+    spec = importlib.util.spec_from_file_location(f"ab_module_{len(sys.modules)}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
@@ -42,13 +43,18 @@ def load_old(path: str, name: str = "MLADecodeSm90"):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("old", help="path of the other sm90_decode.py (or combine.py)")
     ap.add_argument("--kernel", choices=("decode", "combine"), default="decode")
-    ap.add_argument("configs", nargs="+", metavar="B,S_Q,S_K,H_Q")
+    ap.add_argument("items", nargs="+", metavar="OTHER.py | B,S_Q,S_K,H_Q",
+                    help="other versions' module files (sm90_decode.py or combine.py copies) "
+                         "and configurations")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--old-arg", action="append", default=[], metavar="KEY=VALUE",
                     help="extra constructor argument of the old kernel class (a string)")
     args = ap.parse_args(argv)
+    others = [x for x in args.items if x.endswith(".py")]
+    args.configs = [x for x in args.items if not x.endswith(".py")]
+    if not others or not args.configs:
+        ap.error("give at least one module file and one configuration")
 
     import cutlass
     import cutlass.cute as cute
@@ -56,29 +62,34 @@ def main(argv=None):
     old_kwargs = dict(kv.split("=", 1) for kv in args.old_arg)
     attr = "_compiled_decode_sm90" if args.kernel == "decode" else "_compiled_combine"
     new_fn = getattr(dispatch, attr)
-    old_cache = {}
-    if args.kernel == "decode":
-        old_cls = load_old(args.old)
+    def make_fn(path):
+        cache = {}
+        if args.kernel == "decode":
+            cls = load_old(path)
 
-        def old_fn(dtype, causal):
-            if causal not in old_cache:
-                assert dtype == torch.bfloat16, dtype
-                old_cache[causal] = dispatch.compile_decode_sm90(
-                    cute, cutlass, old_cls(cutlass.BFloat16, causal, **old_kwargs),
-                    cutlass.BFloat16)
-            return old_cache[causal]
-    else:
-        old_cls = load_old(args.old, "MLACombine")
+            def fn(dtype, causal):
+                if causal not in cache:
+                    assert dtype == torch.bfloat16, dtype
+                    cache[causal] = dispatch.compile_decode_sm90(
+                        cute, cutlass, cls(cutlass.BFloat16, causal, **old_kwargs),
+                        cutlass.BFloat16)
+                return cache[causal]
+        else:
+            cls = load_old(path, "MLACombine")
 
-        def old_fn(dtype, warps_per_row):
-            if warps_per_row not in old_cache:
-                assert dtype == torch.bfloat16, dtype
-                old_cache[warps_per_row] = dispatch.compile_combine(
-                    cute, cutlass, old_cls(cutlass.BFloat16, dispatch.D_V, warps_per_row),
-                    cutlass.BFloat16)
-            return old_cache[warps_per_row]
+            def fn(dtype, warps_per_row):
+                if warps_per_row not in cache:
+                    assert dtype == torch.bfloat16, dtype
+                    cache[warps_per_row] = dispatch.compile_combine(
+                        cute, cutlass, cls(cutlass.BFloat16, dispatch.D_V, warps_per_row),
+                        cutlass.BFloat16)
+                return cache[warps_per_row]
+        return fn
 
-    versions = {"new": new_fn, "old": old_fn}
+    versions = {"new": new_fn}
+    for path in others:
+        name = os.path.splitext(os.path.basename(path))[0]
+        versions[name if name not in versions else path] = make_fn(path)
     torch_mla.set_value_checks(False)
     out_file = os.path.join(os.environ["OUT"], "ab.txt") if os.environ.get("OUT") else None
     try:
