@@ -36,3 +36,19 @@ def test_trace_summary_reads_the_slot_layout():
     assert s["epilogue"] == approx((1.6 + 1.1 + 1.0) / 3)
     assert s["gap_next"] == approx(0.5)  # only CTA 0 has a next segment
     assert s["segs_per_cta"] == approx(1.5)
+
+
+def test_pair_times_buckets_by_start_and_skips_segment_tails():
+    """One CTA, two segments of 9 and 6 blocks: pairs stamped at pair0 + pairs * k + i."""
+    pair0, pairs = 64, 32
+    stamps = torch.zeros(1, 128, dtype=torch.int64)
+    stamps[0, 0] = 1000
+    # segment 0: 5 pairs starting at 2, 8, 13, 17, 21 us -> durations 6, 5, 4 kept; the last two
+    # pairs (17 -> 21, and the last one, which has no successor) are left out
+    stamps[0, 64:69] = torch.tensor([3000, 9000, 14000, 18000, 22000])
+    # segment 1: 3 pairs at 31, 35, 39 us -> only the first pair's duration (4) is kept
+    stamps[0, 96:99] = torch.tensor([32000, 36000, 40000])
+    segs = [[(9, True), (6, True)]]
+    res = trace_decode.pair_times(stamps, segs, pair0, pairs, 2, bucket_us=10.0)
+    assert res == {0.0: (pytest.approx(6.0), 2), 10.0: (pytest.approx(4.0), 1),
+                   30.0: (pytest.approx(4.0), 1)}

@@ -4,7 +4,8 @@
 
 Builds the kernel with trace=True (each CTA writes %globaltimer stamps, see
 MLADecodeSm90._stamp), runs it on the anchor workload of each configuration, prints where the
-time goes (segment start-up, per-block loop time, epilogue, tail imbalance) and saves the raw
+time goes (segment start-up, per-block loop time, epilogue, tail imbalance, the duration of a
+pair of blocks by when it starts) and saves the raw
 stamps with the schedule to OUT_DIR/trace_B_SQ_SK_HQ.pt for offline analysis. Also times the
 decode kernel alone, the combine kernel alone and the whole op in CUDA graphs.
 """
@@ -40,8 +41,9 @@ def traced_kernel(causal: bool):
 
 def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: int,
               max_segs: int) -> dict:
-    """stamps: (ctas, 64) int64 ns; segs[cta]: (blocks, split?) per segment, in order; per_seg
-    and max_segs: the kernel's TRACE_PER_SEG (the 10 slots unpacked below) and TRACE_SEGS.
+    """stamps: (ctas, slots) int64 ns (slot 0 start, 63 end); segs[cta]: (blocks, split?) per
+    segment, in order; per_seg and max_segs: the kernel's TRACE_PER_SEG (the 10 slots unpacked
+    below) and TRACE_SEGS.
     Means over segments, in us: start -> Q landed, -> first S, loop time per block, epilogue
     phases (sync of both warpgroups, staging, bulk-copy read wait, rest, WG1's end after WG0's),
     and the gap from the epilogue's end to the next segment's start."""
@@ -78,6 +80,26 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: 
                 segs_per_cta=avg([len(s) for s in segs]))
 
 
+def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: int, pairs: int,
+               pair_segs: int, bucket_us: float = 10.0) -> dict:
+    """Steady-state pair durations by when they start. stamps and segs as in summarize; pair0,
+    pairs, pair_segs: the kernel's TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS (WG0 stamps the
+    start of pair i of segment k at pair0 + pairs * k + i). A pair's duration is the time to the
+    next pair's start; a segment's last two pairs are left out (the tail and the epilogue's
+    neighbourhood). Returns {bucket start in us from the first CTA's start: (median, count)}."""
+    t0 = stamps[:, 0].min().item()
+    st = (stamps - t0).double() / 1e3
+    buckets: dict[float, list[float]] = {}
+    for c, ss in enumerate(segs):
+        for k, (n, _split) in enumerate(ss[:pair_segs]):
+            npairs = min((n + 1) // 2, pairs)
+            for i in range(npairs - 2):
+                t = st[c, pair0 + pairs * k + i].item()
+                dur = st[c, pair0 + pairs * k + i + 1].item() - t
+                buckets.setdefault(t // bucket_us * bucket_us, []).append(dur)
+    return {b: (sorted(v)[len(v) // 2], len(v)) for b, v in sorted(buckets.items())}
+
+
 def trace_config(cfg: str, out_dir: str) -> None:
     from torch_mla.ops import dispatch
 
@@ -96,7 +118,16 @@ def trace_config(cfg: str, out_dir: str) -> None:
     lseacc = torch.empty(slots, rows, dtype=torch.float32, device="cuda")
     scale = 576**-0.5 * math.log2(math.e)
     m_blocks = -(-rows // 64)
-    stamps = torch.zeros(parts * m_blocks, 64, dtype=torch.int64, device="cuda")
+    from torch_mla.cute_kernels.sm90_decode import (
+        TRACE_PAIR0,
+        TRACE_PAIR_SEGS,
+        TRACE_PAIRS,
+        TRACE_PER_SEG,
+        TRACE_SEGS,
+        TRACE_SLOTS,
+    )
+
+    stamps = torch.zeros(parts * m_blocks, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     traced = traced_kernel(causal)
     args = (q3, kv3, inp.block_table, inp.cache_seqlens, sched.metadata, sched.num_splits,
             out3, lse, oacc, lseacc, scale)
@@ -108,9 +139,8 @@ def trace_config(cfg: str, out_dir: str) -> None:
                                              inp.cache_seqlens):
         for m in range(m_blocks):
             segs[p * m_blocks + m].append((hi - lo, slot >= 0))
-    from torch_mla.cute_kernels.sm90_decode import TRACE_PER_SEG, TRACE_SEGS
-
     summ = summarize(stamps.cpu(), segs, TRACE_PER_SEG, TRACE_SEGS)
+    pairs = pair_times(stamps.cpu(), segs, TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS)
     decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal)
     combine = dispatch._compiled_combine(inp.q.dtype, dispatch.combine_warps_per_row(b, parts))
     t_dec = graph_us(lambda: decode(*args))
@@ -124,6 +154,8 @@ def trace_config(cfg: str, out_dir: str) -> None:
     print(f"{cfg}: op {t_all:.1f} us = decode {t_dec:.1f} + combine {t_comb:.1f} (alone); "
           f"pieces {int(sched.num_splits[-1])}, parts {parts}")
     print("   traced run: " + ", ".join(f"{k} {v:.2f}" for k, v in summ.items()))
+    print("   pair of blocks (us) by start time: " + "  ".join(
+        f"{b:.0f}+: {med:.2f} (n {cnt})" for b, (med, cnt) in pairs.items()))
     sys.stdout.flush()
 
 

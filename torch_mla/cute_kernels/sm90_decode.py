@@ -58,7 +58,9 @@ N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS = 64, 10, 6
+# Trace builds' stamp table (slots per CTA; see MLADecodeSm90._stamp).
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
+TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS = 64, 32, 2
 # L2 cache-policy operand of the cache-page TMA loads (PTX createpolicy encoding of evict_first,
 # CUTLASS's CacheHintSm90::EVICT_FIRST). Each page is read by the part's m-block CTAs within a few
 # microseconds and never again, so its lines should be the first to go: with the default policy
@@ -128,7 +130,7 @@ class MLADecodeSm90:
     def __init__(self, dtype, causal: bool, trace: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
-        # trace: a development build that takes one more argument, an int64 (ctas, 64) tensor,
+        # trace: a development build that takes one more argument, an int64 (ctas, 128) tensor,
         # and writes %globaltimer stamps into it (see _stamp); tools/trace_decode.py reads them.
         self.trace = bool(trace)
 
@@ -304,6 +306,7 @@ class MLADecodeSm90:
         seg = cute.make_rmem_tensor(1, Int32)  # segment counter (trace builds only)
         seg.fill(0)
         self.d_trace, self.d_cta = mTrace, cta  # for the stamps inside the epilogue
+        self.d_seg = seg  # and inside the pairs
         self._stamp(mTrace, cta, 0, tidx, 0)
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
@@ -487,7 +490,7 @@ class MLADecodeSm90:
                 self._stamp(mTrace, cta, ts + 5, tidx, 0)
                 self._stamp(mTrace, cta, ts + 9, tidx, 128)
                 seg[0] = seg[0] + 1
-        self._stamp(mTrace, cta, TRACE_SLOTS - 1, tidx, 0)
+        self._stamp(mTrace, cta, TRACE_END, tidx, 0)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -496,7 +499,8 @@ class MLADecodeSm90:
         kernel start, 63 end; per segment k (the last slot set is reused past 6 segments) at
         1 + 10 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
         done (WG0), then inside the epilogue: both warpgroups synced, WG0's half of O staged,
-        its bulk copies read, and WG1's epilogue done."""
+        its bulk copies read, and WG1's epilogue done. Slots 64 + 32 k + i (k < 2, i < 32, the
+        last reused): WG0 starts pair i of segment k, i.e. S of its block 2 i is ready."""
         if const_expr(self.trace):
             if tidx == who:
                 mTrace[cta, slot] = _globaltimer()
@@ -675,6 +679,10 @@ class MLADecodeSm90:
         then serialize every wgmma of the kernel)."""
         blk0 = lo + 2 * i
         last = lo + n - 1
+        if const_expr(self.trace):
+            k = cutlass.min(self.d_seg[0], TRACE_PAIR_SEGS - 1)
+            self._stamp(self.d_trace, self.d_cta,
+                        TRACE_PAIR0 + TRACE_PAIRS * k + cutlass.min(i, TRACE_PAIRS - 1), wtid, 0)
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]

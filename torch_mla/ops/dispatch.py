@@ -116,8 +116,8 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt):
         f32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
-    if getattr(kernel, "trace", False):  # development builds: a (ctas, 64) int64 stamp table
-        args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 64), (64, 1), 8))
+    if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
+        args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
     return cute.compile(kernel, *args, options="--enable-tvm-ffi")
 
 
