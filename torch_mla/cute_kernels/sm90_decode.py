@@ -63,9 +63,11 @@ TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
 TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS = 64, 32, 2
 # L2 cache-policy operand of the cache-page TMA loads (PTX createpolicy encoding of evict_first,
 # CUTLASS's CacheHintSm90::EVICT_FIRST). Each page is read by the part's m-block CTAs within a few
-# microseconds and never again, so its lines should be the first to go: with the default policy
-# they displaced dirty lines left by earlier kernels, whose write-backs slowed the first ~30 us of
-# every launch (traced: pairs of blocks took 5.3-8.6 us there against 4.0 later).
+# microseconds and never again, so its lines should be the first to go. Measured on the H200:
+# 2.4-4.8 us faster on the small anchor rows (docs/kernel-notes.md, v7). The trace before it had
+# pairs of blocks taking 5.3-8.6 us in a launch's first ~30 us against 4.0 later; the suspected
+# cause, write-backs of dirty lines that earlier kernels left in L2 and the page loads evicted,
+# is not confirmed.
 L2_EVICT_FIRST = 0x12F0000000000000
 
 # Named barrier ids (0 is __syncthreads).
