@@ -49,7 +49,8 @@ def main(argv=None):
                          "and configurations")
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--old-arg", action="append", default=[], metavar="KEY=VALUE",
-                    help="extra constructor argument of the old kernel class (a string)")
+                    help="extra constructor argument of the other versions' kernel classes "
+                         "(a string)")
     args = ap.parse_args(argv)
     others = [x for x in args.items if x.endswith(".py")]
     args.configs = [x for x in args.items if not x.endswith(".py")]

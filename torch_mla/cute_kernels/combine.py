@@ -51,7 +51,7 @@ class CombineConfig:
 
 class MLACombine:
     """Split-KV combine; compiled per (dtype, d_v, warps_per_row); batch, s_q and h_q are
-    runtime values. warps_per_row: 1 or 4 warps merge one row (see the module docstring)."""
+    runtime values. warps_per_row: 1, 4 or 16 warps merge one row (see the module docstring)."""
 
     def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1):
         assert d_v % 128 == 0, d_v
