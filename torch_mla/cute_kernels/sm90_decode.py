@@ -531,7 +531,8 @@ class MLADecodeSm90:
         )
         with cute.arch.elect_one():
             cute.arch.mbarrier_arrive_and_expect_tx(barQ, BLOCK_M * D_QK * self.dtype.width // 8)
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ)
+        # Each CTA reads its Q tile once: evict_first as for the cache pages.
+        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
     def _load_tiles(self, tma_k, tKgK, tKsK, barK, page: Int32, s: cutlass.Constexpr[int],
