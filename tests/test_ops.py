@@ -112,6 +112,21 @@ def test_schedule_covers_every_block_once():
             assert (br < er or (br == er and bb < eb)) == first.get(p, False), (p, br, bb, er, eb)
 
 
+def test_schedule_balances_parts():
+    from torch_mla.scheduling import OVERHEAD_BLOCKS, compute_schedule, walk_schedule
+
+    g = torch.Generator().manual_seed(0)
+    lens = (2048 + 600 * torch.randn(64, generator=g)).clamp(min=1).to(torch.int32)
+    nb = (lens + 63) // 64
+    total = int(nb.sum()) + OVERHEAD_BLOCKS * 64
+    meta, splits = compute_schedule(lens, 132)
+    load = [0] * 132
+    for p, _r, lo, hi, _slot in walk_schedule(meta, splits, lens):
+        load[p] += hi - lo
+    # Every part gets blocks, and none more than its share of the stream, ceil(T / P) units.
+    assert min(load) > 0 and max(load) <= -(-total // 132), (min(load), max(load))
+
+
 def test_compat_flash_mla_both_forms():
     from torch_mla.compat.flash_mla import flash_mla_with_kvcache, get_mla_metadata
 
