@@ -147,7 +147,7 @@ def main(argv=None):
         fm = f"{anchor:.1f}" + (f" ({fm_us:.1f} here)" if fm_us == fm_us else "")
         print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "
               f"{tflops:.0f} | {gbps:.0f} | {100 * tflops / MATMUL_TFLOPS:.0f} | "
-              f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {anchor / us:.2f} | {err:.1e} |")
+              f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {anchor / us:.3f} | {err:.1e} |")
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
             sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)

@@ -5,11 +5,15 @@
     python tools/ab_decode.py /tmp/old_decode.py 8,1,4096,128 32,1,4096,128 ...
     git show BRANCH:torch_mla/cute_kernels/combine.py > /tmp/old_combine.py
     python tools/ab_decode.py --kernel combine /tmp/old_combine.py 8,1,4096,128 ...
+    git show HEAD~1:torch_mla/scheduling.py > /tmp/old_sched.py
+    python tools/ab_decode.py /tmp/old_sched.py 64,1,2048,16 ...
 
 "new" is the kernel of the working tree (the dispatcher's); every other version is a module file
 given among the arguments (any argument ending in .py; several may be given, each named by its
 file's stem), compiled for bf16 with the same fake tensors (--old-arg epilogue=direct passes
-constructor arguments to their kernel classes, e.g. to an experiment's variant). Per configuration
+constructor arguments to their kernel classes, e.g. to an experiment's variant). A module that
+defines compute_schedule and no kernel class is a version of torch_mla/scheduling.py: the working
+tree's kernels run with the schedule it computes. Per configuration
 (b,s_q,s_k,h_q; causal when s_q > 1) both run the anchor workload through
 torch_mla.mla_decode, interleaved for --rounds rounds (run-to-run drift then hits both alike),
 each timed as bench_decode.py times it. Prints one line per configuration and marks a version
@@ -27,18 +31,19 @@ import torch
 
 import torch_mla
 from torch_mla.ops import dispatch
+from torch_mla.ops import schedule as op_schedule
 from torch_mla.testing import make_anchor_inputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 from bench_decode import graph_time_us  # noqa: E402  (the anchors' timing method)
 
 
-def load_old(path: str, name: str = "MLADecodeSm90"):
+def load_module(path: str):
     spec = importlib.util.spec_from_file_location(f"ab_module_{len(sys.modules)}", path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod  # dataclasses look their module up there
     spec.loader.exec_module(mod)
-    return getattr(mod, name)
+    return mod
 
 
 def main(argv=None):
@@ -65,8 +70,14 @@ def main(argv=None):
     new_fn = getattr(dispatch, attr)
     def make_fn(path):
         cache = {}
-        if args.kernel == "decode":
-            cls = load_old(path)
+        mod = load_module(path)
+        if hasattr(mod, "compute_schedule") and not hasattr(mod, "MLADecodeSm90"):
+            # A scheduling.py version: the working tree's kernels with that split schedule.
+            def fn(*key):
+                return new_fn(*key)
+            fn.compute_schedule = mod.compute_schedule
+        elif args.kernel == "decode":
+            cls = mod.MLADecodeSm90
 
             def fn(dtype, causal):
                 if causal not in cache:
@@ -76,7 +87,7 @@ def main(argv=None):
                         cutlass.BFloat16)
                 return cache[causal]
         else:
-            cls = load_old(path, "MLACombine")
+            cls = mod.MLACombine
 
             def fn(dtype, warps_per_row):
                 if warps_per_row not in cache:
@@ -87,6 +98,7 @@ def main(argv=None):
                 return cache[warps_per_row]
         return fn
 
+    new_schedule = op_schedule.compute_schedule
     versions = {"new": new_fn}
     for path in others:
         name = os.path.splitext(os.path.basename(path))[0]
@@ -98,14 +110,19 @@ def main(argv=None):
             b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
             causal = s_q > 1
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
-            sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
-            call_args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
+            scheds = {}
+            for name, fn in versions.items():
+                op_schedule.compute_schedule = getattr(fn, "compute_schedule", new_schedule)
+                scheds[name] = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+            op_schedule.compute_schedule = new_schedule
             times = {name: [] for name in versions}
             differs = set()
             first = None
             for _ in range(args.rounds):
                 for name, fn in versions.items():
                     setattr(dispatch, attr, fn)
+                    call_args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens,
+                                 scheds[name])
                     out, lse = torch_mla.mla_decode(*call_args, causal=causal)
                     if first is None:
                         first = (out.clone(), lse.clone())
