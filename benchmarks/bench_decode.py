@@ -67,30 +67,37 @@ def graph_time_us(fn) -> float:
     return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
 
 
-def breakdown_us(inp, sched, causal):
-    """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
+def kernel_args(inp, sched):
+    """The decode kernel's arguments for these inputs (as ops/dispatch.py passes them), with
+    fresh output and workspace buffers: (q, kv, block_table, seqlens, metadata, num_splits, out,
+    lse, out_acc, lse_acc, scale_log2)."""
     import math
-
-    from torch_mla.ops import dispatch
 
     q = inp.q
     b, s_q, h_q, _ = q.shape
     rows = s_q * h_q
-    decode = dispatch._compiled_decode_sm90(q.dtype, causal and s_q > 1)
-    combine = dispatch._compiled_combine(
-        q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0]))
-    q3 = q.reshape(b, rows, 576)
-    kv3 = inp.kv_cache.view(-1, 64, 576)
-    out3 = torch.empty(b, rows, 512, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     slots = b + sched.metadata.shape[0]
-    oacc = torch.empty(slots, rows, 512, dtype=torch.float32, device=q.device)
-    lseacc = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
-    scale = 576**-0.5 * math.log2(math.e)
-    t_dec = graph_time_us(lambda: decode(q3, kv3, inp.block_table, inp.cache_seqlens,
-                                         sched.metadata, sched.num_splits, out3, lse, oacc,
-                                         lseacc, scale))
-    t_comb = graph_time_us(lambda: combine(sched.num_splits, oacc, lseacc, out3, lse))
+    return (q.reshape(b, rows, 576), inp.kv_cache.view(-1, 64, 576), inp.block_table,
+            inp.cache_seqlens, sched.metadata, sched.num_splits,
+            torch.empty(b, rows, 512, dtype=q.dtype, device=q.device),
+            torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device),
+            torch.empty(slots, rows, 512, dtype=torch.float32, device=q.device),
+            torch.empty(slots, rows, dtype=torch.float32, device=q.device),
+            576**-0.5 * math.log2(math.e))
+
+
+def breakdown_us(inp, sched, causal):
+    """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
+    from torch_mla.ops import dispatch
+
+    b, s_q = inp.q.shape[:2]
+    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
+    combine = dispatch._compiled_combine(
+        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0]))
+    args = kernel_args(inp, sched)
+    num_splits, out3, lse, oacc, lseacc = args[5:10]
+    t_dec = graph_time_us(lambda: decode(*args))
+    t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse))
     return t_dec, t_comb
 
 

@@ -12,7 +12,6 @@ decode kernel alone, the combine kernel alone and the whole op in CUDA graphs.
 
 from __future__ import annotations
 
-import math
 import os
 import sys
 
@@ -23,6 +22,7 @@ from torch_mla.scheduling import walk_schedule
 from torch_mla.testing import make_anchor_inputs
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+from bench_decode import breakdown_us, kernel_args  # noqa: E402
 from bench_decode import graph_time_us as graph_us  # noqa: E402  (the anchors' timing method)
 
 DEFAULT = ["128,1,4096,128", "32,1,4096,128", "8,1,4096,128", "64,1,2048,16", "128,1,8192,16"]
@@ -101,22 +101,12 @@ def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: i
 
 
 def trace_config(cfg: str, out_dir: str) -> None:
-    from torch_mla.ops import dispatch
-
     b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
     causal = s_q > 1
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     rows = s_q * h_q
-    q3 = inp.q.reshape(b, rows, 576)
-    kv3 = inp.kv_cache.view(-1, 64, 576)
-    out3 = torch.empty(b, rows, 512, dtype=inp.q.dtype, device="cuda")
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device="cuda")
     parts = sched.metadata.shape[0]
-    slots = b + parts
-    oacc = torch.empty(slots, rows, 512, dtype=torch.float32, device="cuda")
-    lseacc = torch.empty(slots, rows, dtype=torch.float32, device="cuda")
-    scale = 576**-0.5 * math.log2(math.e)
     m_blocks = -(-rows // 64)
     from torch_mla.cute_kernels.sm90_decode import (
         TRACE_PAIR0,
@@ -129,8 +119,7 @@ def trace_config(cfg: str, out_dir: str) -> None:
 
     stamps = torch.zeros(parts * m_blocks, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     traced = traced_kernel(causal)
-    args = (q3, kv3, inp.block_table, inp.cache_seqlens, sched.metadata, sched.num_splits,
-            out3, lse, oacc, lseacc, scale)
+    args = kernel_args(inp, sched)
     for _ in range(3):
         traced(*args, stamps)
     torch.cuda.synchronize()
@@ -141,10 +130,7 @@ def trace_config(cfg: str, out_dir: str) -> None:
             segs[p * m_blocks + m].append((hi - lo, slot >= 0))
     summ = summarize(stamps.cpu(), segs, TRACE_PER_SEG, TRACE_SEGS)
     pairs = pair_times(stamps.cpu(), segs, TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS)
-    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal)
-    combine = dispatch._compiled_combine(inp.q.dtype, dispatch.combine_warps_per_row(b, parts))
-    t_dec = graph_us(lambda: decode(*args))
-    t_comb = graph_us(lambda: combine(sched.num_splits, oacc, lseacc, out3, lse))
+    t_dec, t_comb = breakdown_us(inp, sched, causal)
     t_all = graph_us(lambda: torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table,
                                                   inp.cache_seqlens, sched, causal=causal))
     torch.save(dict(stamps=stamps.cpu(), meta=sched.metadata.cpu(),

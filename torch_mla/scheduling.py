@@ -87,9 +87,9 @@ def compute_schedule(
     last_part = ((first_real + nb) * num_parts + t - 1) // t - 1
     # Pieces are counted over non-empty parts only (parts are empty only when T < P).
     rank = torch.cumsum(nonempty.to(torch.int64), 0) - 1
-    nsplit = torch.where(nb > 0, rank[last_part.clamp(0, num_parts - 1)]
-                         - rank[first_part.clamp(0, num_parts - 1)] + 1, 0)
-    begin_split = (rank - rank[first_part[bi].clamp(0, num_parts - 1)]).clamp(min=0)
+    first_rank = rank[first_part.clamp(0, num_parts - 1)]
+    nsplit = torch.where(nb > 0, rank[last_part.clamp(0, num_parts - 1)] - first_rank + 1, 0)
+    begin_split = (rank - first_rank[bi]).clamp(min=0)
     meta[:, 0] = torch.where(nonempty, begin_req, b).to(torch.int32)
     meta[:, 1] = torch.where(nonempty, begin_blk, 0).to(torch.int32)
     meta[:, 2] = torch.where(nonempty, end_req, b - 1).to(torch.int32)

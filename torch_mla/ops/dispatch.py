@@ -69,27 +69,28 @@ def combine_warps_per_row(batch: int, num_parts: int) -> int:
     return CombineConfig.from_heuristic(batch, num_parts).warps_per_row
 
 
-@functools.lru_cache(maxsize=None)
-def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
+def _dsl(dtype: torch.dtype):
+    """(cute, cutlass, the DSL's element type for dtype); imports the DSL for SM90 by default."""
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     import cutlass
     import cutlass.cute as cute
 
+    return cute, cutlass, {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
+    cute, cutlass, cdt = _dsl(dtype)
     from ..cute_kernels.sm90_decode import MLADecodeSm90
 
-    cdt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
-    import cutlass
-    import cutlass.cute as cute
-
+    cute, cutlass, cdt = _dsl(dtype)
     from ..cute_kernels.combine import MLACombine
 
-    cdt = {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
     return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
 
 
