@@ -547,13 +547,17 @@ class MLADecodeSm90:
 
     @cute.jit
     def _qk(self, acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, s: cutlass.Constexpr[int],
-            order: cutlass.Constexpr):
-        """Issues S = Q K_s^T tile by tile as each TMA tile lands (one commit group)."""
+            order: cutlass.Constexpr, fresh: cutlass.Constexpr[bool] = True,
+            last: cutlass.Constexpr[bool] = True):
+        """Issues S = Q K_s^T tile by tile as each TMA tile lands (one commit group). A product
+        may be issued in several calls over parts of the tile order: fresh (the first part)
+        starts S from zero, last flips buffer s's wait parity."""
         atom = cute.make_mma_atom(self.d_tiled_qk_ss.op)
         atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
-        fence_operand(acc_S)
-        fence_operand(rQ8)
-        first = True
+        if const_expr(fresh):
+            fence_operand(acc_S)
+            fence_operand(rQ8)
+        first = fresh
         for t in cutlass.range_constexpr(len(order)):
             tile = order[t]
             cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
@@ -569,7 +573,8 @@ class MLADecodeSm90:
                     cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, s], acc_S)
                 first = False
         warpgroup.commit_group()
-        phase[s] = phase[s] ^ 1
+        if const_expr(last):
+            phase[s] = phase[s] ^ 1
 
     @cute.jit
     def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool]):
@@ -729,17 +734,23 @@ class MLADecodeSm90:
                     self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
             cute.arch.barrier(barrier_id=NB_P1_ISSUED, number_of_threads=256)
             self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0], False)
-            # Refill B1's left half as soon as P1 @ V1L is done, before the QK^T below blocks
-            # on B0's tiles: the load then has the whole QK^T to land.
-            warpgroup.wait_group(0)
-            fence_operand(acc_O)
+        if const_expr(has2):
+            # The next S0's first four tiles (B0's left half, refilled above) queue behind
+            # P1 @ V1L, so the tensor cores do not idle while this warpgroup waits for it and
+            # refills B1's left half; the other five tiles follow.
+            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3), True, False)
+            warpgroup.wait_group(1)
             if blk0 + 3 <= last:
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
-        if const_expr(has2):
-            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3, 4, 5, 6, 7, 8))
+            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
+                     True)
             warpgroup.wait_group(0)
+            fence_operand(acc_O)
             fence_operand(acc_S)
+        elif const_expr(has1):
+            warpgroup.wait_group(0)
+            fence_operand(acc_O)
 
     @cute.jit
     def _wg1_pair(self, i, n, lo, nb_req, L, border, min_border, acc_S, acc_O, rP, row_sum,
@@ -777,20 +788,18 @@ class MLADecodeSm90:
                 if tail != 0:
                     self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
             self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1], True)
-            if const_expr(has3):
-                # B1's right half is free: refill it before waiting for WG0's P0, so the load
-                # lands before this warpgroup's next QK^T asks for it.
-                warpgroup.wait_group(0)
-                fence_operand(acc_O)
-                if wtid < 32:
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
         if blk0 == nb_req - 1:
             if tail != 0:
                 self._zero_v_tail(k_base, 0, 1, tail, wtid, NB_WG1)
+        # P0 @ V0R queues behind P1 @ V1R; B1's right half is refilled once the latter is done.
         self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1], False)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
+        if const_expr(has3):
+            warpgroup.wait_group(1)
+            if wtid < 32:
+                self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if blk0 + 2 <= last:
