@@ -90,10 +90,10 @@ def breakdown_us(inp, sched, causal):
     """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
     from torch_mla.ops import dispatch
 
-    b, s_q = inp.q.shape[:2]
+    b, s_q, h_q = inp.q.shape[:3]
     decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
     combine = dispatch._compiled_combine(
-        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0]))
+        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q))
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
     t_dec = graph_time_us(lambda: decode(*args))

@@ -21,7 +21,7 @@ from bench_decode import graph_time_us  # noqa: E402
 
 def time_variant(inp, s_q, h_q, overhead, wpr):
     scheduling.OVERHEAD_BLOCKS = overhead
-    dispatch.combine_warps_per_row = lambda b, parts: wpr
+    dispatch.combine_warps_per_row = lambda b, parts, rows: wpr
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     return graph_time_us(lambda: torch_mla.mla_decode(
         inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched, causal=s_q > 1))

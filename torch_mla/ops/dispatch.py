@@ -39,8 +39,8 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
 def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
     b, s_q, h_q, _ = q.shape
     decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
-    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0]))
     rows = s_q * h_q
+    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows))
     q3 = q.reshape(b, rows, D_QK)
     if not q3.is_contiguous() or q3.data_ptr() % 16:  # TMA needs 16-byte aligned rows
         q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()
@@ -62,11 +62,11 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
 
 
 @functools.lru_cache(maxsize=None)
-def combine_warps_per_row(batch: int, num_parts: int) -> int:
+def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
     """CombineConfig's choice, cached: it runs on every eager decode call."""
     from ..cute_kernels.combine import CombineConfig
 
-    return CombineConfig.from_heuristic(batch, num_parts).warps_per_row
+    return CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
 
 
 def _dsl(dtype: torch.dtype):
