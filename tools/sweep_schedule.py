@@ -1,13 +1,18 @@
 """Times the decode op (CUDA graph, as bench_decode.py) under schedule and combine variants
 (development tool, needs the GPU):
-    python tools/sweep_schedule.py [--overheads=2,5,8] B,S_Q,S_K,H_Q ...
+    python tools/sweep_schedule.py [--overheads=2,5,8] [--warps=1,4,16] [--rounds=1] CFG ...
+(CFG: B,S_Q,S_K,H_Q)
 
 Variants: the per-request overhead charged by the split schedule (scheduling.OVERHEAD_BLOCKS)
-and the number of warps per row of the combine kernel."""
+and the number of warps per row of the combine kernel. With --rounds=N every variant is timed N
+times, the variants interleaved round by round (the small rows move by ~0.5 us between runs:
+compare interleaved times, not single ones); the best variant is the one with the lowest
+median."""
 
 from __future__ import annotations
 
 import os
+import statistics
 import sys
 
 import torch_mla
@@ -27,24 +32,30 @@ def time_variant(inp, s_q, h_q, overhead, wpr):
         inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched, causal=s_q > 1))
 
 
-OVERHEADS = (5,)
-
-
 def main():
-    global OVERHEADS
+    opts = {"overheads": "5", "warps": "1,4,16", "rounds": "1"}
+    args = sys.argv[1:]
+    while args and args[0].startswith("--"):
+        key, _, value = args.pop(0)[2:].partition("=")
+        if key not in opts:
+            raise SystemExit(f"unknown option --{key}; options: {', '.join(opts)}")
+        opts[key] = value
+    overheads = [int(x) for x in opts["overheads"].split(",")]
+    warps = [int(x) for x in opts["warps"].split(",")]
     torch_mla.set_value_checks(False)
-    if sys.argv[1].startswith("--overheads="):
-        OVERHEADS = tuple(int(x) for x in sys.argv.pop(1).split("=")[1].split(","))
-    for cfg in sys.argv[1:]:
+    for cfg in args:
         b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
         inp = make_anchor_inputs(b, s_q, h_q, s_k)
-        res = {(ov, w): time_variant(inp, s_q, h_q, ov, w) for ov in OVERHEADS
-               for w in (1, 4, 16)}
-        best = min(res, key=res.get)
-        print(f"{cfg}: " + "  ".join(f"ov{ov}/w{w} {us:.1f}" for (ov, w), us in res.items())
-              + f"  | best ov{best[0]}/w{best[1]} {res[best]:.1f}")
+        res = {(ov, w): [] for ov in overheads for w in warps}
+        for _ in range(int(opts["rounds"])):
+            for (ov, w), ts in res.items():
+                ts.append(time_variant(inp, s_q, h_q, ov, w))
+        med = {v: statistics.median(ts) for v, ts in res.items()}
+        best = min(med, key=med.get)
+        print(f"{cfg}: " + "  ".join(f"ov{ov}/w{w} " + "/".join(f"{t:.1f}" for t in ts)
+                                     for (ov, w), ts in res.items())
+              + f"  | best ov{best[0]}/w{best[1]} {med[best]:.1f}")
         sys.stdout.flush()
-
 
 if __name__ == "__main__":
     main()
