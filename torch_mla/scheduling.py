@@ -28,7 +28,8 @@ BLOCK_M = 64  # query rows (s_q * h_q) per CTA tile
 METADATA_WIDTH = 8
 # FlashMLA's metadata kernel charges 5 blocks per segment (a sequential greedy fill); this
 # closed form charges them per request start, so a part that begins at a request start is
-# up to 5 blocks lighter than one that begins inside a request (docs/kernel-notes.md).
+# up to 5 blocks lighter than one that begins inside a request; the heaviest part is the same
+# or one block above the best contiguous cut on the anchor rows (docs/kernel-notes.md).
 OVERHEAD_BLOCKS = 5
 
 
