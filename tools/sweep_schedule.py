@@ -57,5 +57,6 @@ def main():
               + f"  | best ov{best[0]}/w{best[1]} {med[best]:.1f}")
         sys.stdout.flush()
 
+
 if __name__ == "__main__":
     main()
