@@ -33,8 +33,9 @@ Masking: keys at or past a row's horizon (L, or L - s_q + i + 1 for causal query
 past L in a request's last page are zeroed in shared memory before P V, since the cache may hold
 anything (NaN) there and 0 * NaN = NaN.
 
-Limits: d_qk = 576, d_v = 512, page 64, one latent head, bf16/fp16, s_q * h_q any (rows padded
-to 64). Compiled per (dtype, causal); batch, s_q, h_q and the cache size are runtime values.
+Limits: d_qk = 576, d_v = 512, page 64, bf16/fp16, s_q * h_q any (rows padded to 64), one latent
+head per launch (a cache of h_kv heads runs one launch per head over a strided view of it).
+Compiled per (dtype, causal); batch, s_q, h_q, the cache size and its strides are runtime values.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ class MLADecodeSm90:
     def __call__(
         self,
         mQ: cute.Tensor,  # (b, rows, 576)
-        mKV: cute.Tensor,  # (num_blocks, 64, 576)
+        mKV: cute.Tensor,  # (num_blocks, 64, 576), rows 16-byte aligned, any page/row stride
         mBlockTable: cute.Tensor,  # (b, max_blocks) int32
         mSeqlens: cute.Tensor,  # (b,) int32
         mMeta: cute.Tensor,  # (num_parts, 8) int32
@@ -395,7 +396,11 @@ class MLADecodeSm90:
             pieces = req[4] - req[3]
             nb_req = (L + PAGE - 1) // PAGE
             lo = begin_blk if r == begin_req else 0
-            hi = end_blk if r == end_req else nb_req
+            # A length past what the block table covers is an input error (the op checks it on
+            # the device); the walk still stops at the table's width so that no block-table
+            # read leaves the request's row. Page ids need no clamp: TMA zero-fills boxes
+            # outside the cache tensor, so a bad id never reads outside the cache either.
+            hi = cutlass.min(end_blk if r == end_req else nb_req, mBlockTable.shape[1])
             r_next = cutlass.min(r + 1, end_req)
             self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:

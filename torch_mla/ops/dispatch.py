@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import warnings
 
 import torch
 
@@ -23,42 +24,105 @@ def _cuda_arch(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
+                   d_v: int = D_V, page_size: int = PAGE_SIZE) -> tuple[str, str]:
+    """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
+
+    Args:
+        device: where q and the cache live; dtype: q's (and the cache's) dtype;
+        d_qk, d_v, page_size: the problem's widths and the cache's page size.
+
+    Returns:
+        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200) or
+        ``"reference"`` (plain PyTorch, fp32 accumulate); reason is one sentence for a user.
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return "reference", f"{device.type} tensors: the kernels run on NVIDIA GPUs"
+    if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+        return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
+    if dtype not in (torch.bfloat16, torch.float16):
+        return "reference", f"{dtype} inputs: the kernels take bfloat16 or float16"
+    if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
+        return "reference", (f"d_qk={d_qk}, d_v={d_v}, page size {page_size}: the kernels are "
+                             f"built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
+    major, minor = _cuda_arch(device)
+    if (major, minor) != (9, 0):
+        return "reference", (f"compute capability {major}.{minor}: torch_mla has a kernel for "
+                             "9.0 (H100/H200) only so far")
+    return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+
+
+_warned: set[str] = set()
+
+
 def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
-    """A callable running the decode kernel for these inputs, or None (use the reference)."""
-    if not q.is_cuda or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+    """A callable running the decode kernel for these inputs, or None (use the reference).
+
+    Falling back to the reference on a GPU warns once per reason (it is orders of magnitude
+    slower than a kernel); CPU inputs and TORCH_MLA_FORCE_REFERENCE=1 fall back silently."""
+    if not q.is_cuda:
         return None
-    if q.dtype not in (torch.bfloat16, torch.float16):
-        return None
-    if q.shape[-1] != D_QK or d_v != D_V or kv_cache.shape[1] != PAGE_SIZE:
-        return None
-    if _cuda_arch(q.device) != (9, 0):
-        return None
-    return _run_sm90
+    name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1])
+    if name == "sm90":
+        return _run_sm90
+    if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
+        _warned.add(reason)
+        warnings.warn(f"torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: "
+                      f"{reason}", stacklevel=3)
+    return None
 
 
 def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
     b, s_q, h_q, _ = q.shape
-    decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
-    rows = s_q * h_q
-    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows))
-    q3 = q.reshape(b, rows, D_QK)
-    if not q3.is_contiguous() or q3.data_ptr() % 16:  # TMA needs 16-byte aligned rows
-        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()
+    h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernel (TMA)")
-    kv3 = kv_cache.view(kv_cache.shape[0], PAGE_SIZE, D_QK)
-    out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
-    lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+    # One launch per KV head, over query heads h_kv_idx * g .. (h_kv_idx + 1) * g - 1 and a
+    # strided view of that head's latents (MLA models have one KV head: a single launch).
+    g = h_q // h_kv
+    rows = s_q * g
+    decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
+    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows))
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
     oacc = torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device)
     lseacc = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
-    out3 = out.view(b, rows, D_V)
-    if b > 0:
-        decode(q3, kv3, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
-               softmax_scale * math.log2(math.e))
-        combine(num_splits, oacc, lseacc, out3, lse)
-    return out, lse
+    scale_log2 = softmax_scale * math.log2(math.e)
+    if h_kv == 1:
+        out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
+        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+        if b > 0:
+            _launch(decode, combine, q, kv_cache[:, :, 0], block_table, cache_seqlens, meta,
+                    num_splits, out, lse, oacc, lseacc, scale_log2)
+        return out, lse
+    out = torch.empty(b, s_q, h_kv, g, D_V, dtype=q.dtype, device=q.device)
+    lse = torch.empty(b, h_kv, g, s_q, dtype=torch.float32, device=q.device)
+    qg = q.view(b, s_q, h_kv, g, D_QK)
+    for k in range(h_kv):
+        if b == 0:
+            break
+        out_k = torch.empty(b, s_q, g, D_V, dtype=q.dtype, device=q.device)
+        lse_k = torch.empty(b, g, s_q, dtype=torch.float32, device=q.device)
+        _launch(decode, combine, qg[:, :, k], kv_cache[:, :, k], block_table, cache_seqlens,
+                meta, num_splits, out_k, lse_k, oacc, lseacc, scale_log2)
+        out[:, :, k] = out_k
+        lse[:, k] = lse_k
+    return out.view(b, s_q, h_q, D_V), lse.view(b, h_q, s_q)
+
+
+def _launch(decode, combine, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
+            oacc, lseacc, scale_log2):
+    """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
+    [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine."""
+    b, s_q, g, _ = q.shape
+    q3 = q.reshape(b, s_q * g, D_QK)
+    if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
+        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()  # TMA: 16-byte rows
+    out3 = out.view(b, s_q * g, D_V)
+    decode(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
+           scale_log2)
+    combine(num_splits, oacc, lseacc, out3, lse)
 
 
 @functools.lru_cache(maxsize=None)
@@ -105,7 +169,9 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt):
     h_q, s_q = cute.sym_int(), cute.sym_int()
     args = [
         _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
-        _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK), (PAGE_SIZE * D_QK, D_QK, 1)),
+        # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
+        _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK),
+              (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)),
         _fake(cute, i32, (b, max_blocks), (cute.sym_int64(), 1), 4),
         _fake(cute, i32, (b,), (1,), 4),
         _fake(cute, i32, (parts, 8), (8, 1), 4),
