@@ -37,6 +37,7 @@ def mla_decode_reference(
     d_v: int,
     batch_chunk: int = 8,
     pages_per_chunk: int = 32,
+    host_lengths: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference MLA decode; arguments as in :func:`torch_mla.mla_decode` (already validated).
 
@@ -47,10 +48,11 @@ def mla_decode_reference(
 
     Requests are taken ``batch_chunk`` at a time, their pages ``pages_per_chunk`` at a time,
     merged with an online softmax, so memory does not grow with the lengths or the table width.
-    Which pages are walked: on CPU tensors the lengths are read, and only the columns below the
-    longest length of the batch chunk are gathered (time follows the lengths). On other devices
-    no value is read on the host (no sync, CUDA-graph capturable), so every column of
-    block_table is walked: time grows with the table's width, memory stays one chunk.
+    Which pages are walked: with ``host_lengths`` (the default on CPU tensors) the lengths are
+    read on the host and only the columns below the longest length of the batch chunk are
+    gathered, so time follows the lengths. Without (the default on other devices: no host sync,
+    CUDA-graph capturable) every column of block_table is walked: time grows with the table's
+    width, memory stays one chunk.
     """
     b, s_q, h_q, d_qk = q.shape
     num_blocks, page, h_kv, _ = kv_cache.shape
@@ -60,18 +62,20 @@ def mla_decode_reference(
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
     vis = visible_lengths(cache_seqlens, s_q, causal)  # [b, s_q]
     width = block_table.shape[1] if num_blocks > 0 else 0  # no pages: every length is 0
+    if host_lengths is None:
+        host_lengths = cache_seqlens.device.type == "cpu"
     for start in range(0, b, batch_chunk):
         stop = min(b, start + batch_chunk)
         bc = stop - start
         lens = cache_seqlens[start:stop].to(torch.int64)
         cols = width
-        if lens.device.type == "cpu":
+        if host_lengths:
             cols = min(width, -(-int(lens.max()) // page))
-        qf = q[start:stop].float().view(bc, s_q, h_kv, g, d_qk).transpose(1, 2)
+        qf = q[start:stop].float().reshape(bc, s_q, h_kv, g, d_qk).transpose(1, 2)
         qf = qf.reshape(bc, h_kv, rows, d_qk)
         horizon = vis[start:stop].repeat_interleave(g, dim=1)[:, None, :, None]  # (bc,1,rows,1)
         o = torch.zeros(bc, h_kv, rows, d_v, dtype=torch.float32, device=q.device)
-        m = torch.full((bc, h_kv, rows), -math.inf, device=q.device)  # log-sum-exp so far
+        m = torch.full((bc, h_kv, rows), -math.inf, dtype=torch.float32, device=q.device)
         for c0 in range(0, cols, pages_per_chunk):
             c1 = min(cols, c0 + pages_per_chunk)
             key = torch.arange(c0 * page, c1 * page, device=q.device)  # (keys,)
@@ -84,11 +88,12 @@ def mla_decode_reference(
             scores = torch.einsum("bhrd,bhkd->bhrk", qf, kv) * softmax_scale
             scores = scores.masked_fill(key >= horizon, -math.inf)
             m_new = torch.logaddexp(m, torch.logsumexp(scores, dim=-1))
-            # Rows that saw no key yet keep m = -inf and o = 0 (exp(-inf - 0) = 0).
-            ref = torch.where(torch.isneginf(m_new), 0.0, m_new)
-            p = torch.exp(scores - ref[..., None])
-            o = o * torch.exp(m - ref)[..., None] + torch.einsum("bhrk,bhkd->bhrd", p,
-                                                                 kv[..., :d_v])
+            # o holds sum exp(score - m) V over the keys so far (m: their log-sum-exp); rows
+            # that saw no key yet keep m = -inf and o = 0 (exp(-inf - 0) = 0, no NaN).
+            shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
+            p = torch.exp(scores - shift[..., None])
+            o = o * torch.exp(m - shift)[..., None] + torch.einsum("bhrk,bhkd->bhrd", p,
+                                                                   kv[..., :d_v])
             m = m_new
         o = o.view(bc, h_kv, s_q, g, d_v).transpose(1, 2).reshape(bc, s_q, h_q, d_v)
         out[start:stop] = o.to(q.dtype)
