@@ -4,6 +4,8 @@ import math
 
 import torch
 
+from torch_mla.testing import DecodeInputs, make_decode_inputs
+
 
 def mla_decode_fp64(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v):
     """q [b, s_q, h_q, d_qk], kv_cache [num_blocks, page, h_kv, d_qk]: query heads
@@ -33,3 +35,12 @@ def mla_decode_fp64(q, kv_cache, block_table, cache_seqlens, softmax_scale, caus
                 lse[r, heads, i] = torch.logsumexp(s, dim=-1)
                 out[r, i, heads] = torch.softmax(s, dim=-1) @ k[:, :d_v]
     return out, lse
+
+
+def kv_head_inputs(lens, s_q, h_q, h_kv, d_qk=576, dtype=torch.bfloat16):
+    """Decode inputs with h_kv KV heads: make_decode_inputs' pages (poisoned as usual), each
+    row split into h_kv heads of d_qk, and a fresh q of d_qk per head."""
+    inp = make_decode_inputs(lens, s_q, h_q, d_qk=h_kv * d_qk, dtype=dtype)
+    cache = inp.kv_cache.view(inp.kv_cache.shape[0], 64, h_kv, d_qk)
+    q = (torch.randn(len(lens), s_q, h_q, d_qk) / 10).to(dtype)
+    return DecodeInputs(q, cache, inp.block_table, inp.cache_seqlens)

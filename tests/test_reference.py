@@ -5,9 +5,9 @@ import torch
 from torch.overrides import TorchFunctionMode
 
 from torch_mla.reference import mla_decode_reference
-from torch_mla.testing import DecodeInputs, make_decode_inputs
+from torch_mla.testing import make_decode_inputs
 
-from oracle import mla_decode_fp64
+from oracle import kv_head_inputs, mla_decode_fp64
 
 # Output tolerances per dtype: the reference accumulates in fp32 and rounds once to the dtype.
 TOL = {
@@ -59,15 +59,6 @@ def test_reference_random_varlen():
     lens = torch.randint(0, 700, (9,)).tolist()
     inp = make_decode_inputs(lens, 2, 9)
     check(inp, 2, True, 512, torch.bfloat16)
-
-
-def kv_head_inputs(lens, s_q, h_q, h_kv, d_qk=576, dtype=torch.bfloat16):
-    """Decode inputs with h_kv KV heads: make_decode_inputs' pages (poisoned as usual), each
-    row split into h_kv heads of d_qk, and a fresh q of d_qk per head."""
-    inp = make_decode_inputs(lens, s_q, h_q, d_qk=h_kv * d_qk, dtype=dtype)
-    cache = inp.kv_cache.view(inp.kv_cache.shape[0], 64, h_kv, d_qk)
-    q = (torch.randn(len(lens), s_q, h_q, d_qk) / 10).to(dtype)
-    return DecodeInputs(q, cache, inp.block_table, inp.cache_seqlens)
 
 
 @pytest.mark.parametrize("h_kv,h_q", [(1, 4), (2, 6), (3, 3), (8, 16)])

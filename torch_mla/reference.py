@@ -73,7 +73,7 @@ def mla_decode_reference(
             cols = min(width, -(-int(lens.max()) // page))
         qf = q[start:stop].float().reshape(bc, s_q, h_kv, g, d_qk).transpose(1, 2)
         qf = qf.reshape(bc, h_kv, rows, d_qk)
-        horizon = vis[start:stop].repeat_interleave(g, dim=1)[:, None, :, None]  # (bc,1,rows,1)
+        horizon = vis[start:stop, :, None].expand(bc, s_q, g).reshape(bc, 1, rows, 1)
         o = torch.zeros(bc, h_kv, rows, d_v, dtype=torch.float32, device=q.device)
         m = torch.full((bc, h_kv, rows), -math.inf, dtype=torch.float32, device=q.device)
         for c0 in range(0, cols, pages_per_chunk):

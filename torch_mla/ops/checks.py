@@ -180,10 +180,10 @@ def check_decode_values(num_blocks: int, block_table: torch.Tensor,
 
     def bad_page(r, j):
         n = -(-int(L[r]) // PAGE_SIZE)
-        entries = "entry" if n == 1 else f"{n} entries"
+        entries = "entry must be a page id" if n == 1 else f"{n} entries must be page ids"
         return (f"block_table[{r}, {j}] = {int(block_table[r, j])} is not a page of kv_cache "
                 f"(num_blocks = {num_blocks}): request {r} has {int(L[r])} tokens, so its first "
-                f"{entries} must be page ids in [0, {num_blocks})")
+                f"{entries} in [0, {num_blocks})")
 
     _require(bad, DEVICE_MESSAGES["block_table"], bad_page)
 
