@@ -333,6 +333,18 @@ class TestErrors(expecttest.TestCase):
         too_long = torch.tensor([3, 64 * i.block_table.shape[1] + 1], dtype=torch.int32)
         self.assertExpectedInline(self.err(cache_seqlens=too_long), """cache_seqlens[1] = 257, but block_table covers only 4 pages x 64 = 256 tokens""")
 
+    def test_value_checks_stay_on_for_cpu_tensors(self):
+        # set_value_checks(False) turns off the device asserts only: CPU values cost nothing.
+        i = self.inp()
+        table = i.block_table.clone()
+        table[1, 1] = -1
+        torch_mla.set_value_checks(False)
+        try:
+            msg = self.err(block_table=table)
+        finally:
+            torch_mla.set_value_checks(True)
+        assert msg.startswith("block_table[1, 1] = -1 is not a page of kv_cache"), msg
+
     def test_schedule_args(self):
         lens = self.inp().cache_seqlens
 
