@@ -132,3 +132,45 @@ def test_manual_cuda_graph_replays_new_seqlens():
             torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)
     finally:
         torch_mla.set_value_checks(True)
+
+
+def test_compiled_step_with_inputs_requiring_grad_is_forward_only():
+    # torch.compile traces a backward when inputs require grad: the forward must still compile
+    # and match, and the backward raise when it runs (not at compile time, not silently).
+    torch._dynamo.reset()
+    inp, kv_c, k_pe, slots = step_inputs([70, 3, 300])
+    q = inp.q.clone().requires_grad_()
+    kv_c = kv_c.clone().requires_grad_()
+    compiled = torch.compile(decode_step, fullgraph=True)
+    cache = inp.kv_cache.clone()
+    out, lse = compiled(q, kv_c, k_pe, slots, cache, inp.block_table, inp.cache_seqlens)
+    with torch.no_grad():
+        ref_cache = inp.kv_cache.clone()
+        ref_out, ref_lse = decode_step(inp.q, kv_c, k_pe, slots, ref_cache, inp.block_table,
+                                       inp.cache_seqlens)
+    assert out.requires_grad
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+    torch.testing.assert_close(cache.detach(), ref_cache, atol=0, rtol=0, equal_nan=True)
+    with pytest.raises(RuntimeError, match="torch_mla.mla_decode is forward-only"):
+        out.float().sum().backward()
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])  # kernel, reference path
+def test_eager_step_with_value_checks_does_not_sync(dtype):
+    inp, kv_c, k_pe, slots = step_inputs([70, 3, 300], "cuda", dtype)
+    args = (inp.q, kv_c, k_pe, slots)
+    decode_step(*args, inp.kv_cache.clone(), inp.block_table, inp.cache_seqlens)  # compiles
+    cache = inp.kv_cache.clone()
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        out, lse = decode_step(*args, cache, inp.block_table, inp.cache_seqlens)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    ref_out, ref_lse = mla_decode_fp64(inp.q, cache, inp.block_table, inp.cache_seqlens,
+                                       576**-0.5, True, 512)
+    torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-3, rtol=2e-2)
+    fin = torch.isfinite(ref_lse)
+    torch.testing.assert_close(lse.double().cpu()[fin], ref_lse[fin], atol=1e-4, rtol=1e-4)

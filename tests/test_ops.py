@@ -1,6 +1,10 @@
 """Op registration (schemas, fake impls, opcheck), the Python API, append, and bad-input errors."""
 
 import math
+import pathlib
+import subprocess
+import sys
+import warnings
 
 import expecttest
 import pytest
@@ -9,7 +13,7 @@ import torch
 import torch_mla
 from torch_mla.testing import POISON_BLOCK_ID, make_decode_inputs
 
-from oracle import mla_decode_fp64
+from oracle import kv_head_inputs, mla_decode_fp64
 
 
 def schema(name):
@@ -21,6 +25,7 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(schema("get_decode_schedule"), """torch_mla::get_decode_schedule(Tensor cache_seqlens, int num_parts) -> (Tensor, Tensor)""")
         self.assertExpectedInline(schema("mla_decode"), """torch_mla::mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor sched_metadata, Tensor num_splits, float softmax_scale, bool causal, int d_v) -> (Tensor, Tensor)""")
         self.assertExpectedInline(schema("append_kv"), """torch_mla::append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping) -> ()""")
+        self.assertExpectedInline(schema("_forward_only_grad"), """torch_mla::_forward_only_grad(Tensor grad, SymInt[] shape, ScalarType dtype, str op) -> Tensor""")
 
 
 def decode_args(s_q=2, h_q=16, causal=True, lens=(3, 70, 0)):
@@ -45,6 +50,18 @@ def test_opcheck_append():
     torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args)
 
 
+def test_opcheck_with_inputs_requiring_grad():
+    # Not test_aot_dispatch_dynamic: it runs the backward, which raises (forward-only ops).
+    utils = ("test_schema", "test_autograd_registration", "test_faketensor")
+    args = list(decode_args())
+    args[0] = args[0].clone().requires_grad_()
+    torch.library.opcheck(torch.ops.torch_mla.mla_decode.default, tuple(args), test_utils=utils)
+    cache = torch.randn(4, 64, 1, 576, dtype=torch.bfloat16)
+    args = (cache, torch.randn(5, 512, requires_grad=True), torch.randn(5, 64),
+            torch.tensor([3, 70, 200, 64, 1]))
+    torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args, test_utils=utils)
+
+
 def test_mla_decode_api_matches_fp64():
     inp = make_decode_inputs([1, 63, 64, 65, 300], 3, 16)
     out, lse = torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens,
@@ -53,6 +70,62 @@ def test_mla_decode_api_matches_fp64():
                                        0.05, True, 512)
     torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
     torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_mla_decode_accepts_a_plain_tuple_schedule():
+    inp = make_decode_inputs([5, 130, 64], 2, 16)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 16, num_sms=7)
+    args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)
+    out, lse = torch_mla.mla_decode(*args, tuple(sched), causal=True)
+    ref_out, ref_lse = mla_decode_fp64(*args, 576**-0.5, True, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_unused_block_table_entries_may_hold_anything():
+    inp = make_decode_inputs([3, 70, 0], 1, 16, extra_blocks=3)
+    table = inp.block_table.clone()
+    used = torch.tensor([[True] + [False] * 4, [True] * 2 + [False] * 3, [False] * 5])
+    table[~used] = torch.randint(-(2**31), 2**31 - 1, (int((~used).sum()),), dtype=torch.int32)
+    args = (inp.q, inp.kv_cache, table, inp.cache_seqlens)
+    out, lse = torch_mla.mla_decode(*args, softmax_scale=0.1)
+    ref_out, ref_lse = mla_decode_fp64(*args, 0.1, False, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isposinf(lse), ~fin)
+    torch.testing.assert_close(lse.double()[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("h_kv,h_q", [(2, 6), (8, 16)])
+def test_mla_decode_kv_heads(h_kv, h_q):
+    inp = kv_head_inputs([1, 63, 200], 2, h_q, h_kv)
+    args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)
+    out, lse = torch_mla.mla_decode(*args, causal=True)
+    ref_out, ref_lse = mla_decode_fp64(*args, 576**-0.5, True, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("s_q,h_q,h_kv", [(1, 128, 1), (2, 128, 2), (1, 16, 8), (4, 64, 4)])
+def test_schedule_is_sized_per_kv_head(s_q, h_q, h_kv):
+    # As FlashMLA: h_kv x m-blocks of the s_q * h_q // h_kv rows of one KV head x parts <= SMs,
+    # and FlashMLA's get_mla_metadata(lens, s_q * h_q // h_kv, h_kv) is the same schedule.
+    from torch_mla.compat.flash_mla import get_mla_metadata
+
+    lens = torch.randint(1, 3000, (9,), dtype=torch.int32)
+    meta, splits = torch_mla.get_decode_schedule(lens, s_q, h_q, h_kv=h_kv)
+    rows = s_q * h_q // h_kv
+    assert meta.shape[0] == 132 // (h_kv * math.ceil(rows / 64))
+    meta2, splits2 = get_mla_metadata(lens, rows, h_kv)
+    assert torch.equal(meta, meta2) and torch.equal(splits, splits2)
+
+
+def test_compat_is_reachable_from_the_package():
+    code = ("import torch_mla; print(torch_mla.compat.flash_mla.flash_mla_with_kvcache.__name__, "
+            "'compat' in torch_mla.__all__)")
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    assert res.stdout.split() == ["flash_mla_with_kvcache", "True"], res.stderr
 
 
 def test_append_kv_writes_slots_and_skips_negative():
@@ -69,6 +142,16 @@ def test_append_kv_writes_slots_and_skips_negative():
     written = torch.zeros(flat.shape[0], dtype=torch.bool)
     written[[130, 5, 64]] = True
     assert flat[~written].isnan().all()  # nothing else touched
+
+
+def test_append_kv_padding_slots_may_repeat():
+    cache = torch.randn(2, 64, 1, 576)
+    before = cache.clone()
+    kv_c, k_pe = torch.randn(5, 512), torch.randn(5, 64)
+    torch_mla.append_kv(cache, kv_c, k_pe, torch.tensor([-1, 7, -1, -5, 70], dtype=torch.int32))
+    expect = before.view(-1, 576).clone()
+    expect[[7, 70]] = torch.cat([kv_c, k_pe], dim=1)[[1, 4]]
+    assert torch.equal(cache.view(-1, 576), expect)
 
 
 def test_append_kv_all_padding_changes_nothing():
@@ -145,6 +228,17 @@ def test_compat_flash_mla_both_forms():
     for out, lse in ((out1, lse1), (out2, lse2)):
         torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
         torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    # Several KV heads (num_heads_k), both forms.
+    inp = kv_head_inputs([10, 200, 0], 2, 8, 4)
+    meta4, splits4 = get_mla_metadata(inp.cache_seqlens, 2 * 8 // 4, 4)
+    args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)
+    outs = [flash_mla_with_kvcache(*args, 512, meta4, splits4, causal=True),
+            flash_mla_with_kvcache(*args, 512, get_mla_metadata()[0], None, causal=True)]
+    ref_out, ref_lse = mla_decode_fp64(*args, 576**-0.5, True, 512)
+    fin = torch.isfinite(ref_lse)
+    for out, lse in outs:
+        torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+        torch.testing.assert_close(lse.double()[fin], ref_lse[fin], atol=1e-5, rtol=1e-5)
     with pytest.raises(NotImplementedError, match="dense decode only"):
         flash_mla_with_kvcache(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, 512,
                                meta, splits, is_fp8_kvcache=True)
@@ -182,10 +276,38 @@ class TestErrors(expecttest.TestCase):
         bad = i.kv_cache.view(-1, 32, 1, 576)
         self.assertExpectedInline(self.err(kv_cache=bad), """kv_cache page size (dim 1) must be 64, got 32""")
 
-    def test_latent_heads(self):
+    def test_kv_heads(self):
         i = self.inp()
-        bad = i.kv_cache.view(-1, 64, 2, 288)
-        self.assertExpectedInline(self.err(kv_cache=bad), """kv_cache must hold one latent head (dim 2 == 1), got 2""")
+        three = torch.randn(i.kv_cache.shape[0], 64, 3, 576).bfloat16()
+        self.assertExpectedInline(self.err(kv_cache=three), """h_q (16) must be a multiple of kv_cache's KV heads h_kv (3, dim 2): query head h uses KV head h // (h_q // h_kv)""")
+        self.assertExpectedInline(self.err(kv_cache=three[:, :, :0]), """kv_cache must have at least one KV head (dim 2), got 0""")
+
+    def test_q_2d(self):
+        i = self.inp()
+        self.assertExpectedInline(self.err(q=i.q[:, 0, 0]), """q must have shape [batch, s_q, h_q, d_qk], got [2, 576]""")
+
+    def test_seqlens_list(self):
+        self.assertExpectedInline(self.err(cache_seqlens=[3, 70]), """cache_seqlens must be a torch.Tensor, got list""")
+
+    def test_schedule_type(self):
+        i = self.inp()
+        sched = torch_mla.get_decode_schedule(i.cache_seqlens, 1, 16)
+        self.assertExpectedInline(self.err(schedule=list(sched)), """schedule must be a torch_mla.DecodeSchedule (from get_decode_schedule) or a (metadata, num_splits) tuple of tensors, got list""")
+        self.assertExpectedInline(self.err(schedule=(sched.metadata,)), """schedule must be a torch_mla.DecodeSchedule (from get_decode_schedule) or a (metadata, num_splits) tuple of tensors, got tuple""")
+
+    def test_block_table_ids(self):
+        # Request 1 has 70 tokens: its first 2 entries are used, the others never read.
+        i = self.inp()
+
+        def table(row, col, page_id):
+            t = i.block_table.clone()
+            t[row, col] = page_id
+            return t
+
+        self.assertExpectedInline(self.err(block_table=table(1, 1, -1)), """block_table[1, 1] = -1 is not a page of kv_cache (num_blocks = 5): request 1 has 70 tokens, so its first 2 entries must be page ids in [0, 5)""")
+        self.assertExpectedInline(self.err(block_table=table(1, 0, i.kv_cache.shape[0])), """block_table[1, 0] = 5 is not a page of kv_cache (num_blocks = 5): request 1 has 70 tokens, so its first 2 entries must be page ids in [0, 5)""")
+        self.assertExpectedInline(self.err(block_table=table(1, 1, 2**30)), """block_table[1, 1] = 1073741824 is not a page of kv_cache (num_blocks = 5): request 1 has 70 tokens, so its first 2 entries must be page ids in [0, 5)""")
+        self.assertExpectedInline(self.err(block_table=table(0, 0, -7)), """block_table[0, 0] = -7 is not a page of kv_cache (num_blocks = 5): request 0 has 3 tokens, so its first entry must be a page id in [0, 5)""")
 
     def test_head_dims_do_not_add_up(self):
         i = self.inp()
@@ -209,10 +331,39 @@ class TestErrors(expecttest.TestCase):
     def test_seqlen_past_block_table(self):
         i = self.inp()
         too_long = torch.tensor([3, 64 * i.block_table.shape[1] + 1], dtype=torch.int32)
-        self.assertExpectedInline(self.err(cache_seqlens=too_long), """cache_seqlens has a length of 257 but block_table covers only 4 pages x 64 = 256 tokens""")
+        self.assertExpectedInline(self.err(cache_seqlens=too_long), """cache_seqlens[1] = 257, but block_table covers only 4 pages x 64 = 256 tokens""")
+
+    def test_value_checks_stay_on_for_cpu_tensors(self):
+        # set_value_checks(False) turns off the device asserts only: CPU values cost nothing.
+        i = self.inp()
+        table = i.block_table.clone()
+        table[1, 1] = -1
+        torch_mla.set_value_checks(False)
+        try:
+            msg = self.err(block_table=table)
+        finally:
+            torch_mla.set_value_checks(True)
+        assert msg.startswith("block_table[1, 1] = -1 is not a page of kv_cache"), msg
+
+    def test_schedule_args(self):
+        lens = self.inp().cache_seqlens
+
+        def err(*args, **kwargs):
+            with self.assertRaises((ValueError, TypeError)) as cm:
+                torch_mla.get_decode_schedule(*args, **kwargs)
+            return str(cm.exception)
+
+        self.assertExpectedInline(err(lens, 0, 16), """s_q must be >= 1, got 0""")
+        self.assertExpectedInline(err(lens, 1, 0), """h_q must be >= 1, got 0""")
+        self.assertExpectedInline(err(lens, 1, -16), """h_q must be >= 1, got -16""")
+        self.assertExpectedInline(err(lens, 1.0, 16), """s_q must be an int, got float""")
+        self.assertExpectedInline(err(lens, 1, 16, 0), """num_sms must be >= 1, got 0""")
+        self.assertExpectedInline(err(lens, 1, 16, h_kv=3), """h_q (16) must be a multiple of h_kv (3)""")
+        self.assertExpectedInline(err(lens, 1, 16, h_kv=0), """h_kv must be >= 1, got 0""")
+        self.assertExpectedInline(err(lens.tolist(), 1, 16), """cache_seqlens must be a torch.Tensor, got list""")
 
     def test_negative_seqlen(self):
-        self.assertExpectedInline(self.err(cache_seqlens=torch.tensor([3, -2], dtype=torch.int32)), """cache_seqlens must be >= 0, got a minimum of -2""")
+        self.assertExpectedInline(self.err(cache_seqlens=torch.tensor([3, -2], dtype=torch.int32)), """cache_seqlens[1] = -2, but lengths must be >= 0""")
 
     def test_non_contiguous_last_dim(self):
         i = self.inp()
@@ -234,7 +385,30 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(str(cm.exception), """kv_c width 512 + k_pe width 32 must equal the cache's head dim 576""")
         with self.assertRaises(ValueError) as cm:
             torch_mla.append_kv(cache, torch.zeros(1, 512), torch.zeros(1, 64), torch.tensor([128]))
-        self.assertExpectedInline(str(cm.exception), """slot_mapping holds slot 128 but the cache has only 128 slots (2 pages x 64)""")
+        self.assertExpectedInline(str(cm.exception), """slot_mapping[0] = 128, but the cache has only 128 slots (2 pages x 64)""")
+        with self.assertRaises(ValueError) as cm:
+            torch_mla.append_kv(cache, torch.zeros(5, 512), torch.zeros(5, 64),
+                                torch.tensor([7, -1, 70, -1, 70]))
+        self.assertExpectedInline(str(cm.exception), """slot_mapping[2] and slot_mapping[4] both write slot 70; slots must be distinct (negative slots are skipped and may repeat)""")
+        with self.assertRaises(ValueError) as cm:
+            torch_mla.append_kv(cache.view(2, 64, 2, 288), torch.zeros(1, 512),
+                                torch.zeros(1, 64), torch.tensor([1]))
+        self.assertExpectedInline(str(cm.exception), """append_kv writes one latent head per token: kv_cache must have shape [num_blocks, 64, 1, d_qk], got [2, 64, 2, 288]""")
+        with self.assertRaises(TypeError) as cm:
+            torch_mla.append_kv(cache, torch.zeros(1, 512).tolist(), torch.zeros(1, 64),
+                                torch.tensor([1]))
+        self.assertExpectedInline(str(cm.exception), """kv_c must be a torch.Tensor, got list""")
+
+    def test_device_messages_fit_a_device_assert(self):
+        # CUDA's _assert_async keeps messages shorter than 255 characters (it raises otherwise).
+        from torch_mla.ops.checks import DEVICE_MESSAGES
+
+        assert max(len(m) for m in DEVICE_MESSAGES.values()) < 255
+        self.assertExpectedInline("\n".join(DEVICE_MESSAGES.values()), """\
+torch_mla.mla_decode: cache_seqlens holds a length < 0 or > block_table's width x 64; run with CPU tensors to see which entry
+torch_mla.mla_decode: block_table holds a page id outside [0, num_blocks) in a column that the request's cache_seqlens uses; run with CPU tensors to see which entry
+torch_mla.append_kv: slot_mapping holds a slot >= num_blocks x 64 (past the cache); run with CPU tensors to see which entry
+torch_mla.append_kv: slot_mapping writes one slot twice (slots >= 0 must be distinct); run with CPU tensors to see which entry""")
 
 
 def test_poisoned_inputs_are_poisoned():
@@ -244,3 +418,83 @@ def test_poisoned_inputs_are_poisoned():
     assert flat[inp.block_table[0, 0], 3:].isnan().all()
     assert int(inp.block_table[0, 1]) == POISON_BLOCK_ID
     assert not flat[inp.block_table[1, 0]].isnan().any()
+
+
+class TestForwardOnly(expecttest.TestCase):
+    """Inputs may require grad: the forward runs unchanged, a backward raises (no silent zeros)."""
+
+    def test_mla_decode(self):
+        inp = make_decode_inputs([3, 70, 0], 2, 16)
+        q = inp.q.clone().requires_grad_()
+        args = (inp.kv_cache, inp.block_table, inp.cache_seqlens)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # PyTorch's "no autograd kernel" warning included
+            out, lse = torch_mla.mla_decode(q, *args, causal=True)
+            with torch.no_grad():
+                ref_out, ref_lse = torch_mla.mla_decode(inp.q, *args, causal=True)
+            assert out.requires_grad and lse.requires_grad
+            assert torch.equal(out, ref_out) and torch.equal(lse, ref_lse)
+            with self.assertRaises(RuntimeError) as cm:
+                out.float().sum().backward()
+            self.assertExpectedInline(str(cm.exception), """torch_mla.mla_decode is forward-only (inference): it has no backward, so no gradient can flow through it. Run it under torch.no_grad() or torch.inference_mode(), or detach its inputs; to train, use an attention with a backward (the model's own).""")
+            with self.assertRaises(RuntimeError) as cm:
+                lse[torch.isfinite(lse)].sum().backward()
+            assert "torch_mla.mla_decode is forward-only" in str(cm.exception)
+
+    def test_append_kv(self):
+        cache = torch.full((2, 64, 1, 576), float("nan"), dtype=torch.bfloat16)
+        kv_c = torch.randn(2, 512, requires_grad=True)
+        k_pe = torch.randn(2, 64)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            torch_mla.append_kv(cache, kv_c, k_pe, torch.tensor([5, 70]))
+        new = torch.cat([kv_c, k_pe], dim=1).bfloat16()
+        assert torch.equal(cache.detach().view(-1, 576)[[5, 70]], new)
+        with self.assertRaises(RuntimeError) as cm:
+            cache.float().nan_to_num().sum().backward()
+        self.assertExpectedInline(str(cm.exception), """torch_mla.append_kv is forward-only (inference): it has no backward, so no gradient can flow through it. Run it under torch.no_grad() or torch.inference_mode(), or detach its inputs; to train, use an attention with a backward (the model's own).""")
+
+    def test_decode_over_a_cache_written_with_grad(self):
+        # The gradient path through the cache must not vanish silently either.
+        inp = make_decode_inputs([3, 70], 1, 16)
+        cache = inp.kv_cache.clone()
+        kv_c = torch.randn(2, 512, requires_grad=True)
+        slots = torch.stack([inp.block_table[0, 0] * 64 + 2, inp.block_table[1, 1] * 64 + 5])
+        torch_mla.append_kv(cache, kv_c, torch.randn(2, 64), slots)
+        out, _ = torch_mla.mla_decode(inp.q, cache, inp.block_table, inp.cache_seqlens)
+        assert out.requires_grad
+        with self.assertRaises(RuntimeError) as cm:
+            out.float().sum().backward()
+        assert "torch_mla.mla_decode is forward-only" in str(cm.exception)
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["cache_seqlens", "block_table", "slot_range", "slot_repeat"])
+def test_device_checks_assert_on_the_gpu(case):
+    # A device-side assert ends the CUDA context: each case runs in its own process.
+    from torch_mla.ops.checks import DEVICE_MESSAGES
+
+    bad = {
+        "cache_seqlens": "lens[1] = 64 * table.shape[1] + 1",
+        "block_table": "table[1, 1] = -1",
+        "slot_range": "slots[0] = cache.shape[0] * 64",
+        "slot_repeat": "slots[1] = slots[0]",
+    }[case]
+    code = f"""
+import torch, torch_mla
+from torch_mla.testing import make_decode_inputs
+inp = make_decode_inputs([3, 70], 1, 16, device="cuda")
+cache, table, lens = inp.kv_cache.clone(), inp.block_table.clone(), inp.cache_seqlens.clone()
+slots = torch.tensor([1, 2, 3], device="cuda")
+{bad}
+torch_mla.append_kv(cache, torch.randn(3, 512, device="cuda"), torch.randn(3, 64, device="cuda"),
+                    slots)
+torch_mla.mla_decode(inp.q, cache, table, lens)
+torch.cuda.synchronize()
+print("no error")
+"""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    log = res.stdout + res.stderr
+    assert res.returncode != 0 and "no error" not in log, log
+    assert DEVICE_MESSAGES[case] in log and "device-side assert" in log, log

@@ -36,45 +36,69 @@ def mla_decode_reference(
     causal: bool,
     d_v: int,
     batch_chunk: int = 8,
+    pages_per_chunk: int = 32,
+    host_lengths: bool | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Reference MLA decode; arguments as in :func:`torch_mla.mla_decode` (already validated).
 
-    Returns ``out`` [b, s_q, h_q, d_v] in q's dtype and ``lse`` [b, h_q, s_q] float32 (natural
-    log; +inf and a zero output for a query token that sees no key).
+    q: [b, s_q, h_q, d_qk]; kv_cache: [num_blocks, 64, h_kv, d_qk], q's dtype; query head h
+    reads KV head ``h // (h_q // h_kv)``; block_table int32 [b, max_blocks]; cache_seqlens int32
+    [b]. Returns ``out`` [b, s_q, h_q, d_v] in q's dtype and ``lse`` [b, h_q, s_q] float32
+    (natural log; +inf and a zero output for a query token that sees no key).
+
+    Requests are taken ``batch_chunk`` at a time, their pages ``pages_per_chunk`` at a time,
+    merged with an online softmax, so memory does not grow with the lengths or the table width.
+    Which pages are walked: with ``host_lengths`` (the default on CPU tensors) the lengths are
+    read on the host and only the columns below the longest length of the batch chunk are
+    gathered, so time follows the lengths. Without (the default on other devices: no host sync,
+    CUDA-graph capturable) every column of block_table is walked: time grows with the table's
+    width, memory stays one chunk.
     """
     b, s_q, h_q, d_qk = q.shape
-    page = kv_cache.shape[1]
+    num_blocks, page, h_kv, _ = kv_cache.shape
+    g = h_q // h_kv  # query heads per KV head, contiguous as in FlashMLA
+    rows = s_q * g  # query rows per KV head, ordered (token, head)
     out = torch.empty(b, s_q, h_q, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
-    if b == 0:
-        return out, lse
-    cache = kv_cache.view(kv_cache.shape[0], page, d_qk)
     vis = visible_lengths(cache_seqlens, s_q, causal)  # [b, s_q]
-    # Only the pages that hold keys below the longest length are gathered; unused block-table
-    # entries (which may hold garbage ids) are replaced by page 0 and masked out below.
-    n_pages = block_table.shape[1]
+    width = block_table.shape[1] if num_blocks > 0 else 0  # no pages: every length is 0
+    if host_lengths is None:
+        host_lengths = cache_seqlens.device.type == "cpu"
     for start in range(0, b, batch_chunk):
         stop = min(b, start + batch_chunk)
+        bc = stop - start
         lens = cache_seqlens[start:stop].to(torch.int64)
-        used = torch.arange(n_pages, device=q.device)[None, :] * page < lens[:, None]
-        ids = torch.where(used, block_table[start:stop].to(torch.int64), 0)
-        kv = cache[ids].reshape(stop - start, n_pages * page, d_qk).float()  # (bc, keys, d_qk)
-        key_idx = torch.arange(n_pages * page, device=q.device)
-        in_len = key_idx[None, :] < lens[:, None]  # (bc, keys)
-        kv = torch.where(in_len[:, :, None], kv, 0.0)
-        qf = q[start:stop].float().reshape(stop - start, s_q * h_q, d_qk)
-        scores = torch.einsum("brd,bkd->brk", qf, kv) * softmax_scale  # (bc, s_q*h_q, keys)
-        horizon = vis[start:stop].repeat_interleave(h_q, dim=1)  # (bc, s_q*h_q)
-        visible = key_idx[None, None, :] < horizon[:, :, None]
-        scores = scores.masked_fill(~visible, -math.inf)
-        row_lse = torch.logsumexp(scores, dim=-1)  # -inf where nothing is visible
-        empty = torch.isneginf(row_lse)
-        probs = torch.exp(scores - torch.where(empty, 0.0, row_lse)[:, :, None])
-        o = torch.einsum("brk,bkd->brd", probs, kv[:, :, :d_v])
-        o = torch.where(empty[:, :, None], 0.0, o)
-        out[start:stop] = o.reshape(stop - start, s_q, h_q, d_v).to(q.dtype)
-        row_lse = torch.where(empty, math.inf, row_lse)
-        lse[start:stop] = row_lse.reshape(stop - start, s_q, h_q).transpose(1, 2)
+        cols = width
+        if host_lengths:
+            cols = min(width, -(-int(lens.max()) // page))
+        qf = q[start:stop].float().reshape(bc, s_q, h_kv, g, d_qk).transpose(1, 2)
+        qf = qf.reshape(bc, h_kv, rows, d_qk)
+        horizon = vis[start:stop, :, None].expand(bc, s_q, g).reshape(bc, 1, rows, 1)
+        o = torch.zeros(bc, h_kv, rows, d_v, dtype=torch.float32, device=q.device)
+        m = torch.full((bc, h_kv, rows), -math.inf, dtype=torch.float32, device=q.device)
+        for c0 in range(0, cols, pages_per_chunk):
+            c1 = min(cols, c0 + pages_per_chunk)
+            key = torch.arange(c0 * page, c1 * page, device=q.device)  # (keys,)
+            # Unused entries may hold any id: read page 0 instead and mask its keys out.
+            used = torch.arange(c0, c1, device=q.device)[None, :] * page < lens[:, None]
+            ids = torch.where(used, block_table[start:stop, c0:c1].to(torch.int64), 0)
+            kv = kv_cache[ids].float().view(bc, -1, h_kv, d_qk).transpose(1, 2)  # (bc,h,keys,d)
+            in_len = key[None, None, :, None] < lens[:, None, None, None]
+            kv = torch.where(in_len, kv, 0.0)
+            scores = torch.einsum("bhrd,bhkd->bhrk", qf, kv) * softmax_scale
+            scores = scores.masked_fill(key >= horizon, -math.inf)
+            m_new = torch.logaddexp(m, torch.logsumexp(scores, dim=-1))
+            # o holds sum exp(score - m) V over the keys so far (m: their log-sum-exp); rows
+            # that saw no key yet keep m = -inf and o = 0 (exp(-inf - 0) = 0, no NaN).
+            shift = torch.where(torch.isneginf(m_new), 0.0, m_new)
+            p = torch.exp(scores - shift[..., None])
+            o = o * torch.exp(m - shift)[..., None] + torch.einsum("bhrk,bhkd->bhrd", p,
+                                                                   kv[..., :d_v])
+            m = m_new
+        o = o.view(bc, h_kv, s_q, g, d_v).transpose(1, 2).reshape(bc, s_q, h_q, d_v)
+        out[start:stop] = o.to(q.dtype)
+        m = torch.where(torch.isneginf(m), math.inf, m)
+        lse[start:stop] = m.view(bc, h_kv, s_q, g).permute(0, 1, 3, 2).reshape(bc, h_q, s_q)
     return out, lse
 
 

@@ -22,6 +22,7 @@ from typing import Optional, Tuple
 
 import torch
 
+from ..ops.checks import check_count, check_decode_args
 from ..ops.decode import mla_decode
 from ..ops.schedule import DecodeSchedule, get_decode_schedule
 
@@ -48,9 +49,11 @@ def get_mla_metadata(
 ):
     """FlashMLA's ``get_mla_metadata``.
 
-    With ``cache_seqlens`` (int32 [batch]) and ``num_q_tokens_per_head_k`` (= s_q * h_q // h_kv):
-    returns ``(tile_scheduler_metadata int32 [num_sm_parts, 8], num_splits int32 [batch + 1])``,
-    computed on the device. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
+    With ``cache_seqlens`` (int32 [batch]), ``num_q_tokens_per_head_k`` (= s_q * h_q // h_kv, the
+    query rows of one KV head) and ``num_heads_k`` (h_kv): returns
+    ``(tile_scheduler_metadata int32 [num_sm_parts, 8], num_splits int32 [batch + 1])``, computed
+    on the device; the same schedule as ``torch_mla.get_decode_schedule(cache_seqlens, s_q, h_q,
+    h_kv=h_kv)``. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
     """
     if is_fp8_kvcache or topk is not None:
         raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no topk)")
@@ -58,9 +61,12 @@ def get_mla_metadata(
         return FlashMLASchedMeta(), None
     if num_q_tokens_per_head_k is None:
         raise TypeError("get_mla_metadata needs num_q_tokens_per_head_k (= s_q * h_q // h_kv)")
-    if num_heads_k != 1:
-        raise NotImplementedError(f"MLA decode has one latent head; got num_heads_k={num_heads_k}")
-    sched = get_decode_schedule(cache_seqlens, 1, int(num_q_tokens_per_head_k))
+    check_count("num_q_tokens_per_head_k", num_q_tokens_per_head_k)
+    check_count("num_heads_k", num_heads_k)
+    # One query token of num_q_tokens_per_head_k * h_kv heads: the schedule is sized by the rows
+    # per KV head, as with get_decode_schedule(s_q, h_q, h_kv=h_kv).
+    sched = get_decode_schedule(cache_seqlens, 1, num_q_tokens_per_head_k * num_heads_k,
+                                h_kv=num_heads_k)
     return sched.metadata, sched.num_splits
 
 
@@ -80,8 +86,11 @@ def flash_mla_with_kvcache(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FlashMLA's ``flash_mla_with_kvcache`` (dense decode).
 
+    Forward-only (inference), as :func:`torch_mla.mla_decode`.
+
     Args:
-        q: [batch, s_q, h_q, head_dim]; k_cache: [num_blocks, 64, 1, head_dim];
+        q: [batch, s_q, h_q, head_dim]; k_cache: [num_blocks, 64, h_kv, head_dim], h_q a
+        multiple of h_kv (query head h reads KV head h // (h_q // h_kv));
         block_table: int32 [batch, max_blocks]; cache_seqlens: int32 [batch];
         head_dim_v: width of V (the first head_dim_v columns of the cache);
         tile_scheduler_metadata, num_splits: from :func:`get_mla_metadata` (either form).
@@ -96,9 +105,13 @@ def flash_mla_with_kvcache(
         raise NotImplementedError(f"unsupported FlashMLA arguments: {', '.join(sorted(extra))}")
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         meta = tile_scheduler_metadata
+        if not meta.have_initialized:  # (mla_decode checks the values)
+            check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, causal,
+                              values=False)
         config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal)
         if not meta.have_initialized:
-            sched = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
+            sched = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
+                                        h_kv=k_cache.shape[2])
             meta.tile_scheduler_metadata, meta.num_splits = sched
             meta.config, meta.have_initialized = config, True
         elif meta.config != config:

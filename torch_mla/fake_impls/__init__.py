@@ -24,3 +24,8 @@ def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, nu
 @torch.library.register_fake("torch_mla::append_kv")
 def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping):
     return None
+
+
+@torch.library.register_fake("torch_mla::_forward_only_grad")
+def _forward_only_grad_fake(grad, shape, dtype, op):
+    return grad.new_empty(shape, dtype=dtype)

@@ -1,12 +1,15 @@
 """Input validation for the torch_mla ops: every message says what is wrong and what is expected.
 
-Shape, dtype and device checks read metadata only. Checks of *values* (sequence lengths) need the
-data on the host: they run for CPU tensors always, and for CUDA tensors in eager mode unless
-disabled with :func:`torch_mla.set_value_checks` (they are skipped while a CUDA graph is being
-captured, where a host read is not allowed).
+Shape, dtype and device checks read metadata only. Checks of *values* (lengths, page ids, slots)
+go through :func:`_require`: on CPU tensors the values are read on the host and a ValueError names
+the offending entry; on other devices the check runs on the device, as an asynchronous assert
+(``torch._assert_async``: no host sync, allowed in CUDA-graph capture) with a fixed message, and
+:func:`torch_mla.set_value_checks` turns these device checks off.
 """
 
 from __future__ import annotations
+
+from typing import Callable
 
 import torch
 
@@ -14,13 +17,29 @@ PAGE_SIZE = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
+# What a device-side assert says (CUDA keeps at most 254 characters); the CPU path names the
+# offending entry instead.
+_CPU_HINT = "run with CPU tensors to see which entry"
+DEVICE_MESSAGES = {
+    "cache_seqlens": "torch_mla.mla_decode: cache_seqlens holds a length < 0 or > block_table's "
+                     f"width x {PAGE_SIZE}; {_CPU_HINT}",
+    "block_table": "torch_mla.mla_decode: block_table holds a page id outside [0, num_blocks) in "
+                   "a column that the request's cache_seqlens uses; " + _CPU_HINT,
+    "slot_range": "torch_mla.append_kv: slot_mapping holds a slot >= num_blocks x "
+                  f"{PAGE_SIZE} (past the cache); {_CPU_HINT}",
+    "slot_repeat": "torch_mla.append_kv: slot_mapping writes one slot twice (slots >= 0 must be "
+                   "distinct); " + _CPU_HINT,
+}
+
 _value_checks = True
 
 
 def set_value_checks(enabled: bool) -> None:
-    """Turns the host-side checks of ``cache_seqlens`` values on CUDA tensors on or off.
+    """Turns the device-side checks of input *values* on CUDA tensors on or off.
 
-    They cost one device-to-host read per call; turn them off once the caller is trusted.
+    They check ``cache_seqlens``, the used ``block_table`` entries and ``slot_mapping`` with
+    asynchronous device asserts (a few small kernels per call, no host sync); turn them off once
+    the caller is trusted. CPU tensors are always checked (their values cost nothing to read).
     """
     global _value_checks
     _value_checks = bool(enabled)
@@ -34,6 +53,34 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
+def _checks_values(t: torch.Tensor) -> bool:
+    """Whether the values of t are checked: always on CPU, on devices unless turned off."""
+    if t.device.type == "cpu":
+        return True
+    return _value_checks and t.device.type != "meta"
+
+
+def _require(bad: torch.Tensor, device_msg: str, detail: Callable[..., str]) -> None:
+    """Fails if any element of the boolean tensor ``bad`` is True.
+
+    CPU: ValueError(detail(*index of the first bad element)). Other devices: an asynchronous
+    device-side assert carrying ``device_msg``, with no host synchronisation.
+    """
+    if bad.device.type == "cpu":
+        if bad.any():
+            raise ValueError(detail(*bad.nonzero()[0].tolist()))
+    else:
+        torch._assert_async(~bad.any(), device_msg)
+
+
+def check_count(name: str, value, minimum: int = 1) -> None:
+    """A Python int (or a SymInt under torch.compile) >= minimum."""
+    if isinstance(value, bool) or not isinstance(value, (int, torch.SymInt)):
+        raise TypeError(f"{name} must be an int, got {type(value).__name__}")
+    if value < minimum:
+        _fail(f"{name} must be >= {minimum}, got {value}")
+
+
 def check_seqlens_tensor(cache_seqlens: torch.Tensor, name: str = "cache_seqlens") -> None:
     if not isinstance(cache_seqlens, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(cache_seqlens).__name__}")
@@ -43,14 +90,6 @@ def check_seqlens_tensor(cache_seqlens: torch.Tensor, name: str = "cache_seqlens
         _fail(f"{name} must be int32, got {cache_seqlens.dtype}")
 
 
-def _values_checkable(t: torch.Tensor) -> bool:
-    if t.device.type == "cpu":
-        return True
-    if t.device.type == "meta" or not _value_checks:
-        return False
-    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
-
-
 def check_decode_args(
     q: torch.Tensor,
     kv_cache: torch.Tensor,
@@ -58,8 +97,13 @@ def check_decode_args(
     cache_seqlens: torch.Tensor,
     d_v: int,
     causal: bool,
+    values: bool = True,
 ) -> None:
-    """Validates :func:`torch_mla.mla_decode`'s arguments; raises ValueError/TypeError."""
+    """Validates :func:`torch_mla.mla_decode`'s arguments; raises ValueError/TypeError.
+
+    With ``values`` (off while torch.compile traces, where tensors hold no data), also checks
+    the lengths and the used block-table entries (see the module docstring).
+    """
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -67,7 +111,8 @@ def check_decode_args(
     if q.dim() != 4:
         _fail(f"q must have shape [batch, s_q, h_q, d_qk], got {_shape(q)}")
     if kv_cache.dim() != 4:
-        _fail(f"kv_cache must have shape [num_blocks, page_size, 1, d_qk], got {_shape(kv_cache)}")
+        _fail(f"kv_cache must have shape [num_blocks, page_size, h_kv, d_qk], "
+              f"got {_shape(kv_cache)}")
     if block_table.dim() != 2:
         _fail(f"block_table must have shape [batch, max_blocks], got {_shape(block_table)}")
     b, s_q, h_q, d_qk = q.shape
@@ -88,8 +133,6 @@ def check_decode_args(
         )
     if page != PAGE_SIZE:
         _fail(f"kv_cache page size (dim 1) must be {PAGE_SIZE}, got {page}")
-    if h_kv != 1:
-        _fail(f"kv_cache must hold one latent head (dim 2 == 1), got {h_kv}")
     if d_kv != d_qk:
         _fail(f"kv_cache head dim ({d_kv}) must equal q's head dim d_qk ({d_qk})")
     if not (0 < d_v <= d_qk):
@@ -97,6 +140,11 @@ def check_decode_args(
               f"got {d_v}")
     if s_q < 1 or h_q < 1:
         _fail(f"q must have s_q >= 1 and h_q >= 1, got s_q={s_q}, h_q={h_q}")
+    if h_kv < 1:
+        _fail(f"kv_cache must have at least one KV head (dim 2), got {h_kv}")
+    if h_q % h_kv:
+        _fail(f"h_q ({h_q}) must be a multiple of kv_cache's KV heads h_kv ({h_kv}, dim 2): "
+              "query head h uses KV head h // (h_q // h_kv)")
     if block_table.shape[0] != b:
         _fail(f"block_table has {block_table.shape[0]} rows, expected batch = {b}")
     if cache_seqlens.shape[0] != b:
@@ -104,20 +152,40 @@ def check_decode_args(
     if q.stride(-1) != 1:
         _fail(f"q's last dimension must be contiguous (stride 1), got stride {q.stride(-1)}")
     if not kv_cache.is_contiguous():
-        _fail("kv_cache must be contiguous (a persistent [num_blocks, 64, 1, d_qk] buffer)")
+        _fail("kv_cache must be contiguous (a persistent [num_blocks, 64, h_kv, d_qk] buffer)")
     if block_table.stride(-1) != 1:
         _fail("block_table's last dimension must be contiguous (stride 1)")
-    if _values_checkable(cache_seqlens):
-        cap = block_table.shape[1] * PAGE_SIZE
-        lo, hi = torch.aminmax(cache_seqlens) if b > 0 else (torch.tensor(0), torch.tensor(0))
-        lo, hi = int(lo), int(hi)
-        if lo < 0:
-            _fail(f"cache_seqlens must be >= 0, got a minimum of {lo}")
-        if hi > cap:
-            _fail(
-                f"cache_seqlens has a length of {hi} but block_table covers only "
-                f"{block_table.shape[1]} pages x {PAGE_SIZE} = {cap} tokens"
-            )
+    if values and _checks_values(cache_seqlens):
+        check_decode_values(num_blocks, block_table, cache_seqlens)
+
+
+def check_decode_values(num_blocks: int, block_table: torch.Tensor,
+                        cache_seqlens: torch.Tensor) -> None:
+    """0 <= L <= max_blocks * 64 for every length L, and every block-table entry a request uses
+    (its first ceil(L / 64)) is a page of the cache; unused entries may hold anything."""
+    L = cache_seqlens
+    width = block_table.shape[1]
+    cap = width * PAGE_SIZE
+
+    def bad_length(r):
+        n = int(L[r])
+        if n < 0:
+            return f"cache_seqlens[{r}] = {n}, but lengths must be >= 0"
+        return (f"cache_seqlens[{r}] = {n}, but block_table covers only {width} pages x "
+                f"{PAGE_SIZE} = {cap} tokens")
+
+    _require((L < 0) | (L > cap), DEVICE_MESSAGES["cache_seqlens"], bad_length)
+    used = torch.arange(width, device=L.device)[None, :] * PAGE_SIZE < L[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_blocks))
+
+    def bad_page(r, j):
+        n = -(-int(L[r]) // PAGE_SIZE)
+        entries = "entry must be a page id" if n == 1 else f"{n} entries must be page ids"
+        return (f"block_table[{r}, {j}] = {int(block_table[r, j])} is not a page of kv_cache "
+                f"(num_blocks = {num_blocks}): request {r} has {int(L[r])} tokens, so its first "
+                f"{entries} in [0, {num_blocks})")
+
+    _require(bad, DEVICE_MESSAGES["block_table"], bad_page)
 
 
 def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch: int,
@@ -133,14 +201,26 @@ def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch:
               f"{num_splits.device}")
 
 
+def unpack_schedule(schedule) -> tuple[torch.Tensor, torch.Tensor]:
+    """(metadata, num_splits) from a DecodeSchedule or a plain 2-tuple of tensors."""
+    if (isinstance(schedule, tuple) and len(schedule) == 2
+            and all(isinstance(t, torch.Tensor) for t in schedule)):
+        return schedule[0], schedule[1]
+    raise TypeError("schedule must be a torch_mla.DecodeSchedule (from get_decode_schedule) or a "
+                    f"(metadata, num_splits) tuple of tensors, got {type(schedule).__name__}")
+
+
 def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """Validates :func:`torch_mla.append_kv`'s arguments."""
+                      slot_mapping: torch.Tensor, values: bool = True) -> None:
+    """Validates :func:`torch_mla.append_kv`'s arguments (values as in check_decode_args)."""
     for name, t in (("kv_cache", kv_cache), ("kv_c", kv_c), ("k_pe", k_pe),
                     ("slot_mapping", slot_mapping)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
-    if kv_cache.dim() != 4 or kv_cache.shape[1] != PAGE_SIZE or kv_cache.shape[2] != 1:
+    if kv_cache.dim() == 4 and kv_cache.shape[1] == PAGE_SIZE and kv_cache.shape[2] != 1:
+        _fail(f"append_kv writes one latent head per token: kv_cache must have shape "
+              f"[num_blocks, {PAGE_SIZE}, 1, d_qk], got {_shape(kv_cache)}")
+    if kv_cache.dim() != 4 or kv_cache.shape[1] != PAGE_SIZE:
         _fail(f"kv_cache must have shape [num_blocks, {PAGE_SIZE}, 1, d_qk], "
               f"got {_shape(kv_cache)}")
     if not kv_cache.is_contiguous():
@@ -164,9 +244,20 @@ def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     if len(devs) != 1:
         _fail("kv_cache, kv_c, k_pe and slot_mapping must be on one device, "
               f"got {sorted(map(str, devs))}")
-    if _values_checkable(slot_mapping) and T > 0:
-        hi = int(slot_mapping.max())
-        cap = kv_cache.shape[0] * PAGE_SIZE
-        if hi >= cap:
-            _fail(f"slot_mapping holds slot {hi} but the cache has only {cap} slots "
-                  f"({kv_cache.shape[0]} pages x {PAGE_SIZE})")
+    if values and T > 0 and _checks_values(slot_mapping):
+        check_slot_values(kv_cache.shape[0], slot_mapping)
+
+
+def check_slot_values(num_blocks: int, slot_mapping: torch.Tensor) -> None:
+    """Every slot < num_blocks * 64, and no slot >= 0 twice (negative slots are padding)."""
+    cap = num_blocks * PAGE_SIZE
+    _require(slot_mapping >= cap, DEVICE_MESSAGES["slot_range"],
+             lambda t: f"slot_mapping[{t}] = {int(slot_mapping[t])}, but the cache has only "
+                       f"{cap} slots ({num_blocks} pages x {PAGE_SIZE})")
+    # A repeated slot would be written by two tokens in an unspecified order; sorted, the
+    # repeats are neighbours (stable: the earlier token comes first).
+    s, order = torch.sort(slot_mapping, stable=True)
+    _require((s[1:] == s[:-1]) & (s[1:] >= 0), DEVICE_MESSAGES["slot_repeat"],
+             lambda i: f"slot_mapping[{int(order[i])}] and slot_mapping[{int(order[i + 1])}] "
+                       f"both write slot {int(s[i])}; slots must be distinct (negative slots are "
+                       "skipped and may repeat)")

@@ -1,21 +1,19 @@
 """``torch_mla::mla_decode``: validation, then the CuTe DSL kernel where one exists, else the
-reference."""
+reference. Forward-only: its autograd formula raises (see library.forward_only_message)."""
 
 from __future__ import annotations
 
 import torch
 
 from ..reference import mla_decode_reference
-from .checks import check_decode_args, check_schedule_args
+from .checks import check_decode_args, check_schedule_args, unpack_schedule
 from .dispatch import find_decode_kernel
-from .library import lib
+from .library import forward_only_grads, grad_like, lib
 from .schedule import DecodeSchedule, get_decode_schedule
 
 
-def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                 softmax_scale: float, causal: bool, d_v: int):
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal)
-    check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
+def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
+                softmax_scale: float, causal: bool, d_v: int):
     kernel = find_decode_kernel(q, kv_cache, d_v)
     if kernel is not None:
         return kernel(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
@@ -23,7 +21,27 @@ def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_sp
     return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
 
 
+def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
+                 softmax_scale: float, causal: bool, d_v: int):
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal)
+    check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
+    return _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
+                       softmax_scale, causal, d_v)
+
+
 lib.impl("mla_decode", _decode_impl, "CompositeExplicitAutograd")
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.like = grad_like(inputs)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    return forward_only_grads(grad_out, ctx.like, "mla_decode")
+
+
+torch.library.register_autograd("torch_mla::mla_decode", _backward, setup_context=_setup_context,
+                                lib=lib)
 
 
 def mla_decode(
@@ -31,7 +49,7 @@ def mla_decode(
     kv_cache: torch.Tensor,
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
-    schedule: DecodeSchedule | None = None,
+    schedule: DecodeSchedule | tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
@@ -39,18 +57,24 @@ def mla_decode(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a paged latent cache (FlashMLA's dense decode).
 
-    Every query head attends to the one cached latent per token: K is the whole cached row
-    (d_qk = d_v + d_rope wide), V its first d_v columns.
+    Every query head attends to a cached latent per token: K is the whole cached row
+    (d_qk = d_v + d_rope wide), V its first d_v columns. With h_kv > 1 latent heads (FlashMLA's
+    interface), query head h reads KV head ``h // (h_q // h_kv)``.
+
+    Forward-only (inference): inputs may require grad, but backward raises.
 
     Args:
         q: [batch, s_q, h_q, d_qk], bf16/fp16 (fp32 runs on the reference path); last dim
             contiguous. With absorbed weights, d_qk = kv_lora_rank + qk_rope_head_dim.
-        kv_cache: [num_blocks, 64, 1, d_qk], q's dtype, contiguous; page size 64, one latent head.
+        kv_cache: [num_blocks, 64, h_kv, d_qk], q's dtype, contiguous; page size 64, h_kv latent
+            heads (1 for DeepSeek), h_q a multiple of h_kv.
         block_table: int32 [batch, max_blocks]; page j of request r is ``block_table[r, j]``.
-            Entries past a request's length are never read.
+            Entries request r uses (j < ceil(L_r / 64)) must be in [0, num_blocks); the others
+            are never read and may hold anything.
         cache_seqlens: int32 [batch], keys per request, 0 <= L <= max_blocks * 64.
-        schedule: from :func:`get_decode_schedule` for these ``cache_seqlens`` (computed here if
-            None; pass it in to share it across layers and keep CUDA graphs free of it).
+        schedule: from :func:`get_decode_schedule` for these ``cache_seqlens`` (or its
+            ``(metadata, num_splits)`` tuple); computed here if None. Pass it in to share it
+            across layers and keep CUDA graphs free of it.
         softmax_scale: scale of QK^T before the softmax (default d_qk ** -0.5).
         causal: for s_q > 1, query token i sees keys ``< L - s_q + i + 1`` (speculative decoding).
         d_v: width of V and of the output (512 for DeepSeek-V2/V3).
@@ -59,13 +83,24 @@ def mla_decode(
         out: [batch, s_q, h_q, d_v] in q's dtype.
         lse: float32 [batch, h_q, s_q], natural-log log-sum-exp of the scaled scores.
         A query token that sees no key gets out = 0 and lse = +inf.
+
+    Lengths and used block-table entries are checked: on CPU tensors with a ValueError naming
+    the entry, on CUDA tensors by device-side asserts (see :func:`torch_mla.set_value_checks`).
     """
+    compiling = torch.compiler.is_compiling()
+    # Traced by torch.compile, the tensors hold no values: the op checks them when it runs.
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, values=not compiling)
+    if schedule is None:
+        schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
+                                       h_kv=kv_cache.shape[2])
+    metadata, num_splits = unpack_schedule(schedule)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
-    if schedule is None:
-        schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
-    args = (q, kv_cache, block_table, cache_seqlens, schedule.metadata, schedule.num_splits,
+    args = (q, kv_cache, block_table, cache_seqlens, metadata, num_splits,
             float(softmax_scale), bool(causal), int(d_v))
-    if torch.compiler.is_compiling():
+    # The op (with its autograd formula) where autograd or the compiler needs it; else the
+    # implementation directly, which saves the dispatcher's overhead on every layer.
+    if compiling or (torch.is_grad_enabled() and (q.requires_grad or kv_cache.requires_grad)):
         return torch.ops.torch_mla.mla_decode(*args)
-    return _decode_impl(*args)
+    check_schedule_args(metadata, num_splits, q.shape[0], q.device)
+    return _decode_run(*args)

@@ -15,3 +15,35 @@ lib.define(
 lib.define(
     "append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping) -> ()"
 )
+# The "gradient" of a forward-only op: raises when it runs. An op rather than a raise in the
+# backward formula, so that torch.compile can trace the backward of a forward that saw inputs
+# requiring grad (the forward must keep working) and the error comes when backward really runs.
+lib.define("_forward_only_grad(Tensor grad, SymInt[] shape, ScalarType dtype, str op) -> Tensor")
+
+
+def forward_only_message(op: str) -> str:
+    return (f"torch_mla.{op} is forward-only (inference): it has no backward, so no gradient can "
+            "flow through it. Run it under torch.no_grad() or torch.inference_mode(), or detach "
+            "its inputs; to train, use an attention with a backward (the model's own).")
+
+
+def _forward_only_grad(grad, shape, dtype, op):
+    raise RuntimeError(forward_only_message(op))
+
+
+lib.impl("_forward_only_grad", _forward_only_grad, "CompositeExplicitAutograd")
+
+
+def forward_only_grads(grad: torch.Tensor, inputs, op: str) -> tuple:
+    """What a forward-only op's backward returns: a raising "gradient" for each floating-point
+    tensor input (by its (shape, dtype), saved in setup), None for the others."""
+    return tuple(None if like is None else
+                 torch.ops.torch_mla._forward_only_grad(grad, like[0], like[1], op)
+                 for like in inputs)
+
+
+def grad_like(inputs) -> list:
+    """(shape, dtype) of each floating-point tensor in inputs, None for the others; saved instead
+    of the tensors, which a forward-only op must not keep alive (nor see modified in place)."""
+    return [(t.shape, t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
+            for t in inputs]
