@@ -108,14 +108,14 @@ def test_mla_decode_kv_heads(h_kv, h_q):
 
 @pytest.mark.parametrize("s_q,h_q,h_kv", [(1, 128, 1), (2, 128, 2), (1, 16, 8), (4, 64, 4)])
 def test_schedule_is_sized_per_kv_head(s_q, h_q, h_kv):
-    # As FlashMLA: h_kv x m-blocks of the s_q * h_q // h_kv rows of one KV head x parts <= SMs,
-    # and FlashMLA's get_mla_metadata(lens, s_q * h_q // h_kv, h_kv) is the same schedule.
+    # One launch per KV head, each a full wave: m-blocks of the s_q * h_q // h_kv rows of one KV
+    # head x parts <= SMs; FlashMLA's get_mla_metadata(lens, s_q * h_q // h_kv, h_kv) agrees.
     from torch_mla.compat.flash_mla import get_mla_metadata
 
     lens = torch.randint(1, 3000, (9,), dtype=torch.int32)
     meta, splits = torch_mla.get_decode_schedule(lens, s_q, h_q, h_kv=h_kv)
     rows = s_q * h_q // h_kv
-    assert meta.shape[0] == 132 // (h_kv * math.ceil(rows / 64))
+    assert meta.shape[0] == 132 // math.ceil(rows / 64)
     meta2, splits2 = get_mla_metadata(lens, rows, h_kv)
     assert torch.equal(meta, meta2) and torch.equal(splits, splits2)
 

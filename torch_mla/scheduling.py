@@ -1,11 +1,12 @@
 """Split-KV work schedule for MLA decode, computed on the device from ``cache_seqlens``.
 
-The decode kernel runs one wave of ``h_kv x num_m_blocks x num_parts`` CTAs (every KV head's
-query rows walk the same schedule). Each request's key blocks (pages of 64 tokens) are laid end to
-end in one stream, each request preceded by a fixed overhead of ``OVERHEAD_BLOCKS`` (the cost of
-starting a request: loading Q, writing its output), and the stream is cut into ``num_parts``
-pieces of equal size (within one block). A part walks its piece request by request; a request cut
-across parts is computed as partial results that the combine step merges.
+The decode kernel runs one wave of ``num_m_blocks x num_parts`` CTAs per KV head (a cache of
+h_kv > 1 heads runs one launch per head, each over the same schedule). Each request's key blocks
+(pages of 64 tokens) are laid end to end in one stream, each request preceded by a fixed overhead
+of ``OVERHEAD_BLOCKS`` (the cost of starting a request: loading Q, writing its output), and the
+stream is cut into ``num_parts`` pieces of equal size (within one block). A part walks its piece
+request by request; a request cut across parts is computed as partial results that the combine
+step merges.
 
 Everything here is a handful of tensor ops with static shapes and no host synchronisation, so the
 schedule can be computed once per decode step, shared by every layer, and captured in a CUDA graph.
@@ -46,11 +47,11 @@ class DecodeSplitConfig:
     @classmethod
     def from_heuristic(cls, s_q: int, h_q: int, num_sms: int,
                        h_kv: int = 1) -> "DecodeSplitConfig":
-        # One wave: h_kv * num_m_blocks * num_parts CTAs fill the SMs exactly once (as FlashMLA
-        # does; each KV head's s_q * h_q // h_kv query rows are m-blocked apart); each CTA needs
-        # ~230 KB of shared memory, so only one fits per SM.
-        ctas_per_part = h_kv * num_m_blocks(s_q, h_q // h_kv)
-        return cls(num_parts=max(1, num_sms // ctas_per_part))
+        # One wave: num_m_blocks * num_parts CTAs fill the SMs exactly once (as FlashMLA does);
+        # each CTA needs ~230 KB of shared memory, so only one fits per SM. With h_kv > 1 the
+        # KV heads run one launch after another (torch_mla/ops/dispatch.py), each a full wave
+        # over its s_q * h_q // h_kv query rows.
+        return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q // h_kv)))
 
 
 def default_num_sms(device: torch.device) -> int:

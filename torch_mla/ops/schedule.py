@@ -42,8 +42,8 @@ def get_decode_schedule(
         h_q: query heads, >= 1, a multiple of h_kv.
         num_sms: multiprocessors to spread the work over (default: the device's count; 132 on CPU).
         h_kv: KV (latent) heads of the cache. The kernel runs each KV head's group of
-            s_q * h_q // h_kv query rows over this one schedule, so it is sized for that many
-            rows and num_sms // h_kv multiprocessors (as FlashMLA's get_mla_metadata).
+            s_q * h_q // h_kv query rows over this one schedule (one launch per head), so it is
+            sized for that many rows.
 
     Returns:
         DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]). It depends on
