@@ -4,11 +4,14 @@ Public API:
     mla_decode            attention of every query head over the paged latent cache
     get_decode_schedule   the split-KV work schedule for one decode step (device-side)
     append_kv             write new tokens' latents into the paged cache (in place)
+    slot_mapping          the cache slots of each request's next tokens, from its block table
     set_value_checks      turn the host-side value checks of CUDA inputs on or off
     compat.flash_mla      FlashMLA's interface on top of these ops
 """
 
 from .ops import DecodeSchedule, append_kv, get_decode_schedule, mla_decode, set_value_checks
+from .ops.cache import slot_mapping
 
-__all__ = ["DecodeSchedule", "append_kv", "get_decode_schedule", "mla_decode", "set_value_checks"]
+__all__ = ["DecodeSchedule", "append_kv", "get_decode_schedule", "mla_decode", "set_value_checks",
+           "slot_mapping"]
 __version__ = "0.1.0"
