@@ -4,6 +4,7 @@ Public API:
     mla_decode            attention of every query head over the paged latent cache
     get_decode_schedule   the split-KV work schedule for one decode step (device-side)
     append_kv             write new tokens' latents into the paged cache (in place)
+    slot_mapping          the cache slots of each request's next tokens, from its block table
     set_value_checks      turn the device-side value checks of CUDA inputs on or off
     compat.flash_mla      FlashMLA's interface on top of these ops
 
@@ -12,7 +13,8 @@ The ops are forward-only (inference): a backward through them raises.
 
 from . import compat
 from .ops import DecodeSchedule, append_kv, get_decode_schedule, mla_decode, set_value_checks
+from .ops.cache import slot_mapping
 
 __all__ = ["DecodeSchedule", "append_kv", "compat", "get_decode_schedule", "mla_decode",
-           "set_value_checks"]
+           "set_value_checks", "slot_mapping"]
 __version__ = "0.1.0"

@@ -65,7 +65,8 @@ def _sync(device) -> None:
 
 
 def _progress_streamer(label: str, total: int, device):
-    """A transformers streamer that draws a progress bar and records when each token arrives."""
+    """A transformers streamer that shows progress and records when each token arrives: a bar
+    redrawn in place on a terminal, else (a pipe, a log file, CI) a plain line at every quarter."""
     from transformers.generation.streamers import BaseStreamer
 
     tty = sys.stderr.isatty()
@@ -81,15 +82,19 @@ def _progress_streamer(label: str, total: int, device):
                 return
             _sync(device)
             self.times.append(time.perf_counter())
-            if tty or len(self.times) == total:
+            n = len(self.times)
+            if tty or n == total or 4 * n // total > 4 * (n - 1) // total:
                 self.draw()
 
         def draw(self):
             n = len(self.times)
-            done = int(30 * n / total)
             rate = ""
             if n > 1:
                 rate = f", {(n - 1) / (self.times[-1] - self.times[0]):.1f} steps/s"
+            if not tty:
+                sys.stderr.write(f"  {label:<12} generating: {n}/{total} tokens{rate}\n")
+                return
+            done = int(30 * n / total)
             end = "\n" if n == total else ""
             sys.stderr.write(f"\r  {label:<12} [{'#' * done}{'.' * (30 - done)}] {n}/{total}"
                              f"{rate}{end}")
@@ -175,22 +180,51 @@ def hf_cache_bytes_per_token(cache, batch: int) -> float:
     return total / max(1, batch * tokens)
 
 
-def main(argv=None) -> None:
-    cuda = torch.cuda.is_available()
+# Help for the model-shape options, named as in transformers' DeepseekV3Config.
+SHAPE_HELP = dict(
+    hidden="model width (hidden_size)",
+    heads="attention heads (num_attention_heads): the decode's query heads",
+    q_lora_rank="rank of the query's low-rank projection (q_lora_rank)",
+    kv_lora_rank="width of the cached latent (kv_lora_rank); the kernel needs 512",
+    rope_dim="width of the RoPE key cached next to the latent (qk_rope_head_dim); the kernel "
+             "needs 64",
+    nope_dim="per-head query/key width without RoPE (qk_nope_head_dim)",
+    v_dim="per-head value width (v_head_dim)",
+    intermediate="width of the dense MLP in every layer (intermediate_size)",
+    vocab="vocabulary size",
+)
+
+
+def build_parser(cuda: bool) -> argparse.ArgumentParser:
+    """The demo's options; defaults are DeepSeek-V3's layer shape with a GPU, a tiny one without."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--device", default="cuda" if cuda else "cpu")
+    ap.add_argument("--device", default="cuda" if cuda else "cpu",
+                    help="where to run: cuda or cpu (default: %(default)s)")
     ap.add_argument("--dtype", choices=["bf16", "fp16", "fp32"], default=None,
-                    help="default: bf16 on a GPU, fp32 on a CPU")
+                    help="weights and activations (default: bf16 on a GPU, fp32 on a CPU)")
     shape = V3_SHAPE if cuda else CPU_SHAPE
     for k, v in shape.items():
-        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v)
-    ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batch", type=int, default=32 if cuda else 4)
-    ap.add_argument("--prompt-len", type=int, default=512 if cuda else 48)
-    ap.add_argument("--new-tokens", type=int, default=128 if cuda else 32)
-    ap.add_argument("--no-compile", action="store_true", help="run the swapped model eagerly")
-    ap.add_argument("--seed", type=int, default=0)
-    args = ap.parse_args(argv)
+        ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v,
+                        help=f"{SHAPE_HELP[k]} (default: %(default)s)")
+    ap.add_argument("--layers", type=int, default=4,
+                    help="decoder layers, each with a dense MLP (default: %(default)s)")
+    ap.add_argument("--batch", type=int, default=32 if cuda else 4,
+                    help="requests generated together (default: %(default)s)")
+    ap.add_argument("--prompt-len", type=int, default=512 if cuda else 48,
+                    help="random prompt tokens per request (default: %(default)s)")
+    ap.add_argument("--new-tokens", type=int, default=128 if cuda else 32,
+                    help="tokens generated per request (default: %(default)s)")
+    ap.add_argument("--no-compile", action="store_true",
+                    help="run the swapped model eagerly (no torch.compile, no CUDA graphs)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="seed of the random weights and prompts (default: %(default)s)")
+    return ap
+
+
+def main(argv=None) -> None:
+    args = build_parser(torch.cuda.is_available()).parse_args(argv)
+    if hasattr(sys.stdout, "reconfigure"):  # piped (tee, a log): each line as it is printed
+        sys.stdout.reconfigure(line_buffering=True)
 
     try:
         import transformers
@@ -199,6 +233,7 @@ def main(argv=None) -> None:
     from transformers.generation import CompileConfig
 
     from torch_mla.modules import MLACache, generate_kwargs, swap_mla_attention
+    from torch_mla.ops.dispatch import decode_backend
 
     device = torch.device(args.device)
     on_gpu = device.type == "cuda"
@@ -244,6 +279,9 @@ def main(argv=None) -> None:
 
     # 2. the swap, in place: same parameters.
     swap_mla_attention(model)
+    backend, why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
+                                  args.kv_lora_rank)
+    print(f"swapped in torch_mla's attention; its decode runs {backend}: {why}")
     cache = MLACache.for_model(model, b, s + n)
     kwargs = generate_kwargs(model, cache)
     label = "eager" if args.no_compile else (
@@ -256,13 +294,16 @@ def main(argv=None) -> None:
         cc._compile_all_devices = True  # transformers compiles only on accelerators by default
         kwargs["compile_config"] = cc
         print(f"2/3 swapped attention: compiling the decode step (mode={cc.mode!r}, fullgraph; "
-              f"once, {'~1 min' if on_gpu else '~30 s'})")
+              f"once, {'~1 min' if on_gpu else '~30 s'}"
+              f"{', the decode kernel included' if backend != 'reference' else ''})...")
         t0 = time.perf_counter()
         with torch.no_grad():  # same batch and cache shape as the timed run: no recompiles
             model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, **kwargs)
         cache.reset()
         print(f"  compiled in {time.perf_counter() - t0:.1f} s")
     print(f"3/3 torch_mla ({label}, MLACache)")
+    if backend != "reference" and args.no_compile:
+        print("  compiling the decode kernel (first call, ~20-60 s)...")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     tok, ours_tps, _, top = timed_generate(model, ids, n, "torch_mla", device, **kwargs)

@@ -65,3 +65,74 @@ def append_kv(
         torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping)
     else:
         _append_impl(kv_cache, kv_c, k_pe, slot_mapping)
+
+
+def slot_mapping(block_table: torch.Tensor, cache_seqlens: torch.Tensor,
+                 num_tokens: int) -> torch.Tensor:
+    """The cache slots of each request's next ``num_tokens`` tokens: ``append_kv``'s slot_mapping.
+
+    ``cache_seqlens`` are the lengths *before* this step's tokens are written: request r's new
+    tokens take positions ``cache_seqlens[r] .. cache_seqlens[r] + num_tokens - 1``, and position
+    p lives in slot ``block_table[r, p // 64] * 64 + p % 64``. A decode step therefore calls this,
+    then :func:`append_kv`, then advances ``cache_seqlens`` by ``num_tokens`` before scheduling
+    and decoding (whose lengths include the new tokens).
+
+    Pure tensor ops on the block table's device: no host synchronisation, so it can run inside
+    ``torch.compile(fullgraph=True)`` and CUDA-graph capture.
+
+    Args:
+        block_table: int32 [batch, max_blocks]; page j of request r is ``block_table[r, j]``.
+        cache_seqlens: int32 [batch], tokens already cached per request.
+        num_tokens: new tokens per request (1 for plain decode, more with speculative decoding).
+
+    Returns:
+        int64 [batch * num_tokens], request-major (token i of request r at ``r * num_tokens + i``,
+        the order of ``kv_c.reshape(batch * num_tokens, -1)`` for kv_c [batch, num_tokens, d]).
+
+    Raises:
+        ValueError (CPU tensors): a new token's position lies past the pages the block table
+        holds (``max_blocks * 64``) or a length is negative. On CUDA the same check runs on the
+        device (``torch._assert_async``: the next synchronising call fails) unless turned off with
+        :func:`torch_mla.set_value_checks`, and under ``torch.compile`` too (a RuntimeError on a
+        CPU). Either way such tokens get slot -1, which :func:`append_kv` skips, so nothing is
+        ever written out of bounds.
+    """
+    from . import checks  # (local: this helper is appended below the op's own imports)
+
+    if not isinstance(block_table, torch.Tensor) or not isinstance(cache_seqlens, torch.Tensor):
+        raise TypeError("block_table and cache_seqlens must be torch.Tensors")
+    if block_table.dim() != 2 or block_table.dtype != torch.int32:
+        raise ValueError(f"block_table must be int32 [batch, max_blocks], got {block_table.dtype} "
+                         f"{list(block_table.shape)}")
+    checks.check_seqlens_tensor(cache_seqlens)
+    b, max_blocks = block_table.shape
+    if cache_seqlens.shape[0] != b or cache_seqlens.device != block_table.device:
+        raise ValueError(f"cache_seqlens ({cache_seqlens.shape[0]} entries on "
+                         f"{cache_seqlens.device}) must match block_table ({b} rows on "
+                         f"{block_table.device})")
+    if num_tokens < 0:
+        raise ValueError(f"num_tokens must be >= 0, got {num_tokens}")
+    page_size, device = checks.PAGE_SIZE, block_table.device
+    cap = max_blocks * page_size
+    pos = cache_seqlens.to(torch.int64)[:, None] + torch.arange(num_tokens, device=device)
+    inside = (pos >= 0) & (pos < cap)  # (b, num_tokens)
+    if torch.compiler.is_compiling() or device.type != "cpu":
+        if checks._value_checks and device.type != "meta":
+            torch._assert_async(inside.all(), "torch_mla.slot_mapping: a request's new tokens lie "
+                                "past its block_table row, or its length is negative")
+    else:
+        bad = (~inside).any(dim=1).nonzero().flatten().tolist()
+        if bad:
+            r, n = bad[0], int(cache_seqlens[bad[0]])
+            if n < 0:
+                raise ValueError(f"slot_mapping: cache_seqlens[{r}] is {n}; lengths must be >= 0")
+            raise ValueError(f"slot_mapping: request {r} has length {n}, so its next {num_tokens} "
+                             f"token(s) take positions {n}..{n + num_tokens - 1}, but its "
+                             f"block_table row holds only {max_blocks} pages x {page_size} = "
+                             f"{cap} positions; give it more pages")
+    if max_blocks == 0:
+        return torch.full((b * num_tokens,), -1, dtype=torch.int64, device=device)
+    # Out-of-range positions gather a clamped (real) page and are then dropped: nothing is read
+    # or written out of bounds even with the checks off.
+    page = torch.gather(block_table.to(torch.int64), 1, (pos // page_size).clamp(0, max_blocks - 1))
+    return torch.where(inside, page * page_size + pos % page_size, -1).reshape(-1)
