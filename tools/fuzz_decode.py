@@ -126,7 +126,8 @@ def draw_case(seed: int, index: int, max_b: int, max_len: int, max_tokens: int, 
             while pages(lens) > budget:  # rounding up to pages left at most b pages over
                 i = lens.index(max(lens))
                 lens[i] = max(0, lens[i] - PAGE_SIZE)
-    extra_width = rng.choice([0, 0, 1, 2, rng.randint(3, 40)])
+    # Wide tables cost the reference (it reads the table's whole width): at most 40 extra pages.
+    extra_width = rng.choice([0, 0, 1, 2, rng.randint(3, max(3, min(40, max_len // PAGE_SIZE)))])
     spare_pages = rng.choice([0, 1, rng.randint(2, 16)])
     q_mult = rng.choice([1.0, 30.0, 300.0])
     softmax_scale = None if rng.random() < 0.8 else rng.uniform(0.01, 0.1)
