@@ -37,6 +37,7 @@ import torch
 # The checkout this file is in, not whichever torch_mla is installed.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch_mla  # noqa: E402
+from torch_mla.ops.dispatch import find_decode_kernel  # noqa: E402
 from torch_mla.reference import mla_decode_reference  # noqa: E402
 from torch_mla.testing import PAGE_SIZE, make_decode_inputs  # noqa: E402
 
@@ -86,7 +87,8 @@ class Case:
 
 
 def _page_edge(rng: random.Random, hi: int) -> int:
-    k = rng.randint(1, max(1, hi // PAGE_SIZE))
+    top = max(1, hi // PAGE_SIZE)
+    k = top if rng.random() < 0.3 else rng.randint(1, top)
     return rng.choice([0, 1, 63, 64, 65, k * PAGE_SIZE - 1, k * PAGE_SIZE, k * PAGE_SIZE + 1])
 
 
@@ -103,7 +105,8 @@ def draw_case(seed: int, index: int, max_b: int, max_len: int, max_tokens: int, 
     regime = rng.random()
     b = rng.randint(1, min(4, max_b)) if regime < 0.4 else (
         rng.randint(1, min(32, max_b)) if regime < 0.7 else rng.randint(1, max_b))
-    hi = int(2 ** rng.uniform(0, math.log2(max_len)))  # log-uniform: short and long cases alike
+    # Log-uniform: short and long cases alike; now and then the longest allowed.
+    hi = max_len if rng.random() < 0.1 else int(2 ** rng.uniform(0, math.log2(max_len)))
     if rng.random() < 0.15:  # one length for the whole batch
         lens = [_page_edge(rng, hi) if rng.random() < 0.5 else rng.randint(0, hi)] * b
     else:
@@ -162,8 +165,7 @@ def reference_chunked(inp, scale: float, causal: bool, lens: tuple[int, ...]):
         width = max(1, -(-max(lens[start:stop]) // PAGE_SIZE))
         o, lse = mla_decode_reference(inp.q[start:stop], inp.kv_cache,
                                       inp.block_table[start:stop, :width].contiguous(),
-                                      inp.cache_seqlens[start:stop], scale, causal, D_V,
-                                      batch_chunk=REF_CHUNK)
+                                      inp.cache_seqlens[start:stop], scale, causal, D_V)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -240,6 +242,8 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, di
         ref_out, ref_lse = reference_chunked(inp, scale, case.causal, case.lens)
     dtype = DTYPES[case.dtype]
     ok, parts, worst = True, [], {}
+    if device.type == "cuda" and find_decode_kernel(inp.q, inp.kv_cache, D_V) is None:
+        parts.append("path=reference")  # on the GPU: the reference checked against itself
     for name, (out, lse) in results.items():
         m = compare(out, lse, ref_out, ref_lse, dtype)
         ok &= passed(m)
@@ -259,8 +263,6 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, di
 
 
 def kernel_path(device: torch.device) -> bool:
-    from torch_mla.ops.dispatch import find_decode_kernel
-
     q = torch.empty(1, 1, 1, D_QK, dtype=torch.bfloat16, device=device)
     kv = torch.empty(1, PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16, device=device)
     return find_decode_kernel(q, kv, D_V) is not None
@@ -312,9 +314,13 @@ def main(argv=None) -> int:
               "mla_decode would be checked against itself", file=sys.stderr)
         return 2
     indices = args.only if args.only is not None else range(args.cases)
+    where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    print(f"fuzz_decode: {len(indices)} cases on {where}, seed {args.seed}, max_b {args.max_b}, "
+          f"max_len {args.max_len}, max_tokens {args.max_tokens}, max_h_kv {args.max_h_kv}",
+          file=sys.stderr, flush=True)
     log = open(args.log, "w") if args.log else None
     t0 = time.time()
-    n_pass = n_fail = 0
+    n_pass = n_fail = on_reference = 0
     worst = {"out_tol": (0.0, -1), "lse_tol": (0.0, -1)}  # (value, case)
     try:
         for done, k in enumerate(indices, 1):
@@ -335,6 +341,7 @@ def main(argv=None) -> int:
                     f"ms={1000 * (time.time() - t):.0f}")
             n_pass += ok
             n_fail += not ok
+            on_reference += "path=reference" in detail
             if log:
                 print(line, file=log, flush=True)
             if not ok:
@@ -349,7 +356,8 @@ def main(argv=None) -> int:
         summary = (f"summary: cases={n_pass + n_fail} passed={n_pass} failed={n_fail} "
                    f"worst out_tol={worst['out_tol'][0]:.3f} (case {worst['out_tol'][1]}) "
                    f"lse_tol={worst['lse_tol'][0]:.3f} (case {worst['lse_tol'][1]}) "
-                   f"seed={args.seed} seconds={time.time() - t0:.1f}")
+                   f"seed={args.seed} seconds={time.time() - t0:.1f}"
+                   + (f" on_reference_path={on_reference}" if on_reference else ""))
         print(summary, flush=True)
         if log:
             print(summary, file=log, flush=True)
