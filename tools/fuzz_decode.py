@@ -13,10 +13,13 @@ in every unused block-table entry. A case passes when out and lse are within the
 tolerances of the kernel tests (tests/test_kernel_sm90.py), query rows that see no key give
 out == 0 and lse == +inf exactly, and nothing is NaN.
 
-    python tools/fuzz_decode.py --cases 2000 --seed 0 --log fuzz.log            # H200
-    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck \\
-        python tools/fuzz_decode.py --small --cases 200 --seed 0                   # memcheck
-    python tools/fuzz_decode.py --device cpu --cases 20                           # CI-sized
+    python tools/fuzz_decode.py --cases 2000 --seed 0 --log fuzz.log                    # H200
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
+        python tools/fuzz_decode.py --small --cases 200 --seed 0 --log memcheck.log  # memcheck
+    python tools/fuzz_decode.py --device cpu --cases 20                                   # CPU
+
+Without the caching allocator every tensor is its own allocation, so memcheck also sees a read
+that lands in a neighbouring tensor. ``--max-h-kv 8`` adds h_kv > 1 (default 1).
 
 A failing case prints a one-line repro (``--only K`` reruns case K). Exit status 1 on any failure.
 """
