@@ -15,7 +15,7 @@ POISON_BLOCK_ID = 2**30  # an id far past any cache: reading it faults or return
 @dataclasses.dataclass
 class DecodeInputs:
     q: torch.Tensor  # [b, s_q, h_q, d_qk]
-    kv_cache: torch.Tensor  # [num_blocks, 64, 1, d_qk]
+    kv_cache: torch.Tensor  # [num_blocks, 64, h_kv, d_qk]
     block_table: torch.Tensor  # int32 [b, max_blocks]
     cache_seqlens: torch.Tensor  # int32 [b]
 
@@ -32,35 +32,51 @@ def make_decode_inputs(
     generator: torch.Generator | None = None,
     max_blocks: int | None = None,
     num_blocks: int | None = None,
+    h_kv: int = 1,
 ) -> DecodeInputs:
     """Fresh random decode inputs; each request gets its own pages in a shuffled order.
 
-    ``max_blocks`` (block-table width) and ``num_blocks`` (cache pages) default to just enough.
+    ``max_blocks`` (block-table width) and ``num_blocks`` (cache pages) default to just enough
+    plus ``extra_blocks``. The cache is ``[num_blocks, 64, h_kv, d_qk]``.
 
-    With ``poison``, every cache slot past a request's length is NaN (spare pages too) and every
-    unused block-table entry is a huge id, so a kernel that reads what it must not fails loudly.
+    With ``poison``, every cache slot past a request's length is NaN (spare pages too, every KV
+    head) and every unused block-table entry is a huge id, so a kernel that reads what it must
+    not fails loudly.
+
+    The data is drawn on ``generator``'s device (``device`` when there is no generator) with no
+    per-page host work, so a multi-gigabyte cache builds on the GPU in milliseconds.
     """
     b = len(seqlens)
     pages = [math.ceil(L / PAGE_SIZE) for L in seqlens]
-    max_blocks = max_blocks or max([1, *pages]) + extra_blocks
-    num_blocks = num_blocks or sum(pages) + extra_blocks
+    if max_blocks is None:
+        max_blocks = max([1, *pages]) + extra_blocks
+    if num_blocks is None:
+        num_blocks = sum(pages) + extra_blocks
     assert max_blocks >= max([0, *pages]) and num_blocks >= sum(pages)
     g = generator
-    q = torch.randn(b, s_q, h_q, d_qk, generator=g) / 10
-    cache = torch.randn(num_blocks, PAGE_SIZE, 1, d_qk, generator=g) / 10
-    perm = torch.randperm(num_blocks, generator=g)
-    table = torch.full((b, max_blocks), POISON_BLOCK_ID if poison else 0, dtype=torch.int32)
-    used = torch.zeros(num_blocks, dtype=torch.bool)
-    k = 0
-    for r, (L, n) in enumerate(zip(seqlens, pages)):
-        ids = perm[k : k + n]
-        k += n
-        table[r, :n] = ids.to(torch.int32)
-        used[ids] = True
-        if poison and n > 0 and L % PAGE_SIZE:
-            cache[ids[-1], L % PAGE_SIZE :] = float("nan")
+    gdev = g.device if g is not None else torch.device(device)
+    q = torch.randn(b, s_q, h_q, d_qk, generator=g, device=gdev).div_(10)
+    cache = torch.randn(num_blocks, PAGE_SIZE, h_kv, d_qk, generator=g, device=gdev).div_(10)
+    perm = torch.randperm(num_blocks, generator=g, device=gdev)
+    # Request r owns perm[start_r : start_r + pages_r], in that order.
+    n = torch.tensor(pages, dtype=torch.int64, device=gdev)
+    start = torch.cumsum(n, 0) - n
+    col = torch.arange(max_blocks, device=gdev)
+    table = torch.full((b, max_blocks), POISON_BLOCK_ID if poison else 0, dtype=torch.int32,
+                       device=gdev)
+    if num_blocks > 0:
+        own = perm[(start[:, None] + col[None, :]).clamp(max=num_blocks - 1)].to(torch.int32)
+        table = torch.where(col[None, :] < n[:, None], own, table)
     if poison:
-        cache[~used] = float("nan")
+        cache[perm[sum(pages):]] = float("nan")
+        tails = [(r, L % PAGE_SIZE) for r, (L, p) in enumerate(zip(seqlens, pages))
+                 if p > 0 and L % PAGE_SIZE]
+        if tails:
+            rows = torch.tensor([r for r, _ in tails], device=gdev)
+            cut = torch.tensor([c for _, c in tails], device=gdev)
+            last = perm[start[rows] + n[rows] - 1]
+            past = torch.arange(PAGE_SIZE, device=gdev)[None, :] >= cut[:, None]  # (tails, 64)
+            cache[last] = cache[last].masked_fill(past[:, :, None, None], float("nan"))
     return DecodeInputs(
         q=q.to(dtype).to(device),
         kv_cache=cache.to(dtype).to(device),
