@@ -209,7 +209,7 @@ print(kernel_cache.load_or_build("fake", CONFIG, "sm_90a", build)(0))
 
 @needs_cc
 def test_processes_storing_one_entry_at_once(cache, tmp_path):
-    n, meet = 3, tmp_path / "meet"
+    n, meet = 2, tmp_path / "meet"
     meet.mkdir()
     script = CHILD.format(tests=str(ROOT / "tests"))
     procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(n), str(meet)],

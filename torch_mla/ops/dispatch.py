@@ -4,6 +4,7 @@ Each kernel is compiled once per static configuration (dtype, causal, arch) from
 whose batch, query rows (s_q * h_q), page count and block-table width are symbolic, with
 ``--enable-tvm-ffi`` so that a launch takes torch tensors directly on the current stream (~7 us of
 host time). Launches allocate nothing whose size depends on data: safe in CUDA-graph capture.
+Compiled kernels persist on disk (kernel_cache.py; ``python -m torch_mla.precompile``).
 """
 
 from __future__ import annotations
