@@ -4,6 +4,7 @@ Each kernel is compiled once per static configuration (dtype, causal, arch) from
 whose batch, query rows (s_q * h_q), page count and block-table width are symbolic, with
 ``--enable-tvm-ffi`` so that a launch takes torch tensors directly on the current stream (~7 us of
 host time). Launches allocate nothing whose size depends on data: safe in CUDA-graph capture.
+Compiled kernels persist on disk (kernel_cache.py; ``python -m torch_mla.precompile``).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import warnings
 import torch
 
 from ..scheduling import PAGE_SIZE
+from . import kernel_cache
 
 D_QK, D_V = 576, 512
 
@@ -134,36 +136,50 @@ def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
 
 
 def _dsl(dtype: torch.dtype):
-    """(cute, cutlass, the DSL's element type for dtype); imports the DSL for SM90 by default."""
-    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    """(cute, cutlass, the DSL's element type for dtype)."""
     import cutlass
     import cutlass.cute as cute
 
     return cute, cutlass, {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16}[dtype]
 
 
+# The disk cache (kernel_cache.py) keys an entry on these names; a load imports no kernel class.
+SM90_ARCH = "sm_90a"
+_DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
 @functools.lru_cache(maxsize=None)
 def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
-    cute, cutlass, cdt = _dsl(dtype)
-    from ..cute_kernels.sm90_decode import MLADecodeSm90
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.sm90_decode import MLADecodeSm90
 
-    return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt)
+        return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cdt, causal), cdt)
+
+    return kernel_cache.load_or_build(
+        "decode_sm90", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, SM90_ARCH, build)
 
 
 @functools.lru_cache(maxsize=None)
 def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
-    cute, cutlass, cdt = _dsl(dtype)
-    from ..cute_kernels.combine import MLACombine
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.combine import MLACombine
 
-    return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
+        return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
+
+    return kernel_cache.load_or_build(
+        "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, SM90_ARCH,
+        build)
 
 
 def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def compile_decode_sm90(cute, cutlass, kernel, cdt):
-    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)."""
+def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
+    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
+    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
     h_q, s_q = cute.sym_int(), cute.sym_int()
@@ -185,10 +201,10 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt):
     ]
     if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
         args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
-def compile_combine(cute, cutlass, kernel, cdt):
+def compile_combine(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, slots, h_q, s_q = (cute.sym_int() for _ in range(5))
     args = [
@@ -199,4 +215,4 @@ def compile_combine(cute, cutlass, kernel, cdt):
         _fake(cute, f32, (b, h_q, s_q), (cute.sym_int64(), cute.sym_int64(), 1), 4),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
-    return cute.compile(kernel, *args, options="--enable-tvm-ffi")
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")

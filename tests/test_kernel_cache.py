@@ -1,0 +1,355 @@
+"""The disk cache of compiled kernels (torch_mla/ops/kernel_cache.py) and the precompile CLI.
+
+Most tests stand a tiny C function in for a compiled kernel: it is exported, linked, stored and
+loaded through the cache exactly as a kernel is, and called through TVM-FFI (x -> 2 x + tag, the
+tag telling builds apart), so the cache's logic is tested in seconds. One test compiles a real
+kernel (the combine, the fastest to compile) for sm_90a and loads it in a fresh process."""
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+
+import pytest
+from expecttest import assert_expected_inline
+
+from torch_mla import precompile
+from torch_mla.ops import dispatch, kernel_cache
+
+ROOT = Path(__file__).resolve().parents[1]
+needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
+
+C_SOURCE = r"""
+#include <stdint.h>
+typedef struct { int32_t type_index; uint32_t zero_padding; int64_t v_int64; } Any; /* TVMFFIAny */
+int __tvm_ffi_%(name)s(void* self, const Any* args, int32_t num_args, Any* result) {
+  result->type_index = 1; /* kTVMFFIInt */
+  result->zero_padding = 0;
+  result->v_int64 = 2 * args[0].v_int64 + %(tag)d;
+  return 0;
+}
+"""
+
+
+class FakeCompiled:
+    """Stands in for a cute.compile result: export_to_c writes an object file whose TVM-FFI
+    function computes 2 x + tag."""
+
+    def __init__(self, tag: int, export_delay: float = 0.0):
+        self.tag, self.export_delay = tag, export_delay
+
+    def export_to_c(self, object_file_path, function_name, export_only_tvm_ffi_symbols=False):
+        time.sleep(self.export_delay)
+        src = Path(object_file_path).with_suffix(".c")
+        src.write_text(C_SOURCE % {"name": function_name, "tag": self.tag})
+        subprocess.run(["cc", "-c", "-fPIC", "-o", object_file_path, str(src)], check=True)
+
+
+CONFIG = {"dtype": "bf16", "n": 3}
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    """An empty cache directory and a process with nothing loaded."""
+    monkeypatch.setenv("TORCH_MLA_CACHE_DIR", str(tmp_path / "cache"))
+    kernel_cache._loaded.clear()
+    kernel_cache._warned.clear()
+    yield kernel_cache.cache_dir("sm_90a")
+    kernel_cache._loaded.clear()
+    kernel_cache._warned.clear()
+
+
+def _replace(path: Path, data: bytes) -> None:
+    # A new inode: the test process may have the old file mapped (dlopen); writing it in place
+    # would change code under the loaded library.
+    tmp = path.with_name(path.name + ".new")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def test_cache_dir(monkeypatch, tmp_path):
+    tm, dsl = kernel_cache.versions()["torch_mla"], metadata.version("nvidia-cutlass-dsl")
+    monkeypatch.delenv("TORCH_MLA_CACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert kernel_cache.cache_dir("sm_90a") == tmp_path / "xdg" / "torch_mla" / tm / dsl / "sm_90a"
+    monkeypatch.delenv("XDG_CACHE_HOME")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert kernel_cache.cache_dir("sm_90a") == (tmp_path / "home" / ".cache" / "torch_mla" / tm
+                                                / dsl / "sm_90a")
+    monkeypatch.setenv("TORCH_MLA_CACHE_DIR", str(tmp_path / "mine"))
+    assert kernel_cache.cache_dir("sm_100a") == tmp_path / "mine" / tm / dsl / "sm_100a"
+    monkeypatch.setenv("TORCH_MLA_CACHE_DIR", "off")
+    assert kernel_cache.cache_dir("sm_90a") is None
+
+
+def test_entry_key(monkeypatch):
+    key = kernel_cache.entry_key("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")
+    assert key == {"kernel": "combine", "config": {"dtype": "bf16", "warps_per_row": 4},
+                   "arch": "sm_90a", "torch_mla": kernel_cache.versions()["torch_mla"],
+                   "nvidia-cutlass-dsl": metadata.version("nvidia-cutlass-dsl"),
+                   "apache-tvm-ffi": metadata.version("apache-tvm-ffi"),
+                   "sources": kernel_cache.sources_hash()}
+    assert re.fullmatch("[0-9a-f]{64}", key["sources"])
+    _, stem, function = kernel_cache._names("combine", {"dtype": "bf16", "warps_per_row": 4},
+                                            "sm_90a")
+    assert re.fullmatch("combine-dtype=bf16-warps_per_row=4-[0-9a-f]{16}", stem), stem
+    assert function == "torch_mla_combine_" + stem[-16:]
+    # every part of the key changes the entry
+    stems = {kernel_cache._names(k, c, a)[1][-16:] for k, c, a in [
+        ("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a"),
+        ("combine", {"dtype": "bf16", "warps_per_row": 16}, "sm_90a"),
+        ("combine", {"dtype": "fp16", "warps_per_row": 4}, "sm_90a"),
+        ("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_100a"),
+        ("decode_sm90", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")]}
+    monkeypatch.setattr(kernel_cache, "sources_hash", lambda: "0" * 64)
+    stems.add(kernel_cache._names("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")[1])
+    monkeypatch.setattr(kernel_cache, "versions", lambda: {
+        "torch_mla": "0", "nvidia-cutlass-dsl": "0", "apache-tvm-ffi": "0"})
+    stems.add(kernel_cache._names("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")[1])
+    assert len(stems) == 7
+
+
+@needs_cc
+def test_round_trip_threads_compile_once(cache):
+    builds = []
+
+    def build():
+        builds.append(1)
+        time.sleep(0.5)  # the other threads arrive while this one compiles
+        return FakeCompiled(tag=7)
+
+    results = [None] * 4
+
+    def worker(i):
+        results[i] = kernel_cache.load_or_build("fake", CONFIG, "sm_90a", build)
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(builds) == 1
+    assert all(r is results[0] for r in results)
+    assert results[0](21) == 49  # what runs is the library loaded back from disk
+    files = sorted((p.name for p in cache.iterdir()), key=lambda name: Path(name).suffix)
+    assert [Path(f).suffix for f in files] == [".json", ".so"], files
+    meta = json.loads((cache / files[0]).read_text())
+    data = (cache / files[1]).read_bytes()
+    assert meta["artefact"] == files[1] and meta["size"] == len(data)
+    assert meta["key"] == kernel_cache.entry_key("fake", CONFIG, "sm_90a")
+    # a fresh process's view: nothing in memory, the entry loads without building
+    kernel_cache._loaded.clear()
+    fn = kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: pytest.fail("rebuilt"))
+    assert type(fn).__name__ == "Function" and fn(5) == 17
+    assert kernel_cache.artefact("fake", CONFIG, "sm_90a") == cache / files[1]
+
+
+def _corrupt(cache: Path, how: str) -> None:
+    sidecar = next(cache.glob("*.json"))
+    meta = json.loads(sidecar.read_text())
+    art = cache / meta["artefact"]
+    if how == "truncated artefact":
+        _replace(art, art.read_bytes()[: len(art.read_bytes()) // 2])
+    elif how == "garbage artefact":
+        _replace(art, os.urandom(meta["size"]))
+    elif how == "missing artefact":
+        art.unlink()
+    elif how == "garbage sidecar":
+        _replace(sidecar, b"\x00{garbage")
+    elif how == "stale sidecar":  # written by another DSL version under this name
+        meta["key"]["nvidia-cutlass-dsl"] = "4.0.0"
+        _replace(sidecar, json.dumps(meta).encode())
+    elif how == "sidecar pointing elsewhere":
+        meta["artefact"] = "../" + meta["artefact"]
+        _replace(sidecar, json.dumps(meta).encode())
+
+
+@needs_cc
+@pytest.mark.parametrize("how", ["truncated artefact", "garbage artefact", "missing artefact",
+                                 "garbage sidecar", "stale sidecar",
+                                 "sidecar pointing elsewhere"])
+def test_corrupt_or_stale_entry_is_rebuilt(cache, how):
+    assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: FakeCompiled(1))(0) == 1
+    _corrupt(cache, how)
+    kernel_cache._loaded.clear()
+    with pytest.warns(UserWarning, match="ignoring the kernel cache entry .*compiling the kernel"):
+        assert kernel_cache.load("fake", CONFIG, "sm_90a") is None
+    kernel_cache._warned.clear()
+    with pytest.warns(UserWarning, match="ignoring the kernel cache entry"):
+        assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a",
+                                          lambda: FakeCompiled(2))(0) == 2
+    kernel_cache._loaded.clear()
+    assert kernel_cache.load("fake", CONFIG, "sm_90a")(0) == 2  # the rewritten entry is valid
+
+
+CHILD = r"""
+import os, sys, time
+from pathlib import Path
+sys.path.insert(0, {tests!r})
+from test_kernel_cache import CONFIG, FakeCompiled
+from torch_mla.ops import kernel_cache
+i, n, meet = int(sys.argv[1]), int(sys.argv[2]), Path(sys.argv[3])
+
+def build():
+    (meet / str(i)).touch()  # every process misses the cache, then all store at once
+    deadline = time.time() + 120
+    while len(list(meet.iterdir())) < n and time.time() < deadline:
+        time.sleep(0.01)
+    return FakeCompiled(tag=i, export_delay=0.1)
+
+print(kernel_cache.load_or_build("fake", CONFIG, "sm_90a", build)(0))
+"""
+
+
+@needs_cc
+def test_processes_storing_one_entry_at_once(cache, tmp_path):
+    n, meet = 2, tmp_path / "meet"
+    meet.mkdir()
+    script = CHILD.format(tests=str(ROOT / "tests"))
+    procs = [subprocess.Popen([sys.executable, "-c", script, str(i), str(n), str(meet)],
+                              cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for i in range(n)]
+    outs = [p.communicate(timeout=300) for p in procs]
+    assert all(p.returncode == 0 for p in procs), [o[1][-2000:] for o in outs]
+    assert sorted(os.listdir(meet)) == [str(i) for i in range(n)]  # all of them built
+    # each process runs a complete entry (its own or one stored a moment later)
+    assert all(int(o[0].split()[-1]) in range(n) for o in outs), outs
+    assert not [p for p in cache.iterdir() if p.name.startswith(".tmp-")]
+    assert len(list(cache.glob("*.json"))) == 1 and len(list(cache.glob("*.so"))) == n
+    kernel_cache._loaded.clear()
+    assert kernel_cache.load("fake", CONFIG, "sm_90a")(0) in range(n)
+
+
+@needs_cc
+def test_without_c_compiler_the_object_file_is_the_artefact(cache, monkeypatch):
+    monkeypatch.setenv("CC", "/nonexistent/cc")
+    assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: FakeCompiled(3))(4) == 11
+    assert sorted(p.suffix for p in cache.iterdir()) == [".json", ".o"]
+    kernel_cache._loaded.clear()
+    assert kernel_cache.load("fake", CONFIG, "sm_90a")(4) == 11  # cute.runtime.load_module
+
+
+def test_unwritable_cache_warns_and_runs_the_compiled_kernel(cache):
+    cache.parent.mkdir(parents=True)
+    cache.write_text("a file where the directory should be")
+    built = FakeCompiled(0)
+    with pytest.warns(UserWarning) as w:
+        assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: built) is built
+    assert_expected_inline(re.sub(r"\(.*\)", "(...)", str(w[0].message)).replace(str(cache), "DIR"), """torch_mla: could not store the compiled fake kernel in DIR (...); every process compiles it again""")  # noqa: E501
+
+
+def test_off_stores_nothing(cache, monkeypatch, tmp_path):
+    monkeypatch.setenv("TORCH_MLA_CACHE_DIR", "off")
+    built = FakeCompiled(0)
+    assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: built) is built
+    assert kernel_cache.load_or_build("fake", CONFIG, "sm_90a", lambda: pytest.fail()) is built
+    assert list(tmp_path.iterdir()) == []
+    assert precompile.main(["--kernels", "combine"]) == 2
+
+
+def test_precompile_variants_cover_the_dispatch():
+    got = [(k, c) for k, c, _ in precompile.variants(["bf16", "fp16"], (False, True),
+                                                     ["decode", "combine"])]
+    assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
+decode_sm90 {'dtype': 'bf16', 'causal': False}
+decode_sm90 {'dtype': 'bf16', 'causal': True}
+combine {'dtype': 'bf16', 'warps_per_row': 1}
+combine {'dtype': 'bf16', 'warps_per_row': 4}
+combine {'dtype': 'bf16', 'warps_per_row': 16}
+decode_sm90 {'dtype': 'fp16', 'causal': False}
+decode_sm90 {'dtype': 'fp16', 'causal': True}
+combine {'dtype': 'fp16', 'warps_per_row': 1}
+combine {'dtype': 'fp16', 'warps_per_row': 4}
+combine {'dtype': 'fp16', 'warps_per_row': 16}""")
+    from torch_mla.cute_kernels.combine import CombineConfig
+
+    picked = {CombineConfig.from_heuristic(b, parts, rows).warps_per_row
+              for b in (1, 2, 8, 32, 128) for parts in (1, 16, 132, 264, 1000)
+              for rows in (1, 16, 128, 512)}
+    assert picked == set(precompile.COMBINE_WARPS_PER_ROW)
+
+
+@needs_cc
+def test_precompile_cli(cache, monkeypatch, capsys):
+    def fake_combine(dtype, warps_per_row):
+        return kernel_cache.load_or_build(
+            "combine", {"dtype": dispatch._DTYPE_NAMES[dtype], "warps_per_row": warps_per_row},
+            "sm_90a", lambda: FakeCompiled(warps_per_row))
+
+    monkeypatch.setattr(dispatch, "_compiled_combine", fake_combine)
+    monkeypatch.setattr(dispatch, "_compiled_decode_sm90", lambda *a: pytest.fail("decode"))
+
+    def run(*argv):
+        assert precompile.main(list(argv)) == 0
+        out = capsys.readouterr().out.replace(str(cache), "DIR")
+        out = re.sub(r"-[0-9a-f]{16}\.[0-9a-f]{16}\.so", "-KEY.SHA.so", out)
+        return re.sub(r"\d+\.\d(?= s )", lambda m: "T".rjust(len(m[0])), out)
+
+    assert_expected_inline(run("--kernels", "combine", "--dtypes", "bf16"), """\
+built      combine      dtype=bf16 warps_per_row=1        T s  DIR/combine-dtype=bf16-warps_per_row=1-KEY.SHA.so
+built      combine      dtype=bf16 warps_per_row=4        T s  DIR/combine-dtype=bf16-warps_per_row=4-KEY.SHA.so
+built      combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype=bf16-warps_per_row=16-KEY.SHA.so
+cache: DIR
+""")  # noqa: E501
+    kernel_cache._loaded.clear()  # a second run, in another process
+    assert_expected_inline(run("--kernels", "combine", "--dtypes", "bf16,fp16"), """\
+cached     combine      dtype=bf16 warps_per_row=1        T s  DIR/combine-dtype=bf16-warps_per_row=1-KEY.SHA.so
+cached     combine      dtype=bf16 warps_per_row=4        T s  DIR/combine-dtype=bf16-warps_per_row=4-KEY.SHA.so
+cached     combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype=bf16-warps_per_row=16-KEY.SHA.so
+built      combine      dtype=fp16 warps_per_row=1        T s  DIR/combine-dtype=fp16-warps_per_row=1-KEY.SHA.so
+built      combine      dtype=fp16 warps_per_row=4        T s  DIR/combine-dtype=fp16-warps_per_row=4-KEY.SHA.so
+built      combine      dtype=fp16 warps_per_row=16       T s  DIR/combine-dtype=fp16-warps_per_row=16-KEY.SHA.so
+cache: DIR
+""")  # noqa: E501
+    assert kernel_cache.load("combine", {"dtype": "fp16", "warps_per_row": 16}, "sm_90a")(1) == 18
+
+
+DSL_SCRIPT = r"""
+import json, os, sys
+import torch
+from torch_mla.ops import dispatch, kernel_cache
+fn = dispatch._compiled_combine(torch.bfloat16, 4)
+imported = sorted(m for m in sys.modules if m.split(".")[0] == "cutlass" or "cute_kernels" in m)
+try:  # CPU tensors: the compiled launcher checks its arguments before touching a GPU
+    fn(torch.zeros(3, dtype=torch.int32), torch.randn(5, 16, 512), torch.randn(5, 16),
+       torch.empty(2, 16, 512, dtype=torch.bfloat16), torch.empty(2, 16, 1))
+    err = None
+except Exception as e:
+    err = f"{type(e).__name__}: {e}"
+print(json.dumps({"type": type(fn).__name__, "imported": len(imported),
+                  "CUTE_DSL_ARCH": os.environ.get("CUTE_DSL_ARCH"), "error": err}))
+"""
+
+
+@needs_cc
+def test_dsl_kernel_round_trip(tmp_path):
+    """A real kernel compiled for sm_90a here (no GPU, no CUTE_DSL_ARCH), stored, and loaded by a
+    fresh process without importing the DSL or the kernel classes; both are the same TVM-FFI
+    function, which takes torch tensors (it rejects CPU ones with the compiled signature)."""
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env["TORCH_MLA_CACHE_DIR"] = str(tmp_path)
+
+    def child():
+        res = subprocess.run([sys.executable, "-c", DSL_SCRIPT], cwd=ROOT, env=env,
+                             capture_output=True, text=True, timeout=600)
+        assert res.returncode == 0, res.stderr[-4000:]
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    cold, warm = child(), child()
+    assert cold["type"] == warm["type"] == "Function"
+    assert cold["imported"] > 0 and warm["imported"] == 0  # warm: no DSL, no kernel class
+    assert cold["CUTE_DSL_ARCH"] is None  # compiling for sm_90a changed no environment
+    assert cold["error"] == warm["error"]
+    assert_expected_inline(warm["error"], """ValueError: Mismatched Tensor on argument #0 when calling: `__call__(mNumSplits: Tensor([n0], int32), mOacc: Tensor([n1, n2, 512], float32), mLSEacc: Tensor([n1, n2], float32), mO: Tensor([n3, n2, 512], bfloat16), mLSE: Tensor([n3, n4, n5], float32))`, expected device_type=cuda""")  # noqa: E501
+    (sidecar,) = (tmp_path / kernel_cache.versions()["torch_mla"]).rglob("*.json")
+    key = json.loads(sidecar.read_text())["key"]
+    assert {k: key[k] for k in ("kernel", "config", "arch")} == {
+        "kernel": "combine", "config": {"dtype": "bf16", "warps_per_row": 4}, "arch": "sm_90a"}
+    assert sidecar.parent.relative_to(tmp_path).parts[1:] == (
+        metadata.version("nvidia-cutlass-dsl"), "sm_90a")
