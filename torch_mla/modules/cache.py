@@ -317,8 +317,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
         return self._mask_sizes(query_length)
 
     def _mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Prefill attends over the prompt alone. Decode steps ignore the mask (padding never
-        # reaches the cache), so transformers may build it at a fixed size that never recompiles.
+        # Prefill attends over the prompt alone. Decode steps read only which of their tokens are
+        # padding (the mask's columns at their positions), so transformers may build the mask at
+        # a fixed size that never recompiles.
         if not self._prefilled:
             return query_length, 0
         return self._max_len + query_length, 0
@@ -336,7 +337,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
         # (prefill, batch, tokens, key_valid, slots, schedule) of the step under way; None
         # between steps.
         self._step: tuple | None = None
-        # ``_seen`` known on the host (eager steps keep it; a compiled step cannot, and sets None).
+        # ``_seen`` as the host knows it: eager steps keep it, a compiled step sets None.
         self._host_seen: int | None = 0
 
     @property
@@ -394,9 +395,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
                                  f"max_batch_size={self._max_batch}")
             if num_tokens == 0:
                 raise ValueError(
-                    "a forward with 0 new tokens on an MLACache: generate passes only the tokens "
-                    "past cache.get_seq_length(), so the cache held more than this input; call "
-                    "cache.reset() before a new sequence")
+                    "MLACache got a forward with 0 new tokens: the cache already holds this input "
+                    "(generate passes only the tokens past cache.get_seq_length()); call "
+                    "cache.reset() before starting a new sequence")
             prefill = not self._prefilled
             self._check_fits(prefill, num_tokens)
             key_valid = key_padding(attention_mask, num_tokens, 0 if prefill else self._seen)
@@ -418,31 +419,35 @@ class MLACache(_RefusesReshaping, _CacheBase):
         # never less than any request's stored length, so a step that fits never leaves its pages.
         full = (f"MLACache is full: {{}} positions (padding included) would exceed "
                 f"max_cache_len={self._max_len}; build a larger cache")
-        if prefill or not torch.compiler.is_compiling():
-            if prefill:
-                seen = 0
-            elif self._host_seen is not None:
-                seen = self._host_seen
-            else:  # the first eager step after compiled ones: one host read
-                seen = int(self._seen)
-            if seen + num_tokens > self._max_len:
-                raise ValueError(full.format(seen + num_tokens))
-            self._host_seen = seen + num_tokens
+        if prefill:
+            seen = 0
+        elif torch.compiler.is_compiling():
+            seen = None  # a compiled step reads nothing on the host (nor the host count)
+        elif self._host_seen is not None:
+            seen = self._host_seen
+        elif self._seen.device.type == "cpu":
+            seen = int(self._seen)  # the first eager step after compiled ones
         else:
-            # A compiled step reads nothing on the host: the device checks (no sync, and kept by
-            # CUDA graphs), and the host count is forgotten until an eager step reads it again.
+            seen = None
+        if seen is None:
+            # The device checks: no sync, and CUDA graphs keep the check. The host count stays
+            # unknown until the next prefill, reset() or set_seqlens().
             if checks._value_checks:
                 torch._assert_async(self._seen + num_tokens <= self._max_len,
                                     full.format("this step's"))
             self._host_seen = None
+        else:
+            if seen + num_tokens > self._max_len:
+                raise ValueError(full.format(seen + num_tokens))
+            self._host_seen = seen + num_tokens
 
     def _check_padding_first(self, key_valid: torch.Tensor) -> None:
         # Real tokens are stored at the request's next slots and attend causally among this
         # step's tokens, which is right for each real token only if no padding follows it here.
         bad = (key_valid[:, :-1] & ~key_valid[:, 1:]).any(dim=1)  # [b]
-        msg = ("a padding token follows a real token in the same step{}; MLACache stores a "
+        msg = ("a padding token follows a real token in the same step{}: MLACache stores a "
                "step's real tokens in order and attends causally, which needs the padding "
-               "first (left padding, as generate's tokenizers give with padding_side='left')")
+               "first (left padding: a tokenizer with padding_side='left')")
         if key_valid.device.type == "cpu" and not torch.compiler.is_compiling():
             if bool(bad.any()):
                 raise ValueError(msg.format(f" of request {int(bad.nonzero()[0, 0])}"))
