@@ -4,7 +4,8 @@ Small random-weight models built from configs: DeepSeek-V3 (interleaved RoPE, wi
 YaRN; one variant with half-split RoPE and eager attention), DeepSeek-V2 (q_lora_rank None). The
 swapped model's logits must match the original's at the prefill and at every decode step, with
 requests of different lengths (left padding) and a shuffled block table, and greedy generate
-must give the same tokens. Unwritten cache slots are NaN, so reading one shows.
+must give the same tokens (up to a near-tie) and, teacher-forced on transformers' tokens, the same
+logits at every step. Unwritten cache slots are NaN, so reading one shows.
 """
 
 import copy
