@@ -4,7 +4,8 @@ Small random-weight models built from configs: DeepSeek-V3 (interleaved RoPE, wi
 YaRN; one variant with half-split RoPE and eager attention), DeepSeek-V2 (q_lora_rank None). The
 swapped model's logits must match the original's at the prefill and at every decode step, with
 requests of different lengths (left padding) and a shuffled block table, and greedy generate
-must give the same tokens. Unwritten cache slots are NaN, so reading one shows.
+must give the same tokens (up to a near-tie) and, teacher-forced on transformers' tokens, the same
+logits at every step. Unwritten cache slots are NaN, so reading one shows.
 """
 
 import copy
@@ -18,7 +19,13 @@ from torch import nn
 
 pytest.importorskip("transformers")
 
-from transformers import AutoModelForCausalLM, DeepseekV2Config, DeepseekV3Config  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    DeepseekV2Config,
+    DeepseekV3Config,
+    LogitsProcessor,
+    LogitsProcessorList,
+)
 
 from torch_mla.modules import (  # noqa: E402
     MLACache,
@@ -36,6 +43,10 @@ from torch_mla.modules.rope import (  # noqa: E402
 
 # fp32 end to end: absorbed vs expanded attention differ only by summation order.
 ATOL, RTOL = 2e-5, 2e-5
+# Two paths within that tolerance (under 5e-4 for the |logits| < 20 of these models) order any two
+# tokens alike whose logits are further apart than twice it: a greedy pick with a smaller top-2
+# margin may go either way.
+TIE = 1e-3
 VOCAB = 256
 
 COMMON = dict(
@@ -74,6 +85,12 @@ def swapped(hf):
     return swap_mla_attention(copy.deepcopy(hf))
 
 
+def poison(cache):
+    for kv in cache.kv_caches:
+        kv.fill_(float("nan"))
+    return cache
+
+
 def poisoned_cache(model, max_batch, max_len):
     """A cache over a shuffled page order whose every slot holds NaN until written."""
     max_blocks = -(-max_len // 64)
@@ -81,13 +98,53 @@ def poisoned_cache(model, max_batch, max_len):
     cache = MLACache.for_model(model, max_batch, max_len,
                                block_table=table.view(max_batch, max_blocks).int(),
                                num_blocks=max_batch * max_blocks + 3)
-    for kv in cache.kv_caches:
-        kv.fill_(float("nan"))
-    return cache
+    return poison(cache)
 
 
 def returned_cache(out):
     return out.cache if hasattr(out, "cache") else out.past_key_values
+
+
+class ForceTokens(LogitsProcessor):
+    """Teacher forcing for generate: step t picks ``tokens[:, t]``, whatever the logits (which
+    ``output_logits`` still returns as the model gave them)."""
+
+    def __init__(self, tokens, prompt_len):
+        self.tokens, self.prompt_len = tokens, prompt_len
+
+    def __call__(self, input_ids, scores):
+        t = input_ids.shape[1] - self.prompt_len
+        forced = torch.full_like(scores, float("-inf"))
+        return forced.scatter_(1, self.tokens[:, t:t + 1].to(scores.device), 0.0)
+
+
+def assert_greedy_matches(hf, ours, ids, cache, hf_kwargs=(), **kwargs):
+    """Greedy ``generate`` of the swapped model on ``cache`` against transformers', both with
+    ``kwargs`` (attention_mask, max_new_tokens, ...; ``hf_kwargs`` for transformers only). Strict
+    wherever the tokens are decided, blind only to near-ties:
+
+    - free-running, each request's tokens equal transformers' up to its first step whose top-2
+      logit margin (transformers' own) is below TIE;
+    - teacher-forced on transformers' tokens, every step's logits match within ATOL / RTOL.
+
+    The cache is NaN-poisoned before each run. Returns transformers' sequences.
+    """
+    gen = dict(do_sample=False, output_logits=True, return_dict_in_generate=True, **kwargs)
+    s = ids.shape[1]
+    with torch.no_grad():
+        ref = hf.generate(ids, **gen, **dict(hf_kwargs))
+        tokens, logits = ref.sequences[:, s:], torch.stack(ref.logits, 1)  # [b, n], [b, n, V]
+        out = ours.generate(ids, **gen, **generate_kwargs(ours, poison(cache)))
+        forced = ours.generate(ids, logits_processor=LogitsProcessorList([ForceTokens(tokens, s)]),
+                               **gen, **generate_kwargs(ours, poison(cache)))
+    top2 = logits.topk(2, dim=-1).values
+    tie = top2[..., 0] - top2[..., 1] < TIE  # [b, n]
+    for r in range(ids.shape[0]):
+        n = int(tie[r].nonzero()[0, 0]) if tie[r].any() else tokens.shape[1]
+        assert torch.equal(out.sequences[r, s:s + n], tokens[r, :n]), f"request {r}"
+    assert torch.equal(forced.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(forced.logits, 1), logits, atol=ATOL, rtol=RTOL)
+    return ref.sequences
 
 
 def left_padded_prompts(b, s, pads):
@@ -208,29 +265,48 @@ def test_greedy_generate_matches_transformers(kind):
     ours = swapped(hf)
     ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
     cache = poisoned_cache(ours, max_batch=3, max_len=12 + 16)
-    with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-        out = ours.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                            **generate_kwargs(ours, cache))
+    ref = assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=16)
     assert ref.shape == (3, 28)
-    assert torch.equal(out, ref)
     assert len(set(ref[:, 12:].flatten().tolist())) > 8  # not a degenerate repetition
     # The last generated token is not fed back: 15 decode steps after the prompts.
     assert cache.cache_seqlens.tolist() == [12 + 15, 9 + 15, 4 + 15]
 
 
-def test_generate_without_padding_and_cache_reuse_after_reset():
+@pytest.mark.parametrize("kind", KINDS)
+def test_chunked_prefill_with_padding_past_the_first_chunk(kind):
+    # Chunks of 4: request 1's padding fills two chunks and part of a third, request 2's four.
+    # Every chunk after the first is a decode step that must store only the real tokens.
+    hf = hf_model(kind)
+    ours = swapped(hf)
+    ids, mask = left_padded_prompts(3, 21, pads=(0, 9, 17))
+    cache = poisoned_cache(ours, max_batch=3, max_len=21 + 10)
+    assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=10,
+                          prefill_chunk_size=4)
+    assert cache.cache_seqlens.tolist() == [21 + 9, 12 + 9, 4 + 9]
+
+
+def test_generate_on_a_used_cache_starts_fresh_or_continues_as_transformers():
     hf = hf_model("v3")
     ours = swapped(hf)
-    ids = torch.randint(2, VOCAB, (2, 10))
-    cache = MLACache.for_model(ours, 2, 26)
+    cache = poisoned_cache(ours, max_batch=2, max_len=64)
+    ids, mask = left_padded_prompts(2, 10, pads=(0, 3))
+    first = assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=6)
+    # New prompts on the same cache, no reset: longer, then shorter than what it holds.
+    for s in (30, 8):
+        ids, mask = left_padded_prompts(2, s, pads=(0, 2))
+        assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=5)
+    # Continuing a sequence, transformers' way: the whole sequence again, with its cache.
+    ids, mask = left_padded_prompts(2, 10, pads=(0, 3))
     with torch.no_grad():
-        ref = hf.generate(ids, max_new_tokens=16, do_sample=False)
-        for _ in range(2):
-            cache.reset()
-            out = ours.generate(ids, max_new_tokens=16, do_sample=False,
-                                **generate_kwargs(ours, cache))
-            assert torch.equal(out, ref)
+        out = hf.generate(ids, attention_mask=mask, max_new_tokens=6, do_sample=False,
+                          return_dict_in_generate=True)
+    more = torch.randint(2, VOCAB, (2, 3))
+    full = torch.cat([out.sequences, more], 1)
+    mask = torch.cat([mask, torch.ones(2, 9, dtype=torch.long)], 1)
+    hf_cache = returned_cache(out)
+    assert_greedy_matches(hf, ours, full, cache, attention_mask=mask, max_new_tokens=5,
+                          hf_kwargs=generate_kwargs(hf, hf_cache))
+    assert first.shape == (2, 16) and cache.cache_seqlens.tolist() == [19 + 4, 16 + 4]
 
 
 def test_other_transformers_cache_falls_back_to_unabsorbed_attention():
@@ -265,6 +341,36 @@ def test_cache_bytes_per_token():
     assert hf_bytes / (2 * 10) == cache.kv_bytes_per_token
     bf16 = MLACache(hf.config, 1, 64, dtype=torch.bfloat16)
     assert bf16.kv_bytes_per_token_per_layer == (48 + 16) * 2
+
+
+def test_cache_dtype_defaults_to_torch_default_dtype():
+    config = make_config("v3")
+    old = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(torch.bfloat16)
+        assert MLACache(config, 1, 64).kv_caches[0].dtype == torch.bfloat16
+    finally:
+        torch.set_default_dtype(old)
+    assert MLACache(config, 1, 64).dtype == old
+    assert MLACache(config, 1, 64, dtype=torch.float16).kv_caches[1].dtype == torch.float16
+
+
+def test_fp32_cache_on_a_gpu_warns_once():
+    import torch_mla.modules.cache as cache_module
+
+    config = make_config("v3")
+    cache_module._warned_fp32_on_gpu = False
+    with pytest.warns(UserWarning) as record:
+        for _ in range(2):
+            try:
+                MLACache(config, 1, 64, device="cuda", dtype=torch.float32)
+            except (AssertionError, RuntimeError):
+                pass  # no GPU here: the buffers cannot be allocated, the warning came before
+        MLACache(config, 1, 64, device="cpu", dtype=torch.float32)
+    assert [str(w.message) for w in record] == [
+        "MLACache in float32 on a CUDA device: torch_mla's GPU kernel takes bfloat16 or float16, "
+        "so every decode step runs the slow reference path. Build the cache in the model's dtype "
+        "(MLACache.for_model(model, ...) reads it, or pass dtype=)"]
 
 
 def test_swap_shares_weights_and_keeps_state_dict_keys():
@@ -334,6 +440,32 @@ class TestRefusals(expecttest.TestCase):
                 ours(torch.randint(2, VOCAB, (1, 1)), **generate_kwargs(ours, cache))
         self.assertExpectedInline(str(e.exception), """MLACache is full: 7 positions (padding included) would exceed max_cache_len=6; build a larger cache""")
         assert cache.cache_seqlens.tolist() == [6]
+
+    def test_set_seqlens_past_max_cache_len(self):
+        cache = MLACache(make_config("v3"), 2, 70)  # 2 pages a request: room for 128 tokens
+        with self.assertRaises(ValueError) as e:
+            cache.set_seqlens(torch.tensor([71, 3], dtype=torch.int32))
+        self.assertExpectedInline(str(e.exception), """2 requests of up to 71 tokens do not fit a cache of 2 x 70""")
+
+    def test_zero_new_tokens(self):
+        ours = swapped(hf_model("v3"))
+        cache = MLACache.for_model(ours, 2, 64)
+        with self.assertRaises(ValueError) as e, torch.no_grad():
+            ours(torch.randint(2, VOCAB, (2, 5)), **generate_kwargs(ours, cache))
+            ours(torch.randint(2, VOCAB, (2, 0)), **generate_kwargs(ours, cache))
+        self.assertExpectedInline(str(e.exception), """MLACache got a forward with 0 new tokens: the cache already holds this input (generate passes only the tokens past cache.get_seq_length()); call cache.reset() before starting a new sequence""")
+
+    def test_padding_after_a_real_token_in_a_decode_step(self):
+        ours = swapped(hf_model("v3"))
+        cache = MLACache.for_model(ours, 2, 64)
+        mask = torch.ones(2, 8, dtype=torch.long)
+        mask[1, 6] = 0  # request 1's new tokens: real, padding, real
+        with self.assertRaises(ValueError) as e, torch.no_grad():
+            ours(torch.randint(2, VOCAB, (2, 5)), **generate_kwargs(ours, cache))
+            ours(torch.randint(2, VOCAB, (2, 3)), attention_mask=mask,
+                 position_ids=cache.position_ids(2, 3), **generate_kwargs(ours, cache))
+        self.assertExpectedInline(str(e.exception), """a padding token follows a real token in the same step of request 1: MLACache stores a step's real tokens in order and attends causally, which needs the padding first (left padding: a tokenizer with padding_side='left')""")
+        assert cache.cache_seqlens.tolist() == [5, 5]  # raised before anything was written
 
     def test_beam_search(self):
         ours = swapped(hf_model("v3"))

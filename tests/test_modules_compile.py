@@ -11,6 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
+from test_modules import assert_greedy_matches  # noqa: E402
 from transformers import AutoModelForCausalLM, DeepseekV3Config  # noqa: E402
 
 from torch_mla.modules import MLACache, generate_kwargs, swap_mla_attention  # noqa: E402
@@ -85,6 +86,10 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
     assert torch.equal(compiled_cache.cache_seqlens, eager_cache.cache_seqlens)
     assert compiled_cache.cache_seqlens.tolist() == [14, 14, 10]
     assert len(graphs) == 1, f"recompiled: {len(graphs)} graphs"
+    # An eager step after compiled ones counts the positions those added (14 of 64 now).
+    with pytest.raises(ValueError, match="65 positions .* max_cache_len=64"), torch.no_grad():
+        decode_step(ours, compiled_cache, torch.randint(2, VOCAB, (b, 51)))
+    assert compiled_cache.cache_seqlens.tolist() == [14, 14, 10]
     ops = [str(n.target) for n in graphs[0].graph.nodes
            if n.op == "call_function" and "torch_mla" in str(n.target)]
     # The schedule is computed once per step and shared by the layers.
@@ -92,7 +97,7 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
                                                        "torch_mla.mla_decode"] * 2
 
 
-def test_compiled_generate_matches_transformers():
+def test_compiled_generate_matches_transformers_and_stops_at_the_same_limit_as_eager():
     from torch._dynamo.utils import counters
     from transformers.generation import CompileConfig
 
@@ -105,11 +110,20 @@ def test_compiled_generate_matches_transformers():
     cache = MLACache.for_model(ours, 2, 9 + 16)
     config = CompileConfig(fullgraph=True, mode="default", dynamic=False)
     config._compile_all_devices = True  # generate compiles only on accelerators by default
+    assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=16,
+                          compile_config=config)
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+    # 9 + 16 positions fit (the 17th token is not fed back), one more does not: the eager step
+    # raises before writing, the compiled one fails its device-side check; neither drops tokens.
+    full = "MLACache is full: .* max_cache_len=25; build a larger cache"
     with torch.no_grad():
-        ref = hf.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False)
-        out = ours.generate(ids, attention_mask=mask, max_new_tokens=16, do_sample=False,
-                            compile_config=config, **generate_kwargs(ours, cache))
-    assert torch.equal(out, ref)
+        for mode, error in ((dict(disable_compile=True), ValueError),
+                            (dict(compile_config=config), RuntimeError)):
+            kw = dict(attention_mask=mask, do_sample=False, **mode, **generate_kwargs(ours, cache))
+            assert ours.generate(ids, max_new_tokens=17, **kw).shape == (2, 9 + 17)
+            with pytest.raises(error, match=full):
+                ours.generate(ids, max_new_tokens=18, **kw)
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 

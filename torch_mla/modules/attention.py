@@ -47,23 +47,6 @@ class RMSNorm(nn.Module):
         return self.weight * xf.to(dtype)
 
 
-def key_padding(attention_mask: Any, num_keys: int) -> torch.Tensor | None:
-    """bool [b, num_keys], False for keys no query may see (padding), from a transformers
-    attention mask over a prompt; None when there is no mask (no padding).
-
-    Accepts a 2D padding mask [b, >= num_keys] (1 = token), a 4D bool mask [b, 1, q, >= num_keys]
-    (True = attend) or a 4D additive float mask (0 = attend, very negative = masked).
-    """
-    if attention_mask is None:
-        return None
-    if attention_mask.dim() == 2:
-        return attention_mask[:, -num_keys:].bool()
-    m = attention_mask[:, 0, :, :num_keys]
-    if m.dtype != torch.bool:
-        m = m > torch.finfo(m.dtype).min / 2
-    return m.any(dim=1)  # a real key is seen at least by itself
-
-
 def _attention_mask(attention_mask: Any, q_len: int, k_len: int, device: torch.device,
                     dtype: torch.dtype) -> torch.Tensor | None:
     """The mask for SDPA over ``k_len`` keys whose last ``q_len`` are the queries: transformers'
@@ -174,8 +157,9 @@ class MultiheadLatentAttention(nn.Module):
                 (V3) or complex ``freqs_cis`` [b, s, d_rope / 2] (V2). If None, the angles are
                 computed from ``position_ids`` (int [b, s]) with the config's RoPE.
             attention_mask: transformers' mask (4D bool or additive, 2D padding, or None for
-                causal); read at prefill only: decode steps attend to every cached token of
-                the request, and new tokens causally among themselves.
+                causal). On an :class:`MLACache`, a decode step reads only which of its tokens
+                are padding: it attends to every cached token of the request, and to its new
+                tokens causally.
             past_key_values / cache: an :class:`MLACache` (the torch_mla path), None (attention
                 over these tokens alone) or another transformers Cache (latents stored there,
                 attention computed unabsorbed, as transformers does).
@@ -185,6 +169,8 @@ class MultiheadLatentAttention(nn.Module):
         """
         cache = cache if cache is not None else past_key_values
         b, s, _ = hidden_states.shape
+        if isinstance(cache, MLACache):
+            prefill = cache.begin_layer(self.layer_idx, b, s, attention_mask)
         H, dn, dr, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, \
             self.kv_lora_rank
         if self.q_proj is not None:
@@ -199,9 +185,7 @@ class MultiheadLatentAttention(nn.Module):
         k_pe = apply_rope(k_pe, cos, sin, self.rope_interleave)  # [b, s, dr]
 
         if isinstance(cache, MLACache):
-            prefill = cache.begin_layer(self.layer_idx, b, s)
-            key_valid = key_padding(attention_mask, s) if prefill else None
-            step = cache.append_latents(self.layer_idx, kv_c, k_pe, H, key_valid)
+            step = cache.append_latents(self.layer_idx, kv_c, k_pe, H)
             if prefill:
                 out = self._attend_expanded(q_nope, q_pe, kv_c, k_pe, attention_mask)
             else:

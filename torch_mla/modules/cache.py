@@ -26,10 +26,23 @@ addresses for cudagraph trees.
 Positions: a decode step needs each request's own positions when the lengths differ;
 ``generate`` passes them, a hand-written loop passes ``position_ids=cache.position_ids(b, s)``.
 
-Limits: one device; tokens past ``max_cache_len`` cannot be stored. In eager mode that raises
-before anything is written; under torch.compile (no host read is possible) such tokens are
-dropped: size the cache for prompt + new tokens. Beam search, cropping (assisted decoding) and
-batch re-indexing are not supported and raise.
+A decode step may also carry padding (a chunked prefill, ``generate(prefill_chunk_size=k)``, whose
+left padding runs past the first chunk): its padding tokens are not written and each request's
+real tokens go to its own next slots, so with the causal decode every real token sees exactly
+the real tokens before it. That needs the padding of a step to come before its real tokens
+(left padding); a real token followed by padding in the same step raises.
+
+``generate`` starts from an empty cache on every call (it resets the cache it is given), so a
+cache serves one generate call after another; to continue a sequence, pass the whole of it again
+(it is prefilled again, and the tokens are transformers' own).
+
+Limits: one device; at most ``max_cache_len`` positions per request, counted as transformers
+counts them (padding included). In eager mode a step past that raises ValueError before anything
+is written; a compiled step (no host read is possible) fails a device-side assert instead
+(RuntimeError; on a GPU the CUDA context is lost, as with any device-side assert), unless
+``torch_mla.set_value_checks(False)``: then such tokens are dropped. Size the cache for prompt
+plus new tokens. Beam search, cropping (assisted decoding) and batch re-indexing are not
+supported and raise.
 """
 
 from __future__ import annotations
@@ -39,7 +52,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from ..ops import DecodeSchedule, append_kv, get_decode_schedule
+from ..ops import DecodeSchedule, append_kv, checks, get_decode_schedule
 
 try:  # transformers is optional: without it MLACache is a plain object with the same methods.
     from transformers.cache_utils import Cache as _CacheBase
@@ -52,6 +65,31 @@ except ImportError:  # pragma: no cover - exercised only where transformers is a
     HAS_TRANSFORMERS = False
 
 PAGE_SIZE = 64
+_warned_fp32_on_gpu = False
+
+
+def key_padding(attention_mask: Any, num_tokens: int,
+                offset: torch.Tensor | int = 0) -> torch.Tensor | None:
+    """bool [b, num_tokens], False for this step's padding tokens (which are not stored), from a
+    transformers attention mask; None when there is no mask (no padding).
+
+    Accepts a 2D padding mask [b, >= num_tokens] (1 = token; its last columns are this step's), or
+    a 4D bool mask [b, 1, num_tokens, kv] (True = attend) or additive float one (0 = attend, very
+    negative = masked) whose columns are positions, this step's tokens at ``offset`` onwards
+    (``cache.get_seq_length()``, as transformers builds them): a real token sees itself, padding
+    is seen by no one.
+    """
+    if attention_mask is None:
+        return None
+    if attention_mask.dim() == 2:
+        return attention_mask[:, -num_tokens:].bool()
+    m = attention_mask[:, 0]  # [b, num_tokens, kv]
+    if m.dtype != torch.bool:
+        m = m > torch.finfo(m.dtype).min / 2
+    own = torch.arange(num_tokens, device=m.device) + offset
+    # Clamped so that a mask narrower than the cache can never index out of bounds.
+    own = own.clamp(max=m.shape[-1] - 1).expand(m.shape[0], num_tokens)
+    return torch.gather(m, 2, own[:, :, None]).squeeze(2)
 
 
 class LatentStep(NamedTuple):
@@ -68,6 +106,20 @@ class LatentStep(NamedTuple):
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
     schedule: DecodeSchedule | None
+
+
+def _warn_fp32_on_gpu(device: torch.device, dtype: torch.dtype) -> None:
+    global _warned_fp32_on_gpu
+    if device.type == "cuda" and dtype == torch.float32 and not _warned_fp32_on_gpu:
+        _warned_fp32_on_gpu = True
+        import warnings
+
+        warnings.warn(
+            "MLACache in float32 on a CUDA device: torch_mla's GPU kernel takes bfloat16 or "
+            "float16, so every decode step runs the slow reference path. Build the cache in the "
+            "model's dtype (MLACache.for_model(model, ...) reads it, or pass dtype=)",
+            stacklevel=3,
+        )
 
 
 def _unsupported(what: str):
@@ -150,8 +202,10 @@ class MLACache(_RefusesReshaping, _CacheBase):
             ``qk_rope_head_dim``).
         max_batch_size: most requests in one forward.
         max_cache_len: most tokens per request (prompt, with its padding, plus generated).
-        device, dtype: of the buffers (the model's; bf16/fp16 use the GPU kernel, fp32 the
-            reference). ``MLACache.for_model`` reads them from a model.
+        device: of the buffers, the model's (default: the CPU).
+        dtype: of the buffers, the model's: bf16/fp16 run the GPU kernel, fp32 the reference
+            (warned about once on a GPU). Default: ``torch.get_default_dtype()``.
+            ``MLACache.for_model`` reads both from the model.
         block_table: optional int32 [max_batch_size, ceil(max_cache_len / 64)], a custom page
             assignment (pages must be distinct); default: request r owns its own run of pages.
         num_blocks: pages to allocate per layer (default: enough for the block table).
@@ -172,7 +226,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got "
                              f"{max_batch_size} and {max_cache_len}")
         device = torch.device(device if device is not None else "cpu")
-        dtype = dtype or torch.float32
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        _warn_fp32_on_gpu(device, dtype)
         self.num_layers = config.num_hidden_layers
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
@@ -200,6 +255,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
             for t in (*self.kv_caches, self.block_table, self.cache_seqlens, self._seen):
                 torch._dynamo.mark_static_address(t)
         self._reset_python_state()
+        self._given_to_generate = False
         layers = [MLACacheLayer(self, i) for i in range(self.num_layers)]
         if HAS_TRANSFORMERS:
             super().__init__(layers=layers)
@@ -261,23 +317,43 @@ class MLACache(_RefusesReshaping, _CacheBase):
         return self._mask_sizes(query_length)
 
     def _mask_sizes(self, query_length: int) -> tuple[int, int]:
-        # Prefill attends over the prompt alone. Decode steps ignore the mask (padding never
-        # reaches the cache), so transformers may build it at a fixed size that never recompiles.
+        # Prefill attends over the prompt alone. Decode steps read only which of their tokens are
+        # padding (the mask's columns at their positions), so transformers may build the mask at
+        # a fixed size that never recompiles.
         if not self._prefilled:
             return query_length, 0
         return self._max_len + query_length, 0
 
     def reset(self) -> None:
-        """Empties the cache (lengths to 0); the next forward is a prefill again."""
+        """Empties the cache (lengths to 0); the next forward is a prefill again. ``generate``
+        calls it itself (see ``_is_user_defined``); a hand-written loop calls it between
+        sequences."""
         self.cache_seqlens.zero_()
         self._seen.zero_()
         self._reset_python_state()
 
     def _reset_python_state(self) -> None:
         self._prefilled = False
-        # (prefill, batch, tokens, slots, schedule) of the step under way; None between steps.
+        # (prefill, batch, tokens, key_valid, slots, schedule) of the step under way; None
+        # between steps.
         self._step: tuple | None = None
-        self._host_bound = 0  # an upper bound of the longest request, tracked in eager mode
+        # ``_seen`` as the host knows it: eager steps keep it, a compiled step sets None.
+        self._host_seen: int | None = 0
+
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._given_to_generate
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        # transformers' generate sets this on the cache it is given, once, at its start, before it
+        # reads the cache's length. A cache left as an earlier call filled it would make generate
+        # skip that many tokens of the new prompt and continue the old sequence, so every call
+        # starts from an empty cache; a continuation (the whole sequence passed again) is then
+        # prefilled again, which gives transformers' tokens.
+        if value:
+            self.reset()
+        self._given_to_generate = bool(value)
 
     # --- the step -----------------------------------------------------------------------------
 
@@ -293,7 +369,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
         next forward is a decode step. Reads the lengths on the host once."""
         b = cache_seqlens.shape[0]
         longest = int(cache_seqlens.max()) if b else 0
-        if b > self._max_batch or longest > self.max_blocks * PAGE_SIZE:
+        if b > self._max_batch or longest > self._max_len:
             raise ValueError(f"{b} requests of up to {longest} tokens do not fit a cache of "
                              f"{self._max_batch} x {self._max_len}")
         self.cache_seqlens.zero_()
@@ -301,11 +377,14 @@ class MLACache(_RefusesReshaping, _CacheBase):
         self._seen.fill_(longest)
         self._reset_python_state()
         self._prefilled = True
-        self._host_bound = longest
+        self._host_seen = longest
 
-    def begin_layer(self, layer_idx: int, batch_size: int, num_tokens: int) -> bool:
+    def begin_layer(self, layer_idx: int, batch_size: int, num_tokens: int,
+                    attention_mask: Any = None) -> bool:
         """Called by each attention layer before :meth:`append_latents`; returns whether this
-        forward is the prefill. Layer 0 starts a new step; the layers of a forward must run in
+        forward is the prefill. Layer 0 starts a new step: it checks that the step fits and reads
+        which of its tokens are padding from ``attention_mask`` (transformers' mask: see
+        :func:`key_padding`; ignored by the other layers). The layers of a forward must run in
         order (0 .. num_layers - 1), as in every transformers model.
 
         The start of a step reads no Python state that a step changes (only ``_prefilled``, which
@@ -314,79 +393,108 @@ class MLACache(_RefusesReshaping, _CacheBase):
             if batch_size > self._max_batch:
                 raise ValueError(f"batch of {batch_size} requests, but the cache was built for "
                                  f"max_batch_size={self._max_batch}")
+            if num_tokens == 0:
+                raise ValueError(
+                    "MLACache got a forward with 0 new tokens: the cache already holds this input "
+                    "(generate passes only the tokens past cache.get_seq_length()); call "
+                    "cache.reset() before starting a new sequence")
             prefill = not self._prefilled
-            if not torch.compiler.is_compiling():
-                bound = (0 if prefill else self._host_bound) + num_tokens
-                if bound > self._max_len:
-                    raise ValueError(
-                        f"MLACache is full: {bound} positions (padding included) would exceed "
-                        f"max_cache_len={self._max_len}; build a larger cache"
-                    )
-                self._host_bound = bound
+            self._check_fits(prefill, num_tokens)
+            key_valid = key_padding(attention_mask, num_tokens, 0 if prefill else self._seen)
+            if not prefill and key_valid is not None and num_tokens > 1:
+                self._check_padding_first(key_valid)
             self._prefilled = True
-            self._step = (prefill, batch_size, num_tokens, None, None)
+            self._step = (prefill, batch_size, num_tokens, key_valid, None, None)
         elif self._step is None:
             raise RuntimeError(f"layer {layer_idx} attends before layer 0 in this forward: "
                                "MLACache expects layers 0 .. num_layers - 1 in order")
-        prefill, b, s, _, _ = self._step
+        prefill, b, s = self._step[:3]
         if (b, s) != (batch_size, num_tokens):
             raise ValueError(f"layer {layer_idx} sees [{batch_size}, {num_tokens}] tokens but this "
                              f"step started with [{b}, {s}]")
         return prefill
 
+    def _check_fits(self, prefill: bool, num_tokens: int) -> None:
+        # The limit is on positions, padding included (``_seen``): what transformers counts, and
+        # never less than any request's stored length, so a step that fits never leaves its pages.
+        full = (f"MLACache is full: {{}} positions (padding included) would exceed "
+                f"max_cache_len={self._max_len}; build a larger cache")
+        if prefill:
+            seen = 0
+        elif torch.compiler.is_compiling():
+            seen = None  # a compiled step reads nothing on the host (nor the host count)
+        elif self._host_seen is not None:
+            seen = self._host_seen
+        elif self._seen.device.type == "cpu":
+            seen = int(self._seen)  # the first eager step after compiled ones
+        else:
+            seen = None
+        if seen is None:
+            # The device checks: no sync, and CUDA graphs keep the check. The host count stays
+            # unknown until the next prefill, reset() or set_seqlens().
+            if checks._value_checks:
+                torch._assert_async(self._seen + num_tokens <= self._max_len,
+                                    full.format("this step's"))
+            self._host_seen = None
+        else:
+            if seen + num_tokens > self._max_len:
+                raise ValueError(full.format(seen + num_tokens))
+            self._host_seen = seen + num_tokens
+
+    def _check_padding_first(self, key_valid: torch.Tensor) -> None:
+        # Real tokens are stored at the request's next slots and attend causally among this
+        # step's tokens, which is right for each real token only if no padding follows it here.
+        bad = (key_valid[:, :-1] & ~key_valid[:, 1:]).any(dim=1)  # [b]
+        msg = ("a padding token follows a real token in the same step{}: MLACache stores a "
+               "step's real tokens in order and attends causally, which needs the padding "
+               "first (left padding: a tokenizer with padding_side='left')")
+        if key_valid.device.type == "cpu" and not torch.compiler.is_compiling():
+            if bool(bad.any()):
+                raise ValueError(msg.format(f" of request {int(bad.nonzero()[0, 0])}"))
+        elif checks._value_checks:
+            torch._assert_async(~bad.any(), msg.format(""))
+
     def append_latents(self, layer_idx: int, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                       num_heads: int, key_valid: torch.Tensor | None = None) -> LatentStep:
+                       num_heads: int) -> LatentStep:
         """Writes one layer's latents for this step and returns what it attends with.
 
         Args:
             kv_c: [b, s, kv_lora_rank], normalised latents of this step's tokens.
             k_pe: [b, s, qk_rope_head_dim], their rotated RoPE keys.
             num_heads: query heads (sizes the decode schedule).
-            key_valid: bool [b, s], False for padding tokens; read at prefill only.
         """
-        prefill, b, s, slots, sched = self._step
+        prefill, b, s, key_valid, slots, sched = self._step
         if slots is None:  # the first layer of the step computes what every layer shares
-            if prefill:
-                slots = self._prefill_slots(b, s, key_valid, kv_c.device)
-            else:
-                slots = self._decode_slots(b, s)
+            if key_valid is None:
+                key_valid = torch.ones(b, s, dtype=torch.bool, device=self.device)
+            key_valid = key_valid.to(self.device).expand(b, s)
+            slots = self._store(b, s, key_valid, prefill)
+            if not prefill:
                 sched = get_decode_schedule(self.cache_seqlens[:b], s, num_heads)
-            self._step = (prefill, b, s, slots, sched)
+            self._step = (prefill, b, s, None, slots, sched)
         kv = self.kv_caches[layer_idx]
         append_kv(kv, kv_c.reshape(b * s, -1), k_pe.reshape(b * s, -1), slots)
         if layer_idx == self.num_layers - 1:
             self._step = None  # the step is over; hold no tensor past it
         return LatentStep(prefill, kv, self.block_table[:b], self.cache_seqlens[:b], sched)
 
-    def _slots(self, b: int, pos: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
-        # pos: int64 [b, s] cache positions; keep: bool [b, s]. Out-of-range pages are clamped
-        # for the gather and the slot dropped (-1), so nothing is ever read or written out of
-        # bounds even when the eager capacity check cannot run.
-        cap = self.max_blocks * PAGE_SIZE
+    def _store(self, b: int, s: int, key_valid: torch.Tensor, prefill: bool) -> torch.Tensor:
+        """The slots of this step's tokens (-1 for padding, which is not stored); advances the
+        lengths. Each request's real tokens go to its next slots, in order."""
+        lens = self.cache_seqlens[:b]
+        if prefill:
+            self.cache_seqlens.zero_()
+            self._seen.zero_()
+        pos = lens[:, None].to(torch.int64) + torch.cumsum(key_valid.to(torch.int64), dim=1) - 1
         page = torch.gather(self.block_table[:b].to(torch.int64), 1,
                             (pos // PAGE_SIZE).clamp(0, self.max_blocks - 1))
         slot = page * PAGE_SIZE + pos % PAGE_SIZE
-        return torch.where(keep & (pos < cap), slot, -1).reshape(-1)
-
-    def _prefill_slots(self, b: int, s: int, key_valid: torch.Tensor | None,
-                       device: torch.device) -> torch.Tensor:
-        if key_valid is None:
-            key_valid = torch.ones(b, s, dtype=torch.bool, device=device)
-        key_valid = key_valid.to(self.device).expand(b, s)
-        pos = torch.cumsum(key_valid.to(torch.int64), dim=1) - 1  # padding is skipped
-        lens = key_valid.sum(dim=1).clamp(max=self.max_blocks * PAGE_SIZE)
-        self.cache_seqlens.zero_()
-        self.cache_seqlens[:b].copy_(lens)
-        self._seen.fill_(s)
-        return self._slots(b, pos, key_valid)
-
-    def _decode_slots(self, b: int, s: int) -> torch.Tensor:
-        lens = self.cache_seqlens[:b]
-        pos = lens[:, None].to(torch.int64) + torch.arange(s, device=self.device)
-        slots = self._slots(b, pos, torch.ones_like(pos, dtype=torch.bool))
-        lens.add_(s).clamp_(max=self.max_blocks * PAGE_SIZE)
+        # Past the pages only when the capacity check was off: such tokens are dropped, nothing
+        # is ever written or read out of bounds.
+        slots = torch.where(key_valid & (pos < self.max_blocks * PAGE_SIZE), slot, -1)
+        lens.add_(key_valid.sum(dim=1, dtype=torch.int32)).clamp_(max=self.max_blocks * PAGE_SIZE)
         self._seen.add_(s)
-        return slots
+        return slots.reshape(-1)
 
     def __repr__(self) -> str:
         return (f"MLACache(layers={self.num_layers}, max_batch_size={self._max_batch}, "
