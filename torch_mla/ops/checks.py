@@ -3,8 +3,8 @@
 Shape, dtype and device checks read metadata only. Checks of *values* (lengths, page ids, slots)
 go through :func:`_require`: on CPU tensors the values are read on the host and a ValueError names
 the offending entry; on other devices the check runs on the device, as an asynchronous assert
-(``torch._assert_async``: no host sync, allowed in CUDA-graph capture) with a fixed message, and
-:func:`torch_mla.set_value_checks` turns these device checks off.
+(``torch._assert_async``: no host sync) with a fixed message; they are left out of CUDA-graph
+captures (see :func:`_checks_values`), and :func:`torch_mla.set_value_checks` turns them off.
 """
 
 from __future__ import annotations
@@ -54,10 +54,17 @@ def _shape(t: torch.Tensor) -> str:
 
 
 def _checks_values(t: torch.Tensor) -> bool:
-    """Whether the values of t are checked: always on CPU, on devices unless turned off."""
+    """Whether the values of t are checked: always on CPU; on a GPU unless turned off or while a
+    CUDA graph is being captured. A graph replays every kernel it captured, and these checks are
+    about 16 small kernels per decode call: on the H200 they took a graph-replayed batch-1 decode
+    from 23.8 to 52.5 us (benchmarks/bench_decode.py --quick). Inside graphs the kernels still read
+    nothing outside the cache or the block table; checks that cost nothing there belong in the
+    kernels themselves (docs/kernel-notes.md, next steps)."""
     if t.device.type == "cpu":
         return True
-    return _value_checks and t.device.type != "meta"
+    if not _value_checks or t.device.type == "meta":
+        return False
+    return not (t.is_cuda and torch.cuda.is_current_stream_capturing())
 
 
 def _require(bad: torch.Tensor, device_msg: str, detail: Callable[..., str]) -> None:

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import json
 import os
 import shlex
@@ -55,13 +56,24 @@ _warned: set[str] = set()
 
 
 @functools.lru_cache(maxsize=None)
+def _version(dist: str, module: str) -> str:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:  # on sys.path without its metadata (a bare copy)
+        try:
+            return str(importlib.import_module(module).__version__)
+        except Exception:
+            return "unknown"
+
+
 def versions() -> dict[str, str]:
-    """The package versions an artefact depends on (read from metadata: no DSL import)."""
+    """The package versions an artefact depends on (read from metadata: no DSL import, unless
+    a package's metadata is missing)."""
     from .. import __version__
 
     return {"torch_mla": __version__,
-            "nvidia-cutlass-dsl": metadata.version("nvidia-cutlass-dsl"),
-            "apache-tvm-ffi": metadata.version("apache-tvm-ffi")}
+            "nvidia-cutlass-dsl": _version("nvidia-cutlass-dsl", "cutlass"),
+            "apache-tvm-ffi": _version("apache-tvm-ffi", "tvm_ffi")}
 
 
 @functools.lru_cache(maxsize=None)
