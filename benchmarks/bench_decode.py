@@ -97,7 +97,9 @@ def breakdown_us(inp, sched, causal):
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
     t_dec = graph_time_us(lambda: decode(*args, None))  # None: no trace table
-    t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse))
+    table, lens = args[2], args[3]
+    t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse, table, lens,
+                                           args[1].shape[0]))
     return t_dec, t_comb
 
 

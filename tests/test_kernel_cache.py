@@ -267,7 +267,7 @@ decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
 combine {'dtype': 'fp16', 'warps_per_row': 4}
 combine {'dtype': 'fp16', 'warps_per_row': 16}""")
-    from torch_mla.cute_kernels.combine import CombineConfig
+    from torch_mla.scheduling import CombineConfig
 
     picked = {CombineConfig.from_heuristic(b, parts, rows).warps_per_row
               for b in (1, 2, 8, 32, 128) for parts in (1, 16, 132, 264, 1000)
@@ -318,7 +318,8 @@ fn = dispatch._compiled_combine(torch.bfloat16, 4)
 imported = sorted(m for m in sys.modules if m.split(".")[0] == "cutlass" or "cute_kernels" in m)
 try:  # CPU tensors: the compiled launcher checks its arguments before touching a GPU
     fn(torch.zeros(3, dtype=torch.int32), torch.randn(5, 16, 512), torch.randn(5, 16),
-       torch.empty(2, 16, 512, dtype=torch.bfloat16), torch.empty(2, 16, 1))
+       torch.empty(2, 16, 512, dtype=torch.bfloat16), torch.empty(2, 16, 1),
+       torch.zeros(2, 3, dtype=torch.int32), torch.zeros(2, dtype=torch.int32), 4)
     err = None
 except Exception as e:
     err = f"{type(e).__name__}: {e}"

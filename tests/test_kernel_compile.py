@@ -25,7 +25,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     kind = "decode" if "MLADecodeSm90" in f else "combine"
     for k in ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.global", "stmatrix",
               "ldmatrix", "ld.local", "st.local", "griddepcontrol.launch_dependents",
-              "griddepcontrol.wait", "ld.global.v4", "ld.global.nc"]:
+              "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
+              r"call.uni \(retval0\), vprintf"]:
         counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 print(json.dumps(counts))
 """
@@ -44,10 +45,18 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal):
     assert dec["wgmma.mma_async"] >= 100, dec
     assert dec["cp.async.bulk.tensor"] > 0 and dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    # no function call: ptxas serialises every wgmma of a kernel that makes one (a printf in the
+    # input checks made the decode 2.5x slower; they live in the combine instead)
+    assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
     # output staged in smem and written by bulk copies; the combine may launch early (PDL)
     assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
     comb = counts["combine"]
-    assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0 and comb["st.local"] == 0, comb
+    assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0, comb
+    # the input checks: a message (its 5 and 8 arguments are the only local stores: 3 + 4
+    # vector stores) and a trap, for the length and for a page id (the three warps-per-row builds
+    # dump to one file name: counts are one build's)
+    printfs = comb[r"call.uni \(retval0\), vprintf"]
+    assert printfs == 2 and comb["trap;"] == printfs and comb["st.local"] == 7, comb
     assert comb["griddepcontrol.wait"] >= 2 and comb["ld.global.v4"] > 0, comb
     # partials are written by the decode kernel while this grid may already run (PDL): never
     # through the non-coherent read-only path

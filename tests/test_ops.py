@@ -1,9 +1,11 @@
 """Op registration (schemas, fake impls, opcheck), the Python API, append, and bad-input errors."""
 
 import math
+import os
 import pathlib
 import subprocess
 import sys
+import textwrap
 import warnings
 
 import expecttest
@@ -468,33 +470,73 @@ class TestForwardOnly(expecttest.TestCase):
         assert "torch_mla.mla_decode is forward-only" in str(cm.exception)
 
 
-@pytest.mark.cuda
-@pytest.mark.parametrize("case", ["cache_seqlens", "block_table", "slot_range", "slot_repeat"])
-def test_device_checks_assert_on_the_gpu(case):
-    # A device-side assert ends the CUDA context: each case runs in its own process.
-    from torch_mla.ops.checks import DEVICE_MESSAGES
+_BAD_INPUTS = {
+    "cache_seqlens": "lens[1] = 64 * table.shape[1] + 1",
+    "block_table": "table[1, 1] = -1",
+    "slot_range": "slots[0] = cache.shape[0] * 64",
+    "slot_repeat": "slots[1] = slots[0]",
+}
 
-    bad = {
-        "cache_seqlens": "lens[1] = 64 * table.shape[1] + 1",
-        "block_table": "table[1, 1] = -1",
-        "slot_range": "slots[0] = cache.shape[0] * 64",
-        "slot_repeat": "slots[1] = slots[0]",
-    }[case]
+
+def _run_bad_input(bad: str, graph: bool, env: dict | None = None) -> str:
+    """Runs an append_kv + decode step with one bad input in a fresh process (a device-side
+    error ends the CUDA context); with graph, the step is captured with good inputs and the bad
+    one is written in place before a replay. Returns the process's output."""
     code = f"""
 import torch, torch_mla
 from torch_mla.testing import make_decode_inputs
 inp = make_decode_inputs([3, 70], 1, 16, device="cuda")
 cache, table, lens = inp.kv_cache.clone(), inp.block_table.clone(), inp.cache_seqlens.clone()
 slots = torch.tensor([1, 2, 3], device="cuda")
-{bad}
-torch_mla.append_kv(cache, torch.randn(3, 512, device="cuda"), torch.randn(3, 64, device="cuda"),
-                    slots)
-torch_mla.mla_decode(inp.q, cache, table, lens)
+kv_c, k_pe = torch.randn(3, 512, device="cuda"), torch.randn(3, 64, device="cuda")
+def step():
+    torch_mla.append_kv(cache, kv_c, k_pe, slots)
+    return torch_mla.mla_decode(inp.q, cache, table, lens)
+if {graph}:
+    step(); torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        step()
+{textwrap.indent(bad, "    " if graph else "")}
+if {graph}:
+    g.replay()
+else:
+    step()
 torch.cuda.synchronize()
 print("no error")
 """
     root = pathlib.Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env=dict(os.environ, **(env or {})))
     log = res.stdout + res.stderr
     assert res.returncode != 0 and "no error" not in log, log
-    assert DEVICE_MESSAGES[case] in log and "device-side assert" in log, log
+    return log
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("case", ["cache_seqlens", "block_table", "slot_range", "slot_repeat"])
+def test_device_checks_assert_on_the_gpu(case):
+    """The torch-op checks (append_kv; decode on the GPU reference path): device asserts."""
+    from torch_mla.ops.checks import DEVICE_MESSAGES
+
+    log = _run_bad_input(_BAD_INPUTS[case], graph=False, env={"TORCH_MLA_FORCE_REFERENCE": "1"})
+    # The assert's own line; the error the host then sees depends on which call meets the dead
+    # context first ("device-side assert triggered", or e.g. a cuBLAS handle that fails).
+    assert f"Assertion `{DEVICE_MESSAGES[case]}` failed" in log, log
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "cuda_graph"])
+@pytest.mark.parametrize("case", ["cache_seqlens", "block_table"])
+def test_decode_kernel_stops_on_bad_values(case, graph):
+    """The decode kernel checks the lengths and page ids it uses, inside CUDA graphs too, and
+    names the entry."""
+    if torch.cuda.get_device_capability() != (9, 0):
+        pytest.skip("the SM90 kernel")
+    log = _run_bad_input(_BAD_INPUTS[case], graph=graph)
+    want = {
+        "cache_seqlens": "torch_mla.mla_decode: cache_seqlens[1] = 257, but lengths must be in "
+                         "[0, 256] (block_table's width 4 x 64 tokens)",
+        "block_table": "torch_mla.mla_decode: block_table[1, 1] = -1 is not a page of kv_cache",
+    }[case]
+    assert want in log, log

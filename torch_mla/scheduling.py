@@ -54,6 +54,27 @@ class DecodeSplitConfig:
         return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q // h_kv)))
 
 
+@dataclasses.dataclass(frozen=True)
+class CombineConfig:
+    """How many warps of the combine kernel (cute_kernels/combine.py) merge one row (1, 4 or
+    16). Here, not beside the kernel, so that choosing one imports no DSL."""
+
+    warps_per_row: int
+
+    @classmethod
+    def from_heuristic(cls, batch: int, num_parts: int, rows: int) -> "CombineConfig":
+        """rows: query rows per request (s_q * h_q). A request is cut into up to
+        ~num_parts / batch + 1 pieces. H200, anchor workload, us for 1 / 4 / 16 warps per row
+        (tools/sweep_schedule.py, docs/kernel-notes.md)."""
+        if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5
+            return cls(16)
+        if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
+            return cls(4)
+        if batch * rows <= 1024:  # 64 x 2048 h16 (~3 pieces, few rows): 65.1-65.6 / 64.5-65.0
+            return cls(4)
+        return cls(1)  # b=32 h128 (~3 pieces): 92.1 / 96.4 / 122.2; 128 x 8k h16: 326 / 329
+
+
 def default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

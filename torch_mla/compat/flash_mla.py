@@ -106,8 +106,7 @@ def flash_mla_with_kvcache(
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
         meta = tile_scheduler_metadata
         if not meta.have_initialized:  # (mla_decode checks the values)
-            check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, causal,
-                              values=False)
+            check_decode_args(q, k_cache, block_table, cache_seqlens, head_dim_v, causal)
         config = (q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1], k_cache.shape[2], causal)
         if not meta.have_initialized:
             sched = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],

@@ -7,6 +7,10 @@ written in the output dtype, with the natural-log lse. Pieces that saw no key ha
 and weight 0; a row with no key at all gets O = 0 and lse = +inf. Requests done in one piece were
 written by the decode kernel and are skipped; requests with no key (k = 0) are written here.
 
+It also checks the inputs of the step for every kernel that shares it: request r's length lies in
+[0, width x 64] and the block-table entries it uses are pages of the cache, else it prints which
+entry is wrong and stops the launch (check_request). Inside CUDA graphs too, at no measurable cost.
+
 Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps (16 with 16 warps per row). A row is merged
 by one warp (many short requests: few pieces each) or by 4 or 16 warps, which split the pieces
 and add their sums through shared memory (few long requests cut into many pieces, e.g. batch 1:
@@ -21,35 +25,24 @@ only once it knows that it has something to merge.
 
 from __future__ import annotations
 
-import dataclasses
 import math
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, const_expr
+from cutlass import Float32, Int32, const_expr
+from cutlass.cutlass_dsl import dsl_user_op
 
 LN_2 = math.log(2.0)
 UNROLL = 4
+PAGE = 64
+NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
-@dataclasses.dataclass(frozen=True)
-class CombineConfig:
-    """How many warps merge one row (1, 4 or 16)."""
-
-    warps_per_row: int
-
-    @classmethod
-    def from_heuristic(cls, batch: int, num_parts: int, rows: int) -> "CombineConfig":
-        """rows: query rows per request (s_q * h_q). A request is cut into up to
-        ~num_parts / batch + 1 pieces. H200, anchor workload, us for 1 / 4 / 16 warps per row
-        (tools/sweep_schedule.py, docs/kernel-notes.md)."""
-        if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5
-            return cls(16)
-        if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
-            return cls(4)
-        if batch * rows <= 1024:  # 64 x 2048 h16 (~3 pieces, few rows): 65.1-65.6 / 64.5-65.0
-            return cls(4)
-        return cls(1)  # b=32 h128 (~3 pieces): 92.1 / 96.4 / 122.2; 128 x 8k h16: 326 / 329
+@dsl_user_op
+def _trap(*, loc=None, ip=None) -> None:
+    """Aborts the grid: the host sees the launch fail at its next synchronisation, after the
+    printf buffer has been written out (as with a device-side assert)."""
+    cute.arch.inline_ptx("trap;", loc=loc, ip=ip)
 
 
 class MLACombine:
@@ -74,20 +67,26 @@ class MLACombine:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         mO: cute.Tensor,  # (b, rows, d_v)
         mLSE: cute.Tensor,  # (b, h_q, s_q) fp32, natural log
+        mBlockTable: cute.Tensor,  # (b, max_blocks) int32: checked, never used
+        mSeqlens: cute.Tensor,  # (b,) int32: checked
+        num_pages: Int32,  # pages of the cache the decode kernel read
         stream,
     ):
         b, rows = mO.shape[0], mO.shape[1]
-        self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE).launch(
+        self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens,
+                    num_pages).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
             block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
         )
 
     @cute.kernel
-    def kernel(self, mNumSplits, mOacc, mLSEacc, mO, mLSE):
+    def kernel(self, mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens, num_pages):
         tidx, _, _ = cute.arch.thread_idx()
         r, row_block, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
+        if row_block == 0 and warp == 0:
+            self.check_request(mBlockTable, mSeqlens, num_pages, r, lane)
         row = row_block * self.rows_per_cta + warp // self.wpr
         part = warp % self.wpr  # this warp takes pieces part, part + wpr, ...
         start = mNumSplits[r]  # written before the decode kernel ran: safe before the wait
@@ -152,3 +151,39 @@ class MLACombine:
             # kernel: one CTA waits for it, and the grid's completion (which later kernels in the
             # stream wait for) then implies the decode kernel's.
             cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def check_request(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32):
+        """One warp: request r's length is in [0, width x 64] and the block-table entries it
+        uses are pages of the cache; else a message naming the entry, and the launch stops.
+
+        The decode kernels read nothing outside the cache or the table whatever these hold (TMA
+        zero-fills pages past the cache; walks stop at the table's width), but the result would
+        be wrong: the error is reported here rather than there because a printf is a function
+        call, and ptxas serialises every wgmma of a kernel that contains one (the SM90 decode
+        went 2.5x slower with checks inside). Here it costs a few loads per request, issued
+        before this grid waits for the decode kernel (PDL), so they overlap its tail."""
+        L = mSeqlens[r]
+        width = mBlockTable.shape[1]
+        if L < 0 or L > width * PAGE:
+            if lane == 0:
+                cute.printf("torch_mla.mla_decode: cache_seqlens[{}] = {}, but lengths must be "
+                            "in [0, {}] (block_table's width {} x {} tokens)", r, L,
+                            width * PAGE, width, PAGE)
+            _trap()
+        n = (L + PAGE - 1) // PAGE
+        first = Int32(NO_COLUMN)
+        for c in cutlass.range(0, n, 32, unroll=1):
+            col = c + lane
+            if col < n:
+                page = mBlockTable[r, col]
+                if page < 0 or page >= num_pages:
+                    first = cutlass.min(first, col)
+        first = cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
+        if first != NO_COLUMN:
+            if lane == 0:
+                cute.printf("torch_mla.mla_decode: block_table[{}, {}] = {} is not a page of "
+                            "kv_cache (num_blocks = {}): request {} has {} tokens, so its first "
+                            "{} entries must be page ids in [0, {})", r, first,
+                            mBlockTable[r, first], num_pages, r, L, n, num_pages)
+            _trap()

@@ -4,7 +4,10 @@ Shape, dtype and device checks read metadata only. Checks of *values* (lengths, 
 go through :func:`_require`: on CPU tensors the values are read on the host and a ValueError names
 the offending entry; on other devices the check runs on the device, as an asynchronous assert
 (``torch._assert_async``: no host sync) with a fixed message; they are left out of CUDA-graph
-captures (see :func:`_checks_values`), and :func:`torch_mla.set_value_checks` turns them off.
+captures (see :func:`checks_values`), and :func:`torch_mla.set_value_checks` turns them off.
+The decode kernels check the lengths and page ids they use themselves (always, graphs included:
+a compare per page load), so these torch-op checks guard the reference path, append_kv and
+slot_mapping.
 """
 
 from __future__ import annotations
@@ -53,7 +56,7 @@ def _shape(t: torch.Tensor) -> str:
     return "[" + ", ".join(str(s) for s in t.shape) + "]"
 
 
-def _checks_values(t: torch.Tensor) -> bool:
+def checks_values(t: torch.Tensor) -> bool:
     """Whether the values of t are checked: always on CPU; on a GPU unless turned off or while a
     CUDA graph is being captured. A graph replays every kernel it captured, and these checks are
     about 16 small kernels per decode call: on the H200 they took a graph-replayed batch-1 decode
@@ -104,12 +107,10 @@ def check_decode_args(
     cache_seqlens: torch.Tensor,
     d_v: int,
     causal: bool,
-    values: bool = True,
 ) -> None:
-    """Validates :func:`torch_mla.mla_decode`'s arguments; raises ValueError/TypeError.
-
-    With ``values`` (off while torch.compile traces, where tensors hold no data), also checks
-    the lengths and the used block-table entries (see the module docstring).
+    """Validates the shapes, dtypes and devices of :func:`torch_mla.mla_decode`'s arguments;
+    raises ValueError/TypeError. The values (lengths, used block-table entries) are checked
+    where they are used: by the kernel, or by :func:`check_decode_values` before the reference.
     """
     for name, t in (("q", q), ("kv_cache", kv_cache), ("block_table", block_table)):
         if not isinstance(t, torch.Tensor):
@@ -162,8 +163,6 @@ def check_decode_args(
         _fail("kv_cache must be contiguous (a persistent [num_blocks, 64, h_kv, d_qk] buffer)")
     if block_table.stride(-1) != 1:
         _fail("block_table's last dimension must be contiguous (stride 1)")
-    if values and _checks_values(cache_seqlens):
-        check_decode_values(num_blocks, block_table, cache_seqlens)
 
 
 def check_decode_values(num_blocks: int, block_table: torch.Tensor,
@@ -251,7 +250,7 @@ def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     if len(devs) != 1:
         _fail("kv_cache, kv_c, k_pe and slot_mapping must be on one device, "
               f"got {sorted(map(str, devs))}")
-    if values and T > 0 and _checks_values(slot_mapping):
+    if values and T > 0 and checks_values(slot_mapping):
         check_slot_values(kv_cache.shape[0], slot_mapping)
 
 

@@ -6,7 +6,13 @@ from __future__ import annotations
 import torch
 
 from ..reference import mla_decode_reference
-from .checks import check_decode_args, check_schedule_args, unpack_schedule
+from .checks import (
+    check_decode_args,
+    check_decode_values,
+    check_schedule_args,
+    checks_values,
+    unpack_schedule,
+)
 from .dispatch import find_decode_kernel
 from .library import forward_only_grads, grad_like, lib
 from .schedule import DecodeSchedule, get_decode_schedule
@@ -16,8 +22,12 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                 softmax_scale: float, causal: bool, d_v: int):
     kernel = find_decode_kernel(q, kv_cache, d_v)
     if kernel is not None:
+        # The kernels check the lengths and the page ids they use themselves, at no cost and
+        # inside CUDA graphs too: a bad value stops the launch with a message.
         return kernel(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
                       softmax_scale, causal)
+    if checks_values(cache_seqlens):
+        check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
     return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
 
 
@@ -85,11 +95,15 @@ def mla_decode(
         A query token that sees no key gets out = 0 and lse = +inf.
 
     Lengths and used block-table entries are checked: on CPU tensors with a ValueError naming
-    the entry, on CUDA tensors by device-side asserts (see :func:`torch_mla.set_value_checks`).
+    the entry; on a GPU by the kernel itself, which stops with a message naming the entry (a
+    "CUDA error: unspecified launch failure" at the next synchronisation, after the message
+    is printed), inside CUDA graphs too; on the GPU reference path by device-side asserts
+    (see :func:`torch_mla.set_value_checks`).
     """
     compiling = torch.compiler.is_compiling()
-    # Traced by torch.compile, the tensors hold no values: the op checks them when it runs.
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, values=not compiling)
+    # Shapes and dtypes here; values where they are used (_decode_run): in the kernel, or before
+    # the reference runs. (Traced by torch.compile, the tensors hold no values.)
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal)
     if schedule is None:
         schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
                                        h_kv=kv_cache.shape[2])

@@ -126,13 +126,14 @@ def _launch(decode, combine, q, kv, block_table, cache_seqlens, meta, num_splits
     # cache takes every parameter, defaults included.
     decode(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
            scale_log2, None)
-    combine(num_splits, oacc, lseacc, out3, lse)
+    # The combine also checks the lengths and the used page ids (combine.check_request).
+    combine(num_splits, oacc, lseacc, out3, lse, block_table, cache_seqlens, kv.shape[0])
 
 
 @functools.lru_cache(maxsize=None)
 def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
     """CombineConfig's choice, cached: it runs on every eager decode call."""
-    from ..cute_kernels.combine import CombineConfig
+    from ..scheduling import CombineConfig
 
     return CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
 
@@ -215,6 +216,9 @@ def compile_combine(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
         _fake(cute, f32, (slots, rows), (cute.sym_int64(), 1), 4),
         _fake(cute, cdt, (b, rows, D_V), (cute.sym_int64(divisibility=8), D_V, 1)),
         _fake(cute, f32, (b, h_q, s_q), (cute.sym_int64(), cute.sym_int64(), 1), 4),
+        _fake(cute, i32, (b, cute.sym_int()), (cute.sym_int64(), 1), 4),  # block_table
+        _fake(cute, i32, (b,), (1,), 4),  # cache_seqlens
+        i32(1),  # the cache's page count
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
