@@ -255,13 +255,17 @@ def test_off_stores_nothing(cache, monkeypatch, tmp_path):
 
 def test_precompile_variants_cover_the_dispatch():
     got = [(k, c) for k, c, _ in precompile.variants(["bf16", "fp16"], (False, True),
-                                                     ["decode", "combine"])]
+                                                     ["step", "decode", "combine"])]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
+step_sm90 {'dtype': 'bf16', 'causal': False}
+step_sm90 {'dtype': 'bf16', 'causal': True}
 decode_sm90 {'dtype': 'bf16', 'causal': False}
 decode_sm90 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
+step_sm90 {'dtype': 'fp16', 'causal': False}
+step_sm90 {'dtype': 'fp16', 'causal': True}
 decode_sm90 {'dtype': 'fp16', 'causal': False}
 decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
@@ -347,7 +351,7 @@ def test_dsl_kernel_round_trip(tmp_path):
     assert cold["imported"] > 0 and warm["imported"] == 0  # warm: no DSL, no kernel class
     assert cold["CUTE_DSL_ARCH"] is None  # compiling for sm_90a changed no environment
     assert cold["error"] == warm["error"]
-    assert_expected_inline(warm["error"], """ValueError: Mismatched Tensor on argument #0 when calling: `__call__(mNumSplits: Tensor([n0], int32), mOacc: Tensor([n1, n2, 512], float32), mLSEacc: Tensor([n1, n2], float32), mO: Tensor([n3, n2, 512], bfloat16), mLSE: Tensor([n3, n4, n5], float32))`, expected device_type=cuda""")  # noqa: E501
+    assert_expected_inline(warm["error"], """ValueError: Mismatched Tensor on argument #0 when calling: `__call__(mNumSplits: Tensor([n0], int32), mOacc: Tensor([n1, n2, 512], float32), mLSEacc: Tensor([n1, n2], float32), mO: Tensor([n3, n2, 512], bfloat16), mLSE: Tensor([n3, n4, n5], float32), mBlockTable: Tensor([n3, n6], int32), mSeqlens: Tensor([n3], int32), num_pages: int32)`, expected device_type=cuda""")  # noqa: E501
     (sidecar,) = (tmp_path / kernel_cache.versions()["torch_mla"]).rglob("*.json")
     key = json.loads(sidecar.read_text())["key"]
     assert {k: key[k] for k in ("kernel", "config", "arch")} == {

@@ -11,23 +11,27 @@ import pytest
 SCRIPT = r"""
 import glob, json, os, re, sys
 import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_combine, compile_decode_sm90
-from torch_mla.cute_kernels.combine import MLACombine
+from torch_mla.ops.dispatch import compile_decode_step
+from torch_mla.cute_kernels.decode_step import MLADecodeStep
 from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
-compile_decode_sm90(cute, cutlass, MLADecodeSm90(dt, causal), dt)
-for wpr in (1, 4, 16):
-    compile_combine(cute, cutlass, MLACombine(dt, 512, wpr), dt)
+# What mla_decode runs: the decode kernel and the three combine variants behind one host call.
+compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(dt, causal), dt), dt)
 counts = {"decode": {}, "combine": {}}
+entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
-    ptx = open(f).read()
-    kind = "decode" if "MLADecodeSm90" in f else "combine"
-    for k in ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.global", "stmatrix",
-              "ldmatrix", "ld.local", "st.local", "griddepcontrol.launch_dependents",
-              "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
-              r"call.uni \(retval0\), vprintf"]:
-        counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
+    for ptx in open(f).read().split(".entry ")[1:]:  # one kernel each
+        name = ptx.split("(", 1)[0]
+        kind = "decode" if "MLADecodeSm90" in name else "combine"
+        assert kind == "decode" or "MLACombine" in name, name
+        entries[kind] += 1
+        for k in ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.global", "stmatrix",
+                  "ldmatrix", "ld.local", "st.local", "griddepcontrol.launch_dependents",
+                  "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
+                  r"call.uni \(retval0\), vprintf"]:
+            counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
+assert entries == {"decode": 1, "combine": 3}, entries
 print(json.dumps(counts))
 """
 
@@ -53,10 +57,9 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal):
     comb = counts["combine"]
     assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0, comb
     # the input checks: a message (its 5 and 8 arguments are the only local stores: 3 + 4
-    # vector stores) and a trap, for the length and for a page id (the three warps-per-row builds
-    # dump to one file name: counts are one build's)
+    # vector stores) and a trap, for the length and for a page id, in each of the 3 variants
     printfs = comb[r"call.uni \(retval0\), vprintf"]
-    assert printfs == 2 and comb["trap;"] == printfs and comb["st.local"] == 7, comb
+    assert printfs == 2 * 3 and comb["trap;"] == printfs and comb["st.local"] == 7 * 3, comb
     assert comb["griddepcontrol.wait"] >= 2 and comb["ld.global.v4"] > 0, comb
     # partials are written by the decode kernel while this grid may already run (PDL): never
     # through the non-coherent read-only path

@@ -1,7 +1,7 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels decode,combine]
+                                   [--kernels step,decode,combine]
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
@@ -19,12 +19,13 @@ import time
 
 import torch
 
+from . import scheduling
 from .ops import dispatch, kernel_cache
 
 ARCHS = (dispatch.SM90_ARCH,)  # the arches torch_mla has kernels for
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
-COMBINE_WARPS_PER_ROW = (1, 4, 16)  # every value CombineConfig.from_heuristic returns
+COMBINE_WARPS_PER_ROW = scheduling.COMBINE_WARPS_PER_ROW
 
 
 def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str]) -> list[tuple]:
@@ -32,6 +33,9 @@ def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str]) ->
     out = []
     for name in dtypes:
         dt = DTYPES[name]
+        if "step" in kernels:
+            out += [("step_sm90", {"dtype": name, "causal": c},
+                     lambda dt=dt, c=c: dispatch._compiled_step_sm90(dt, c)) for c in causal]
         if "decode" in kernels:
             out += [("decode_sm90", {"dtype": name, "causal": c},
                      lambda dt=dt, c=c: dispatch._compiled_decode_sm90(dt, c)) for c in causal]
@@ -60,8 +64,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: bf16,fp16 (default both)")
     ap.add_argument("--causal", choices=CAUSAL, default="both",
                     help="decode variants: causal (s_q > 1) masking, plain, or both (default)")
-    ap.add_argument("--kernels", type=_list(("decode", "combine")), default=["decode", "combine"],
-                    help="comma-separated: decode,combine (default both)")
+    ap.add_argument("--kernels", type=_list(("step", "decode", "combine")), default=["step"],
+                    help="comma-separated: step (decode + combine in one call: what mla_decode "
+                         "runs; the default), decode, combine (each alone: benchmarks)")
     args = ap.parse_args(argv)
     directory = kernel_cache.cache_dir(args.arch)
     if directory is None:

@@ -54,6 +54,9 @@ class DecodeSplitConfig:
         return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q // h_kv)))
 
 
+COMBINE_WARPS_PER_ROW = (1, 4, 16)  # every value CombineConfig.from_heuristic returns
+
+
 @dataclasses.dataclass(frozen=True)
 class CombineConfig:
     """How many warps of the combine kernel (cute_kernels/combine.py) merge one row (1, 4 or

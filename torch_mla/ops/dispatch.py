@@ -16,14 +16,22 @@ import warnings
 
 import torch
 
-from ..scheduling import PAGE_SIZE
+from ..scheduling import COMBINE_WARPS_PER_ROW, PAGE_SIZE
 from . import kernel_cache
 
 D_QK, D_V = 576, 512
 
 
+_capability: dict[int, tuple[int, int]] = {}
+
+
 def _cuda_arch(device: torch.device) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device)
+    # Cached: torch.cuda.get_device_capability costs ~10 us, on every eager decode call.
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    cap = _capability.get(index)
+    if cap is None:
+        cap = _capability[index] = torch.cuda.get_device_capability(index)
+    return cap
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
@@ -84,8 +92,8 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
-    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows))
+    step = _compiled_step_sm90(q.dtype, bool(causal) and s_q > 1)
+    variant = combine_variant(b, meta.shape[0], rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
     oacc = torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device)
@@ -95,7 +103,7 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
         out = torch.empty(b, s_q, h_q, D_V, dtype=q.dtype, device=q.device)
         lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
         if b > 0:
-            _launch(decode, combine, q, kv_cache[:, :, 0], block_table, cache_seqlens, meta,
+            _launch(step, variant, q, kv_cache[:, :, 0], block_table, cache_seqlens, meta,
                     num_splits, out, lse, oacc, lseacc, scale_log2)
         return out, lse
     out = torch.empty(b, s_q, h_kv, g, D_V, dtype=q.dtype, device=q.device)
@@ -106,28 +114,26 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
             break
         out_k = torch.empty(b, s_q, g, D_V, dtype=q.dtype, device=q.device)
         lse_k = torch.empty(b, g, s_q, dtype=torch.float32, device=q.device)
-        _launch(decode, combine, qg[:, :, k], kv_cache[:, :, k], block_table, cache_seqlens,
+        _launch(step, variant, qg[:, :, k], kv_cache[:, :, k], block_table, cache_seqlens,
                 meta, num_splits, out_k, lse_k, oacc, lseacc, scale_log2)
         out[:, :, k] = out_k
         lse[:, k] = lse_k
     return out.view(b, s_q, h_q, D_V), lse.view(b, h_q, s_q)
 
 
-def _launch(decode, combine, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
+def _launch(step, variant, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
             oacc, lseacc, scale_log2):
     """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
-    [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine."""
+    [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine, in one host call
+    (cute_kernels/decode_step.py)."""
     b, s_q, g, _ = q.shape
     q3 = q.reshape(b, s_q * g, D_QK)
     if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
         q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()  # TMA: 16-byte rows
     out3 = out.view(b, s_q * g, D_V)
-    # The trailing None is the trace table of development builds: a kernel loaded from the disk
-    # cache takes every parameter, defaults included.
-    decode(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
-           scale_log2, None)
     # The combine also checks the lengths and the used page ids (combine.check_request).
-    combine(num_splits, oacc, lseacc, out3, lse, block_table, cache_seqlens, kv.shape[0])
+    step(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
+         scale_log2, variant)
 
 
 @functools.lru_cache(maxsize=None)
@@ -136,6 +142,12 @@ def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
     from ..scheduling import CombineConfig
 
     return CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
+
+
+@functools.lru_cache(maxsize=None)
+def combine_variant(batch: int, num_parts: int, rows: int) -> int:
+    """The index of that choice among the decode step's combine variants."""
+    return COMBINE_WARPS_PER_ROW.index(combine_warps_per_row(batch, num_parts, rows))
 
 
 def _dsl(dtype: torch.dtype):
@@ -164,6 +176,21 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
+def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
+    """The SM90 decode kernel and the combine behind one host call (what mla_decode runs)."""
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.decode_step import MLADecodeStep
+        from ..cute_kernels.sm90_decode import MLADecodeSm90
+
+        return compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(cdt, causal), cdt),
+                                   cdt)
+
+    return kernel_cache.load_or_build(
+        "step_sm90", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, SM90_ARCH, build)
+
+
+@functools.lru_cache(maxsize=None)
 def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
     def build():
         cute, cutlass, cdt = _dsl(dtype)
@@ -180,13 +207,12 @@ def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
-    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
-    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
+def _decode_fake_args(cute, cutlass, cdt) -> list:
+    """A decode kernel's arguments up to scale_log2, as fake tensors with symbolic sizes."""
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
     h_q, s_q = cute.sym_int(), cute.sym_int()
-    args = [
+    return [
         _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
         # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
         _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK),
@@ -200,11 +226,24 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
         _fake(cute, f32, (slots, rows, D_V), (cute.sym_int64(divisibility=4), D_V, 1)),
         _fake(cute, f32, (slots, rows), (cute.sym_int64(), 1), 4),
         f32(1.0),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
+
+
+def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
+    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
+    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
+    args = _decode_fake_args(cute, cutlass, cdt)
+    args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
         args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def compile_decode_step(cute, cutlass, step, cdt, arch: str = SM90_ARCH):
+    """Compiles a decode step (cute_kernels/decode_step.py: decode kernel + combine variants)."""
+    args = _decode_fake_args(cute, cutlass, cdt)
+    args += [cutlass.Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)]
+    return cute.compile(step, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def compile_combine(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):

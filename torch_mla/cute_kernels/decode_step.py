@@ -1,0 +1,56 @@
+"""One decode step as one host call: the split-KV decode kernel, then the combine.
+
+Each call of a compiled CuTe DSL function through TVM-FFI costs microseconds of host time
+(argument conversion, the launcher); a decode step at small batch is bounded by host time, so the
+two launches of a step go through one compiled function. The combine is compiled in all of its
+warps-per-row variants (combine.CombineConfig) and the host code picks one by a runtime index:
+host-side control flow, no device cost, and one compile per (decode kernel, dtype, causal).
+
+Works with any decode kernel class whose ``__call__`` takes (q, kv, block_table, seqlens, meta,
+num_splits, out, lse, oacc, lseacc, scale_log2, stream) and writes the partial results combine.py
+merges.
+"""
+
+from __future__ import annotations
+
+import cutlass.cute as cute
+from cutlass import Float32, Int32
+
+from ..scheduling import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
+from .combine import MLACombine
+
+
+class MLADecodeStep:
+    """decode, then combine (variant ``COMBINE_WARPS_PER_ROW[combine_variant]``)."""
+
+    def __init__(self, decode, dtype, d_v: int = 512):
+        self.decode = decode
+        self.combines = [MLACombine(dtype, d_v, w) for w in COMBINE_WARPS_PER_ROW]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, rows, d_qk)
+        mKV: cute.Tensor,  # (num_blocks, 64, d_qk)
+        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
+        mSeqlens: cute.Tensor,  # (b,) int32
+        mMeta: cute.Tensor,  # (num_parts, 8) int32
+        mNumSplits: cute.Tensor,  # (b + 1,) int32
+        mO: cute.Tensor,  # (b, rows, d_v)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
+        mOacc: cute.Tensor,  # (slots, rows, d_v) fp32
+        mLSEacc: cute.Tensor,  # (slots, rows) fp32
+        scale_log2: Float32,
+        combine_variant: Int32,
+        stream,
+    ):
+        self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+                    scale_log2, stream)
+        args = (mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens, mKV.shape[0],
+                stream)
+        if combine_variant == 0:
+            self.combines[0](*args)
+        elif combine_variant == 1:
+            self.combines[1](*args)
+        else:
+            self.combines[2](*args)
