@@ -407,6 +407,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline("\n".join(DEVICE_MESSAGES.values()), """\
 torch_mla.mla_decode: cache_seqlens holds a length < 0 or > block_table's width x 64; run with CPU tensors to see which entry
 torch_mla.mla_decode: block_table holds a page id outside [0, num_blocks) in a column that the request's cache_seqlens uses; run with CPU tensors to see which entry
+torch_mla.get_decode_schedule: cache_seqlens holds a length < 0; run with CPU tensors to see which entry
 torch_mla.append_kv: slot_mapping holds a slot >= num_blocks x 64 (past the cache); run with CPU tensors to see which entry
 torch_mla.append_kv: slot_mapping writes one slot twice (slots >= 0 must be distinct); run with CPU tensors to see which entry""")
 

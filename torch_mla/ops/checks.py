@@ -25,6 +25,8 @@ DEVICE_MESSAGES = {
                      f"width x {PAGE_SIZE}; {_CPU_HINT}",
     "block_table": "torch_mla.mla_decode: block_table holds a page id outside [0, num_blocks) in "
                    "a column that the request's cache_seqlens uses; " + _CPU_HINT,
+    "schedule_seqlens": "torch_mla.get_decode_schedule: cache_seqlens holds a length < 0; "
+                        + _CPU_HINT,
     "slot_range": "torch_mla.append_kv: slot_mapping holds a slot >= num_blocks x "
                   f"{PAGE_SIZE} (past the cache); {_CPU_HINT}",
     "slot_repeat": "torch_mla.append_kv: slot_mapping writes one slot twice (slots >= 0 must be "
@@ -261,6 +263,11 @@ def check_slot_values(num_blocks: int, slot_mapping: torch.Tensor) -> None:
     _require(slot_mapping >= cap, DEVICE_MESSAGES["slot_range"],
              lambda t: f"slot_mapping[{t}] = {int(slot_mapping[t])}, but the cache has only "
                        f"{cap} slots ({num_blocks} pages x {PAGE_SIZE})")
+    check_slot_repeats(slot_mapping)
+
+
+def check_slot_repeats(slot_mapping: torch.Tensor) -> None:
+    """No slot >= 0 twice."""
     # A repeated slot would be written by two tokens in an unspecified order; sorted, the
     # repeats are neighbours (stable: the earlier token comes first).
     s, order = torch.sort(slot_mapping, stable=True)
