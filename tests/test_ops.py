@@ -1,6 +1,7 @@
 """Op registration (schemas, fake impls, opcheck), the Python API, append, and bad-input errors."""
 
 import math
+import os
 import pathlib
 import subprocess
 import sys
@@ -361,6 +362,16 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(err(lens, 1, 16, h_kv=3), """h_q (16) must be a multiple of h_kv (3)""")
         self.assertExpectedInline(err(lens, 1, 16, h_kv=0), """h_kv must be >= 1, got 0""")
         self.assertExpectedInline(err(lens.tolist(), 1, 16), """cache_seqlens must be a torch.Tensor, got list""")
+        bad = torch.tensor([3, -2], dtype=torch.int32)
+        self.assertExpectedInline(err(bad, 1, 16), """cache_seqlens[1] = -2, but lengths must be >= 0""")
+        torch_mla.set_value_checks(False)  # CPU values are always checked
+        try:
+            self.assertExpectedInline(err(bad, 1, 16), """cache_seqlens[1] = -2, but lengths must be >= 0""")
+        finally:
+            torch_mla.set_value_checks(True)
+        with self.assertRaises(ValueError) as cm:
+            torch.ops.torch_mla.get_decode_schedule(bad, 4)
+        self.assertExpectedInline(str(cm.exception), """cache_seqlens[1] = -2, but lengths must be >= 0""")
 
     def test_negative_seqlen(self):
         self.assertExpectedInline(self.err(cache_seqlens=torch.tensor([3, -2], dtype=torch.int32)), """cache_seqlens[1] = -2, but lengths must be >= 0""")
@@ -495,7 +506,13 @@ torch.cuda.synchronize()
 print("no error")
 """
     root = pathlib.Path(__file__).resolve().parents[1]
-    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True)
+    env = dict(os.environ)
+    if case.startswith("slot"):
+        # The torch-op slot checks run where append_kv has no kernel (the kernel checks the
+        # slots itself: tests/test_small_kernels.py).
+        env["TORCH_MLA_FORCE_REFERENCE"] = "1"
+    res = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True,
+                         env=env)
     log = res.stdout + res.stderr
     assert res.returncode != 0 and "no error" not in log, log
     assert DEVICE_MESSAGES[case] in log and "device-side assert" in log, log
