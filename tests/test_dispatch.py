@@ -5,9 +5,9 @@ import types
 import warnings
 
 import expecttest
-from expecttest import assert_expected_inline
 import pytest
 import torch
+from expecttest import assert_expected_inline
 
 from torch_mla.ops import dispatch
 
