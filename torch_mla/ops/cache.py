@@ -34,7 +34,14 @@ def _append_impl(kv_cache, kv_c, k_pe, slot_mapping) -> None:
         checks.check_slot_repeats(slot_mapping)
     if slot_mapping.stride(0) != 1:
         slot_mapping = slot_mapping.contiguous()
-    kernel(kv_cache, _rows_16b(kv_c), _rows_16b(k_pe), slot_mapping, int(on), int(in_kernel))
+    kernel(_plain(kv_cache), _rows_16b(_plain(kv_c)), _rows_16b(_plain(k_pe)), slot_mapping,
+           int(on), int(in_kernel))
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """x without autograd (the forward-only op reaches here below autograd, but DLPack still
+    refuses tensors that require grad); the same storage, so writes land in x."""
+    return x.detach() if x.requires_grad else x
 
 
 def _rows_16b(x: torch.Tensor) -> torch.Tensor:
@@ -87,8 +94,13 @@ def append_kv(
         k_pe: [T, d_rope] rotary keys (RoPE already applied); cast to the cache dtype.
         slot_mapping: int32/int64 [T], the slot of each token, < num_blocks * 64; negative
             entries are skipped (padding) and may repeat, the others must be distinct. Checked
-            on CPU tensors with a ValueError, on CUDA tensors by device-side asserts (see
-            :func:`torch_mla.set_value_checks`).
+            on CPU tensors with a ValueError; on CUDA tensors by the kernel itself (a message
+            naming the entries on stdout, then the launch fails: the next synchronising call
+            raises, and the CUDA context is lost), in CUDA graphs too; where append_kv has no
+            kernel, by device-side asserts (see :func:`torch_mla.set_value_checks`). Slots past
+            the cache are never written, also with the checks off.
+
+    On a GPU from SM80 up with a bf16/fp16 cache and 576-wide rows (512 + 64), one kernel launch.
     """
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (kv_cache, kv_c, k_pe))):

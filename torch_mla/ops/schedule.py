@@ -72,6 +72,12 @@ def get_decode_schedule(
     Returns:
         DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]). It depends on
         the values of ``cache_seqlens``: recompute it whenever they change (once per step).
+
+    On a GPU from SM80 up it is one kernel launch (cute_kernels/schedule.py), elsewhere a few
+    dozen torch ops (torch_mla.scheduling.compute_schedule); the results are identical. A
+    negative length fails: a ValueError on CPU tensors; on a GPU the kernel prints the entry and
+    traps (the next synchronising call raises; also inside CUDA graphs), unless
+    :func:`torch_mla.set_value_checks` turned the checks off (then it counts as 0).
     """
     check_seqlens_tensor(cache_seqlens)
     if torch.compiler.is_compiling():
