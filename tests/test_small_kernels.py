@@ -20,9 +20,9 @@ pytestmark = pytest.mark.cuda
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 POISON = -0x5A5A5A5A  # what an output cell holds if the kernel never writes it
 
-# Regime boundaries: page edges, the kernel's chunk (2048 requests) and thread counts (512).
-BATCHES = [0, 1, 2, 3, 63, 64, 65, 511, 512, 513, 2047, 2048, 2049, 4096]
-PARTS = [1, 2, 7, 66, 132, 133, 511, 512, 513, 1000]
+# Regime boundaries: page edges, the kernel's chunk (1024 requests) and threads (256).
+BATCHES = [0, 1, 2, 3, 63, 64, 65, 255, 256, 257, 1023, 1024, 1025, 2049, 4096]
+PARTS = [1, 2, 7, 66, 132, 133, 255, 256, 257, 1000]
 
 
 def random_lengths(b: int, rng: random.Random) -> list[int]:

@@ -68,8 +68,9 @@ def check_schedule(cases, rng):
         say("schedule: NO KERNEL on this GPU")
         return 0, 1
     ok = bad = 0
-    batches = [0, 1, 2, 3, 63, 64, 65, 127, 128, 511, 512, 513, 2047, 2048, 2049, 4096]
-    parts_list = [1, 2, 7, 33, 66, 132, 133, 264, 511, 512, 513, 1000]
+    batches = [0, 1, 2, 3, 63, 64, 65, 127, 128, 255, 256, 257, 1023, 1024, 1025, 2048,
+               2049, 4096]
+    parts_list = [1, 2, 7, 33, 66, 132, 133, 255, 256, 257, 264, 1000]
     for i in range(cases):
         b = rng.choice(batches) if i % 2 else rng.randrange(0, 4100)
         parts = rng.choice(parts_list)

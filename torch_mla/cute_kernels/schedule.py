@@ -18,12 +18,17 @@ the inclusive prefix sum of units, T = end_{b-1}, P parts, t = max(T, 1)):
           are 0 or 1 and the count up to p telescopes to floor((p + 1)T / P), when T >= P every
           part is non-empty (count p + 1): rank(p) = min(p, floor((p + 1)T / P) - 1).
   last    empty parts get (b, 0, b - 1, 0, 0) (zeros when b = 0), columns 5-7 get 0.
-Stream positions and T are int64 (a batch of long requests passes 2^31 units).
+Stream positions and T are int64 (a batch of long requests passes 2^31 units). The divisions
+(by P and by t, about 25 per thread) are the costliest instructions: an int64 division is a
+~70-instruction subroutine. Every numerator is at most (T + 6) P + T, so while that is below
+2^31 (T < 16M at P = 132: any realistic batch) they are 32-bit multiply-shifts by the two
+divisors' precomputed magic numbers (cute.FastDivmodDivisorV2); past it, int64 divisions.
 
-Tiles: THREADS = 512 threads x ITEMS = 4 requests per chunk (2048): a decode batch is one chunk,
-so the lengths are read twice (the second time from L1) and the scans run once. Shared memory:
-the chunk's end_r (16 KB) and the per-warp totals of the scans. Limits: any batch size (chunks),
-any num_parts (a thread loops over parts). Uses no arch-specific instruction: sm_80 and later.
+Tiles: THREADS = 256 threads x ITEMS = 4 requests per chunk (1024): a decode batch is one chunk,
+so the lengths are read twice (the second time from L1) and the scans run once, and a thread
+takes one part (P <= 256: h_q <= 64 gives P = the SM count). Shared memory: the chunk's end_r
+(8 KB) and the per-warp totals of the scans. Limits: any batch size (chunks), any num_parts (a
+thread loops over parts). Uses no arch-specific instruction: sm_80 and later.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from .device_error import fail
 
 PAGE_SIZE = 64  # scheduling.PAGE_SIZE (not imported: a kernel module imports no torch code)
 OVERHEAD_BLOCKS = 5  # scheduling.OVERHEAD_BLOCKS
-THREADS = 512
+THREADS = 256
 ITEMS = 4
 CHUNK = THREADS * ITEMS
 LOG2_CHUNK = CHUNK.bit_length() - 1
@@ -110,6 +115,10 @@ class DecodeSchedule:
         for w in cutlass.range_constexpr(WARPS):
             T += sWarp[w, 0]
         t = cutlass.max(T, Int64(1))
+        # The largest numerator below is (T + 6) P + T (module docstring).
+        small = (T + OVERHEAD_BLOCKS + 1) * P64 + T < 2**31
+        by_P = (P64, cute.FastDivmodDivisorV2(P), small)
+        by_t = (t, cute.FastDivmodDivisorV2(Int32(cutlass.select_(small, t, Int64(1)))), small)
 
         # Pass 2: chunk by chunk.
         carry_units = Int64(0)  # end_r of the last request before the chunk
@@ -132,9 +141,9 @@ class DecodeSchedule:
                 # the binary search below looks up in this chunk.
                 sEnd[tidx * ITEMS + k] = start + units[k]
                 nb = units[k] - OVERHEAD_BLOCKS
-                last_part = ((start + OVERHEAD_BLOCKS + nb) * P64 + t - 1) // t - 1
-                n = (self.rank(self.clamp_part(last_part, P), T, P64)
-                     - self.first_rank(start, T, t, P, P64) + 1)
+                last_part = self.div((start + OVERHEAD_BLOCKS + nb) * P64 + t - 1, by_t) - 1
+                n = (self.rank(self.clamp_part(last_part, P), T, by_P)
+                     - self.first_rank(start, T, P, by_P, by_t) + 1)
                 nsplit.append(cutlass.select_(units[k] > 0, n, Int32(0)))
                 start = start + units[k]
             own_splits = nsplit[0]
@@ -151,8 +160,8 @@ class DecodeSchedule:
             lo = carry_units
             hi = carry_units + chunk_units
             for p in cutlass.range(tidx, P, THREADS, unroll=1):
-                a = Int64(p) * T // P64
-                z = (Int64(p) + 1) * T // P64
+                a = self.div(Int64(p) * T, by_P)
+                z = self.div((Int64(p) + 1) * T, by_P)
                 if a < z:
                     if (lo <= a) & (a < hi):
                         j = self.upper_bound(sEnd, a)
@@ -160,8 +169,9 @@ class DecodeSchedule:
                         begin = self.request_start(sEnd, j, lo)
                         nb = end - begin - OVERHEAD_BLOCKS
                         blk = cutlass.min(cutlass.max(a - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
-                        split = cutlass.max(Int64(self.rank(Int64(p), T, P64)
-                                                  - self.first_rank(begin, T, t, P, P64)), 0)
+                        # rank(p) = min(p, z - 1)
+                        split = cutlass.max(Int32(cutlass.min(Int64(p), z - 1))
+                                            - self.first_rank(begin, T, P, by_P, by_t), 0)
                         mMeta[p, 0] = c0 + j
                         mMeta[p, 1] = Int32(blk)
                         mMeta[p, 4] = Int32(split)
@@ -180,7 +190,7 @@ class DecodeSchedule:
         if tidx == 0:
             mNumSplits[0] = 0
         for p in cutlass.range(tidx, P, THREADS, unroll=1):
-            if Int64(p) * T // P64 == (Int64(p) + 1) * T // P64:
+            if self.div(Int64(p) * T, by_P) == self.div((Int64(p) + 1) * T, by_P):
                 mMeta[p, 0] = b
                 mMeta[p, 1] = 0
                 mMeta[p, 2] = cutlass.max(b - 1, 0)
@@ -197,20 +207,33 @@ class DecodeSchedule:
         return cutlass.select_(nb > 0, nb + OVERHEAD_BLOCKS, Int64(0))
 
     @cute.jit
-    def rank(self, p, T, P64):
+    def div(self, n, by):
+        """floor(n / d) for 0 <= n <= (T + 6) P + T; by = (d int64, its FastDivmodDivisorV2,
+        whether every numerator fits 31 bits)."""
+        d, fast, small = by
+        q = Int64(0)
+        if small:
+            q = Int64(Int32(n) // fast)
+        else:
+            q = n // d
+        return q
+
+    @cute.jit
+    def rank(self, p, T, by_P):
         """Non-empty parts among 0..p, minus one (see the module docstring)."""
-        return Int32(cutlass.min(p, (p + 1) * T // P64 - 1))
+        return Int32(cutlass.min(p, self.div((p + 1) * T, by_P) - 1))
 
     @cute.jit
     def clamp_part(self, x, P):
         return cutlass.min(cutlass.max(x, Int64(0)), Int64(P - 1))
 
     @cute.jit
-    def first_rank(self, start, T, t, P, P64):
+    def first_rank(self, start, T, P, by_P, by_t):
         """rank of the part holding the request's first page (it starts at stream position
         start, its pages after the overhead)."""
-        first_part = ((start + OVERHEAD_BLOCKS + 1) * P64 + t - 1) // t - 1
-        return self.rank(self.clamp_part(first_part, P), T, P64)
+        t = by_t[0]
+        first_part = self.div((start + OVERHEAD_BLOCKS + 1) * Int64(P) + t - 1, by_t) - 1
+        return self.rank(self.clamp_part(first_part, P), T, by_P)
 
     @cute.jit
     def upper_bound(self, sEnd, x):
