@@ -7,6 +7,7 @@ import warnings
 import expecttest
 import pytest
 import torch
+from expecttest import assert_expected_inline
 
 from torch_mla.ops import dispatch
 
@@ -81,3 +82,57 @@ def test_forced_reference_and_cpu_do_not_warn(arch, monkeypatch):
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
         q = torch.empty(1, 1, 16, 576, dtype=torch.float32)
         assert dispatch.find_decode_kernel(q, cache, 512) is None
+
+
+def _fake_cuda(dtype, shape, ptr=0):
+    """A CUDA tensor's metadata, as the small kernels' dispatch reads it."""
+    return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype,
+                                 shape=shape, data_ptr=lambda: ptr)
+
+
+def test_small_kernels_run_from_sm80_and_compile_for_the_device_arch(arch, monkeypatch):
+    """schedule and append_kv use no arch-specific instruction: the kernel compiled for the
+    device's arch (sm_90a on an H200: the arch the decode kernel and precompile use)."""
+    monkeypatch.setattr(dispatch, "_compiled_schedule", lambda a: f"schedule {a}")
+    monkeypatch.setattr(dispatch, "_compiled_append_kv",
+                        lambda a, *dts: f"append_kv {a} " + " ".join(str(d)[6:] for d in dts))
+    bf16, fp32 = torch.bfloat16, torch.float32
+    cuda = torch.device("cuda", 0)
+
+    def append(cache=bf16, src=bf16, slot=torch.int64, d_rope=64, ptr=0):
+        return dispatch.find_append_kernel(
+            _fake_cuda(cache, (4, 64, 1, 512 + d_rope), ptr), _fake_cuda(src, (3, 512)),
+            _fake_cuda(src, (3, d_rope)), _fake_cuda(slot, (3,)))
+
+    rows = []
+    for cap in [(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0), (13, 0)]:
+        arch["value"] = cap
+        dispatch._device_arch.cache_clear()
+        rows.append(f"{cap}: {dispatch.find_schedule_kernel(cuda)} | {append(src=fp32)}")
+    dispatch._device_arch.cache_clear()
+    arch["value"] = (9, 0)
+    rows += [f"{append(slot=torch.int32)}", f"{append(fp32, fp32)}", f"{append(bf16, fp32)}",
+             f"{append(src=torch.float16)} {append(d_rope=32)} {append(ptr=8)}",
+             f"{dispatch.find_schedule_kernel(torch.device('cpu'))}"]
+    k_pe16 = _fake_cuda(torch.float16, (3, 64))
+    rows.append(str(dispatch.find_append_kernel(_fake_cuda(bf16, (4, 64, 1, 576)),
+                                                _fake_cuda(bf16, (3, 512)), k_pe16,
+                                                _fake_cuda(torch.int64, (3,)))))
+    monkeypatch.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
+    rows.append(f"{dispatch.find_schedule_kernel(cuda)} {append()}")
+    dispatch._device_arch.cache_clear()
+    assert_expected_inline("\n".join(rows), """\
+(7, 5): None | None
+(8, 0): schedule sm_80 | append_kv sm_80 bfloat16 float32 int64
+(8, 6): schedule sm_86 | append_kv sm_86 bfloat16 float32 int64
+(9, 0): schedule sm_90a | append_kv sm_90a bfloat16 float32 int64
+(10, 0): schedule sm_100a | append_kv sm_100a bfloat16 float32 int64
+(12, 0): schedule sm_120a | append_kv sm_120a bfloat16 float32 int64
+(13, 0): None | None
+append_kv sm_90a bfloat16 bfloat16 int32
+None
+append_kv sm_90a bfloat16 float32 int64
+append_kv sm_90a bfloat16 float16 int64 None None
+None
+None
+None None""")

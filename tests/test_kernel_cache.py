@@ -279,6 +279,24 @@ combine {'dtype': 'fp16', 'warps_per_row': 16}""")
     assert picked == set(precompile.COMBINE_WARPS_PER_ROW)
 
 
+def test_precompile_variants_of_the_small_kernels():
+    """schedule and append_kv for any arch (the decode kernels only for sm_90a); append_kv in
+    every combination its dispatch compiles (dispatch.find_append_kernel)."""
+    got = [(k, c) for k, c, _ in precompile.variants(["bf16"], (False,), list(precompile.KERNELS),
+                                                     "sm_80")]
+    assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
+schedule {}
+append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int32'}
+append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int64'}
+append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int32'}
+append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
+append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
+append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
+    assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
+        == 1 + 2 * (2 + 2 + 3 + 6)  # schedule; per dtype: step, decode, combine, append_kv
+    assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
+
+
 @needs_cc
 def test_precompile_cli(cache, monkeypatch, capsys):
     def fake_combine(dtype, warps_per_row):

@@ -87,3 +87,55 @@ def test_sm90_trace_build_compiles(tmp_path):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert int(res.stdout.strip().splitlines()[-1]) >= 8  # start, 6 per segment, end
+
+
+SMALL_SCRIPT = r"""
+import glob, json, os, re
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import compile_append_kv, compile_schedule
+from torch_mla.cute_kernels.append_kv import AppendKV
+from torch_mla.cute_kernels.schedule import DecodeSchedule
+compile_schedule(cute, cutlass, DecodeSchedule(), "sm_90a")
+compile_schedule(cute, cutlass, DecodeSchedule(), "sm_80")
+compile_append_kv(cute, cutlass, AppendKV(cutlass.BFloat16, cutlass.Float32), cutlass.Int64)
+compile_append_kv(cute, cutlass, AppendKV(cutlass.Float16, cutlass.Float16), cutlass.Int32)
+out = []
+for f in sorted(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))):
+    lines = open(f).read().splitlines()
+    calls = [i for i, l in enumerate(lines) if "call.uni" in l]
+    # every local store fills the argument buffer of the printf call that follows it
+    printf_args = all("vprintf" in lines[min([c for c in calls if c > i], default=0)]
+                      for i, l in enumerate(lines) if "st.local" in l)
+    text = "\n".join(lines)
+    out.append({"kernel": "schedule" if "DecodeSchedule" in f else "append_kv",
+                "target": re.search(r"\.target (\S+)", text)[1],
+                "printf_args_only": printf_args,
+                **{k: len(re.findall(re.escape(k), text)) for k in
+                   ["ld.local", "st.local", "call.uni (retval0), vprintf", "trap;", "bar.sync",
+                    "shfl.sync", "st.global.v4", "ld.global.v4", "cvt.rn.bf16x2.f32"]}})
+print(json.dumps(out))
+"""
+
+
+def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
+    """The one-launch schedule (sm_90a and sm_80) and append_kv: no local memory but printf's
+    argument buffer, the value checks' printf + trap, 16-byte cache stores."""
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", SMALL_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    ptx = json.loads(res.stdout.strip().splitlines()[-1])
+    assert sorted((p["kernel"], p["target"]) for p in ptx) == [
+        ("append_kv", "sm_90a"), ("append_kv", "sm_90a"), ("schedule", "sm_80"),
+        ("schedule", "sm_90a")], ptx
+    for p in ptx:
+        assert p["ld.local"] == 0 and p["printf_args_only"], p
+        assert p["trap;"] == p["call.uni (retval0), vprintf"] > 0, p  # each message, then trap
+        if p["kernel"] == "schedule":
+            # block scans: warp shuffles and a few barriers, one CTA
+            assert p["shfl.sync"] > 0 and p["bar.sync"] >= 3, p
+        else:
+            assert p["st.global.v4"] == 2, p  # kv_c and k_pe vectors: 16-byte stores
+    fp32_src = [p for p in ptx if p["kernel"] == "append_kv" and p["cvt.rn.bf16x2.f32"]]
+    assert len(fp32_src) == 1 and fp32_src[0]["ld.global.v4"] == 4, ptx  # 32-byte source vectors

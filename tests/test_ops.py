@@ -363,6 +363,16 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline(err(lens, 1, 16, h_kv=3), """h_q (16) must be a multiple of h_kv (3)""")
         self.assertExpectedInline(err(lens, 1, 16, h_kv=0), """h_kv must be >= 1, got 0""")
         self.assertExpectedInline(err(lens.tolist(), 1, 16), """cache_seqlens must be a torch.Tensor, got list""")
+        bad = torch.tensor([3, -2], dtype=torch.int32)
+        self.assertExpectedInline(err(bad, 1, 16), """cache_seqlens[1] = -2, but lengths must be >= 0""")
+        torch_mla.set_value_checks(False)  # CPU values are always checked
+        try:
+            self.assertExpectedInline(err(bad, 1, 16), """cache_seqlens[1] = -2, but lengths must be >= 0""")
+        finally:
+            torch_mla.set_value_checks(True)
+        with self.assertRaises(ValueError) as cm:
+            torch.ops.torch_mla.get_decode_schedule(bad, 4)
+        self.assertExpectedInline(str(cm.exception), """cache_seqlens[1] = -2, but lengths must be >= 0""")
 
     def test_negative_seqlen(self):
         self.assertExpectedInline(self.err(cache_seqlens=torch.tensor([3, -2], dtype=torch.int32)), """cache_seqlens[1] = -2, but lengths must be >= 0""")
@@ -409,6 +419,7 @@ class TestErrors(expecttest.TestCase):
         self.assertExpectedInline("\n".join(DEVICE_MESSAGES.values()), """\
 torch_mla.mla_decode: cache_seqlens holds a length < 0 or > block_table's width x 64; run with CPU tensors to see which entry
 torch_mla.mla_decode: block_table holds a page id outside [0, num_blocks) in a column that the request's cache_seqlens uses; run with CPU tensors to see which entry
+torch_mla.get_decode_schedule: cache_seqlens holds a length < 0; run with CPU tensors to see which entry
 torch_mla.append_kv: slot_mapping holds a slot >= num_blocks x 64 (past the cache); run with CPU tensors to see which entry
 torch_mla.append_kv: slot_mapping writes one slot twice (slots >= 0 must be distinct); run with CPU tensors to see which entry""")
 

@@ -1,7 +1,11 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,decode,combine]
+                                   [--kernels step,decode,combine,schedule,append_kv]
+
+The decode and combine kernels exist for sm_90a; the schedule and append_kv kernels for every arch
+from sm_80 (``--arch``: the GPU's, e.g. sm_80 for an A100; append_kv in each cache dtype of
+``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots).
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
@@ -22,27 +26,40 @@ import torch
 from . import scheduling
 from .ops import dispatch, kernel_cache
 
-ARCHS = (dispatch.SM90_ARCH,)  # the arches torch_mla has kernels for
+# The arches torch_mla has kernels for: the SM90 decode's first (the default), then those of the
+# portable small kernels.
+ARCHS = tuple(dict.fromkeys((dispatch.SM90_ARCH, *dispatch.PORTABLE_ARCHS.values())))
+KERNELS = ("step", "decode", "combine", "schedule", "append_kv")
+DEFAULT_KERNELS = ("step", "schedule", "append_kv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
 COMBINE_WARPS_PER_ROW = scheduling.COMBINE_WARPS_PER_ROW
+APPEND_SOURCES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+APPEND_SLOTS = {"int32": torch.int32, "int64": torch.int64}
 
 
-def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str]) -> list[tuple]:
+def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
+             arch: str = dispatch.SM90_ARCH) -> list[tuple]:
     """(kernel name, config, a function compiling or loading it through dispatch's cache)."""
     out = []
+    if "schedule" in kernels:
+        out.append(("schedule", {}, lambda: dispatch._compiled_schedule(arch)))
     for name in dtypes:
         dt = DTYPES[name]
-        if "step" in kernels:
+        if "step" in kernels and arch == dispatch.SM90_ARCH:
             out += [("step_sm90", {"dtype": name, "causal": c},
                      lambda dt=dt, c=c: dispatch._compiled_step_sm90(dt, c)) for c in causal]
-        if "decode" in kernels:
+        if "decode" in kernels and arch == dispatch.SM90_ARCH:
             out += [("decode_sm90", {"dtype": name, "causal": c},
                      lambda dt=dt, c=c: dispatch._compiled_decode_sm90(dt, c)) for c in causal]
-        if "combine" in kernels:
+        if "combine" in kernels and arch == dispatch.SM90_ARCH:
             out += [("combine", {"dtype": name, "warps_per_row": w},
                      lambda dt=dt, w=w: dispatch._compiled_combine(dt, w))
                     for w in COMBINE_WARPS_PER_ROW]
+        if "append_kv" in kernels:
+            out += [("append_kv", {"cache": name, "source": src, "slot": slot},
+                     lambda dt=dt, s=sdt, i=idt: dispatch._compiled_append_kv(arch, dt, s, i))
+                    for src, sdt in APPEND_SOURCES.items() for slot, idt in APPEND_SLOTS.items()]
     return out
 
 
@@ -64,16 +81,18 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: bf16,fp16 (default both)")
     ap.add_argument("--causal", choices=CAUSAL, default="both",
                     help="decode variants: causal (s_q > 1) masking, plain, or both (default)")
-    ap.add_argument("--kernels", type=_list(("step", "decode", "combine")), default=["step"],
-                    help="comma-separated: step (decode + combine in one call: what mla_decode "
-                         "runs; the default), decode, combine (each alone: benchmarks)")
+    ap.add_argument("--kernels", type=_list(KERNELS), default=list(DEFAULT_KERNELS),
+                    help="comma-separated from " + ",".join(KERNELS) + " (default: "
+                         + ",".join(DEFAULT_KERNELS) + ", what the ops run; step is decode + "
+                         "combine behind one call, decode and combine alone serve benchmarks)")
     args = ap.parse_args(argv)
     directory = kernel_cache.cache_dir(args.arch)
     if directory is None:
         print("TORCH_MLA_CACHE_DIR=off: there is no disk cache to fill", file=sys.stderr)
         return 2
     missing = 0
-    for kernel, config, get in variants(args.dtypes, CAUSAL[args.causal], args.kernels):
+    for kernel, config, get in variants(args.dtypes, CAUSAL[args.causal], args.kernels,
+                                        args.arch):
         t0 = time.perf_counter()
         cached = kernel_cache.load(kernel, config, args.arch) is not None
         get()

@@ -30,19 +30,13 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass.cutlass_dsl import dsl_user_op
+
+from .device_error import fail
 
 LN_2 = math.log(2.0)
 UNROLL = 4
 PAGE = 64
 NO_COLUMN = 1 << 30  # larger than any block-table width
-
-
-@dsl_user_op
-def _trap(*, loc=None, ip=None) -> None:
-    """Aborts the grid: the host sees the launch fail at its next synchronisation, after the
-    printf buffer has been written out (as with a device-side assert)."""
-    cute.arch.inline_ptx("trap;", loc=loc, ip=ip)
 
 
 class MLACombine:
@@ -167,10 +161,9 @@ class MLACombine:
         width = mBlockTable.shape[1]
         if L < 0 or L > width * PAGE:
             if lane == 0:
-                cute.printf("torch_mla.mla_decode: cache_seqlens[{}] = {}, but lengths must be "
-                            "in [0, {}] (block_table's width {} x {} tokens)", r, L,
-                            width * PAGE, width, PAGE)
-            _trap()
+                fail("torch_mla.mla_decode: cache_seqlens[{}] = {}, but lengths must be in "
+                     "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE, width,
+                     PAGE)
         n = (L + PAGE - 1) // PAGE
         first = Int32(NO_COLUMN)
         for c in cutlass.range(0, n, 32, unroll=1):
@@ -182,8 +175,7 @@ class MLACombine:
         first = cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
         if first != NO_COLUMN:
             if lane == 0:
-                cute.printf("torch_mla.mla_decode: block_table[{}, {}] = {} is not a page of "
-                            "kv_cache (num_blocks = {}): request {} has {} tokens, so its first "
-                            "{} entries must be page ids in [0, {})", r, first,
-                            mBlockTable[r, first], num_pages, r, L, n, num_pages)
-            _trap()
+                fail("torch_mla.mla_decode: block_table[{}, {}] = {} is not a page of kv_cache "
+                     "(num_blocks = {}): request {} has {} tokens, so its first {} entries must "
+                     "be page ids in [0, {})", r, first, mBlockTable[r, first], num_pages, r, L,
+                     n, num_pages)

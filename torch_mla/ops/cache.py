@@ -6,13 +6,50 @@ from __future__ import annotations
 import torch
 
 from ..reference import append_kv_reference
+from . import checks
 from .checks import check_append_args
+from .dispatch import find_append_kernel
 from .library import forward_only_grads, grad_like, lib
+
+# The kernel's repeat check reads T^2 / 2 slots from L1/L2 (cute_kernels/append_kv.py): up to
+# this many tokens it costs about as much as the copy itself.
+REPEAT_CHECK_MAX_TOKENS = 2048
 
 
 def _append_impl(kv_cache, kv_c, k_pe, slot_mapping) -> None:
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping)
-    append_kv_reference(kv_cache, kv_c, k_pe, slot_mapping)
+    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, values=False)
+    T = slot_mapping.shape[0]
+    kernel = find_append_kernel(kv_cache, kv_c, k_pe, slot_mapping) if T else None
+    if kernel is None:
+        if T and checks.checks_values(slot_mapping):
+            checks.check_slot_values(kv_cache.shape[0], slot_mapping)
+        append_kv_reference(kv_cache, kv_c, k_pe, slot_mapping)
+        return
+    # The kernel checks the slots itself (printf + trap, in CUDA graphs too): the range always,
+    # repeats up to REPEAT_CHECK_MAX_TOKENS tokens; longer slot arrays (prefill) have their
+    # repeats checked by torch ops, outside graphs.
+    on = checks._value_checks
+    in_kernel = on and T <= REPEAT_CHECK_MAX_TOKENS
+    if on and not in_kernel and checks.checks_values(slot_mapping):
+        checks.check_slot_repeats(slot_mapping)
+    if slot_mapping.stride(0) != 1:
+        slot_mapping = slot_mapping.contiguous()
+    kernel(_plain(kv_cache), _rows_16b(_plain(kv_c)), _rows_16b(_plain(k_pe)), slot_mapping,
+           int(on), int(in_kernel))
+
+
+def _plain(x: torch.Tensor) -> torch.Tensor:
+    """x without autograd (the forward-only op reaches here below autograd, but DLPack still
+    refuses tensors that require grad); the same storage, so writes land in x."""
+    return x.detach() if x.requires_grad else x
+
+
+def _rows_16b(x: torch.Tensor) -> torch.Tensor:
+    """x itself when each row starts 16-byte aligned and is contiguous (a view of a wider
+    projection output usually is), else an aligned copy."""
+    if x.stride(1) == 1 and x.stride(0) % 8 == 0 and x.data_ptr() % 16 == 0:
+        return x
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device).copy_(x)
 
 
 lib.impl("append_kv", _append_impl, "CompositeExplicitAutograd")
@@ -57,8 +94,13 @@ def append_kv(
         k_pe: [T, d_rope] rotary keys (RoPE already applied); cast to the cache dtype.
         slot_mapping: int32/int64 [T], the slot of each token, < num_blocks * 64; negative
             entries are skipped (padding) and may repeat, the others must be distinct. Checked
-            on CPU tensors with a ValueError, on CUDA tensors by device-side asserts (see
-            :func:`torch_mla.set_value_checks`).
+            on CPU tensors with a ValueError; on CUDA tensors by the kernel itself (a message
+            naming the entries on stdout, then the launch fails: the next synchronising call
+            raises, and the CUDA context is lost), in CUDA graphs too; where append_kv has no
+            kernel, by device-side asserts (see :func:`torch_mla.set_value_checks`). Slots past
+            the cache are never written, also with the checks off.
+
+    On a GPU from SM80 up with a bf16/fp16 cache and 576-wide rows (512 + 64), one kernel launch.
     """
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (kv_cache, kv_c, k_pe))):

@@ -203,6 +203,90 @@ def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
         build)
 
 
+# The small kernels (schedule, append_kv) use no arch-specific instruction: they run on every
+# arch from SM80 up, compiled for the device's own (sm_90a on H100/H200, the decode kernel's arch,
+# so that precompiling sm_90a covers all of them). The arches nvidia-cutlass-dsl compiles for.
+PORTABLE_ARCHS = {(8, 0): "sm_80", (8, 6): "sm_86", (8, 7): "sm_87", (8, 9): "sm_89",
+                  (9, 0): SM90_ARCH, (10, 0): "sm_100a", (10, 3): "sm_103a", (11, 0): "sm_110a",
+                  (12, 0): "sm_120a", (12, 1): "sm_121a"}
+
+
+@functools.lru_cache(maxsize=None)
+def _device_arch(device: torch.device) -> str | None:
+    """The arch the small kernels are compiled for on this CUDA device, or None (older than
+    SM80, or unknown to the DSL): looked up once per device (this runs on every eager call)."""
+    return PORTABLE_ARCHS.get(tuple(_cuda_arch(device)))
+
+
+def find_schedule_kernel(device: torch.device):
+    """The compiled schedule kernel for a CUDA device, else None (compute_schedule's torch ops:
+    CPU tensors, TORCH_MLA_FORCE_REFERENCE=1, a GPU without a kernel arch)."""
+    if device.type != "cuda" or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+        return None
+    arch = _device_arch(device)
+    return None if arch is None else _compiled_schedule(arch)
+
+
+_APPEND_SOURCES = (torch.bfloat16, torch.float16, torch.float32)
+_SLOT_NAMES = {torch.int32: "int32", torch.int64: "int64"}
+
+
+def find_append_kernel(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                       slot_mapping: torch.Tensor):
+    """The compiled append_kv kernel for these (validated) arguments, else None (the reference):
+    a bf16/fp16 cache of 576-wide rows, 16-byte aligned, sources of one dtype."""
+    if not kv_cache.is_cuda or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+        return None
+    if (kv_cache.dtype not in _DTYPE_NAMES or kv_c.dtype not in _APPEND_SOURCES
+            or k_pe.dtype != kv_c.dtype or kv_c.shape[1] != D_V or k_pe.shape[1] != D_QK - D_V
+            or kv_cache.data_ptr() % 16):
+        return None
+    arch = _device_arch(kv_cache.device)
+    if arch is None:
+        return None
+    return _compiled_append_kv(arch, kv_cache.dtype, kv_c.dtype, slot_mapping.dtype)
+
+
+def _dsl_type(dtype: torch.dtype):
+    import cutlass
+
+    return {torch.bfloat16: cutlass.BFloat16, torch.float16: cutlass.Float16,
+            torch.float32: cutlass.Float32, torch.int32: cutlass.Int32,
+            torch.int64: cutlass.Int64}[dtype]
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_schedule(arch: str):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..cute_kernels.schedule import DecodeSchedule
+
+        return compile_schedule(cute, cutlass, DecodeSchedule(), arch)
+
+    return kernel_cache.load_or_build("schedule", {}, arch, build)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_append_kv(arch: str, cache_dtype: torch.dtype, source_dtype: torch.dtype,
+                        slot_dtype: torch.dtype):
+    def build():
+        import cutlass
+        import cutlass.cute as cute
+
+        from ..cute_kernels.append_kv import AppendKV
+
+        return compile_append_kv(cute, cutlass, AppendKV(_dsl_type(cache_dtype),
+                                                         _dsl_type(source_dtype)),
+                                 _dsl_type(slot_dtype), arch)
+
+    names = {torch.float32: "fp32", **_DTYPE_NAMES}
+    config = {"cache": names[cache_dtype], "source": names[source_dtype],
+              "slot": _SLOT_NAMES[slot_dtype]}
+    return kernel_cache.load_or_build("append_kv", config, arch, build)
+
+
 def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
@@ -258,6 +342,40 @@ def compile_combine(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
         _fake(cute, i32, (b, cute.sym_int()), (cute.sym_int64(), 1), 4),  # block_table
         _fake(cute, i32, (b,), (1,), 4),  # cache_seqlens
         i32(1),  # the cache's page count
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def compile_schedule(cute, cutlass, kernel, arch: str = SM90_ARCH):
+    """The schedule kernel: (cache_seqlens int32 [b], metadata int32 [num_parts, 8], num_splits
+    int32 [b + 1], check int, stream)."""
+    i32 = cutlass.Int32
+    args = [
+        _fake(cute, i32, (cute.sym_int(),), (1,), 4),
+        _fake(cute, i32, (cute.sym_int(), 8), (8, 1), 4),
+        _fake(cute, i32, (cute.sym_int(),), (1,), 4),
+        i32(1),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def compile_append_kv(cute, cutlass, kernel, slot_dtype, arch: str = SM90_ARCH):
+    """The append kernel: (kv_cache [num_blocks, 64, 1, 576], kv_c [T, 512], k_pe [T, 64] (row
+    strides multiples of 8 elements, 16-byte aligned), slot_mapping [T], check_range int,
+    check_repeats int, stream)."""
+    T = cute.sym_int()
+    src = kernel.source_dtype
+    args = [
+        # Page stride int64: a cache past 2^31 elements (4 GB in bf16) is addressed right.
+        _fake(cute, kernel.cache_dtype, (cute.sym_int(), PAGE_SIZE, 1, D_QK),
+              (cute.sym_int64(divisibility=8), D_QK, D_QK, 1)),
+        _fake(cute, src, (T, D_V), (cute.sym_int64(divisibility=8), 1)),
+        _fake(cute, src, (T, D_QK - D_V), (cute.sym_int64(divisibility=8), 1)),
+        _fake(cute, slot_dtype, (T,), (1,), slot_dtype.width // 8),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")

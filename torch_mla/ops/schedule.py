@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 
-from ..scheduling import DecodeSplitConfig, compute_schedule, default_num_sms
-from .checks import check_count, check_seqlens_tensor
+from ..scheduling import METADATA_WIDTH, DecodeSplitConfig, compute_schedule, default_num_sms
+from . import checks
+from .checks import DEVICE_MESSAGES, _require, check_count, check_seqlens_tensor, checks_values
+from .dispatch import find_schedule_kernel
 from .library import lib
 
 
@@ -22,10 +25,31 @@ class DecodeSchedule(NamedTuple):
     num_splits: torch.Tensor
 
 
+def _schedule_run(cache_seqlens: torch.Tensor, num_parts: int):
+    """On a GPU with a kernel arch: one launch of the schedule kernel, which checks the lengths
+    itself (a negative one prints its index and value and traps). Elsewhere the torch ops of
+    compute_schedule, after the lengths' check (a ValueError on CPU tensors)."""
+    kernel = find_schedule_kernel(cache_seqlens.device)
+    if kernel is None:
+        if checks_values(cache_seqlens):
+            _require(cache_seqlens < 0, DEVICE_MESSAGES["schedule_seqlens"],
+                     lambda r: f"cache_seqlens[{r}] = {int(cache_seqlens[r])}, but lengths must "
+                               "be >= 0")
+        return compute_schedule(cache_seqlens, num_parts)
+    dev = cache_seqlens.device
+    meta = torch.empty(num_parts, METADATA_WIDTH, dtype=torch.int32, device=dev)
+    splits = torch.empty(cache_seqlens.shape[0] + 1, dtype=torch.int32, device=dev)
+    if cache_seqlens.stride(0) != 1:
+        cache_seqlens = cache_seqlens.contiguous()
+    # The in-kernel check stays in CUDA graphs too: it costs a compare per length.
+    kernel(cache_seqlens, meta, splits, int(checks._value_checks))
+    return meta, splits
+
+
 def _schedule_impl(cache_seqlens: torch.Tensor, num_parts: int):
     check_seqlens_tensor(cache_seqlens)
     check_count("num_parts", num_parts)
-    return compute_schedule(cache_seqlens, num_parts)
+    return _schedule_run(cache_seqlens, num_parts)
 
 
 lib.impl("get_decode_schedule", _schedule_impl, "CompositeExplicitAutograd")
@@ -48,19 +72,35 @@ def get_decode_schedule(
     Returns:
         DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]). It depends on
         the values of ``cache_seqlens``: recompute it whenever they change (once per step).
+
+    On a GPU from SM80 up it is one kernel launch (cute_kernels/schedule.py), elsewhere a few
+    dozen torch ops (torch_mla.scheduling.compute_schedule); the results are identical. A
+    negative length fails: a ValueError on CPU tensors; on a GPU the kernel prints the entry and
+    traps (the next synchronising call raises; also inside CUDA graphs), unless
+    :func:`torch_mla.set_value_checks` turned the checks off (then it counts as 0).
     """
     check_seqlens_tensor(cache_seqlens)
+    if torch.compiler.is_compiling():
+        num_parts = _num_parts(cache_seqlens.device, s_q, h_q, num_sms, h_kv)
+        meta, splits = torch.ops.torch_mla.get_decode_schedule(cache_seqlens, num_parts)
+    else:
+        num_parts = _num_parts_cached(cache_seqlens.device, s_q, h_q, num_sms, h_kv)
+        meta, splits = _schedule_run(cache_seqlens, num_parts)
+    return DecodeSchedule(meta, splits)
+
+
+def _num_parts(device: torch.device, s_q: int, h_q: int, num_sms: int | None, h_kv: int) -> int:
     check_count("s_q", s_q)
     check_count("h_q", h_q)
     check_count("h_kv", h_kv)
     if h_q % h_kv:
         raise ValueError(f"h_q ({h_q}) must be a multiple of h_kv ({h_kv})")
     if num_sms is None:
-        num_sms = default_num_sms(cache_seqlens.device)
+        num_sms = default_num_sms(device)
     check_count("num_sms", num_sms)
-    cfg = DecodeSplitConfig.from_heuristic(s_q, h_q, num_sms, h_kv)
-    if torch.compiler.is_compiling():
-        meta, splits = torch.ops.torch_mla.get_decode_schedule(cache_seqlens, cfg.num_parts)
-    else:
-        meta, splits = _schedule_impl(cache_seqlens, cfg.num_parts)
-    return DecodeSchedule(meta, splits)
+    return DecodeSplitConfig.from_heuristic(s_q, h_q, num_sms, h_kv).num_parts
+
+
+# Eager calls repeat the same few shapes every step: the checks and the device query run once
+# per shape (typed: 1.0 and True are not 1, and still raise).
+_num_parts_cached = functools.lru_cache(maxsize=256, typed=True)(_num_parts)

@@ -1,0 +1,100 @@
+"""Writes new tokens' latents into the paged MLA cache: cache[slot[t]] = [kv_c[t] | k_pe[t]].
+
+One thread per 16-byte vector of a cache row (576 elements of bf16/fp16 = 72 vectors), CTAs of
+TOKENS_PER_CTA tokens x 72 threads: thread v of token t loads kv_c[t, 8v : 8v + 8] (v < 64) or
+k_pe[t, 8(v - 64) : ...] (a 16-byte load, two for fp32 sources), converts to the cache dtype and
+stores 16 bytes. A negative slot (padding) writes nothing; so does a slot past the cache, with
+or without the checks, so the kernel never writes out of bounds.
+
+Checks (runtime flags; each failure prints its message and traps, see device_error.py):
+  check_range    a slot >= the cache's slots (num_blocks x 64) fails.
+  check_repeats  two tokens writing one slot (slots >= 0) fail: thread v of token t compares
+     slot[t] with slot[j] for j < t, j = v (mod 72), so each pair is compared once, by the later
+     token. That is T^2 / 2 int reads in all, from L1/L2 (the slot array is a few KB); at
+     T = 2048 it is 2M reads, ~29 per thread (8 in flight at a time), spread over the grid's
+     CTAs: about as long as the copy itself (2048 x 1152 bytes). The host asks for it up to
+     that size and checks longer (prefill-sized) slot arrays with torch ops (ops/cache.py).
+
+Limits: d_v = 512 and d_rope = 64 (a 576-wide cache row), cache bf16/fp16 with one latent head,
+sources bf16/fp16/fp32 with contiguous, 16-byte aligned rows, slots int32/int64. No
+arch-specific instruction: sm_80 and later.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Int32, Int64, const_expr
+
+from .device_error import fail
+
+D_V, D_ROPE = 512, 64
+VEC = 8  # elements per 16-byte vector of the cache dtype
+VECS = (D_V + D_ROPE) // VEC  # 72 per cache row
+TOKENS_PER_CTA = 4
+REPEAT_BATCH = 8  # earlier slots loaded at once by the repeat check
+
+
+class AppendKV:
+    """Compiled per (cache dtype, source dtype, slot dtype); the token count and the cache size
+    are runtime values."""
+
+    def __init__(self, cache_dtype, source_dtype):
+        self.cache_dtype = cache_dtype
+        self.source_dtype = source_dtype
+
+    @cute.jit
+    def __call__(
+        self,
+        mCache: cute.Tensor,  # (num_blocks, 64, 1, 576) cache dtype
+        mKvC: cute.Tensor,  # (T, 512) source dtype, rows 16-byte aligned
+        mKPe: cute.Tensor,  # (T, 64) source dtype, rows 16-byte aligned
+        mSlots: cute.Tensor,  # (T,) int32/int64
+        check_range: Int32,  # nonzero: a slot past the cache fails
+        check_repeats: Int32,  # nonzero: a slot >= 0 written twice fails
+        stream,
+    ):
+        T = mSlots.shape[0]
+        self.kernel(mCache, mKvC, mKPe, mSlots, check_range, check_repeats).launch(
+            grid=[(T + TOKENS_PER_CTA - 1) // TOKENS_PER_CTA, 1, 1],
+            block=[TOKENS_PER_CTA * VECS, 1, 1], stream=stream)
+
+    @cute.kernel
+    def kernel(self, mCache, mKvC, mKPe, mSlots, check_range, check_repeats):
+        tidx, _, _ = cute.arch.thread_idx()
+        bidx, _, _ = cute.arch.block_idx()
+        t = bidx * TOKENS_PER_CTA + tidx // VECS
+        v = tidx % VECS
+        T = mSlots.shape[0]
+        num_slots = Int64(mCache.shape[0]) * mCache.shape[1]
+        if t < T:
+            slot = Int64(mSlots[t])
+            if (check_range != 0) & (v == 0) & (slot >= num_slots):
+                fail("torch_mla.append_kv: slot_mapping[%d] = %lld, but the cache has only %lld "
+                     "slots (num_blocks x 64)", t, slot, num_slots)
+            if (check_repeats != 0) & (slot >= 0):
+                # REPEAT_BATCH loads in flight before the first compare (a branch per value
+                # would otherwise wait for each load in turn); past t: a clamped index.
+                for j0 in cutlass.range(v, t, REPEAT_BATCH * VECS, unroll=1):
+                    other = [mSlots[cutlass.min(j0 + k * VECS, t - 1)]
+                             for k in range(REPEAT_BATCH)]
+                    for k in cutlass.range_constexpr(REPEAT_BATCH):
+                        if (j0 + k * VECS < t) & (Int64(other[k]) == slot):
+                            fail("torch_mla.append_kv: slot_mapping[%d] and slot_mapping[%d] "
+                                 "both write slot %lld; slots >= 0 must be distinct",
+                                 j0 + k * VECS, t, slot)
+            if (slot >= 0) & (slot < num_slots):
+                page = Int32(slot // mCache.shape[1])
+                row = Int32(slot % mCache.shape[1])
+                dst = cute.local_tile(mCache[page, row, 0, None], (VEC,), (v,))
+                if v < D_V // VEC:
+                    self.copy(cute.local_tile(mKvC[t, None], (VEC,), (v,)), dst)
+                else:
+                    self.copy(cute.local_tile(mKPe[t, None], (VEC,), (v - D_V // VEC,)), dst)
+
+    @cute.jit
+    def copy(self, src: cute.Tensor, dst: cute.Tensor):
+        x = src.load()
+        if const_expr(self.source_dtype != self.cache_dtype):
+            x = x.to(self.cache_dtype)
+        dst.store(x)
