@@ -1,8 +1,10 @@
 """Every CuTe DSL kernel compiles for its GPU on a machine without one (CUTE_DSL_ARCH), and the
-PTX uses the instructions the design relies on (wgmma, TMA, stmatrix/ldmatrix)."""
+PTX uses the instructions the design relies on (SM90: wgmma, TMA, stmatrix/ldmatrix; SM100:
+tcgen05 MMAs and TMEM, TMA)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -75,3 +77,95 @@ def test_sm90_trace_build_compiles(tmp_path):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     assert int(res.stdout.strip().splitlines()[-1]) >= 8  # start, 6 per segment, end
+
+
+SM100_SCRIPT = r"""
+import glob, json, os, re, sys
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import compile_combine, compile_decode
+from torch_mla.cute_kernels import sm100_decode
+from torch_mla.cute_kernels.combine import MLACombine
+dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
+causal = sys.argv[2] == "causal"
+if len(sys.argv) > 3:  # a configuration past the shared-memory budget must not compile
+    sm100_decode.KV_STAGES = int(sys.argv[3])
+kernel = sm100_decode.MLADecodeSm100(dt, causal)
+try:
+    compile_decode(cute, cutlass, kernel, dt, "sm_100a")
+except AssertionError as e:
+    print(json.dumps({"assert": str(e)}))
+    sys.exit(0)
+compile_combine(cute, cutlass, MLACombine(dt, 512, 4), dt, "sm_100a")
+counts = {"decode": {}, "combine": {}, "smem_bytes": kernel.smem_bytes}
+for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+    ptx = open(f).read()
+    kind = "decode" if "MLADecodeSm100" in f else "combine"
+    for k in ["tcgen05.mma.cta_group::1.kind::f16", "tcgen05.alloc", "tcgen05.dealloc",
+              "tcgen05.relinquish_alloc_permit", "tcgen05.commit", "tcgen05.ld.sync.aligned",
+              "tcgen05.st.sync.aligned", "tcgen05.wait::ld", "tcgen05.wait::st",
+              "tcgen05.fence::before_thread_sync", "tcgen05.fence::after_thread_sync",
+              "cp.async.bulk.tensor", "wgmma", "ld.local", "st.local", "st.shared.v4",
+              "st.global.v4", "griddepcontrol.launch_dependents", ".target sm_100a"]:
+        counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(re.escape(k), ptx))
+print(json.dumps(counts))
+"""
+
+
+def _sm100_compile(tmp_path, *argv):
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)  # the arch is a compile option: none is needed here
+    res = subprocess.run([sys.executable, "-c", SM100_SCRIPT, *argv], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype,causal", [("bf16", "causal"), ("fp16", "plain")])
+def test_sm100_kernel_compiles(tmp_path, dtype, causal):
+    """The SM100 kernel (never run on hardware) compiles for sm_100a on the CPU, and its PTX
+    has the instructions of the design (docs/sm100-design.md)."""
+    counts = _sm100_compile(tmp_path, dtype, causal)
+    dec = counts["decode"]
+    assert dec[".target sm_100a"] == 1, dec
+    # One segment's code: 36 k-steps of QK^T (576 / 16), and P V at its two call sites (the
+    # loop and the segment's last page), 4 k-steps x 2 halves of d_v each. No Hopper wgmma.
+    assert dec["tcgen05.mma.cta_group::1.kind::f16"] == 36 + 2 * 4 * 2, dec
+    assert dec["wgmma"] == 0, dec
+    # TMEM: allocated once, freed once, and the permit given up.
+    assert dec["tcgen05.alloc"] == dec["tcgen05.dealloc"] == 1, dec
+    assert dec["tcgen05.relinquish_alloc_permit"] == 1, dec
+    # Commits: S full, Q empty, O full, and page + P empty at each of the two P V sites.
+    assert dec["tcgen05.commit"] == 3 + 2 * 2, dec
+    # S loads, O rescale (8 chunks: load and store) and the epilogue (8 chunks x 2 outputs).
+    assert dec["tcgen05.ld.sync.aligned"] == 1 + 8 + 2 * 8, dec
+    assert dec["tcgen05.st.sync.aligned"] == 8 and dec["tcgen05.wait::st"] >= 1, dec
+    assert dec["tcgen05.wait::ld"] >= dec["tcgen05.ld.sync.aligned"], dec
+    assert dec["tcgen05.fence::before_thread_sync"] > 0, dec
+    assert dec["tcgen05.fence::after_thread_sync"] > 0, dec
+    # TMA: Q (9 boxes of 64 x 64) and a page (9 boxes), each issued at one place.
+    assert dec["cp.async.bulk.tensor"] == 18, dec
+    assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    # P goes to shared memory in 16-byte stores; O to global memory in 16-byte stores.
+    assert dec["st.shared.v4"] == 4 and dec["st.global.v4"] == 8 * (4 + 8), dec
+    assert dec["griddepcontrol.launch_dependents"] == 1, dec
+    # Q 72 KB + 2 pages 144 KB + P 8 KB + barriers, within sm_100's 227 KB per block.
+    assert 224 * 1024 < counts["smem_bytes"] <= 227 * 1024, counts["smem_bytes"]
+    comb = counts["combine"]
+    assert comb[".target sm_100a"] == 1 and comb["tcgen05.mma.cta_group::1.kind::f16"] == 0, comb
+    assert comb["ld.local"] == 0 and comb["st.local"] == 0, comb
+
+
+def test_sm100_shared_memory_budget_is_checked_at_compile_time(tmp_path):
+    """A third page buffer (72 KB more) does not fit: the compile stops with the numbers."""
+    counts = _sm100_compile(tmp_path, "bf16", "plain", "3")
+    assert re.fullmatch(r"\((\d+), 232448\)", counts["assert"]), counts
+    assert int(counts["assert"][1:].split(",")[0]) > 232448
+
+
+def test_sm100_tmem_budget_is_checked(monkeypatch):
+    from torch_mla.cute_kernels import sm100_decode
+
+    monkeypatch.setattr(sm100_decode, "TMEM_USED", 513)  # e.g. O for 128 rows (512) + S
+    with pytest.raises(AssertionError) as e:
+        sm100_decode.MLADecodeSm100(None, False)
+    assert str(e.value) == "(513, 512)"
