@@ -169,3 +169,44 @@ def test_sm100_tmem_budget_is_checked(monkeypatch):
     with pytest.raises(AssertionError) as e:
         sm100_decode.MLADecodeSm100(None, False)
     assert str(e.value) == "(513, 512)"
+
+
+ALIAS_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode as OM, tcgen05
+import cutlass.utils.blackwell_helpers as sm100_utils
+from torch_mla.cute_kernels.sm100_decode import MLADecodeSm100
+dt = cutlass.BFloat16
+@cute.jit
+def check():
+    one = tcgen05.CtaGroup.ONE
+    qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OM.K, OM.K, Float32, one, (64, 64))
+    sK = sm100_utils.make_smem_layout_b(qk, (64, 64, 576), dt, 2)
+    for v_major in (OM.MN, OM.K):  # the kernel's V operand, then a K-major one (wrong)
+        pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OM.K, v_major, Float32, one, (64, 256))
+        sV = cute.select(sm100_utils.make_smem_layout_b(pv, (64, 512, 64), dt, 1), mode=[0, 1, 2])
+        try:
+            MLADecodeSm100._check_v_aliases_k(sK, sV)
+            print(v_major, "aliases K")
+        except AssertionError as e:
+            print(v_major, "differs at (key, d, K offset, V offset) =", e)
+check()
+"""
+
+
+def test_sm100_v_operand_aliases_the_k_page(tmp_path):
+    """P V reads V from the page buffer QK^T reads K from; the compile-time check accepts the
+    kernel's MN-major V layout and rejects a layout that puts (d, key) elsewhere."""
+    script = tmp_path / "alias.py"  # a file: the DSL reads a jit function's source
+    script.write_text(ALIAS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.splitlines()[-2:] == [
+        "OperandMajorMode.MN aliases K",
+        "OperandMajorMode.K differs at (key, d, K offset, V offset) = (0, 1, 1, 64)",
+    ], res.stdout
