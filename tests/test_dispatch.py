@@ -1,6 +1,8 @@
 """Kernel selection: which implementation runs where, the reason given, and the one-time warning
 when a GPU call falls back to the reference (CPU-only: the device is described, not used)."""
 
+import math
+import re
 import types
 import warnings
 
@@ -9,7 +11,8 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
-from torch_mla.ops import dispatch
+from torch_mla.ops import dispatch, selfcheck
+from torch_mla.reference import mla_decode_reference
 
 
 @pytest.fixture
@@ -136,3 +139,124 @@ append_kv sm_90a bfloat16 float16 int64 None None
 None
 None
 None None""")
+
+
+# --- SM100: opt-in, and checked against the reference on first use ---------------------------
+
+
+def test_sm100_is_opt_in(arch, monkeypatch):
+    monkeypatch.delenv("TORCH_MLA_SM100", raising=False)
+    rows = []
+    for cap, env in [((10, 0), None), ((10, 0), "1"), ((10, 0), "0"), ((10, 3), "1")]:
+        arch["value"] = cap
+        if env is None:
+            monkeypatch.delenv("TORCH_MLA_SM100", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_MLA_SM100", env)
+        name, reason = dispatch.decode_backend("cuda", torch.bfloat16)
+        rows.append(f"{cap} {env}: {name}: {reason}")
+    expecttest.assert_expected_inline("\n".join(rows), """\
+(10, 0) None: reference: compute capability 10.0: the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it
+(10, 0) 1: sm100: compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL kernel (not yet run on a Blackwell GPU; checked against the reference on first use)
+(10, 0) 0: reference: compute capability 10.0: the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it
+(10, 3) 1: reference: compute capability 10.3: torch_mla has a kernel for 9.0 (H100/H200) only so far""")  # noqa: E501
+
+
+@pytest.fixture
+def sm100(arch, monkeypatch):
+    """A compute-capability-10.0 device with TORCH_MLA_SM100=1, a fresh first-use record, and
+    the check's problems sent to the CPU (this machine has no GPU to send them to)."""
+    arch["value"] = (10, 0)
+    monkeypatch.setenv("TORCH_MLA_SM100", "1")
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_sm100_checked", {})
+    check = selfcheck.check_kernel
+    monkeypatch.setattr(selfcheck, "check_kernel",
+                        lambda run, device, dtype: check(run, "cpu", dtype))
+    calls = []
+
+    def use(kernel):
+        def run(q, kv, table, seqlens, meta, splits, scale, causal):
+            calls.append((q.device.type, int((splits[1:] - splits[:-1]).max()),
+                          int(seqlens.min()), causal))
+            return kernel(q, kv, table, seqlens, scale, causal)
+        monkeypatch.setattr(dispatch, "_run_sm100", run)
+        return run
+
+    return types.SimpleNamespace(use=use, calls=calls)
+
+
+def reference_kernel(q, kv, table, seqlens, scale, causal):
+    return mla_decode_reference(q, kv, table, seqlens, scale, causal, 512)
+
+
+def test_sm100_right_kernel_is_used_after_one_check(sm100):
+    run = sm100.use(reference_kernel)
+    cache = torch.empty(1, 64, 1, 576)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
+    # One check per (device, dtype), over every problem: split requests (pieces > 1), an empty
+    # request, causal and not. fp16 is checked on its own.
+    assert sm100.calls == [("cpu", 3, 0, False), ("cpu", 4, 7, True), ("cpu", 16, 1000, True)]
+    assert dispatch.find_decode_kernel(_fake_cuda_q(torch.float16), cache, 512) is run
+    assert len(sm100.calls) == 6
+
+
+def _reads_poison(q, kv, table, seqlens, scale, causal):
+    out, lse = reference_kernel(q, kv, table, seqlens, scale, causal)
+    return out + kv[:, :, :, :512].float().sum() * 0, lse  # touches every cache slot
+
+
+def _ignores_causal(q, kv, table, seqlens, scale, causal):
+    return reference_kernel(q, kv, table, seqlens, scale, False)
+
+
+def _lse_in_log2(q, kv, table, seqlens, scale, causal):
+    out, lse = reference_kernel(q, kv, table, seqlens, scale, causal)
+    return out, lse / math.log(2.0)
+
+
+def _raises(q, kv, table, seqlens, scale, causal):
+    raise RuntimeError("CUDA error: an illegal instruction was encountered")
+
+
+@pytest.mark.parametrize("kernel,expected", [
+    (_reads_poison, "lengths [1, 63, 64, 65, 130, 0], s_q 1, h_q 16, causal False: "
+                    "out[0, 0, 0, 0] = nan, reference X (49152 of 49152 values differ)"),
+    (_ignores_causal, "lengths [200, 7, 64], s_q 2, h_q 64, causal True: "
+                      "out[0, 0, 0, 5] = X, reference X (50038 of 196608 values differ)"),
+    (_lse_in_log2, "lengths [1, 63, 64, 65, 130, 0], s_q 1, h_q 16, causal False: "
+                   "lse[0, 0, 0] = X, reference X (80 of 96 values differ)"),
+    (_raises, "lengths [1, 63, 64, 65, 130, 0], s_q 1, h_q 16, causal False: RuntimeError: "
+              "CUDA error: an illegal instruction was encountered"),
+])
+def test_sm100_wrong_kernel_warns_and_falls_back(sm100, kernel, expected):
+    sm100.use(kernel)
+    cache = torch.empty(1, 64, 1, 576)
+    with pytest.warns(UserWarning) as record:
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
+    # The values are the data's; where and how many differ is the check's.
+    message = re.sub(r"(?<=[=e] )-?\d[\d.e+-]*", "X", str(record[0].message))
+    prefix = ("torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: the "
+              "SM100 kernel did not match the reference in its first-use check (")
+    assert message == prefix + expected + ")"
+    n = len(sm100.calls)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # decided once: no second check, no second warning
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
+    assert len(sm100.calls) == n
+
+
+def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
+    run = sm100.use(reference_kernel)
+    cache = torch.empty(1, 64, 1, 576)
+    monkeypatch.setattr(dispatch, "_capturing", lambda: True)
+    with pytest.warns(UserWarning, match="first-use check cannot run during a CUDA-graph "
+                                         "capture; make one call before capturing"):
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
+    assert sm100.calls == []
+    monkeypatch.setattr(dispatch, "_capturing", lambda: False)
+    assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
+    assert len(sm100.calls) == 3

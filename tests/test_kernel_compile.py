@@ -1,8 +1,10 @@
 """Every CuTe DSL kernel compiles for its GPU on a machine without one (CUTE_DSL_ARCH), and the
-PTX uses the instructions the design relies on (wgmma, TMA, stmatrix/ldmatrix)."""
+PTX uses the instructions the design relies on (SM90: wgmma, TMA, stmatrix/ldmatrix; SM100:
+tcgen05 MMAs and TMEM, TMA)."""
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -139,3 +141,140 @@ def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
             assert p["st.global.v4"] == 2, p  # kv_c and k_pe vectors: 16-byte stores
     fp32_src = [p for p in ptx if p["kernel"] == "append_kv" and p["cvt.rn.bf16x2.f32"]]
     assert len(fp32_src) == 1 and fp32_src[0]["ld.global.v4"] == 4, ptx  # 32-byte source vectors
+
+
+SM100_SCRIPT = r"""
+import glob, json, os, re, sys
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import compile_decode_step
+from torch_mla.cute_kernels import sm100_decode
+from torch_mla.cute_kernels.decode_step import MLADecodeStep
+dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
+causal = sys.argv[2] == "causal"
+if len(sys.argv) > 3:  # a configuration past the shared-memory budget must not compile
+    sm100_decode.KV_STAGES = int(sys.argv[3])
+kernel = sm100_decode.MLADecodeSm100(dt, causal)
+try:  # what mla_decode would run: the decode kernel and the combine behind one host call
+    compile_decode_step(cute, cutlass, MLADecodeStep(kernel, dt), dt, "sm_100a")
+except AssertionError as e:
+    print(json.dumps({"assert": str(e)}))
+    sys.exit(0)
+files = [open(f).read() for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))]
+counts = {"decode": {}, "combine": {}, "smem_bytes": kernel.smem_bytes,
+          "targets": sum(f.count(".target sm_100a") for f in files)}
+ptxs = [p for f in files for p in f.split(".entry ")[1:]]  # one kernel each
+assert len(ptxs) == 4, len(ptxs)  # the decode kernel, three combine variants
+for ptx in ptxs:
+    kind = "decode" if "MLADecodeSm100" in ptx.split("(", 1)[0] else "combine"
+    for k in ["tcgen05.mma.cta_group::1.kind::f16", "tcgen05.alloc", "tcgen05.dealloc",
+              "tcgen05.relinquish_alloc_permit", "tcgen05.commit", "tcgen05.ld.sync.aligned",
+              "tcgen05.st.sync.aligned", "tcgen05.wait::ld", "tcgen05.wait::st",
+              "tcgen05.fence::before_thread_sync", "tcgen05.fence::after_thread_sync",
+              "cp.async.bulk.tensor", "wgmma", "ld.local", "st.local", "st.shared.v4",
+              "st.global.v4", "griddepcontrol.launch_dependents", "call.uni"]:
+        counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(re.escape(k), ptx))
+print(json.dumps(counts))
+"""
+
+
+def _sm100_compile(tmp_path, *argv):
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)  # the arch is a compile option: none is needed here
+    res = subprocess.run([sys.executable, "-c", SM100_SCRIPT, *argv], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("dtype,causal", [("bf16", "causal"), ("fp16", "plain")])
+def test_sm100_kernel_compiles(tmp_path, dtype, causal):
+    """The SM100 kernel (never run on hardware) compiles for sm_100a on the CPU, and its PTX
+    has the instructions of the design (docs/sm100-design.md)."""
+    counts = _sm100_compile(tmp_path, dtype, causal)
+    dec = counts["decode"]
+    assert counts["targets"] == 1, counts  # one module: the step's four kernels
+    # One segment's code: 36 k-steps of QK^T (576 / 16), and P V at its two call sites (the
+    # loop and the segment's last page), 4 k-steps x 2 halves of d_v each. No Hopper wgmma.
+    assert dec["tcgen05.mma.cta_group::1.kind::f16"] == 36 + 2 * 4 * 2, dec
+    assert dec["wgmma"] == 0, dec
+    # TMEM: allocated once, freed once, and the permit given up.
+    assert dec["tcgen05.alloc"] == dec["tcgen05.dealloc"] == 1, dec
+    assert dec["tcgen05.relinquish_alloc_permit"] == 1, dec
+    # Commits: S full, Q empty, O full, and page + P empty at each of the two P V sites.
+    assert dec["tcgen05.commit"] == 3 + 2 * 2, dec
+    # S loads, O rescale (8 chunks: load and store) and the epilogue (8 chunks x 2 outputs).
+    assert dec["tcgen05.ld.sync.aligned"] == 1 + 8 + 2 * 8, dec
+    assert dec["tcgen05.st.sync.aligned"] == 8 and dec["tcgen05.wait::st"] >= 1, dec
+    assert dec["tcgen05.wait::ld"] >= dec["tcgen05.ld.sync.aligned"], dec
+    assert dec["tcgen05.fence::before_thread_sync"] > 0, dec
+    assert dec["tcgen05.fence::after_thread_sync"] > 0, dec
+    # TMA: Q (9 boxes of 64 x 64) and a page (9 boxes), each issued at one place.
+    assert dec["cp.async.bulk.tensor"] == 18, dec
+    assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    assert dec["call.uni"] == 0, dec  # a call would serialise the MMAs' issue (see combine.py)
+    # P goes to shared memory in 16-byte stores; O to global memory in 16-byte stores.
+    assert dec["st.shared.v4"] == 4 and dec["st.global.v4"] == 8 * (4 + 8), dec
+    assert dec["griddepcontrol.launch_dependents"] == 1, dec
+    # Q 72 KB + 2 pages 144 KB + P 8 KB + barriers, within sm_100's 227 KB per block.
+    assert 224 * 1024 < counts["smem_bytes"] <= 227 * 1024, counts["smem_bytes"]
+    comb = counts["combine"]
+    assert comb["tcgen05.mma.cta_group::1.kind::f16"] == 0, comb
+    # the input checks' two messages per variant: printf's arguments are the only local stores
+    assert comb["ld.local"] == 0 and comb["st.local"] == 7 * 3 and comb["call.uni"] == 2 * 3, comb
+
+
+def test_sm100_shared_memory_budget_is_checked_at_compile_time(tmp_path):
+    """A third page buffer (72 KB more) does not fit: the compile stops with the numbers."""
+    counts = _sm100_compile(tmp_path, "bf16", "plain", "3")
+    assert re.fullmatch(r"\((\d+), 232448\)", counts["assert"]), counts
+    assert int(counts["assert"][1:].split(",")[0]) > 232448
+
+
+def test_sm100_tmem_budget_is_checked(monkeypatch):
+    from torch_mla.cute_kernels import sm100_decode
+
+    monkeypatch.setattr(sm100_decode, "TMEM_USED", 513)  # e.g. O for 128 rows (512) + S
+    with pytest.raises(AssertionError) as e:
+        sm100_decode.MLADecodeSm100(None, False)
+    assert str(e.value) == "(513, 512)"
+
+
+ALIAS_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import OperandMajorMode as OM, tcgen05
+import cutlass.utils.blackwell_helpers as sm100_utils
+from torch_mla.cute_kernels.sm100_decode import MLADecodeSm100
+dt = cutlass.BFloat16
+@cute.jit
+def check():
+    one = tcgen05.CtaGroup.ONE
+    qk = sm100_utils.make_trivial_tiled_mma(dt, dt, OM.K, OM.K, Float32, one, (64, 64))
+    sK = sm100_utils.make_smem_layout_b(qk, (64, 64, 576), dt, 2)
+    for v_major in (OM.MN, OM.K):  # the kernel's V operand, then a K-major one (wrong)
+        pv = sm100_utils.make_trivial_tiled_mma(dt, dt, OM.K, v_major, Float32, one, (64, 256))
+        sV = cute.select(sm100_utils.make_smem_layout_b(pv, (64, 512, 64), dt, 1), mode=[0, 1, 2])
+        try:
+            MLADecodeSm100._check_v_aliases_k(sK, sV)
+            print(v_major, "aliases K")
+        except AssertionError as e:
+            print(v_major, "differs at (key, d, K offset, V offset) =", e)
+check()
+"""
+
+
+def test_sm100_v_operand_aliases_the_k_page(tmp_path):
+    """P V reads V from the page buffer QK^T reads K from; the compile-time check accepts the
+    kernel's MN-major V layout and rejects a layout that puts (d, key) elsewhere."""
+    script = tmp_path / "alias.py"  # a file: the DSL reads a jit function's source
+    script.write_text(ALIAS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # this checkout
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_100a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    assert res.stdout.splitlines()[-2:] == [
+        "OperandMajorMode.MN aliases K",
+        "OperandMajorMode.K differs at (key, d, K offset, V offset) = (0, 1, 1, 64)",
+    ], res.stdout

@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from ..scheduling import COMBINE_WARPS_PER_ROW, PAGE_SIZE
-from . import kernel_cache
+from . import kernel_cache, selfcheck
 
 D_QK, D_V = 576, 512
 
@@ -43,8 +43,10 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         d_qk, d_v, page_size: the problem's widths and the cache's page size.
 
     Returns:
-        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200) or
-        ``"reference"`` (plain PyTorch, fp32 accumulate); reason is one sentence for a user.
+        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200), ``"sm100"``
+        (the CuTe DSL kernel for B200, only with ``TORCH_MLA_SM100=1``: it has not run on a
+        Blackwell GPU yet) or ``"reference"`` (plain PyTorch, fp32 accumulate); reason is one
+        sentence for a user.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -57,6 +59,13 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", (f"d_qk={d_qk}, d_v={d_v}, page size {page_size}: the kernels are "
                              f"built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
     major, minor = _cuda_arch(device)
+    if (major, minor) == (10, 0):
+        if os.environ.get("TORCH_MLA_SM100") == "1":
+            return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
+                             "kernel (not yet run on a Blackwell GPU; checked against the "
+                             "reference on first use)")
+        return "reference", ("compute capability 10.0: the SM100 kernel has not run on a "
+                             "Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it")
     if (major, minor) != (9, 0):
         return "reference", (f"compute capability {major}.{minor}: torch_mla has a kernel for "
                              "9.0 (H100/H200) only so far")
@@ -76,6 +85,11 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1])
     if name == "sm90":
         return _run_sm90
+    if name == "sm100":
+        failed = _sm100_failed_check(q.device, q.dtype)
+        if failed is None:
+            return _run_sm100
+        reason = failed
     if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
         _warned.add(reason)
         warnings.warn(f"torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: "
@@ -83,7 +97,45 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     return None
 
 
+# (device index, dtype) -> None once the SM100 kernel passed its first-use check there, else why
+# it failed (the reference then runs for the rest of the process).
+_sm100_checked: dict[tuple, str | None] = {}
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+def _sm100_failed_check(device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when the SM100 kernel matched the reference on small poisoned problems on this
+    device (checked on the first call of the process, then remembered), else the reason."""
+    key = (torch.device(device).index, dtype)
+    if key not in _sm100_checked:
+        if _capturing():
+            # The check synchronizes; it cannot run while a CUDA graph is being captured.
+            return ("the SM100 kernel's first-use check cannot run during a CUDA-graph capture; "
+                    "make one call before capturing")
+        why = selfcheck.check_kernel(_run_sm100, device, dtype)
+        _sm100_checked[key] = None if why is None else (
+            f"the SM100 kernel did not match the reference in its first-use check ({why})")
+    return _sm100_checked[key]
+
+
 def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
+    return _run_split_kv("sm90", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
+                         softmax_scale, causal)
+
+
+def _run_sm100(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
+    return _run_split_kv("sm100", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
+                         softmax_scale, causal)
+
+
+def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_splits,
+                  softmax_scale, causal):
+    """The split-KV decode kernel of ``backend`` ("sm90" or "sm100") and the combine, behind one
+    host call; the host side (workspace, one launch per KV head, argument packing) is the same
+    for both."""
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
@@ -92,7 +144,7 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = _compiled_step_sm90(q.dtype, bool(causal) and s_q > 1)
+    step = _STEPS[backend](q.dtype, bool(causal) and s_q > 1)
     variant = combine_variant(b, meta.shape[0], rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
@@ -160,6 +212,7 @@ def _dsl(dtype: torch.dtype):
 
 # The disk cache (kernel_cache.py) keys an entry on these names; a load imports no kernel class.
 SM90_ARCH = "sm_90a"
+SM100_ARCH = "sm_100a"
 _DTYPE_NAMES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
@@ -176,31 +229,60 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
-    """The SM90 decode kernel and the combine behind one host call (what mla_decode runs)."""
+def _compiled_step(backend: str, dtype: torch.dtype, causal: bool):
+    """A decode kernel and the combine behind one host call (what mla_decode runs): backend
+    "sm90" (MLADecodeSm90 for sm_90a) or "sm100" (MLADecodeSm100 for sm_100a)."""
+    arch = {"sm90": SM90_ARCH, "sm100": SM100_ARCH}[backend]
+
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.decode_step import MLADecodeStep
-        from ..cute_kernels.sm90_decode import MLADecodeSm90
 
-        return compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(cdt, causal), cdt),
-                                   cdt)
+        if backend == "sm90":
+            from ..cute_kernels.sm90_decode import MLADecodeSm90 as Decode
+        else:
+            from ..cute_kernels.sm100_decode import MLADecodeSm100 as Decode
+        return compile_decode_step(cute, cutlass, MLADecodeStep(Decode(cdt, causal), cdt),
+                                   cdt, arch)
 
     return kernel_cache.load_or_build(
-        "step_sm90", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, SM90_ARCH, build)
+        f"step_{backend}", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, arch, build)
+
+
+def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
+    return _compiled_step("sm90", dtype, causal)
+
+
+# backend name -> its compiled step for (dtype, causal). The lambdas look the functions up when
+# called, so tools and tests can swap them.
+_STEPS = {
+    "sm90": lambda dtype, causal: _compiled_step("sm90", dtype, causal),
+    "sm100": lambda dtype, causal: _compiled_step("sm100", dtype, causal),
+}
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
+def _compiled_decode_sm100(dtype: torch.dtype, causal: bool):
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.sm100_decode import MLADecodeSm100
+
+        return compile_decode(cute, cutlass, MLADecodeSm100(cdt, causal), cdt, SM100_ARCH)
+
+    return kernel_cache.load_or_build(
+        "decode_sm100", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, SM100_ARCH, build)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_combine(dtype: torch.dtype, warps_per_row: int, arch: str = SM90_ARCH):
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.combine import MLACombine
 
-        return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
+        return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt, arch)
 
     return kernel_cache.load_or_build(
-        "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, SM90_ARCH,
-        build)
+        "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, arch, build)
 
 
 # The small kernels (schedule, append_kv) use no arch-specific instruction: they run on every
@@ -313,14 +395,18 @@ def _decode_fake_args(cute, cutlass, cdt) -> list:
     ]
 
 
-def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
-    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
-    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
+def compile_decode(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
+    """Compiles a decode kernel (MLADecodeSm90 or MLADecodeSm100: one signature) from fake
+    tensors (also used by the CPU compile tests) for arch, on any machine (a compile option: no
+    CUTE_DSL_ARCH needed)."""
     args = _decode_fake_args(cute, cutlass, cdt)
     args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
         args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+compile_decode_sm90 = compile_decode  # the name the tools and older tests use
 
 
 def compile_decode_step(cute, cutlass, step, cdt, arch: str = SM90_ARCH):
