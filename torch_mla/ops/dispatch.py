@@ -17,7 +17,7 @@ import warnings
 import torch
 
 from ..scheduling import COMBINE_WARPS_PER_ROW, PAGE_SIZE
-from . import kernel_cache, selfcheck
+from . import kernel_cache
 
 D_QK, D_V = 576, 512
 
@@ -115,6 +115,8 @@ def _sm100_failed_check(device: torch.device, dtype: torch.dtype) -> str | None:
             # The check synchronizes; it cannot run while a CUDA graph is being captured.
             return ("the SM100 kernel's first-use check cannot run during a CUDA-graph capture; "
                     "make one call before capturing")
+        from . import selfcheck  # (it runs the ops, which import this module)
+
         why = selfcheck.check_kernel(_run_sm100, device, dtype)
         _sm100_checked[key] = None if why is None else (
             f"the SM100 kernel did not match the reference in its first-use check ({why})")
