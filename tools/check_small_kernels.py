@@ -120,7 +120,7 @@ def append_case(T, num_blocks, cache_dtype, src_dtype, slot_dtype, rng, padding=
     pad = torch.rand(T, device="cuda") < padding
     slots = torch.where(pad, -torch.randint(1, 100, (T,), device="cuda"), slots).to(slot_dtype)
     if rng.random() < 0.5:
-        kv_c = torch.randn(T, 640, device="cuda").to(src_dtype)[:, 64:]
+        kv_c = torch.randn(T, 576, device="cuda").to(src_dtype)[:, 64:]
     else:
         kv_c = torch.randn(T, 512, device="cuda").to(src_dtype)
     k_pe = torch.randn(T, 64, device="cuda").to(src_dtype) * 100
