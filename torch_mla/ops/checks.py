@@ -42,9 +42,12 @@ _value_checks = True
 def set_value_checks(enabled: bool) -> None:
     """Turns the device-side checks of input *values* on CUDA tensors on or off.
 
-    They check ``cache_seqlens``, the used ``block_table`` entries and ``slot_mapping`` with
-    asynchronous device asserts (a few small kernels per call, no host sync); turn them off once
-    the caller is trusted. CPU tensors are always checked (their values cost nothing to read).
+    Off: the schedule and append_kv kernels skip their checks of ``cache_seqlens`` and
+    ``slot_mapping``, and the GPU reference path its asserts (``torch._assert_async``, a few
+    small kernels per call). The decode kernels' check of the lengths and used ``block_table``
+    entries (in the combine) always runs: it costs nothing measurable. CPU tensors are always
+    checked (their values cost nothing to read). Either way no kernel reads or writes outside
+    the cache or the block table.
     """
     global _value_checks
     _value_checks = bool(enabled)
