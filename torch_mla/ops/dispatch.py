@@ -206,6 +206,37 @@ def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
+def _decode_args(cute, cutlass, cdt) -> list:
+    """Fake arguments of a decode kernel (sm90 and sm80 share the signature): symbolic batch,
+    rows, pages, table width, parts and slots; runtime strides where a view may have them."""
+    i32, f32 = cutlass.Int32, cutlass.Float32
+    b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
+    h_q, s_q = cute.sym_int(), cute.sym_int()
+    return [
+        _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
+        # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
+        _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK),
+              (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)),
+        _fake(cute, i32, (b, max_blocks), (cute.sym_int64(), 1), 4),
+        _fake(cute, i32, (b,), (1,), 4),
+        _fake(cute, i32, (parts, 8), (8, 1), 4),
+        _fake(cute, i32, (cute.sym_int(),), (1,), 4),
+        _fake(cute, cdt, (b, rows, D_V), (cute.sym_int64(divisibility=8), D_V, 1)),
+        _fake(cute, f32, (b, h_q, s_q), (cute.sym_int64(), cute.sym_int64(), 1), 4),
+        _fake(cute, f32, (slots, rows, D_V), (cute.sym_int64(divisibility=4), D_V, 1)),
+        _fake(cute, f32, (slots, rows), (cute.sym_int64(), 1), 4),
+        f32(1.0),
+        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
+    ]
+
+
+def compile_decode_sm80(cute, cutlass, kernel, cdt, arch: str):
+    """Compiles the portable (SM80-class) decode kernel from fake tensors for arch (any of
+    sm_80 ... sm_120a), on any machine."""
+    return cute.compile(kernel, *_decode_args(cute, cutlass, cdt),
+                        options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
 def compile_combine(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, slots, h_q, s_q = (cute.sym_int() for _ in range(5))
