@@ -26,6 +26,18 @@ def _cuda_arch(device: torch.device) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device)
 
 
+def gpu_arch(major: int, minor: int) -> str:
+    """The ``--gpu-arch`` a GPU of this compute capability gets kernels compiled for: its own
+    arch, with the arch-specific suffix from 9.0 on (sm_80, sm_86, sm_89, sm_90a, sm_100a,
+    sm_120a, ...)."""
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def portable_forced() -> bool:
+    """TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing)."""
+    return os.environ.get("TORCH_MLA_PORTABLE") == "1"
+
+
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
                    d_v: int = D_V, page_size: int = PAGE_SIZE) -> tuple[str, str]:
     """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
@@ -35,7 +47,9 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         d_qk, d_v, page_size: the problem's widths and the cache's page size.
 
     Returns:
-        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200) or
+        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200), ``"sm80"``
+        (the portable CuTe DSL kernel on SM80-class instructions, for every other GPU of
+        compute capability 8.0 or newer, and on any of them with ``TORCH_MLA_PORTABLE=1``) or
         ``"reference"`` (plain PyTorch, fp32 accumulate); reason is one sentence for a user.
     """
     device = torch.device(device)
@@ -49,10 +63,15 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", (f"d_qk={d_qk}, d_v={d_v}, page size {page_size}: the kernels are "
                              f"built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
     major, minor = _cuda_arch(device)
-    if (major, minor) != (9, 0):
-        return "reference", (f"compute capability {major}.{minor}: torch_mla has a kernel for "
-                             "9.0 (H100/H200) only so far")
-    return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+    if major < 8:
+        return "reference", (f"compute capability {major}.{minor}: the kernels need 8.0 "
+                             "(Ampere) or newer")
+    if portable_forced():
+        return "sm80", "TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)"
+    if (major, minor) == (9, 0):
+        return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+    return "sm80", (f"compute capability {major}.{minor}: the portable CuTe DSL kernel (SM80 "
+                    "instructions; no native kernel for this GPU yet)")
 
 
 _warned: set[str] = set()
@@ -66,8 +85,8 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     if not q.is_cuda:
         return None
     name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1])
-    if name == "sm90":
-        return _run_sm90
+    if name in ("sm90", "sm80"):
+        return functools.partial(_run, name)
     if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
         _warned.add(reason)
         warnings.warn(f"torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: "
@@ -75,17 +94,33 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     return None
 
 
-def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
+@functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str:
+    """gpu_arch of CUDA device `index` (cached: read on every eager decode call)."""
+    return gpu_arch(*_cuda_arch(torch.device("cuda", index)))
+
+
+def compiled_decode(name: str, dtype: torch.dtype, causal: bool, arch: str):
+    """The compiled decode kernel `name` ("sm90" or "sm80") for arch, and whether it takes the
+    trailing trace-table argument (the SM90 kernel's development builds)."""
+    if name == "sm90":
+        return _compiled_decode_sm90(dtype, causal), True
+    return _compiled_decode_sm80(dtype, causal, arch), False
+
+
+def _run(name, q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale,
+         causal):
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
-        raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernel (TMA)")
+        raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
     # One launch per KV head, over query heads h_kv_idx * g .. (h_kv_idx + 1) * g - 1 and a
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    decode = _compiled_decode_sm90(q.dtype, bool(causal) and s_q > 1)
-    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows))
+    arch = SM90_ARCH if name == "sm90" else device_arch(q.device.index)
+    decode = compiled_decode(name, q.dtype, bool(causal) and s_q > 1, arch)
+    combine = _compiled_combine(q.dtype, combine_warps_per_row(b, meta.shape[0], rows), arch)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
     oacc = torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device)
@@ -116,16 +151,19 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
 def _launch(decode, combine, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
             oacc, lseacc, scale_log2):
     """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
-    [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine."""
+    [b, s_q, g, 512] and lse [b, g, s_q] contiguous; decode is compiled_decode's pair: decode,
+    then combine."""
+    decode, takes_trace = decode
     b, s_q, g, _ = q.shape
     q3 = q.reshape(b, s_q * g, D_QK)
     if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
-        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()  # TMA: 16-byte rows
+        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()  # 16-byte rows
     out3 = out.view(b, s_q * g, D_V)
-    # The trailing None is the trace table of development builds: a kernel loaded from the disk
-    # cache takes every parameter, defaults included.
-    decode(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
-           scale_log2, None)
+    args = (q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
+            scale_log2)
+    # The SM90 kernel's trailing None is the trace table of development builds: a kernel loaded
+    # from the disk cache takes every parameter, defaults included.
+    decode(*args, None) if takes_trace else decode(*args)
     combine(num_splits, oacc, lseacc, out3, lse)
 
 
@@ -163,52 +201,45 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_combine(dtype: torch.dtype, warps_per_row: int):
+def _compiled_decode_sm80(dtype: torch.dtype, causal: bool, arch: str):
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
+
+        kernel = MLADecodeSm80(cdt, causal, Sm80DecodeConfig.from_heuristic(arch),
+                               use_pdl=_has_pdl(arch))
+        return compile_decode_sm80(cute, cutlass, kernel, cdt, arch)
+
+    return kernel_cache.load_or_build(
+        "decode_sm80", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, arch, build)
+
+
+def _has_pdl(arch: str) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return int(arch[3:].rstrip("af")) >= 90
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_combine(dtype: torch.dtype, warps_per_row: int, arch: str = SM90_ARCH):
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.combine import MLACombine
 
-        return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt)
+        kernel = MLACombine(cdt, D_V, warps_per_row, use_pdl=_has_pdl(arch))
+        return compile_combine(cute, cutlass, kernel, cdt, arch)
 
     return kernel_cache.load_or_build(
-        "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, SM90_ARCH,
-        build)
+        "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, arch, build)
 
 
 def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
-    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
-    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
-    i32, f32 = cutlass.Int32, cutlass.Float32
-    b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
-    h_q, s_q = cute.sym_int(), cute.sym_int()
-    args = [
-        _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
-        # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
-        _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK),
-              (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)),
-        _fake(cute, i32, (b, max_blocks), (cute.sym_int64(), 1), 4),
-        _fake(cute, i32, (b,), (1,), 4),
-        _fake(cute, i32, (parts, 8), (8, 1), 4),
-        _fake(cute, i32, (cute.sym_int(),), (1,), 4),
-        _fake(cute, cdt, (b, rows, D_V), (cute.sym_int64(divisibility=8), D_V, 1)),
-        _fake(cute, f32, (b, h_q, s_q), (cute.sym_int64(), cute.sym_int64(), 1), 4),
-        _fake(cute, f32, (slots, rows, D_V), (cute.sym_int64(divisibility=4), D_V, 1)),
-        _fake(cute, f32, (slots, rows), (cute.sym_int64(), 1), 4),
-        f32(1.0),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
-    ]
-    if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
-        args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
-    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
-
-
 def _decode_args(cute, cutlass, cdt) -> list:
-    """Fake arguments of a decode kernel (sm90 and sm80 share the signature): symbolic batch,
-    rows, pages, table width, parts and slots; runtime strides where a view may have them."""
+    """Fake arguments of a decode kernel (the SM90 and the portable kernel share them): batch,
+    rows, pages, table width, parts and slots symbolic; runtime strides where a view may have
+    them."""
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
     h_q, s_q = cute.sym_int(), cute.sym_int()
@@ -228,6 +259,15 @@ def _decode_args(cute, cutlass, cdt) -> list:
         f32(1.0),
         cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
+
+
+def compile_decode_sm90(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
+    """Compiles the SM90 decode kernel from fake tensors (also used by the CPU compile tests)
+    for arch, on any machine (a compile option: no CUTE_DSL_ARCH needed)."""
+    args = _decode_args(cute, cutlass, cdt)
+    if getattr(kernel, "trace", False):  # development builds: a (ctas, 128) int64 stamp table
+        args.append(_fake(cute, cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8))
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def compile_decode_sm80(cute, cutlass, kernel, cdt, arch: str):
