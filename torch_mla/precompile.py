@@ -1,14 +1,17 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels decode,combine]
+                                   [--kernels decode,combine,portable]
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
-milliseconds instead of compiling (15-30 s per decode variant). The cache directory is
-``TORCH_MLA_CACHE_DIR`` or its default (torch_mla/ops/kernel_cache.py); the processes that use
-the kernels must see the same directory and the same torch_mla, nvidia-cutlass-dsl and
-apache-tvm-ffi versions. One line per variant: built or cached, seconds, the artefact's path.
+milliseconds instead of compiling (15-30 s per decode variant). ``--arch`` defaults to the arch
+of the first visible GPU (sm_90a without one): sm_90a gets the SM90 decode kernel, every other
+arch the portable one (``portable`` adds the portable kernel for sm_90a, which
+TORCH_MLA_PORTABLE=1 runs there). The cache directory is ``TORCH_MLA_CACHE_DIR`` or its default
+(torch_mla/ops/kernel_cache.py); the processes that use the kernels must see the same
+directory and the same torch_mla, nvidia-cutlass-dsl and apache-tvm-ffi versions. One line per
+variant: built or cached, seconds, the artefact's path.
 """
 
 from __future__ import annotations
@@ -21,25 +24,40 @@ import torch
 
 from .ops import dispatch, kernel_cache
 
-ARCHS = (dispatch.SM90_ARCH,)  # the arches torch_mla has kernels for
+# The arches torch_mla has kernels for: SM90's own, and the portable kernel's.
+ARCHS = (dispatch.SM90_ARCH, "sm_80", "sm_86", "sm_87", "sm_89", "sm_100a", "sm_103a",
+         "sm_110a", "sm_120a", "sm_121a")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
 COMBINE_WARPS_PER_ROW = (1, 4, 16)  # every value CombineConfig.from_heuristic returns
+KERNELS = ("decode", "combine", "portable")
 
 
-def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str]) -> list[tuple]:
+def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
+             arch: str = dispatch.SM90_ARCH) -> list[tuple]:
     """(kernel name, config, a function compiling or loading it through dispatch's cache)."""
     out = []
+    decode = ["sm90" if arch == dispatch.SM90_ARCH else "sm80"] if "decode" in kernels else []
+    if "portable" in kernels and "sm80" not in decode:
+        decode.append("sm80")
     for name in dtypes:
         dt = DTYPES[name]
-        if "decode" in kernels:
-            out += [("decode_sm90", {"dtype": name, "causal": c},
-                     lambda dt=dt, c=c: dispatch._compiled_decode_sm90(dt, c)) for c in causal]
+        for kind in decode:
+            out += [(f"decode_{kind}", {"dtype": name, "causal": c},
+                     lambda dt=dt, c=c, kind=kind: dispatch.compiled_decode(kind, dt, c, arch))
+                    for c in causal]
         if "combine" in kernels:
             out += [("combine", {"dtype": name, "warps_per_row": w},
-                     lambda dt=dt, w=w: dispatch._compiled_combine(dt, w))
+                     lambda dt=dt, w=w: dispatch._compiled_combine(dt, w, arch))
                     for w in COMBINE_WARPS_PER_ROW]
     return out
+
+
+def default_arch() -> str:
+    """The first visible GPU's arch, else sm_90a."""
+    if torch.cuda.is_available():
+        return dispatch.gpu_arch(*torch.cuda.get_device_capability(0))
+    return dispatch.SM90_ARCH
 
 
 def _list(choices):
@@ -55,20 +73,24 @@ def _list(choices):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_mla.precompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=ARCHS, default=ARCHS[0])
+    ap.add_argument("--arch", choices=ARCHS, default=None,
+                    help="default: the first visible GPU's arch, else sm_90a")
     ap.add_argument("--dtypes", type=_list(DTYPES), default=list(DTYPES),
                     help="comma-separated: bf16,fp16 (default both)")
     ap.add_argument("--causal", choices=CAUSAL, default="both",
                     help="decode variants: causal (s_q > 1) masking, plain, or both (default)")
-    ap.add_argument("--kernels", type=_list(("decode", "combine")), default=["decode", "combine"],
-                    help="comma-separated: decode,combine (default both)")
+    ap.add_argument("--kernels", type=_list(KERNELS), default=["decode", "combine"],
+                    help="comma-separated: decode,combine,portable (default decode,combine)")
     args = ap.parse_args(argv)
+    if args.arch is None:
+        args.arch = default_arch()
     directory = kernel_cache.cache_dir(args.arch)
     if directory is None:
         print("TORCH_MLA_CACHE_DIR=off: there is no disk cache to fill", file=sys.stderr)
         return 2
     missing = 0
-    for kernel, config, get in variants(args.dtypes, CAUSAL[args.causal], args.kernels):
+    for kernel, config, get in variants(args.dtypes, CAUSAL[args.causal], args.kernels,
+                                        args.arch):
         t0 = time.perf_counter()
         cached = kernel_cache.load(kernel, config, args.arch) is not None
         get()
