@@ -32,12 +32,14 @@ stage past L are zero-filled instead of loaded (the cache may hold NaN there and
 their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
 s_q * h_q are zero-filled and whole 16-row groups past them skip the math.
 
-Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use):
-    >= 227 KB (sm_90, sm_100, sm_110): block_m 64, block_n 64, 2 stages: 72 + 144 + 8 KB
-    >= 163 KB (sm_80, sm_87):          block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
-    ~99 KB (sm_86, sm_89, sm_120/121): block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
-block_m 32 doubles the m-blocks of the grid (the schedule's parts assume 64-row m-blocks, so
-such a grid takes more than one wave).
+Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
+stages + P):
+    227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 32, 3 stages: 72 + 108 + 4 KB
+    163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
+    99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
+None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
+assume 64-row m-blocks, so such a grid takes more than one wave). Registers: ~250 a thread
+(O alone is 128), no spills (ptxas 13.0 on sm_80 and sm_90a).
 
 Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
 L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
