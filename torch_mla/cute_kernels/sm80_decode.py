@@ -34,7 +34,7 @@ s_q * h_q are zero-filled and whole 16-row groups past them skip the math.
 
 Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
 stages + P):
-    227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 32, 3 stages: 72 + 108 + 4 KB
+    227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 64, 2 stages: 72 + 144 + 8 KB
     163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
 None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
@@ -93,12 +93,14 @@ class Sm80DecodeConfig:
     @classmethod
     def from_heuristic(cls, arch: str) -> "Sm80DecodeConfig":
         smem = smem_per_block(arch)
-        # Not measured yet (compile-checked only): the largest tiles that fit, with stages.
-        if smem >= 224 * 1024:  # sm_90/100/110: 184 KB (64, 64, 2 spills 4 bytes on sm_90a)
-            return cls(64, 32, 3)
-        if smem >= 160 * 1024:  # sm_80/87: 148.5 KB
+        # Not measured yet (compile-checked only). Each warp re-reads its Q rows from shared
+        # memory every stage, so the widest stage that fits double-buffered halves that
+        # traffic (86 KB of ldmatrix per warp and 64 keys against 104 KB at block_n 32).
+        if smem >= 224 * 1024:  # sm_90/100/103/110: 225 KB of 227
+            return cls(64, 64, 2)
+        if smem >= 160 * 1024:  # sm_80/87: 149 KB of 163
             return cls(64, 32, 2)
-        return cls(32, 16, 3)  # sm_86/89/120/121 (99 KB): 91 KB
+        return cls(32, 16, 3)  # sm_86/89/120/121: 92 KB of 99
 
     @property
     def num_threads(self) -> int:
