@@ -234,7 +234,7 @@ class MLADecodeSm80:
         lane = tidx % 32
         mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA
 
-        smem = cutlass.utils.SmemAllocator()
+        smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
         sQ = storage.sQ.get_tensor(sQ_layout)
         sK = storage.sK.get_tensor(sK_layout)  # (bn, 576, stages)
