@@ -21,6 +21,7 @@ def arch(monkeypatch):
     cap = {"value": (9, 0)}
     monkeypatch.setattr(dispatch, "_cuda_arch", lambda device: cap["value"])
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
     return cap
 
 
@@ -29,6 +30,7 @@ class TestBackend(expecttest.TestCase):
         mp = pytest.MonkeyPatch()
         mp.setattr(dispatch, "_cuda_arch", lambda device: (9, 0))
         mp.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+        mp.delenv("TORCH_MLA_PORTABLE", raising=False)
         try:
             rows = [
                 dispatch.decode_backend("cpu", torch.bfloat16),
@@ -37,8 +39,14 @@ class TestBackend(expecttest.TestCase):
                 dispatch.decode_backend("cuda", torch.float32),
                 dispatch.decode_backend("cuda", torch.bfloat16, d_qk=192, d_v=128),
             ]
-            mp.setattr(dispatch, "_cuda_arch", lambda device: (8, 6))
-            rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
+            for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (10, 0), (12, 0)]:
+                mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+                rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
+            mp.setenv("TORCH_MLA_PORTABLE", "1")
+            for cap in [(9, 0), (7, 5)]:
+                mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+                rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
+            rows.append(dispatch.decode_backend("cuda", torch.float32))
             mp.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
             rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
         finally:
@@ -49,7 +57,15 @@ sm90: compute capability 9.0: the SM90 CuTe DSL kernel
 sm90: compute capability 9.0: the SM90 CuTe DSL kernel
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: d_qk=192, d_v=128, page size 64: the kernels are built for d_qk=576, d_v=512, page size 64
-reference: compute capability 8.6: torch_mla has a kernel for 9.0 (H100/H200) only so far
+reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
+sm80: compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: compute capability 8.6: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: compute capability 8.9: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: compute capability 10.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: compute capability 12.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
+reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: TORCH_MLA_FORCE_REFERENCE=1 is set""")
 
 
@@ -67,13 +83,36 @@ def test_fallback_on_gpu_warns_once_per_reason(arch, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the same reason again: silent
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.float32), cache, 512) is None
-    arch["value"] = (8, 0)
-    with pytest.warns(UserWarning, match="compute capability 8.0"):
+    arch["value"] = (7, 5)
+    with pytest.warns(UserWarning, match="compute capability 7.5"):
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
-    arch["value"] = (9, 0)
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")  # the kernel: no warning
-        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is not None
+    for cap, kernel in [((9, 0), "sm90"), ((8, 0), "sm80"), ((8, 9), "sm80"), ((12, 0), "sm80")]:
+        arch["value"] = cap
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # a kernel: no warning
+            run = dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512)
+        assert run.args == (kernel,), (cap, run)
+
+
+def test_portable_kernel_is_compiled_for_the_device_arch(monkeypatch):
+    """Each GPU gets the portable kernel (and the combine) built for its own arch; the H200,
+    forced, gets them for sm_90a."""
+    got = []
+    monkeypatch.setattr(dispatch, "_compiled_decode_sm80",
+                        lambda dtype, causal, arch: got.append(("decode", causal, arch)))
+    monkeypatch.setattr(dispatch, "_compiled_decode_sm90",
+                        lambda dtype, causal: got.append(("decode_sm90", causal)))
+    for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1)]:
+        arch = dispatch.gpu_arch(*cap)
+        dispatch.compiled_decode("sm80", torch.bfloat16, cap == (8, 6), arch)
+    dispatch.compiled_decode("sm90", torch.bfloat16, True, dispatch.SM90_ARCH)
+    assert got == [("decode", False, "sm_80"), ("decode", True, "sm_86"),
+                   ("decode", False, "sm_89"), ("decode", False, "sm_90a"),
+                   ("decode", False, "sm_100a"), ("decode", False, "sm_103a"),
+                   ("decode", False, "sm_120a"), ("decode", False, "sm_121a"),
+                   ("decode_sm90", True)]
+    assert [dispatch._has_pdl(a) for a in ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")] == [
+        False, False, True, True, True]
 
 
 def test_forced_reference_and_cpu_do_not_warn(arch, monkeypatch):

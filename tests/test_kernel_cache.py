@@ -271,6 +271,17 @@ decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
 combine {'dtype': 'fp16', 'warps_per_row': 4}
 combine {'dtype': 'fp16', 'warps_per_row': 16}""")
+    got = [(k, c) for k, c, _ in precompile.variants(["bf16"], (True,),
+                                                     ["decode", "combine", "portable"], "sm_90a")]
+    got += [(k, c) for k, c, _ in precompile.variants(["fp16"], (False,),
+                                                      ["decode", "portable"], "sm_86")]
+    assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
+decode_sm90 {'dtype': 'bf16', 'causal': True}
+decode_sm80 {'dtype': 'bf16', 'causal': True}
+combine {'dtype': 'bf16', 'warps_per_row': 1}
+combine {'dtype': 'bf16', 'warps_per_row': 4}
+combine {'dtype': 'bf16', 'warps_per_row': 16}
+decode_sm80 {'dtype': 'fp16', 'causal': False}""")
     from torch_mla.scheduling import CombineConfig
 
     picked = {CombineConfig.from_heuristic(b, parts, rows).warps_per_row
@@ -299,16 +310,17 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
 
 @needs_cc
 def test_precompile_cli(cache, monkeypatch, capsys):
-    def fake_combine(dtype, warps_per_row):
+    def fake_combine(dtype, warps_per_row, arch):
         return kernel_cache.load_or_build(
             "combine", {"dtype": dispatch._DTYPE_NAMES[dtype], "warps_per_row": warps_per_row},
-            "sm_90a", lambda: FakeCompiled(warps_per_row))
+            arch, lambda: FakeCompiled(warps_per_row))
 
     monkeypatch.setattr(dispatch, "_compiled_combine", fake_combine)
     monkeypatch.setattr(dispatch, "_compiled_decode_sm90", lambda *a: pytest.fail("decode"))
+    monkeypatch.setattr(dispatch, "_compiled_decode_sm80", lambda *a: pytest.fail("decode"))
 
     def run(*argv):
-        assert precompile.main(list(argv)) == 0
+        assert precompile.main(["--arch", "sm_90a", *argv]) == 0
         out = capsys.readouterr().out.replace(str(cache), "DIR")
         out = re.sub(r"-[0-9a-f]{16}\.[0-9a-f]{16}\.so", "-KEY.SHA.so", out)
         return re.sub(r"\d+\.\d(?= s )", lambda m: "T".rjust(len(m[0])), out)

@@ -1,6 +1,7 @@
-"""Every CuTe DSL kernel compiles for its GPU on a machine without one (CUTE_DSL_ARCH), and the
-PTX uses the instructions the design relies on (SM90: wgmma, TMA, stmatrix/ldmatrix; SM100:
-tcgen05 MMAs and TMEM, TMA)."""
+"""Every CuTe DSL kernel compiles for its GPUs on a machine without one (the arch is a compile
+option), and the PTX uses the instructions the design relies on (SM90: wgmma, TMA,
+stmatrix/ldmatrix; SM100: tcgen05 MMAs and TMEM, TMA; portable: cp.async, ldmatrix, mma.sync) and
+no local memory but the input checks' printf arguments."""
 
 import json
 import os
@@ -9,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from expecttest import assert_expected_inline
 
 SCRIPT = r"""
 import glob, json, os, re, sys
@@ -119,6 +121,36 @@ print(json.dumps(out))
 """
 
 
+PORTABLE_SCRIPT = r"""
+import glob, json, os, re, sys
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import _has_pdl, compile_combine, compile_decode_sm80
+from torch_mla.cute_kernels.combine import MLACombine
+from torch_mla.cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
+dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
+causal = sys.argv[2] == "causal"
+out = {}
+for arch in sys.argv[3].split(","):
+    cfg = Sm80DecodeConfig.from_heuristic(arch)
+    compile_decode_sm80(cute, cutlass, MLADecodeSm80(dt, causal, cfg, _has_pdl(arch)), dt, arch)
+    compile_combine(cute, cutlass, MLACombine(dt, 512, 4, _has_pdl(arch)), dt, arch)
+    counts = {}
+    for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"*.{arch}.ptx")):
+        ptx = open(f).read()
+        kind = "decode" if "MLADecodeSm80" in f else "combine"
+        c = counts.setdefault(kind, {"block_n": cfg.block_n})
+        c["target"] = re.search(r"^\.target (\S+)", ptx, re.M).group(1)
+        for k in ["mma.sync.aligned.m16n8k16.row.col.f32", "cp.async.cg.shared.global",
+                  "cp.async.commit_group", "cp.async.wait_group", "ldmatrix.sync.aligned",
+                  "ldmatrix.sync.aligned.m8n8.x4.trans", "ld.local", "st.local", "wgmma",
+                  "cp.async.bulk", "mbarrier", "griddepcontrol.launch_dependents",
+                  "griddepcontrol.wait"]:
+            c[k] = len(re.findall(re.escape(k), ptx))
+    out[arch] = counts
+print(json.dumps(out))
+"""
+
+
 def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
     """The one-launch schedule (sm_90a and sm_80) and append_kv: no local memory but printf's
     argument buffer, the value checks' printf + trap, 16-byte cache stores."""
@@ -182,6 +214,15 @@ def _sm100_compile(tmp_path, *argv):
     env.pop("CUTE_DSL_ARCH", None)  # the arch is a compile option: none is needed here
     res = subprocess.run([sys.executable, "-c", SM100_SCRIPT, *argv], env=env,
                          capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def compile_portable(tmp_path, dtype, causal, archs):
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, dtype, causal, ",".join(archs)],
+                         env=env, capture_output=True, text=True, timeout=1200)
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -278,3 +319,58 @@ def test_sm100_v_operand_aliases_the_k_page(tmp_path):
         "OperandMajorMode.MN aliases K",
         "OperandMajorMode.K differs at (key, d, K offset, V offset) = (0, 1, 1, 64)",
     ], res.stdout
+
+
+# bf16 for every arch family the portable kernel serves (each tile configuration at least once:
+# sm_80 64x32x2, sm_86/89/120a 32x16x3, sm_100a 64x64x2); fp16 and causal masking once (the
+# rest of the source is shared). About 10-20 s per compile on a CPU.
+@pytest.mark.parametrize("dtype,causal,archs", [
+    ("bf16", "plain", ["sm_80", "sm_86", "sm_89", "sm_100a", "sm_120a"]),
+    ("fp16", "causal", ["sm_86"]),
+])
+def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
+    counts = compile_portable(tmp_path, dtype, causal, archs)
+    assert sorted(counts) == sorted(archs)
+    for arch, kinds in counts.items():
+        dec, comb = kinds["decode"], kinds["combine"]
+        assert dec["target"] == comb["target"] == arch, (arch, dec["target"])
+        # Per stage and warp: 36 k-steps x (block_n / 16) n8-tiles of Q K^T, (block_n / 16)
+        # k-steps x 32 n8-tiles of P V, all mma.sync; nothing from SM90 on.
+        steps = dec["block_n"] // 16
+        assert dec["mma.sync.aligned.m16n8k16.row.col.f32"] == 36 * steps + 32 * steps, dec
+        assert dec["cp.async.cg.shared.global"] > 0 and dec["cp.async.wait_group"] == 1, dec
+        assert dec["cp.async.commit_group"] >= 2, dec  # double-buffered (or deeper)
+        assert dec["ldmatrix.sync.aligned"] > 0, dec
+        assert dec["ldmatrix.sync.aligned.m8n8.x4.trans"] == 4 * steps * 4, dec  # V, 4 chunks
+        assert dec["wgmma"] == dec["cp.async.bulk"] == dec["mbarrier"] == 0, dec
+        assert dec["ld.local"] == dec["st.local"] == 0, dec
+        # the combine's input checks: printf's arguments (3 + 4 vector stores) are its only
+        # local memory
+        assert comb["ld.local"] == 0 and comb["st.local"] == 7, comb
+        # Programmatic dependent launch only where it exists (griddepcontrol: sm_90 on).
+        pdl = int(arch[3:].rstrip("a")) >= 90
+        assert dec["griddepcontrol.launch_dependents"] == int(pdl), (arch, dec)
+        assert (comb["griddepcontrol.wait"] > 0) == pdl, (arch, comb)
+
+
+def test_portable_tiles_fit_each_arch():
+    from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig, smem_per_block
+
+    rows = []
+    for arch in ["sm_80", "sm_86", "sm_87", "sm_89", "sm_90a", "sm_100a", "sm_103a", "sm_110a",
+                 "sm_120a", "sm_121a"]:
+        cfg = Sm80DecodeConfig.from_heuristic(arch)
+        assert cfg.smem_bytes() + 1024 <= smem_per_block(arch), (arch, cfg)  # + alignment
+        rows.append(f"{arch} {cfg.block_m}x{cfg.block_n}x{cfg.stages} {cfg.num_threads} threads "
+                    f"{cfg.smem_bytes()} B of {smem_per_block(arch)}")
+    assert_expected_inline("\n".join(rows), """\
+sm_80 64x32x2 256 threads 152576 B of 166912
+sm_86 32x16x3 128 threads 93696 B of 101376
+sm_87 64x32x2 256 threads 152576 B of 166912
+sm_89 32x16x3 128 threads 93696 B of 101376
+sm_90a 64x64x2 256 threads 230400 B of 232448
+sm_100a 64x64x2 256 threads 230400 B of 232448
+sm_103a 64x64x2 256 threads 230400 B of 232448
+sm_110a 64x64x2 256 threads 230400 B of 232448
+sm_120a 32x16x3 128 threads 93696 B of 101376
+sm_121a 32x16x3 128 threads 93696 B of 101376""")

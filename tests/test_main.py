@@ -25,6 +25,7 @@ class TestMain(expecttest.TestCase):
     def test_module_runs_and_reports_versions_and_the_cpu(self):
         env = dict(os.environ, PYTHONPATH=str(ROOT), CUDA_VISIBLE_DEVICES="")
         env.pop("TORCH_MLA_FORCE_REFERENCE", None)
+        env.pop("TORCH_MLA_PORTABLE", None)
         run = subprocess.run([sys.executable, "-m", "torch_mla"], cwd=ROOT, env=env,
                              capture_output=True, text=True, timeout=120)
         self.assertEqual(run.returncode, 0, run.stderr)
@@ -35,6 +36,7 @@ class TestMain(expecttest.TestCase):
         self.assertTrue(lines[2].startswith(f"nvidia-cutlass-dsl {dsl}"), lines[2])
         self.assertTrue(any(x.startswith("no CUDA GPU (") for x in lines), run.stdout)
         self.assertNotIn("TORCH_MLA_FORCE_REFERENCE", run.stdout)
+        self.assertNotIn("TORCH_MLA_PORTABLE", run.stdout)
         self.assertExpectedInline(table(run.stdout), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
   device  q dtype   cache dtype  runs       why
@@ -60,20 +62,23 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
                                  ("NVIDIA A100-SXM4-80GB", 8, 0, 108))
         with mock.patch.dict(os.environ), patches[0], patches[1], patches[2], patches[3]:
             os.environ.pop("TORCH_MLA_FORCE_REFERENCE", None)
+            os.environ.pop("TORCH_MLA_PORTABLE", None)
             text = cli.report()
         gpus = [x for x in text.splitlines() if x.startswith("GPU ")]
-        self.assertEqual(gpus, ["GPU 0: NVIDIA H200, compute capability 9.0, 132 SMs, 141 GiB",
-                                "GPU 1: NVIDIA H200, compute capability 9.0, 132 SMs, 141 GiB",
+        self.assertEqual(gpus, ["GPU 0: NVIDIA H200, compute capability 9.0, 132 SMs, 141 GiB, "
+                                "kernels compiled for sm_90a",
+                                "GPU 1: NVIDIA H200, compute capability 9.0, 132 SMs, 141 GiB, "
+                                "kernels compiled for sm_90a",
                                 "GPU 2: NVIDIA A100-SXM4-80GB, compute capability 8.0, 108 SMs, "
-                                "141 GiB"])
+                                "141 GiB, kernels compiled for sm_80"])
         self.assertExpectedInline(table(text), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
   device                          q dtype   cache dtype  runs       why
   cuda:0 (NVIDIA H200)            bfloat16  bfloat16     sm90       compute capability 9.0: the SM90 CuTe DSL kernel
   cuda:0 (NVIDIA H200)            float16   float16      sm90       compute capability 9.0: the SM90 CuTe DSL kernel
   cuda:0 (NVIDIA H200)            float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     reference  compute capability 8.0: torch_mla has a kernel for 9.0 (H100/H200) only so far
-  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      reference  compute capability 8.0: torch_mla has a kernel for 9.0 (H100/H200) only so far
+  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
   cuda:2 (NVIDIA A100-SXM4-80GB)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
   cpu                             bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
   cpu                             float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
@@ -91,3 +96,24 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
         with mock.patch.dict(os.environ, TORCH_MLA_FORCE_REFERENCE="true"):
             self.assertIn("TORCH_MLA_FORCE_REFERENCE=true is set: no effect: only the value 1 "
                           "forces the reference path", cli.report())
+
+    def test_forced_portable_kernel_is_reported(self):
+        patches = self.fake_gpus(("NVIDIA H200", 9, 0, 132), ("NVIDIA GeForce RTX 5090", 12, 0, 170))
+        with mock.patch.dict(os.environ, TORCH_MLA_PORTABLE="1"), patches[0], patches[1], \
+                patches[2], patches[3]:
+            os.environ.pop("TORCH_MLA_FORCE_REFERENCE", None)
+            text = cli.report()
+        self.assertIn("TORCH_MLA_PORTABLE=1 is set: GPUs of compute capability 8.0 or newer run "
+                      "the portable kernel", text)
+        self.assertExpectedInline(table(text), """\
+torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
+  device                            q dtype   cache dtype  runs       why
+  cuda:0 (NVIDIA H200)              bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+  cuda:0 (NVIDIA H200)              float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+  cuda:0 (NVIDIA H200)              float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+  cuda:1 (NVIDIA GeForce RTX 5090)  float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+  cuda:1 (NVIDIA GeForce RTX 5090)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cpu                               bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               float32   float32      reference  cpu tensors: the kernels run on NVIDIA GPUs""")

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One device call: smoke test, GPU tests, benchmark. Logs go to $OUT (when set).
-# Usage (after `source .devpkgs/b/setup.sh`): bash tools/gpu_check.sh [smoke|tests|bench|all]
+# Usage (after `source .devpkgs/b/setup.sh`): bash tools/gpu_check.sh [smoke|tests|bench|portable|all]
+# (portable: the portable kernel's grid and speed, tools/check_portable.py; extra args pass on)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
@@ -17,4 +18,8 @@ if [[ $what == tests || $what == all ]]; then
 fi
 if [[ $what == bench || $what == all ]]; then
   timeout 600 python benchmarks/bench_decode.py "${@:2}" 2>&1 | tee "$OUT/bench.log"
+fi
+if [[ $what == portable ]]; then
+  timeout 600 python tools/check_portable.py "${@:2}" 2>&1 | tee "$OUT/portable.log"
+  exit ${PIPESTATUS[0]}
 fi

@@ -14,7 +14,7 @@ import re
 import torch
 
 import torch_mla
-from torch_mla.ops.dispatch import D_QK, D_V, decode_backend
+from torch_mla.ops.dispatch import D_QK, D_V, decode_backend, gpu_arch
 from torch_mla.scheduling import PAGE_SIZE
 
 # (q dtype, cache dtype) pairs the ops accept; an fp8 cache will add pairs like
@@ -77,7 +77,8 @@ def report() -> str:
         for i in range(torch.cuda.device_count()):
             p = torch.cuda.get_device_properties(i)
             lines.append(f"GPU {i}: {p.name}, compute capability {p.major}.{p.minor}, "
-                         f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB")
+                         f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB, "
+                         f"kernels compiled for {gpu_arch(p.major, p.minor)}")
     else:
         why = "torch is a CPU-only build" if not torch.version.cuda else "none visible to torch"
         lines.append(f"no CUDA GPU ({why})")
@@ -86,6 +87,11 @@ def report() -> str:
         effect = ("every call runs the reference path" if force == "1" else
                   "no effect: only the value 1 forces the reference path")
         lines.append(f"TORCH_MLA_FORCE_REFERENCE={force} is set: {effect}")
+    portable = os.environ.get("TORCH_MLA_PORTABLE")
+    if portable is not None:
+        effect = ("GPUs of compute capability 8.0 or newer run the portable kernel" if
+                  portable == "1" else "no effect: only the value 1 forces the portable kernel")
+        lines.append(f"TORCH_MLA_PORTABLE={portable} is set: {effect}")
     lines.append("")
     lines.append(f"torch_mla.mla_decode with d_qk {D_QK}, d_v {D_V}, page size {PAGE_SIZE}:")
     rows = [("device", "q dtype", "cache dtype", "runs", "why")]

@@ -1,18 +1,23 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,decode,combine,schedule,append_kv]
+                                   [--kernels step,decode,combine,portable,schedule,append_kv]
 
-The decode and combine kernels exist for sm_90a; the schedule and append_kv kernels for every arch
-from sm_80 (``--arch``: the GPU's, e.g. sm_80 for an A100; append_kv in each cache dtype of
-``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots).
+By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
+sm_90a): the decode step (the decode kernel and the combine behind one call: the SM90 kernel on
+sm_90a, the portable one elsewhere), the schedule kernel and append_kv in each cache dtype of
+``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable
+decode step on sm_90a (``TORCH_MLA_PORTABLE=1``); decode and combine alone serve benchmarks.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
-milliseconds instead of compiling (15-30 s per decode variant). The cache directory is
-``TORCH_MLA_CACHE_DIR`` or its default (torch_mla/ops/kernel_cache.py); the processes that use
-the kernels must see the same directory and the same torch_mla, nvidia-cutlass-dsl and
-apache-tvm-ffi versions. One line per variant: built or cached, seconds, the artefact's path.
+milliseconds instead of compiling (15-30 s per decode variant). ``--arch`` defaults to the arch
+of the first visible GPU (sm_90a without one): sm_90a gets the SM90 decode kernel, every other
+arch the portable one (``portable`` adds the portable kernel for sm_90a, which
+TORCH_MLA_PORTABLE=1 runs there). The cache directory is ``TORCH_MLA_CACHE_DIR`` or its default
+(torch_mla/ops/kernel_cache.py); the processes that use the kernels must see the same
+directory and the same torch_mla, nvidia-cutlass-dsl and apache-tvm-ffi versions. One line per
+variant: built or cached, seconds, the artefact's path.
 """
 
 from __future__ import annotations
@@ -26,10 +31,9 @@ import torch
 from . import scheduling
 from .ops import dispatch, kernel_cache
 
-# The arches torch_mla has kernels for: the SM90 decode's first (the default), then those of the
-# portable small kernels.
+# The arches torch_mla has kernels for: SM90's own, and the portable kernels'.
 ARCHS = tuple(dict.fromkeys((dispatch.SM90_ARCH, *dispatch.PORTABLE_ARCHS.values())))
-KERNELS = ("step", "decode", "combine", "schedule", "append_kv")
+KERNELS = ("step", "decode", "combine", "portable", "schedule", "append_kv")
 DEFAULT_KERNELS = ("step", "schedule", "append_kv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
@@ -42,25 +46,39 @@ def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
              arch: str = dispatch.SM90_ARCH) -> list[tuple]:
     """(kernel name, config, a function compiling or loading it through dispatch's cache)."""
     out = []
+    native = "sm90" if arch == dispatch.SM90_ARCH else "sm80"
+    steps = [native] if "step" in kernels else []
+    if "portable" in kernels and "sm80" not in steps:
+        steps.append("sm80")
+    decode = [native] if "decode" in kernels else []
     if "schedule" in kernels:
         out.append(("schedule", {}, lambda: dispatch._compiled_schedule(arch)))
     for name in dtypes:
         dt = DTYPES[name]
-        if "step" in kernels and arch == dispatch.SM90_ARCH:
-            out += [("step_sm90", {"dtype": name, "causal": c},
-                     lambda dt=dt, c=c: dispatch._compiled_step_sm90(dt, c)) for c in causal]
-        if "decode" in kernels and arch == dispatch.SM90_ARCH:
-            out += [("decode_sm90", {"dtype": name, "causal": c},
-                     lambda dt=dt, c=c: dispatch._compiled_decode_sm90(dt, c)) for c in causal]
-        if "combine" in kernels and arch == dispatch.SM90_ARCH:
+        for kind in steps:
+            out += [(f"step_{kind}", {"dtype": name, "causal": c},
+                     lambda dt=dt, c=c, kind=kind: dispatch._compiled_step(kind, dt, c, arch))
+                    for c in causal]
+        for kind in decode:
+            out += [(f"decode_{kind}", {"dtype": name, "causal": c},
+                     lambda dt=dt, c=c, kind=kind: dispatch.compiled_decode(kind, dt, c, arch))
+                    for c in causal]
+        if "combine" in kernels:
             out += [("combine", {"dtype": name, "warps_per_row": w},
-                     lambda dt=dt, w=w: dispatch._compiled_combine(dt, w))
+                     lambda dt=dt, w=w: dispatch._compiled_combine(dt, w, arch))
                     for w in COMBINE_WARPS_PER_ROW]
         if "append_kv" in kernels:
             out += [("append_kv", {"cache": name, "source": src, "slot": slot},
                      lambda dt=dt, s=sdt, i=idt: dispatch._compiled_append_kv(arch, dt, s, i))
                     for src, sdt in APPEND_SOURCES.items() for slot, idt in APPEND_SLOTS.items()]
     return out
+
+
+def default_arch() -> str:
+    """The first visible GPU's arch, else sm_90a."""
+    if torch.cuda.is_available():
+        return dispatch.gpu_arch(*torch.cuda.get_device_capability(0))
+    return dispatch.SM90_ARCH
 
 
 def _list(choices):
@@ -76,7 +94,8 @@ def _list(choices):
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_mla.precompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=ARCHS, default=ARCHS[0])
+    ap.add_argument("--arch", choices=ARCHS, default=None,
+                    help="default: the first visible GPU's arch, else sm_90a")
     ap.add_argument("--dtypes", type=_list(DTYPES), default=list(DTYPES),
                     help="comma-separated: bf16,fp16 (default both)")
     ap.add_argument("--causal", choices=CAUSAL, default="both",
@@ -86,6 +105,8 @@ def main(argv: list[str] | None = None) -> int:
                          + ",".join(DEFAULT_KERNELS) + ", what the ops run; step is decode + "
                          "combine behind one call, decode and combine alone serve benchmarks)")
     args = ap.parse_args(argv)
+    if args.arch is None:
+        args.arch = default_arch()
     directory = kernel_cache.cache_dir(args.arch)
     if directory is None:
         print("TORCH_MLA_CACHE_DIR=off: there is no disk cache to fill", file=sys.stderr)

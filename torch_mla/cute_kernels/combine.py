@@ -20,7 +20,8 @@ row costs two dependent global round trips (its lse values, then its partial row
 owns 4 x 4 output columns (16-byte loads, the warp reads 512 contiguous bytes per load) and the
 loop over pieces is unrolled so that several pieces are in flight. Launched with programmatic
 dependent launch: the decode kernel lets it start early, and a row waits for the decode kernel
-only once it knows that it has something to merge.
+only once it knows that it has something to merge. Before sm_90 (no griddepcontrol) it is
+compiled with use_pdl=False and launched after the decode kernel as usual.
 """
 
 from __future__ import annotations
@@ -41,9 +42,10 @@ NO_COLUMN = 1 << 30  # larger than any block-table width
 
 class MLACombine:
     """Split-KV combine; compiled per (dtype, d_v, warps_per_row); batch, s_q and h_q are
-    runtime values. warps_per_row: 1, 4 or 16 warps merge one row (see the module docstring)."""
+    runtime values. warps_per_row: 1, 4 or 16 warps merge one row (see the module docstring);
+    use_pdl: launched as a programmatic dependent of the decode kernel (sm_90 and later)."""
 
-    def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1):
+    def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1, use_pdl: bool = True):
         assert d_v % 128 == 0, d_v
         assert warps_per_row in (1, 4, 16), warps_per_row
         self.dtype = dtype
@@ -52,6 +54,7 @@ class MLACombine:
         self.wpr = warps_per_row
         self.warps = max(4, warps_per_row)
         self.rows_per_cta = self.warps // warps_per_row
+        self.use_pdl = bool(use_pdl)
 
     @cute.jit
     def __call__(
@@ -70,7 +73,7 @@ class MLACombine:
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens,
                     num_pages).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
-            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=True,
+            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.use_pdl,
         )
 
     @cute.kernel
@@ -90,7 +93,8 @@ class MLACombine:
             sAcc = cute.make_tensor(cute.arch.alloc_smem(Float32, self.warps * self.d_v, 16),
                                     cute.make_layout((self.d_v, self.warps)))
         if row < mO.shape[1] and count != 1:
-            cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
+            if const_expr(self.use_pdl):
+                cute.arch.griddepcontrol_wait()  # the decode kernel's partials are complete
             acc = [cute.make_rmem_tensor(4, Float32) for _ in range(self.n_vec)]
             for k in cutlass.range_constexpr(self.n_vec):
                 acc[k].fill(0.0)
@@ -140,11 +144,12 @@ class MLACombine:
                 if lane == 0:
                     h_q = mLSE.shape[1]
                     mLSE[r, row % h_q, row // h_q] = lse_out
-        if r == 0 and row_block == 0:
-            # Rows of unsplit requests return at once, so this grid could end before the decode
-            # kernel: one CTA waits for it, and the grid's completion (which later kernels in the
-            # stream wait for) then implies the decode kernel's.
-            cute.arch.griddepcontrol_wait()
+        if const_expr(self.use_pdl):
+            if r == 0 and row_block == 0:
+                # Rows of unsplit requests return at once, so this grid could end before the
+                # decode kernel: one CTA waits for it, and the grid's completion (which later
+                # kernels in the stream wait for) then implies the decode kernel's.
+                cute.arch.griddepcontrol_wait()
 
     @cute.jit
     def check_request(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32):

@@ -23,9 +23,10 @@ from .combine import MLACombine
 class MLADecodeStep:
     """decode, then combine (variant ``COMBINE_WARPS_PER_ROW[combine_variant]``)."""
 
-    def __init__(self, decode, dtype, d_v: int = 512):
+    def __init__(self, decode, dtype, d_v: int = 512, use_pdl: bool = True):
+        # use_pdl: the combine starts early as a programmatic dependent (sm_90 and later).
         self.decode = decode
-        self.combines = [MLACombine(dtype, d_v, w) for w in COMBINE_WARPS_PER_ROW]
+        self.combines = [MLACombine(dtype, d_v, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
 
     @cute.jit
     def __call__(

@@ -34,6 +34,18 @@ def _cuda_arch(device: torch.device) -> tuple[int, int]:
     return cap
 
 
+def gpu_arch(major: int, minor: int) -> str:
+    """The ``--gpu-arch`` a GPU of this compute capability gets kernels compiled for: its own
+    arch, with the arch-specific suffix from 9.0 on (sm_80, sm_86, sm_89, sm_90a, sm_100a,
+    sm_120a, ...)."""
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+def portable_forced() -> bool:
+    """TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing)."""
+    return os.environ.get("TORCH_MLA_PORTABLE") == "1"
+
+
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
                    d_v: int = D_V, page_size: int = PAGE_SIZE) -> tuple[str, str]:
     """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
@@ -45,8 +57,10 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200), ``"sm100"``
         (the CuTe DSL kernel for B200, only with ``TORCH_MLA_SM100=1``: it has not run on a
-        Blackwell GPU yet) or ``"reference"`` (plain PyTorch, fp32 accumulate); reason is one
-        sentence for a user.
+        Blackwell GPU yet), ``"sm80"`` (the portable CuTe DSL kernel on SM80-class
+        instructions, for every other GPU of compute capability 8.0 or newer, and on any of them
+        with ``TORCH_MLA_PORTABLE=1``) or ``"reference"`` (plain PyTorch, fp32 accumulate);
+        reason is one sentence for a user.
     """
     device = torch.device(device)
     if device.type != "cuda":
@@ -59,17 +73,21 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", (f"d_qk={d_qk}, d_v={d_v}, page size {page_size}: the kernels are "
                              f"built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
     major, minor = _cuda_arch(device)
-    if (major, minor) == (10, 0):
-        if os.environ.get("TORCH_MLA_SM100") == "1":
-            return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
-                             "kernel (not yet run on a Blackwell GPU; checked against the "
-                             "reference on first use)")
-        return "reference", ("compute capability 10.0: the SM100 kernel has not run on a "
-                             "Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it")
-    if (major, minor) != (9, 0):
-        return "reference", (f"compute capability {major}.{minor}: torch_mla has a kernel for "
-                             "9.0 (H100/H200) only so far")
-    return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+    if major < 8:
+        return "reference", (f"compute capability {major}.{minor}: the kernels need 8.0 "
+                             "(Ampere) or newer")
+    if portable_forced():
+        return "sm80", "TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)"
+    if (major, minor) == (9, 0):
+        return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+    if (major, minor) == (10, 0) and os.environ.get("TORCH_MLA_SM100") == "1":
+        return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
+                         "kernel (not yet run on a Blackwell GPU; checked against the "
+                         "reference on first use)")
+    why = (" (the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in "
+           "to it)" if (major, minor) == (10, 0) else "")
+    return "sm80", (f"compute capability {major}.{minor}: the portable CuTe DSL kernel (SM80 "
+                    f"instructions; no native kernel for this GPU yet){why}")
 
 
 _warned: set[str] = set()
@@ -85,6 +103,8 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1])
     if name == "sm90":
         return _run_sm90
+    if name == "sm80":
+        return _run_sm80
     if name == "sm100":
         failed = _sm100_failed_check(q.device, q.dtype)
         if failed is None:
@@ -128,6 +148,11 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
                          softmax_scale, causal)
 
 
+def _run_sm80(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
+    return _run_split_kv("sm80", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
+                         softmax_scale, causal)
+
+
 def _run_sm100(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
     return _run_split_kv("sm100", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
                          softmax_scale, causal)
@@ -135,18 +160,18 @@ def _run_sm100(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softma
 
 def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_splits,
                   softmax_scale, causal):
-    """The split-KV decode kernel of ``backend`` ("sm90" or "sm100") and the combine, behind one
-    host call; the host side (workspace, one launch per KV head, argument packing) is the same
-    for both."""
+    """The split-KV decode kernel of ``backend`` ("sm90", "sm100" or "sm80") and the combine,
+    behind one host call; the host side (workspace, one launch per KV head, argument packing) is
+    the same for all."""
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
-        raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernel (TMA)")
+        raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
     # One launch per KV head, over query heads h_kv_idx * g .. (h_kv_idx + 1) * g - 1 and a
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = _STEPS[backend](q.dtype, bool(causal) and s_q > 1)
+    step = _STEPS[backend](q.dtype, bool(causal) and s_q > 1, q.device.index)
     variant = combine_variant(b, meta.shape[0], rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
@@ -231,35 +256,45 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step(backend: str, dtype: torch.dtype, causal: bool):
-    """A decode kernel and the combine behind one host call (what mla_decode runs): backend
-    "sm90" (MLADecodeSm90 for sm_90a) or "sm100" (MLADecodeSm100 for sm_100a)."""
-    arch = {"sm90": SM90_ARCH, "sm100": SM100_ARCH}[backend]
-
+def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str):
+    """A decode kernel and the combine behind one host call (what mla_decode runs), for arch:
+    backend "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
+    portable MLADecodeSm80, any arch from sm_80)."""
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.decode_step import MLADecodeStep
 
         if backend == "sm90":
-            from ..cute_kernels.sm90_decode import MLADecodeSm90 as Decode
+            from ..cute_kernels.sm90_decode import MLADecodeSm90
+
+            decode = MLADecodeSm90(cdt, causal)
+        elif backend == "sm100":
+            from ..cute_kernels.sm100_decode import MLADecodeSm100
+
+            decode = MLADecodeSm100(cdt, causal)
         else:
-            from ..cute_kernels.sm100_decode import MLADecodeSm100 as Decode
-        return compile_decode_step(cute, cutlass, MLADecodeStep(Decode(cdt, causal), cdt),
-                                   cdt, arch)
+            from ..cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
+
+            decode = MLADecodeSm80(cdt, causal, Sm80DecodeConfig.from_heuristic(arch),
+                                   use_pdl=_has_pdl(arch))
+        step = MLADecodeStep(decode, cdt, use_pdl=_has_pdl(arch))
+        return compile_decode_step(cute, cutlass, step, cdt, arch)
 
     return kernel_cache.load_or_build(
         f"step_{backend}", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, arch, build)
 
 
 def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
-    return _compiled_step("sm90", dtype, causal)
+    return _compiled_step("sm90", dtype, causal, SM90_ARCH)
 
 
-# backend name -> its compiled step for (dtype, causal). The lambdas look the functions up when
-# called, so tools and tests can swap them.
+# backend name -> its compiled step for (dtype, causal, device index). The lambdas look the
+# functions up when called, so tools and tests can swap them.
 _STEPS = {
-    "sm90": lambda dtype, causal: _compiled_step("sm90", dtype, causal),
-    "sm100": lambda dtype, causal: _compiled_step("sm100", dtype, causal),
+    "sm90": lambda dtype, causal, index: _compiled_step("sm90", dtype, causal, SM90_ARCH),
+    "sm100": lambda dtype, causal, index: _compiled_step("sm100", dtype, causal, SM100_ARCH),
+    "sm80": lambda dtype, causal, index: _compiled_step("sm80", dtype, causal,
+                                                        device_arch(index)),
 }
 
 
@@ -276,12 +311,51 @@ def _compiled_decode_sm100(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
+def device_arch(index: int) -> str:
+    """gpu_arch of CUDA device `index` (cached: read on every eager decode call)."""
+    return gpu_arch(*_cuda_arch(torch.device("cuda", index)))
+
+
+def compiled_decode(name: str, dtype: torch.dtype, causal: bool, arch: str):
+    """The compiled decode kernel `name` ("sm90" or "sm80") for arch, and whether it takes the
+    trailing trace-table argument (the SM90 kernel's development builds)."""
+    if name == "sm90":
+        return _compiled_decode_sm90(dtype, causal), True
+    return _compiled_decode_sm80(dtype, causal, arch), False
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled_decode_sm80(dtype: torch.dtype, causal: bool, arch: str,
+                          tiles: tuple[int, int, int] | None = None):
+    """tiles: (block_m, block_n, stages) instead of Sm80DecodeConfig.from_heuristic(arch), for
+    tools that compare tile shapes (tools/check_portable.py)."""
+    def build():
+        cute, cutlass, cdt = _dsl(dtype)
+        from ..cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
+
+        cfg = Sm80DecodeConfig(*tiles) if tiles else Sm80DecodeConfig.from_heuristic(arch)
+        kernel = MLADecodeSm80(cdt, causal, cfg, use_pdl=_has_pdl(arch))
+        return compile_decode_sm80(cute, cutlass, kernel, cdt, arch)
+
+    config = {"dtype": _DTYPE_NAMES[dtype], "causal": causal}
+    if tiles:
+        config["tiles"] = "x".join(map(str, tiles))
+    return kernel_cache.load_or_build("decode_sm80", config, arch, build)
+
+
+def _has_pdl(arch: str) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return int(arch[3:].rstrip("af")) >= 90
+
+
+@functools.lru_cache(maxsize=None)
 def _compiled_combine(dtype: torch.dtype, warps_per_row: int, arch: str = SM90_ARCH):
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.combine import MLACombine
 
-        return compile_combine(cute, cutlass, MLACombine(cdt, D_V, warps_per_row), cdt, arch)
+        kernel = MLACombine(cdt, D_V, warps_per_row, use_pdl=_has_pdl(arch))
+        return compile_combine(cute, cutlass, kernel, cdt, arch)
 
     return kernel_cache.load_or_build(
         "combine", {"dtype": _DTYPE_NAMES[dtype], "warps_per_row": warps_per_row}, arch, build)
@@ -409,6 +483,14 @@ def compile_decode(cute, cutlass, kernel, cdt, arch: str = SM90_ARCH):
 
 
 compile_decode_sm90 = compile_decode  # the name the tools and older tests use
+
+
+def compile_decode_sm80(cute, cutlass, kernel, cdt, arch: str):
+    """Compiles the portable (SM80-class) decode kernel from fake tensors for arch (any of
+    sm_80 ... sm_120a), on any machine."""
+    args = _decode_fake_args(cute, cutlass, cdt)
+    args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 
 def compile_decode_step(cute, cutlass, step, cdt, arch: str = SM90_ARCH):

@@ -1,0 +1,535 @@
+"""Portable MLA decode (SM80-class instructions, every GPU from sm_80 to sm_120), in CuTe DSL.
+
+Problem: as sm90_decode.py. For each request r with L_r cached latents (576 = 512 + 64 wide)
+and s_q * h_q query rows, out = softmax(scale * Q K^T) V with K = the latent, V = its first
+512 columns. Same work split (torch_mla.scheduling: grid (m-blocks, parts), a part walks its
+piece of the block stream request by request), same outputs: a request done by one part is
+written in the output dtype with its lse; a request cut across parts writes fp32 partials
+(outputs already divided by their own sums, log2-domain lse) into its workspace slots, which
+combine.py merges.
+
+Instructions: cp.async (16 bytes, L1 bypass) for Q and the cache, ldmatrix (.trans for V) from
+swizzled shared memory, mma.sync m16n8k16 bf16/fp16 with fp32 accumulators, named barriers.
+Nothing from SM90 on (no TMA, wgmma, mbarriers), so one source compiles for sm_80 ... sm_120.
+
+CTA: block_m query rows x all keys of the segment, taken block_n keys (a stage) at a time;
+warps in pairs, one pair per 16 query rows (block_m / 16 pairs, 8 warps for block_m = 64).
+Output O (block_m x 512 fp32) does not fit one warp per 16 rows (256 registers a thread), so
+warp `half` of a pair owns output columns [256 half, 256 half + 256) (128 fp32 registers a
+thread), and computes S = Q K^T for keys [half * block_n / 2, ...) of each stage. Per stage:
+    S_half = Q K_half^T (36 k-steps over d = 576)   (ldmatrix Q and K, mma.sync)
+    mask keys past each row's horizon (boundary stages only)
+    row max -> smem, pair barrier, max of both halves -> running max, rescale O and the sum
+    P_half = exp2(S * scale - max) -> smem (dtype), pair barrier
+    O_half += P V[:, half]  (P from smem by ldmatrix, V by ldmatrix.trans, 64 columns at a time)
+Each warp keeps the row sum of its own keys; the two are added in the epilogue.
+
+Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
+Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
+computed; one __syncthreads per stage both publishes the landed stage and retires the one
+about to be refilled. The block-table entry of the next stage is read a stage ahead. Rows of a
+stage past L are zero-filled instead of loaded (the cache may hold NaN there and 0 * NaN = NaN);
+their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
+s_q * h_q are zero-filled and whole 16-row groups past them skip the math.
+
+Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
+stages + P):
+    227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 64, 2 stages: 72 + 144 + 8 KB
+    163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
+    99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
+None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
+assume 64-row m-blocks, so such a grid takes more than one wave). Registers: ~250 a thread
+(O alone is 128), no spills (ptxas 13.0 on sm_80 and sm_90a).
+
+Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
+L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
+lse +inf (lse -inf in a partial). The walk stops at the block table's width and page ids are
+clamped into the cache, so bad inputs never read outside the cache or the table.
+
+Limits: d_qk = 576, d_v = 512, page 64, bf16/fp16, s_q * h_q any, one latent head per launch
+(h_kv > 1: one launch per head over a strided view). Compiled per (dtype, causal, arch);
+batch, s_q, h_q, the cache size and its strides are runtime values.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warp
+
+from . import softmax
+
+D_QK = 576
+D_V = 512
+PAGE = 64
+K_STEPS = D_QK // 16  # mma k-steps of Q K^T
+HALF_V = D_V // 2  # output columns per warp
+V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
+LN_2 = 0.6931471805599453
+
+_SMEM_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
+               "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_110": 232448,
+               "sm_120": 101376, "sm_121": 101376}
+
+
+def smem_per_block(arch: str) -> int:
+    """Shared memory one block may use on arch ("sm_86", "sm_90a", ...), in bytes (CUDA's
+    opt-in maximum); unknown arches get the smallest figure."""
+    base = arch.rstrip("af") if arch[-1] in "af" and arch[-2].isdigit() else arch
+    return _SMEM_BYTES.get(base, 101376)
+
+
+@dataclasses.dataclass(frozen=True)
+class Sm80DecodeConfig:
+    """Tile shape and pipeline depth of the portable kernel."""
+
+    block_m: int  # query rows per CTA: 64 or 32 (16 per warp pair)
+    block_n: int  # keys per stage: 64, 32 or 16 (divides the 64-key page)
+    stages: int  # shared-memory buffers of block_n keys
+
+    @classmethod
+    def from_heuristic(cls, arch: str) -> "Sm80DecodeConfig":
+        smem = smem_per_block(arch)
+        # Not measured yet (compile-checked only). Each warp re-reads its Q rows from shared
+        # memory every stage, so the widest stage that fits double-buffered halves that
+        # traffic (86 KB of ldmatrix per warp and 64 keys against 104 KB at block_n 32).
+        if smem >= 224 * 1024:  # sm_90/100/103/110: 225 KB of 227
+            return cls(64, 64, 2)
+        if smem >= 160 * 1024:  # sm_80/87: 149 KB of 163
+            return cls(64, 32, 2)
+        return cls(32, 16, 3)  # sm_86/89/120/121: 92 KB of 99
+
+    @property
+    def num_threads(self) -> int:
+        return self.block_m // 16 * 2 * 32
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        return (elem_bytes * (self.block_m * D_QK + self.stages * self.block_n * D_QK
+                              + self.block_m * self.block_n) + 4 * 4 * self.block_m)
+
+    def __post_init__(self):
+        assert self.block_m in (32, 64) and self.block_n in (16, 32, 64), self
+        assert self.stages >= 2, self
+        # Global -> shared copies: rows of 8 threads must tile Q and a stage.
+        assert self.num_threads // 8 <= self.block_n, self
+
+
+def _smem_atom(cols: int):
+    """Swizzled 8-row atom of `cols` 16-bit elements: ldmatrix reads of 8 rows x 16 bytes hit
+    distinct banks."""
+    bits = {64: 3, 32: 2, 16: 1}[cols]
+    return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
+                                     cute.make_layout((8, cols), stride=(cols, 1)))
+
+
+class MLADecodeSm80:
+    """Split-KV MLA decode on SM80-class instructions; see the module docstring."""
+
+    def __init__(self, dtype, causal: bool, config: Sm80DecodeConfig, use_pdl: bool = False):
+        self.dtype = dtype
+        self.causal = bool(causal)
+        self.cfg = config
+        # use_pdl (sm_90 and later): let the combine kernel (launched with programmatic
+        # dependent launch) start early; it waits for this grid before reading the partials.
+        self.use_pdl = bool(use_pdl)
+        self.num_threads = config.num_threads
+
+    @staticmethod
+    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
+        return (dtype in (cutlass.BFloat16, cutlass.Float16) and d_qk == D_QK and d_v == D_V
+                and page == PAGE)
+
+    # ------------------------------------------------------------------------------------------
+    # host side: layouts, copies, MMAs, launch
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, rows, 576), rows 16-byte aligned
+        mKV: cute.Tensor,  # (num_blocks, 64, 576), rows 16-byte aligned, any page/row stride
+        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
+        mSeqlens: cute.Tensor,  # (b,) int32
+        mMeta: cute.Tensor,  # (num_parts, 8) int32
+        mNumSplits: cute.Tensor,  # (b + 1,) int32
+        mO: cute.Tensor,  # (b, rows, 512)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
+        mOacc: cute.Tensor,  # (slots, rows, 512) fp32
+        mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
+        scale_log2: Float32,
+        stream,
+    ):
+        dt = self.dtype
+        bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
+        sQ_layout = cute.tile_to_shape(_smem_atom(64), (bm, D_QK), (0, 1))
+        sK_layout = cute.tile_to_shape(_smem_atom(64), (bn, D_QK, st), (0, 1, 2))
+        sP_layout = cute.tile_to_shape(_smem_atom(bn), (bm, bn), (0, 1))
+
+        # Global -> shared: rows of 8 threads x 16 bytes (one 64-column swizzle atom).
+        g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
+                                  dt, num_bits_per_copy=128)
+        gmem_copy = cute.make_tiled_copy_tv(
+            g2s, cute.make_ordered_layout((self.num_threads // 8, 8), order=(1, 0)),
+            cute.make_layout((1, 8)))
+        # One warp per 16 rows; the warps of a pair each use this tiling for their own half.
+        mma_op = warp.MmaF16BF16Op(dt, Float32, (16, 8, 16))
+        tiled_qk = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1),
+                                       permutation_mnk=(bm, min(16, bn // 2), 16))
+        tiled_pv = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1), permutation_mnk=(bm, 16, 16))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
+            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
+            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
+            sMax: cute.struct.MemRange[Float32, 2 * bm]
+            sSum: cute.struct.MemRange[Float32, 2 * bm]
+
+        self.shared_storage = SharedStorage
+        num_parts = mMeta.shape[0]
+        num_m_blocks = (mO.shape[1] + bm - 1) // bm
+        self.kernel(
+            mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+            scale_log2, sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv,
+        ).launch(
+            grid=[num_m_blocks, num_parts, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        mQ: cute.Tensor,
+        mKV: cute.Tensor,
+        mBlockTable: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mMeta: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOacc: cute.Tensor,
+        mLSEacc: cute.Tensor,
+        scale_log2: Float32,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sP_layout: cute.ComposedLayout,
+        gmem_copy: cute.TiledCopy,
+        tiled_qk: cute.TiledMma,
+        tiled_pv: cute.TiledMma,
+    ):
+        bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
+        dt = self.dtype
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, part, _ = cute.arch.block_idx()
+        warp_idx = cute.arch.make_warp_uniform(tidx // 32)
+        rg = warp_idx // 2  # rows [16 rg, 16 rg + 16) of the CTA tile
+        half = warp_idx % 2  # keys of S, columns of O (see the module docstring)
+        lane = tidx % 32
+        mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA
+
+        smem = cutlass.memory.SmemAllocator()
+        storage = smem.allocate(self.shared_storage)
+        sQ = storage.sQ.get_tensor(sQ_layout)
+        sK = storage.sK.get_tensor(sK_layout)  # (bn, 576, stages)
+        sP = storage.sP.get_tensor(sP_layout)  # (bm, bn)
+        sMax = storage.sMax.get_tensor(cute.make_layout((bm, 2)))  # (row, half)
+        sSum = storage.sSum.get_tensor(cute.make_layout((bm, 2)))
+
+        if const_expr(self.use_pdl):
+            # The combine kernel may start now; it waits for this grid before reading.
+            cute.arch.griddepcontrol_launch_dependents()
+
+        # Global -> shared partitions (every thread loads).
+        thr_g2s = gmem_copy.get_slice(tidx)
+        tQsQ = thr_g2s.partition_D(sQ)
+        tQcQ = thr_g2s.partition_S(cute.make_identity_tensor((bm, D_QK)))
+        tKsK = thr_g2s.partition_D(sK)  # (CPY, CPY_N, CPY_K, stages)
+        tKcK = thr_g2s.partition_S(cute.make_identity_tensor((bn, D_QK)))
+
+        # S = Q K_half^T: this warp's keys of each stage.
+        sK_half = cute.local_tile(sK, (bn // 2, D_QK, st), (half, 0, 0))
+        thr_qk = tiled_qk.get_slice(mma_tid)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36)
+        tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[None, None, 0]))
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn // 2)), Float32)
+        tScS = thr_qk.partition_C(cute.make_identity_tensor((bm, bn // 2)))
+        ld_Q = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dt), tiled_qk
+        ).get_slice(mma_tid)
+        ld_K = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if bn // 2 >= 16 else 2), dt),
+            tiled_qk,
+        ).get_slice(mma_tid)
+        tSsQ = ld_Q.partition_S(sQ)
+        tSrQ_v = ld_Q.retile(tSrQ)
+        tSsK = ld_K.partition_S(sK_half)  # (CPY, CPY_N, 36, stages)
+        tSrK_v = ld_K.retile(tSrK)
+
+        # P: this warp's half (accumulator order) -> smem; the whole row block back as A.
+        st_P = cute.make_tiled_copy_C(
+            cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=32), tiled_qk
+        ).get_slice(mma_tid)
+        tPsP = st_P.partition_D(cute.local_tile(sP, (bm, bn // 2), (0, half)))
+        thr_pv = tiled_pv.get_slice(mma_tid)
+        ld_P = cute.make_tiled_copy_A(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dt), tiled_pv
+        ).get_slice(mma_tid)
+        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))  # (MMA, 1, bn / 16)
+        tOsP = ld_P.partition_S(sP)
+        tOrP_v = ld_P.retile(tOrP)
+
+        # O_half += P V: V^T (d, keys, stages) viewed in the K buffers; chunks of 64 columns.
+        sVt = cute.composition(sK, cute.make_layout((D_V, bn, st), stride=(bn, 1, bn * D_QK)))
+        ld_V = cute.make_tiled_copy_B(
+            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), dt), tiled_pv
+        ).get_slice(mma_tid)
+        n_chunks = HALF_V // V_CHUNK
+        sV = [cute.local_tile(sVt, (V_CHUNK, bn, st), (half * n_chunks + c, 0, 0))
+              for c in range(n_chunks)]
+        tOsV = [ld_V.partition_S(x) for x in sV]  # (CPY, CPY_N, CPY_K, stages) per chunk
+        tOrV = [thr_pv.make_fragment_B(thr_pv.partition_B(x[None, None, 0])) for x in sV]
+        tOrV_v = [ld_V.retile(x) for x in tOrV]
+        acc_O = [cute.make_rmem_tensor(thr_pv.partition_shape_C((bm, V_CHUNK)), Float32)
+                 for _ in range(n_chunks)]
+        tOcO = thr_pv.partition_C(cute.make_identity_tensor((bm, V_CHUNK)))
+
+        rows = mO.shape[1]
+        h_q = mLSE.shape[1]
+        s_q = mLSE.shape[2]
+        width = mBlockTable.shape[1]
+        num_pages = mKV.shape[0]
+        # A 16-row group with no query row skips the math (h_q * s_q < 64: memory-bound rows).
+        valid_rows = cutlass.min(rows - m_block * bm, bm)
+        active = rg * 16 < valid_rows
+        r_a = rg * 16 + lane // 4  # the two rows this thread holds: r_a and r_a + 8
+        g_a = m_block * bm + r_a
+
+        m_run = cute.make_rmem_tensor(2, Float32)  # running max (log2 domain), rows r_a, r_a+8
+        l_run = cute.make_rmem_tensor(2, Float32)  # this thread's sum over its keys
+        page_next = cute.make_rmem_tensor(1, Int32)  # block-table entry of the next stage
+
+        meta_row = mMeta[part, None]
+        begin_req = meta_row[0]
+        begin_blk = meta_row[1]
+        end_req = meta_row[2]
+        end_blk = meta_row[3]
+        begin_split = meta_row[4]
+
+        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+            L = mSeqlens[r]
+            nb_req = (L + PAGE - 1) // PAGE
+            lo = begin_blk if r == begin_req else 0
+            # A length past the table's width is an input error (the op checks it on the
+            # device); the walk still stops there, and an empty cache has nothing to walk.
+            hi = cutlass.min(end_blk if r == end_req else nb_req, width)
+            if num_pages == 0:
+                hi = 0
+            if lo < hi:
+                key_lo = lo * PAGE
+                n_tiles = (cutlass.min(hi * PAGE, L) - key_lo + bn - 1) // bn
+                split_idx = begin_split if r == begin_req else 0
+                slot = mNumSplits[r] + split_idx
+                pieces = mNumSplits[r + 1] - mNumSplits[r]
+                border_a = softmax.row_border(L, g_a, rows, h_q, s_q, self.causal)
+                border_b = softmax.row_border(L, g_a + 8, rows, h_q, s_q, self.causal)
+                min_border = softmax.row_border(L, m_block * bm, rows, h_q, s_q, self.causal)
+
+                # Everyone is done with the previous segment's shared memory.
+                cute.arch.sync_threads()
+                self._load_q(mQ, r, m_block, rows, tQsQ, tQcQ, thr_g2s, gmem_copy)
+                for s in cutlass.range_constexpr(st - 1):
+                    if s < n_tiles:
+                        page = self._page(mBlockTable, r, lo, hi, s, num_pages)
+                        self._load_kv(mKV, page, key_lo, s, s, L, tKsK, tKcK, thr_g2s,
+                                      gmem_copy)
+                    cute.arch.cp_async_commit_group()
+                page_next[0] = self._page(mBlockTable, r, lo, hi, st - 1, num_pages)
+                for c in cutlass.range_constexpr(n_chunks):
+                    acc_O[c].fill(0.0)
+                m_run.fill(-Float32.inf)
+                l_run.fill(0.0)
+
+                for t in cutlass.range(n_tiles, unroll=1):
+                    cute.arch.cp_async_wait_group(st - 2)
+                    # Stage t landed for every thread, and stage t - 1 (refilled next) is free.
+                    cute.arch.sync_threads()
+                    t_load = t + st - 1
+                    if t_load < n_tiles:
+                        self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
+                                      tKcK, thr_g2s, gmem_copy)
+                        page_next[0] = self._page(mBlockTable, r, lo, hi, t_load + 1,
+                                                  num_pages)
+                    cute.arch.cp_async_commit_group()
+                    if active:
+                        self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
+                                    scale_log2, half, rg, lane, r_a, acc_S, tScS, tSsQ, tSrQ,
+                                    tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP,
+                                    tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K,
+                                    tiled_qk, tiled_pv, sMax, m_run, l_run)
+                if active:
+                    self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, rg, lane, r_a,
+                                   m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
+                                   mLSEacc)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _page(self, mBlockTable, r: Int32, lo: Int32, hi: Int32, t: Int32,
+              num_pages: Int32) -> Int32:
+        """Cache page of stage t of the segment [lo, hi) of request r: the column is clamped
+        into the segment (stages past its end read its last entry, unused) and the id into
+        the cache, so that neither read leaves its tensor whatever the inputs hold."""
+        col = cutlass.min(lo + t * self.cfg.block_n // PAGE, hi - 1)
+        page = mBlockTable[r, col]
+        return cutlass.max(cutlass.min(page, num_pages - 1), 0)
+
+    @cute.jit
+    def _load_q(self, mQ, r: Int32, m_block: Int32, rows: Int32, tQsQ, tQcQ, thr_g2s,
+                gmem_copy):
+        """Q rows of this m-block -> sQ (cp.async, uncommitted); rows past `rows` -> 0."""
+        bm = self.cfg.block_m
+        gQ = cute.local_tile(mQ[r, None, None], (bm, D_QK), (m_block, 0))
+        tQgQ = thr_g2s.partition_S(gQ)
+        limit = rows - m_block * bm
+        for m in cutlass.range_constexpr(cute.size(tQsQ.shape[1])):
+            if tQcQ[0, m, 0][0] < limit:
+                cute.copy(gmem_copy, tQgQ[None, m, None], tQsQ[None, m, None])
+            else:
+                tQsQ[None, m, None].fill(0.0)
+
+    @cute.jit
+    def _load_kv(self, mKV, page: Int32, key_lo: Int32, t: Int32, stage: Int32, L: Int32,
+                 tKsK, tKcK, thr_g2s, gmem_copy):
+        """Keys [key_lo + t bn, + bn) of the segment (inside page `page`) -> buffer `stage`
+        (cp.async, uncommitted). Keys at or past L are zero-filled, never read."""
+        bn = self.cfg.block_n
+        key0 = key_lo + t * bn
+        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE) // bn, 0))
+        tKgK = thr_g2s.partition_S(gK)
+        limit = L - key0
+        for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+            if tKcK[0, n, 0][0] < limit:
+                cute.copy(gmem_copy, tKgK[None, n, None], tKsK[None, n, None, stage])
+            else:
+                tKsK[None, n, None, stage].fill(0.0)
+
+    @cute.jit
+    def _pair_barrier(self, rg: Int32):
+        # The two warps of row group rg (ids 1..4; 0 is __syncthreads).
+        cute.arch.barrier(barrier_id=1 + rg, number_of_threads=64)
+
+    @cute.jit
+    def _stage(self, stage: Int32, key0: Int32, border_a: Int32, border_b: Int32,
+               min_border: Int32, scale_log2: Float32, half: Int32, rg: Int32, lane: Int32,
+               r_a: Int32, acc_S, tScS, tSsQ, tSrQ, tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP,
+               ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K,
+               tiled_qk, tiled_pv, sMax, m_run, l_run):
+        """One stage (block_n keys from key0) for this warp: S, softmax, O += P V."""
+        bn = self.cfg.block_n
+        # S accumulates in `chains` interleaved partial sums (k-steps round robin), so that
+        # each warp has 4 independent mma.sync chains even when its slice has 1-2 n8 tiles.
+        chains = max(1, 4 // (bn // 16))
+        parts = [acc_S] + [cute.make_fragment_like(acc_S) for _ in range(chains - 1)]
+        for p in cutlass.range_constexpr(chains):
+            parts[p].fill(0.0)
+        for k in cutlass.range_constexpr(K_STEPS):
+            cute.copy(ld_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+            cute.copy(ld_K, tSsK[None, None, k, stage], tSrK_v[None, None, k])
+            acc = parts[k % chains]
+            cute.gemm(tiled_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+        for p in cutlass.range_constexpr(1, chains):
+            acc_S.store(acc_S.load() + parts[p].load())
+
+        # Keys at or past a row's horizon (only stages that reach the nearest one).
+        if key0 + bn > min_border:
+            softmax.mask_keys(acc_S, tScS, key0 + half * (bn // 2), border_a, border_b)
+
+        # Row max over both halves: exchange through smem.
+        m_loc = [softmax.row_max(acc_S, 0), softmax.row_max(acc_S, 1)]
+        if lane % 4 == 0:
+            sMax[r_a, half] = m_loc[0]
+            sMax[r_a + 8, half] = m_loc[1]
+        self._pair_barrier(rg)
+        m_use = [Float32(0.0), Float32(0.0)]
+        scale = [Float32(0.0), Float32(0.0)]
+        for h in cutlass.range_constexpr(2):
+            m_blk = cute.arch.fmax(m_loc[h], sMax[r_a + 8 * h, 1 - half]) * scale_log2
+            m_new, m_use[h], scale[h] = softmax.online_max(m_run[h], m_blk)
+            m_run[h] = m_new
+        softmax.exp_rows(acc_S, m_use, scale_log2, l_run, scale)
+        # The max of a row rarely moves after the first stages: skip the 128 multiplies then
+        # (exact: the factor is exactly 1).
+        if scale[0] != 1.0 or scale[1] != 1.0:
+            for c in cutlass.range_constexpr(len(acc_O)):
+                softmax.scale_rows(acc_O[c], scale)
+
+        # P (dtype) -> smem; after the barrier both halves' keys are there. (sMax and sP are
+        # single-buffered: the partner's reads of this stage precede its next barrier arrival.)
+        rP = cute.make_fragment_like(acc_S, self.dtype)
+        rP.store(acc_S.load().to(self.dtype))
+        cute.copy(st_P, st_P.retile(rP), tPsP)
+        self._pair_barrier(rg)
+        for k in cutlass.range_constexpr(bn // 16):
+            cute.copy(ld_P, tOsP[None, None, k], tOrP_v[None, None, k])
+            for c in cutlass.range_constexpr(len(acc_O)):
+                cute.copy(ld_V, tOsV[c][None, None, k, stage], tOrV_v[c][None, None, k])
+                cute.gemm(tiled_pv, acc_O[c], tOrP[None, None, k], tOrV[c][None, None, k],
+                          acc_O[c])
+
+    @cute.jit
+    def _epilogue(self, acc_O, tOcO, m_run, l_run, sSum, half: Int32, rg: Int32, lane: Int32,
+                  r_a: Int32, m_block: Int32, r: Int32, slot: Int32, pieces: Int32,
+                  rows: Int32, h_q: Int32, mO, mLSE, mOacc, mLSEacc):
+        """Normalizes this warp's 16 x 256 of O and writes it (dtype, or the fp32 partial in
+        workspace slot `slot` when the request has several pieces), and the lse."""
+        bm = self.cfg.block_m
+        total = [Float32(0.0), Float32(0.0)]
+        own = [softmax.row_sum_quad(l_run[0]), softmax.row_sum_quad(l_run[1])]
+        if lane % 4 == 0:
+            sSum[r_a, half] = own[0]
+            sSum[r_a + 8, half] = own[1]
+        self._pair_barrier(rg)
+        inv = [Float32(0.0), Float32(0.0)]
+        for h in cutlass.range_constexpr(2):
+            total[h] = own[h] + sSum[r_a + 8 * h, 1 - half]
+            # A row that saw no key has sum 0: output 0 (and lse +inf below).
+            inv[h] = Float32(1.0) / total[h] if total[h] > 0.0 else Float32(0.0)
+        g_a = m_block * bm + r_a
+        for h in cutlass.range_constexpr(2):
+            g = g_a + 8 * h
+            if g < rows:
+                if pieces > 1:
+                    self._store_row(acc_O, tOcO, inv[h], h, half, Float32, mOacc[slot, g, None])
+                else:
+                    self._store_row(acc_O, tOcO, inv[h], h, half, self.dtype, mO[r, g, None])
+                if half == 0:
+                    if lane % 4 == 0:
+                        m = m_run[h]
+                        if pieces > 1:
+                            lse2 = -Float32.inf
+                            if total[h] > 0.0:
+                                lse2 = cute.math.log2(total[h], fastmath=False) + m
+                            mLSEacc[slot, g] = lse2
+                        else:
+                            lse = Float32.inf
+                            if total[h] > 0.0:
+                                lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
+                            mLSE[r, g % h_q, g // h_q] = lse
+
+    @cute.jit
+    def _store_row(self, acc_O, tOcO, inv: Float32, h: cutlass.Constexpr[int], half: Int32,
+                   out_dtype: cutlass.Constexpr, gRow: cute.Tensor):
+        """Row r_a + 8 h of this warp's output columns, times inv, -> gRow (512,) in pairs."""
+        pair = cute.make_rmem_tensor(2, out_dtype)
+        for c in cutlass.range_constexpr(len(acc_O)):
+            for j in cutlass.range_constexpr(cute.size(acc_O[c]) // 4):
+                for e in cutlass.range_constexpr(2):
+                    pair[e] = (acc_O[c][e + 2 * h + 4 * j] * inv).to(out_dtype)
+                col = half * HALF_V + c * V_CHUNK + tOcO[2 * h + 4 * j][1]
+                cute.local_tile(gRow, (2,), (col // 2,)).store(pair.load())
