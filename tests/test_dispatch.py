@@ -61,7 +61,7 @@ reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
 sm80: compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
 sm80: compute capability 8.6: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
 sm80: compute capability 8.9: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
-sm80: compute capability 10.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
+sm80: compute capability 10.0: the portable CuTe DSL kernel (SM80 instructions); the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
 sm80: compute capability 12.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
 sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer

@@ -84,10 +84,12 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
                          "kernel (not yet run on a Blackwell GPU; checked against the "
                          "reference on first use)")
-    why = (" (the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in "
-           "to it)" if (major, minor) == (10, 0) else "")
+    if (major, minor) == (10, 0):
+        return "sm80", ("compute capability 10.0: the portable CuTe DSL kernel (SM80 "
+                        "instructions); the native SM100 kernel has not run on a Blackwell GPU "
+                        "yet: TORCH_MLA_SM100=1 opts in to it")
     return "sm80", (f"compute capability {major}.{minor}: the portable CuTe DSL kernel (SM80 "
-                    f"instructions; no native kernel for this GPU yet){why}")
+                    "instructions; no native kernel for this GPU yet)")
 
 
 _warned: set[str] = set()
