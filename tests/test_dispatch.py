@@ -58,12 +58,12 @@ sm90: compute capability 9.0: the SM90 CuTe DSL kernel
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: d_qk=192, d_v=128, page size 64: the kernels are built for d_qk=576, d_v=512, page size 64
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
-sm80: compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
-sm80: compute capability 8.6: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
-sm80: compute capability 8.9: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
-sm80: compute capability 10.0: the portable CuTe DSL kernel (SM80 instructions); the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
-sm80: compute capability 12.0: the portable CuTe DSL kernel (SM80 instructions; no native kernel for this GPU yet)
-sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions)
+reference: compute capability 8.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
+reference: compute capability 8.6: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
+reference: compute capability 8.9: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
+reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
+reference: compute capability 12.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
+sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: TORCH_MLA_FORCE_REFERENCE=1 is set""")
@@ -86,12 +86,20 @@ def test_fallback_on_gpu_warns_once_per_reason(arch, monkeypatch):
     arch["value"] = (7, 5)
     with pytest.warns(UserWarning, match="compute capability 7.5"):
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
-    for cap, kernel in [((9, 0), "sm90"), ((8, 0), "sm80"), ((8, 9), "sm80"), ((12, 0), "sm80")]:
+    arch["value"] = (9, 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a kernel: no warning
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
+            dispatch._run_sm90
+    # The portable kernel is opt-in until verified on a GPU (its first H200 run was wrong).
+    for cap in [(8, 0), (8, 9), (12, 0)]:
         arch["value"] = cap
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")  # a kernel: no warning
-            run = dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512)
-        assert run.args == (kernel,), (cap, run)
+        with pytest.warns(UserWarning, match="portable one .* is not verified yet"):
+            assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
+        monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
+            dispatch._run_sm80
+        monkeypatch.delenv("TORCH_MLA_PORTABLE")
 
 
 def test_portable_kernel_is_compiled_for_the_device_arch(monkeypatch):
@@ -195,10 +203,10 @@ def test_sm100_is_opt_in(arch, monkeypatch):
         name, reason = dispatch.decode_backend("cuda", torch.bfloat16)
         rows.append(f"{cap} {env}: {name}: {reason}")
     expecttest.assert_expected_inline("\n".join(rows), """\
-(10, 0) None: reference: compute capability 10.0: the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it
+(10, 0) None: reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
 (10, 0) 1: sm100: compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL kernel (not yet run on a Blackwell GPU; checked against the reference on first use)
-(10, 0) 0: reference: compute capability 10.0: the SM100 kernel has not run on a Blackwell GPU yet; TORCH_MLA_SM100=1 opts in to it
-(10, 3) 1: reference: compute capability 10.3: torch_mla has a kernel for 9.0 (H100/H200) only so far""")  # noqa: E501
+(10, 0) 0: reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
+(10, 3) 1: reference: compute capability 10.3: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet""")  # noqa: E501
 
 
 @pytest.fixture

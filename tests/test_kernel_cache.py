@@ -276,11 +276,12 @@ combine {'dtype': 'fp16', 'warps_per_row': 16}""")
     got += [(k, c) for k, c, _ in precompile.variants(["fp16"], (False,),
                                                       ["decode", "portable"], "sm_86")]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
+step_sm80 {'dtype': 'bf16', 'causal': True}
 decode_sm90 {'dtype': 'bf16', 'causal': True}
-decode_sm80 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
+step_sm80 {'dtype': 'fp16', 'causal': False}
 decode_sm80 {'dtype': 'fp16', 'causal': False}""")
     from torch_mla.scheduling import CombineConfig
 
@@ -297,6 +298,11 @@ def test_precompile_variants_of_the_small_kernels():
                                                      "sm_80")]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 schedule {}
+step_sm80 {'dtype': 'bf16', 'causal': False}
+decode_sm80 {'dtype': 'bf16', 'causal': False}
+combine {'dtype': 'bf16', 'warps_per_row': 1}
+combine {'dtype': 'bf16', 'warps_per_row': 4}
+combine {'dtype': 'bf16', 'warps_per_row': 16}
 append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int32'}
@@ -304,7 +310,8 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
-        == 1 + 2 * (2 + 2 + 3 + 6)  # schedule; per dtype: step, decode, combine, append_kv
+        == 1 + 2 * (2 * 2 + 2 + 3 + 6)  # schedule; per dtype: sm90 + portable steps, decode,
+    # combine, append_kv
     assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
 
 
