@@ -11,6 +11,7 @@ logits at every step. Unwritten cache slots are NaN, so reading one shows.
 import copy
 import subprocess
 import sys
+import types
 import warnings
 
 import expecttest
@@ -476,6 +477,92 @@ axk2: layers.0.self_attn (AXK2Attention) is not DeepSeek-V2/V3's attention: it h
 hy_v4: layers.0.self_attn (HYV4Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (gate_proj, indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
 mistral_large4: language_model.layers.0.self_attn (MistralLarge4TextAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer, softmax_scaling): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
 deepseek_v4: DeepseekV4Model has no MLA attention to swap (a module with kv_a_proj_with_mqa and kv_b_proj, as DeepSeek-V2/V3's)""")
+
+
+# --- a model split over devices (device_map) -----------------------------------------------------
+
+
+def test_cache_follows_each_layers_device():
+    # Layer 1's attention on the meta device stands for a second GPU: the cache must put that
+    # layer's buffers, block table, lengths and schedule there, and layer 0's where layer 0 is.
+    # (A model with layers on cpu and meta cannot run; the cache's step can, on fake latents.)
+    ours = swapped(hf_model("v3"))
+    ours.model.layers[1].self_attn.to("meta")
+    cache = MLACache.for_model(ours, 2, 70)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert cache.layer_devices == [cpu, meta]
+    assert [kv.device for kv in cache.kv_caches] == [cpu, meta]
+    for s in (5, 1, 2):  # the prefill, then decode steps
+        for layer, device in enumerate(cache.layer_devices):
+            prefill = cache.begin_layer(layer, 2, s)
+            step = cache.append_latents(layer, torch.randn(2, s, 48, device=device),
+                                        torch.randn(2, s, 16, device=device), num_heads=6)
+            assert prefill == (s == 5) and step.prefill == prefill
+            tensors = [step.kv_cache, step.block_table, step.cache_seqlens,
+                       *(step.schedule or ())]
+            assert {t.device for t in tensors} == {device}, (s, layer)
+    assert cache.cache_seqlens.tolist() == [8, 8]
+    # Where accelerate offloads a layer (weights on the CPU or meta, moved in by a hook at each
+    # call), the layer's device is its hook's execution device.
+    ours.model.layers[1].self_attn.to_empty(device="cpu")
+    ours.model.layers[1]._hf_hook = types.SimpleNamespace(execution_device="meta")
+    assert MLACache.for_model(ours, 2, 70).layer_devices == [cpu, meta]
+
+
+def test_split_cache_mirrors_lengths_and_schedule_and_matches_transformers():
+    # "cpu" and "cpu:0" are different torch.device values for the same memory: a cache built
+    # for them keeps a second block table, lengths and schedule for layer 1, filled once a step
+    # from layer 0's, as for a layer on cuda:1. Stale lengths or a stale schedule there would
+    # change the logits.
+    hf = hf_model("v3_yarn")
+    ours = swapped(hf)
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    cache = poison(MLACache(hf.config, 3, 12 + 10, device=["cpu", "cpu:0"]))
+    assert cache._seqlens[1].data_ptr() != cache.cache_seqlens.data_ptr()
+    assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=10)
+    assert cache._seqlens[1].tolist() == cache.cache_seqlens.tolist() == [12 + 9, 9 + 9, 4 + 9]
+    with pytest.raises(ValueError, match="one per layer, 2 layers, got 3 devices"):
+        MLACache(hf.config, 1, 64, device=["cpu"] * 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_split_over_two_gpus(tmp_path, dtype):
+    # transformers dispatches a device_map over several devices with accelerate's hooks.
+    pytest.importorskip("accelerate")
+    hf_model("v3_yarn").save_pretrained(tmp_path)  # dense MLPs: no atomics in a MoE scatter
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                  "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+
+    def load(device_map):
+        return AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map,
+                                                    dtype=dtype).eval()
+
+    hf, ours = load(device_map), swap_mla_attention(load(device_map))
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert ours.model.layers[1].self_attn.kv_b_proj.weight.device == gpu1
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    ids, mask = ids.to(gpu0), mask.to(gpu0)
+    cache = MLACache.for_model(ours, 3, 12 + 16)
+    assert cache.layer_devices == [gpu0, gpu1]
+    assert [kv.device for kv in cache.kv_caches] == [gpu0, gpu1]
+    if dtype == torch.float32:  # the reference decode: transformers' tokens and logits
+        assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=16)
+        return
+    # bf16, the GPU kernel on each layer's own device: the same model on one GPU runs the same
+    # operations on the same kind of GPU, so its tokens and logits are the split model's (the
+    # bound is under one bf16 step at these logits).
+    one = swap_mla_attention(load({"": 0}))
+    gen = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        split = ours.generate(ids, **gen, **generate_kwargs(ours, poison(cache)))
+        single = one.generate(ids, **gen, **generate_kwargs(
+            one, poison(MLACache.for_model(one, 3, 12 + 16))))
+    assert torch.equal(split.sequences.cpu(), single.sequences.cpu())
+    torch.testing.assert_close(torch.stack(split.logits, 1).cpu(),
+                               torch.stack(single.logits, 1).cpu(), atol=1e-2, rtol=0)
 
 
 def test_swap_shares_weights_and_keeps_state_dict_keys():

@@ -75,7 +75,15 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     return None
 
 
-def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
+def _run_sm90(q, *args):
+    # Kernels launch on the current device, and a model split over GPUs (device_map) calls its
+    # layers on cuda:1 while cuda:0 is current.
+    with torch.cuda.device(q.device):
+        return _run_sm90_here(q, *args)
+
+
+def _run_sm90_here(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale,
+                   causal):
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
