@@ -79,7 +79,8 @@ class MultiheadLatentAttention(nn.Module):
         config: a DeepseekV3Config / DeepseekV2Config (or any object with the same fields:
             hidden_size, num_attention_heads, q_lora_rank (None: one q_proj), kv_lora_rank,
             qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias, rope_parameters,
-            rope_interleave, max_position_embeddings, attention_dropout).
+            rope_interleave (absent: RoPE in halves; DeepSeek-V2's model_type: complex angles),
+            max_position_embeddings, attention_dropout).
         layer_idx: the layer's index in the model (its slot in the cache).
 
     Shapes: ``hidden_states`` [b, s, hidden_size] -> ``(out [b, s, hidden_size], None)``.
@@ -130,8 +131,9 @@ class MultiheadLatentAttention(nn.Module):
 
     @classmethod
     def from_hf(cls, attn: nn.Module) -> MultiheadLatentAttention:
-        """The module for a transformers DeepseekV3Attention/DeepseekV2Attention, sharing (not
-        copying) its projections and norms."""
+        """The module for a transformers attention that computes DeepSeek-V2/V3's (see
+        :func:`torch_mla.modules.swap.mla_difference`), sharing (not copying) its projections and
+        norms."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(attn.config, attn.layer_idx)
