@@ -4,6 +4,7 @@ import os
 import re
 import subprocess
 import sys
+import types
 from pathlib import Path
 
 import pytest
@@ -34,17 +35,22 @@ def test_demo_fp32_reproduces_transformers_tokens_with_progress_lines_in_a_pipe(
     assert ("swapped in torch_mla's attention; its decode runs reference: cpu tensors: the "
             "kernels run on NVIDIA GPUs") in out
     lines = [re.sub(r", [0-9.]+ steps/s$", "", line) for line in out.splitlines()]
-    expected = ["1/3 transformers as shipped (eager attention, DynamicCache)",
+    # The accuracy table's last row, numbers out: fp32 against fp32, every pick fp32's.
+    lines = [re.sub(r"^\| all 10 \|.*\| 30/30 \|.*\| 30/30 \|$", "| all 10 | top-1 |", line)
+             for line in lines]
+    expected = ["1/4 transformers as shipped (eager attention, DynamicCache)",
                 "  transformers generating: 3/10 tokens",
                 "  transformers generating: 5/10 tokens",
                 "  transformers generating: 8/10 tokens",
                 "  transformers generating: 10/10 tokens",
-                "3/3 torch_mla (eager, MLACache)",
+                "3/4 torch_mla (eager, MLACache)",
                 "  torch_mla    generating: 3/10 tokens",
                 "  torch_mla    generating: 5/10 tokens",
                 "  torch_mla    generating: 8/10 tokens",
                 "  torch_mla    generating: 10/10 tokens",
-                "| | decode tokens/s | KV cache bytes/token (all layers) | peak memory over weights |"]
+                "4/4 fp32 copy of the same weights, re-scoring both runs' tokens (the exact result)",
+                "| | decode tokens/s | KV cache bytes/token (all layers) | peak memory over weights |",
+                "| all 10 | top-1 |"]
     at = [lines.index(e) for e in expected]
     assert at == sorted(at), out
 
@@ -82,3 +88,55 @@ def test_demo_compare_greedy_tells_near_ties_from_disagreements():
     # A parting at a token outside the reference's top k is counted as such.
     ours[1, 1] = 42
     assert demo.compare_greedy(ref, ref_top, ours, top)["outside_top"] == 1
+
+
+def test_demo_bf16_measures_both_runs_against_fp32_and_the_verdict_follows(capsys):
+    demo.main([*TINY, "--dtype", "bf16"])
+    out = capsys.readouterr().out
+    rows = re.findall(r"^\| (\d+) \| ([0-9.e-]+) / ([0-9.e-]+) \| (\d) \| ([0-9.e-]+) / "
+                      r"([0-9.e-]+) \| (\d) \|$", out, flags=re.M)
+    assert [r[0] for r in rows] == ["1", "2", "4", "8", "10"], out
+    # Step 1 scores the prompt, which the swapped model computes with transformers' own
+    # operations: the same bf16 logits, so the same error against fp32.
+    assert rows[0][1:4] == rows[0][4:7]
+    # bf16 against fp32: errors of a few bf16 steps at these logits, not zero and not more.
+    errors = [float(x) for r in rows for x in (r[1], r[4])]
+    assert all(0 < e < 0.1 for e in errors), out
+    m = re.search(r"^verdict: torch_mla \(bfloat16\) is (closer to the fp32 result than|as close to "
+                  r"the fp32 result as|further from the fp32 result than) transformers "
+                  r"\(bfloat16\): mean logit error ([0-9.e-]+) vs ([0-9.e-]+), picks equal to "
+                  r"fp32's (\d+)/30 vs (\d+)/30\.$", out, flags=re.M)
+    assert m, out
+    ours, theirs = float(m[2]), float(m[3])
+    expected = demo.fp32_verdict({"mean": ours}, {"mean": theirs})
+    assert m[1].startswith({"closer": "closer", "as close": "as close", "further": "further"}[
+        expected])
+    # The alarm comes only where the numbers say torch_mla is worse.
+    assert "NOT all partings" not in out
+    if "further from fp32 than transformers'" in out:
+        assert expected == "further"
+
+
+def test_demo_against_fp32_per_step_numbers():
+    import torch
+
+    # Two requests, prompt of 2, 2 new tokens; fp32's logits for the 2 steps, and a run's.
+    ref = torch.tensor([[[1.0, 3.0, 0.0], [2.0, 0.0, 0.0]],
+                        [[0.0, 1.0, 5.0], [0.0, 4.0, 1.0]]])  # [b, n, vocab]
+    calls = []
+
+    def exact(ids, logits_to_keep):
+        calls.append((ids.tolist(), logits_to_keep))
+        return types.SimpleNamespace(logits=ref)
+
+    steps = [torch.tensor([[1.0, 3.5, 0.0], [0.0, 1.0, 5.0]]),   # both pick fp32's token
+             torch.tensor([[2.0, 2.5, 0.0], [0.0, 4.0, 1.25]])]  # request 0 does not
+    seqs = torch.tensor([[7, 8, 1, 1], [7, 9, 2, 1]])
+    acc = demo.against_fp32(exact, seqs, steps)
+    assert calls == [([[7, 8, 1], [7, 9, 2]], 2)]  # the run's tokens, all but the last, fed in
+    assert acc["max_err"] == [0.5, 2.5] and acc["top1"] == [2, 1]
+    assert acc["mean_err"] == pytest.approx([0.5 / 6, 2.75 / 6])
+    assert (acc["max"], acc["agree"], acc["picks"]) == (2.5, 3, 4)
+    assert acc["mean"] == pytest.approx((0.5 + 2.75) / 12)
+    verdict = [demo.fp32_verdict({"mean": x}, {"mean": 1.0}) for x in (0.89, 0.91, 1.09, 1.11)]
+    assert verdict == ["closer", "as close", "as close", "further"]

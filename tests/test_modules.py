@@ -11,6 +11,8 @@ logits at every step. Unwritten cache slots are NaN, so reading one shows.
 import copy
 import subprocess
 import sys
+import types
+import warnings
 
 import expecttest
 import pytest
@@ -20,6 +22,8 @@ from torch import nn
 pytest.importorskip("transformers")
 
 from transformers import (  # noqa: E402
+    AutoConfig,
+    AutoModel,
     AutoModelForCausalLM,
     DeepseekV2Config,
     DeepseekV3Config,
@@ -285,6 +289,25 @@ def test_chunked_prefill_with_padding_past_the_first_chunk(kind):
     assert cache.cache_seqlens.tolist() == [21 + 9, 12 + 9, 4 + 9]
 
 
+@pytest.mark.parametrize("kind", ["v3", "v3_halves_eager", "v2"])
+def test_bf16_without_mla_cache_is_transformers_bit_for_bit(kind):
+    # Without an MLACache the module runs transformers' own operations in its dtypes (RoPE in
+    # bf16 from bf16 angles for V3, in fp32 complex for V2; its eager or SDPA attention; its
+    # layouts), so the bound is zero. Anything else shows: in "v3" one bf16 step in one layer's
+    # attention (RoPE rounded in fp32) sends tokens to other experts and moved logits by 4.9.
+    hf = hf_model(kind).to(torch.bfloat16)
+    ours = swapped(hf)
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    gen = dict(attention_mask=mask, max_new_tokens=10, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the swapped model on transformers' DynamicCache
+        ref, out = hf.generate(ids, **gen), ours.generate(ids, **gen)
+        assert torch.equal(ours(ids, attention_mask=mask).logits, hf(ids, attention_mask=mask).logits)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert torch.equal(torch.stack(out.logits), torch.stack(ref.logits))
+
+
 def test_generate_on_a_used_cache_starts_fresh_or_continues_as_transformers():
     hf = hf_model("v3")
     ours = swapped(hf)
@@ -373,6 +396,175 @@ def test_fp32_cache_on_a_gpu_warns_once():
         "(MLACache.for_model(model, ...) reads it, or pass dtype=)"]
 
 
+# --- every transformers MLA family --------------------------------------------------------------
+
+# Families whose attention is DeepSeek-V2/V3's under another name, as tiny random models (the same
+# fields for all; a family ignores those it does not have). kimi_k25 is multimodal: its text model
+# (a DeepseekV3Config), the part swap_mla_attention changes.
+FAMILIES = ["glm4_moe_lite", "youtu", "axk1", "minicpm3", "sarvam_mla", "kimi_k25"]
+FAMILY_CONFIG = dict(COMMON, q_lora_rank=40, n_group=1, topk_group=1)
+
+
+def family_config(family, **overrides):
+    fields = dict(FAMILY_CONFIG, **overrides)
+    if family == "kimi_k25":
+        return AutoConfig.for_model(family, text_config=dict(fields, model_type="deepseek_v3"))
+    return AutoConfig.for_model(family, **fields)
+
+
+def family_model(family):
+    config = family_config(family).get_text_config()
+    return AutoModelForCausalLM.from_config(config).eval()
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_mla_family_swaps_and_matches_transformers(family):
+    hf = family_model(family)
+    ours = swapped(hf)
+    attns = [m for m in ours.modules() if isinstance(m, MultiheadLatentAttention)]
+    assert len(attns) == hf.config.num_hidden_layers
+    # MiniCPM3 rotates in halves (its config has no rope_interleave): pairing the dimensions
+    # interleaved instead changes its logits by about 4.
+    assert attns[0].rope_interleave == (family != "minicpm3")
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    gen = dict(attention_mask=mask, max_new_tokens=8, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    cache = poisoned_cache(ours, max_batch=3, max_len=12 + 8)
+    with torch.no_grad():
+        ref = hf.generate(ids, **gen)
+        out = ours.generate(ids, **gen, **generate_kwargs(ours, cache))
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(ref.logits, 1),
+                               atol=1e-4, rtol=0)
+
+
+class TestEveryMLAFamily(expecttest.TestCase):
+    def test_what_swap_mla_attention_does_with_each_family(self):
+        # Every transformers 5.24 model with kv_lora_rank whose tiny config builds, on the meta
+        # device (no weights: the decision reads only the structure and the config).
+        families = ["deepseek_v2", "deepseek_v3", *FAMILIES, "mistral4", "longcat_flash",
+                    "kimi_linear", "bailing_hybrid", "deepseek_v32", "glm_moe_dsa", "axk2",
+                    "hy_v4", "mistral_large4", "deepseek_v4"]
+        lines = []
+        for family in families:
+            # The hybrids' first layer as an MLA one (by default their first layers are linear).
+            extra = dict(layer_types=["full_attention", "linear_attention"]) \
+                if family in ("kimi_linear", "bailing_hybrid") else {}
+            with torch.device("meta"):
+                model = AutoModel.from_config(family_config(family, **extra))
+            try:
+                swap_mla_attention(model)
+                n = sum(isinstance(m, MultiheadLatentAttention) for m in model.modules())
+                lines.append(f"{family}: swapped {n}")
+            except ValueError as e:
+                lines.append(f"{family}: {e}")
+        self.assertExpectedInline("\n".join(lines), """\
+deepseek_v2: swapped 2
+deepseek_v3: swapped 2
+glm4_moe_lite: swapped 2
+youtu: swapped 2
+axk1: swapped 2
+minicpm3: swapped 2
+sarvam_mla: swapped 2
+kimi_k25: swapped 2
+mistral4: layers.0.self_attn (Mistral4Attention) is not DeepSeek-V2/V3's attention: it scales its queries by position (rope_parameters['llama_4_scaling_beta'] = 0.1, Mistral 4's Llama-4 scaling). MultiheadLatentAttention would compute something else, so nothing was swapped
+longcat_flash: layers.0.self_attn.0 (LongcatFlashMLA) is not DeepSeek-V2/V3's attention: it has attributes DeepSeek-V2/V3's attention does not have (mla_scale_kv_lora, mla_scale_q_lora), which may change its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+kimi_linear: layers.0.self_attn (KimiLinearAttention) is not DeepSeek-V2/V3's attention: its forward takes no position_embeddings: it applies no RoPE from the model. MultiheadLatentAttention would compute something else, so nothing was swapped
+bailing_hybrid: layers.0.self_attn (BailingHybridAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (g_proj): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+deepseek_v32: layers.0.self_attn (DeepseekV32Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+glm_moe_dsa: layers.0.self_attn (GlmMoeDsaAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+axk2: layers.0.self_attn (AXK2Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer, q_gate_proj): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+hy_v4: layers.0.self_attn (HYV4Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (gate_proj, indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+mistral_large4: language_model.layers.0.self_attn (MistralLarge4TextAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer, softmax_scaling): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+deepseek_v4: DeepseekV4Model has no MLA attention to swap (a module with kv_a_proj_with_mqa and kv_b_proj, as DeepSeek-V2/V3's)""")
+
+
+# --- a model split over devices (device_map) -----------------------------------------------------
+
+
+def test_cache_follows_each_layers_device():
+    # Layer 1's attention on the meta device stands for a second GPU: the cache must put that
+    # layer's buffers, block table, lengths and schedule there, and layer 0's where layer 0 is.
+    # (A model with layers on cpu and meta cannot run; the cache's step can, on fake latents.)
+    ours = swapped(hf_model("v3"))
+    ours.model.layers[1].self_attn.to("meta")
+    cache = MLACache.for_model(ours, 2, 70)
+    cpu, meta = torch.device("cpu"), torch.device("meta")
+    assert cache.layer_devices == [cpu, meta]
+    assert [kv.device for kv in cache.kv_caches] == [cpu, meta]
+    for s in (5, 1, 2):  # the prefill, then decode steps
+        for layer, device in enumerate(cache.layer_devices):
+            prefill = cache.begin_layer(layer, 2, s)
+            step = cache.append_latents(layer, torch.randn(2, s, 48, device=device),
+                                        torch.randn(2, s, 16, device=device), num_heads=6)
+            assert prefill == (s == 5) and step.prefill == prefill
+            tensors = [step.kv_cache, step.block_table, step.cache_seqlens,
+                       *(step.schedule or ())]
+            assert {t.device for t in tensors} == {device}, (s, layer)
+    assert cache.cache_seqlens.tolist() == [8, 8]
+    # Where accelerate offloads a layer (weights on the CPU or meta, moved in by a hook at each
+    # call), the layer's device is its hook's execution device.
+    ours.model.layers[1].self_attn.to_empty(device="cpu")
+    ours.model.layers[1]._hf_hook = types.SimpleNamespace(execution_device="meta")
+    assert MLACache.for_model(ours, 2, 70).layer_devices == [cpu, meta]
+
+
+def test_split_cache_mirrors_lengths_and_schedule_and_matches_transformers():
+    # "cpu" and "cpu:0" are different torch.device values for the same memory: a cache built
+    # for them keeps a second block table, lengths and schedule for layer 1, filled once a step
+    # from layer 0's, as for a layer on cuda:1. Stale lengths or a stale schedule there would
+    # change the logits.
+    hf = hf_model("v3_yarn")
+    ours = swapped(hf)
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    cache = poison(MLACache(hf.config, 3, 12 + 10, device=["cpu", "cpu:0"]))
+    assert cache._seqlens[1].data_ptr() != cache.cache_seqlens.data_ptr()
+    assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=10)
+    assert cache._seqlens[1].tolist() == cache.cache_seqlens.tolist() == [12 + 9, 9 + 9, 4 + 9]
+    with pytest.raises(ValueError, match="one per layer, 2 layers, got 3 devices"):
+        MLACache(hf.config, 1, 64, device=["cpu"] * 3)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_split_over_two_gpus(tmp_path, dtype):
+    # transformers dispatches a device_map over several devices with accelerate's hooks.
+    pytest.importorskip("accelerate")
+    hf_model("v3_yarn").save_pretrained(tmp_path)  # dense MLPs: no atomics in a MoE scatter
+    device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0, "model.layers.0": 0,
+                  "model.layers.1": 1, "model.norm": 1, "lm_head": 1}
+
+    def load(device_map):
+        return AutoModelForCausalLM.from_pretrained(tmp_path, device_map=device_map,
+                                                    dtype=dtype).eval()
+
+    hf, ours = load(device_map), swap_mla_attention(load(device_map))
+    gpu0, gpu1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    assert ours.model.layers[1].self_attn.kv_b_proj.weight.device == gpu1
+    ids, mask = left_padded_prompts(3, 12, pads=(0, 3, 8))
+    ids, mask = ids.to(gpu0), mask.to(gpu0)
+    cache = MLACache.for_model(ours, 3, 12 + 16)
+    assert cache.layer_devices == [gpu0, gpu1]
+    assert [kv.device for kv in cache.kv_caches] == [gpu0, gpu1]
+    if dtype == torch.float32:  # the reference decode: transformers' tokens and logits
+        assert_greedy_matches(hf, ours, ids, cache, attention_mask=mask, max_new_tokens=16)
+        return
+    # bf16, the GPU kernel on each layer's own device: the same model on one GPU runs the same
+    # operations on the same kind of GPU, so its tokens and logits are the split model's (the
+    # bound is under one bf16 step at these logits).
+    one = swap_mla_attention(load({"": 0}))
+    gen = dict(attention_mask=mask, max_new_tokens=16, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        split = ours.generate(ids, **gen, **generate_kwargs(ours, poison(cache)))
+        single = one.generate(ids, **gen, **generate_kwargs(
+            one, poison(MLACache.for_model(one, 3, 12 + 16))))
+    assert torch.equal(split.sequences.cpu(), single.sequences.cpu())
+    torch.testing.assert_close(torch.stack(split.logits, 1).cpu(),
+                               torch.stack(single.logits, 1).cpu(), atol=1e-2, rtol=0)
+
+
 def test_swap_shares_weights_and_keeps_state_dict_keys():
     hf = hf_model("v3")
     before = {k: v.data_ptr() for k, v in hf.state_dict().items()}
@@ -387,18 +579,30 @@ class TestRefusals(expecttest.TestCase):
     def test_not_a_deepseek_model(self):
         with self.assertRaises(ValueError) as e:
             swap_mla_attention(nn.Sequential(nn.Linear(4, 4)))
-        self.assertExpectedInline(str(e.exception), """Sequential has no DeepseekV3Attention or DeepseekV2Attention module to swap; swap_mla_attention is for transformers' DeepSeek-V2/V3 models""")
+        self.assertExpectedInline(str(e.exception), """Sequential has no MLA attention to swap (a module with kv_a_proj_with_mqa and kv_b_proj, as DeepSeek-V2/V3's)""")
 
-    def test_unknown_mla_variant(self):
-        class OtherMLAAttention(nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.kv_a_proj_with_mqa = nn.Linear(4, 4)
-                self.kv_b_proj = nn.Linear(4, 4)
+    def test_attention_that_differs_from_deepseeks(self):
+        # DeepSeek-V3's attention, changed in one layer as other families change it.
+        def changed(change):
+            hf = hf_model("v3")
+            change(hf.model.layers[1].self_attn)
+            with self.assertRaises(ValueError) as e:
+                swap_mla_attention(hf)
+            assert not any(isinstance(m, MultiheadLatentAttention) for m in hf.modules())
+            return str(e.exception)
 
-        with self.assertRaises(NotImplementedError) as e:
-            swap_mla_attention(nn.ModuleDict({"attn": OtherMLAAttention()}))
-        self.assertExpectedInline(str(e.exception), """attn is a OtherMLAAttention, an MLA attention swap_mla_attention does not know (supported: DeepseekV3Attention, DeepseekV2Attention); its forward may differ, so it is left alone and nothing was swapped""")
+        gate = changed(lambda a: setattr(a, "g_proj", nn.Linear(96, 6)))
+        self.assertExpectedInline(gate, """model.layers.1.self_attn (DeepseekV3Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (g_proj): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped""")
+        field = changed(lambda a: setattr(a, "kv_lora_rank", 32))
+        self.assertExpectedInline(field, """model.layers.1.self_attn (DeepseekV3Attention) is not DeepSeek-V2/V3's attention: its kv_lora_rank is 32 but its config's is 48. MultiheadLatentAttention would compute something else, so nothing was swapped""")
+        shape = changed(lambda a: setattr(a, "o_proj", nn.Linear(6 * 20, 96)))
+        self.assertExpectedInline(shape, """model.layers.1.self_attn (DeepseekV3Attention) is not DeepSeek-V2/V3's attention: its o_proj.in_features is 120, not the 144 its config's dimensions give. MultiheadLatentAttention would compute something else, so nothing was swapped""")
+
+    def test_output_attentions(self):
+        ours = swapped(hf_model("v3"))
+        with self.assertRaises(NotImplementedError) as e, torch.no_grad():
+            ours(torch.randint(2, VOCAB, (1, 4)), output_attentions=True)
+        self.assertExpectedInline(str(e.exception), """output_attentions=True: MultiheadLatentAttention returns no attention weights (a decode step attends over the latent cache in torch_mla.mla_decode, which never forms them); run the model without swap_mla_attention to see them""")
 
     def test_quantized_projection(self):
         hf = hf_model("v3")

@@ -4,7 +4,8 @@
                                unabsorbed, decode absorbed over the paged latent cache
     MLACache                   the paged latent cache: static buffers, device-side lengths, a
                                transformers Cache that ``generate`` accepts
-    swap_mla_attention         replaces every DeepSeek attention of a loaded model, in place
+    swap_mla_attention         replaces every DeepSeek-V2/V3-style attention of a loaded model
+                               (decided by structure and config), in place
     generate_kwargs            the keyword under which this transformers version takes a cache
 
 transformers is optional (extra ``hf``): without it the module and the cache still work, the cache

@@ -27,7 +27,14 @@ from torch import nn
 
 from ..ops import mla_decode
 from .cache import LatentStep, MLACache
-from .rope import MLARotaryEmbedding, apply_rope, half_angles, rope_parameters, softmax_scale
+from .rope import (
+    MLARotaryEmbedding,
+    apply_rope,
+    apply_rope_complex,
+    half_angles,
+    rope_parameters,
+    softmax_scale,
+)
 
 _warned_foreign_cache = False
 
@@ -72,7 +79,8 @@ class MultiheadLatentAttention(nn.Module):
         config: a DeepseekV3Config / DeepseekV2Config (or any object with the same fields:
             hidden_size, num_attention_heads, q_lora_rank (None: one q_proj), kv_lora_rank,
             qk_nope_head_dim, qk_rope_head_dim, v_head_dim, attention_bias, rope_parameters,
-            rope_interleave, max_position_embeddings, attention_dropout).
+            rope_interleave (absent: RoPE in halves; DeepSeek-V2's model_type: complex angles),
+            max_position_embeddings, attention_dropout).
         layer_idx: the layer's index in the model (its slot in the cache).
 
     Shapes: ``hidden_states`` [b, s, hidden_size] -> ``(out [b, s, hidden_size], None)``.
@@ -109,9 +117,11 @@ class MultiheadLatentAttention(nn.Module):
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
         self.is_causal = True
-        # DeepSeek-V2 always pairs dimensions interleaved; V3 does when rope_interleave is set.
-        self.rope_interleave = (getattr(config, "model_type", "") == "deepseek_v2"
-                                or bool(getattr(config, "rope_interleave", True)))
+        # How the model rotates (see rope.py): DeepSeek-V2 multiplies by complex angles; the others
+        # pass (cos, sin) and pair dimensions interleaved where the config says rope_interleave
+        # (DeepSeek-V3's field), else in halves, transformers' rotate_half (MiniCPM3).
+        self.rope_complex = getattr(config, "model_type", "") == "deepseek_v2"
+        self.rope_interleave = self.rope_complex or bool(getattr(config, "rope_interleave", False))
         self.scaling = softmax_scale(config)
         try:
             self.rotary = MLARotaryEmbedding(self.qk_rope_head_dim, rope_parameters(config),
@@ -121,8 +131,9 @@ class MultiheadLatentAttention(nn.Module):
 
     @classmethod
     def from_hf(cls, attn: nn.Module) -> MultiheadLatentAttention:
-        """The module for a transformers DeepseekV3Attention/DeepseekV2Attention, sharing (not
-        copying) its projections and norms."""
+        """The module for a transformers attention that computes DeepSeek-V2/V3's (see
+        :func:`torch_mla.modules.swap.mla_difference`), sharing (not copying) its projections and
+        norms."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
         self._setup(attn.config, attn.layer_idx)
@@ -167,6 +178,11 @@ class MultiheadLatentAttention(nn.Module):
         Returns:
             ``(out [b, s, hidden_size], None)``: no attention weights.
         """
+        if kwargs.get("output_attentions"):
+            raise NotImplementedError(
+                "output_attentions=True: MultiheadLatentAttention returns no attention weights (a "
+                "decode step attends over the latent cache in torch_mla.mla_decode, which never "
+                "forms them); run the model without swap_mla_attention to see them")
         cache = cache if cache is not None else past_key_values
         b, s, _ = hidden_states.shape
         if isinstance(cache, MLACache):
@@ -177,12 +193,11 @@ class MultiheadLatentAttention(nn.Module):
             q = self.q_proj(hidden_states)
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
-        q_nope, q_pe = q.view(b, s, H, dn + dr).split([dn, dr], dim=-1)
+        # Heads first, as transformers lays the query out: the same tensors go into the same ops.
+        q_nope, q_pe = q.view(b, s, H, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
         kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([R, dr], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [b, s, R]
-        cos, sin = self._angles(position_embeddings, position_ids)  # [b, s, dr / 2]
-        q_pe = apply_rope(q_pe, cos[:, :, None], sin[:, :, None], self.rope_interleave)
-        k_pe = apply_rope(k_pe, cos, sin, self.rope_interleave)  # [b, s, dr]
+        q_pe, k_pe = self._rotate(q_pe, k_pe, position_embeddings, position_ids)
 
         if isinstance(cache, MLACache):
             step = cache.append_latents(self.layer_idx, kv_c, k_pe, H)
@@ -199,47 +214,72 @@ class MultiheadLatentAttention(nn.Module):
             out = self._attend_expanded(q_nope, q_pe, kv_all[:, 0], pe_all[:, 0], attention_mask)
         return self.o_proj(out.reshape(b, s, H * self.v_head_dim)), None
 
-    def _angles(self, position_embeddings, position_ids):
-        if position_embeddings is not None:
-            return half_angles(position_embeddings, self.qk_rope_head_dim)
-        if position_ids is None:
-            raise ValueError("MultiheadLatentAttention needs position_embeddings (as transformers "
-                             "models pass them) or position_ids [b, s]")
-        if self.rotary is None:
-            raise NotImplementedError(
-                f"rope_type {rope_parameters(self.config)['rope_type']!r} is computed only by "
-                "transformers: pass the model's position_embeddings")
-        return self.rotary(position_ids)
+    def _rotate(self, q_pe, k_pe, position_embeddings, position_ids):
+        """RoPE on ``q_pe`` [b, H, s, dr] and ``k_pe`` [b, s, dr], as the model computes it."""
+        if position_embeddings is None:
+            if position_ids is None:
+                raise ValueError("MultiheadLatentAttention needs position_embeddings (as "
+                                 "transformers models pass them) or position_ids [b, s]")
+            if self.rotary is None:
+                raise NotImplementedError(
+                    f"rope_type {rope_parameters(self.config)['rope_type']!r} is computed only by "
+                    "transformers: pass the model's position_embeddings")
+            cos, sin = self.rotary(position_ids)  # float32 [b, s, dr / 2]
+            if not self.rope_complex:
+                return (apply_rope(q_pe, cos[:, None], sin[:, None], self.rope_interleave),
+                        apply_rope(k_pe, cos, sin, self.rope_interleave))
+            position_embeddings = torch.complex(cos, sin)
+        if isinstance(position_embeddings, torch.Tensor) and position_embeddings.is_complex():
+            return (apply_rope_complex(q_pe, position_embeddings[:, None]),
+                    apply_rope_complex(k_pe, position_embeddings))
+        cos, sin = half_angles(position_embeddings, self.qk_rope_head_dim)  # [b, s, dr / 2]
+        return (apply_rope(q_pe, cos[:, None], sin[:, None], self.rope_interleave),
+                apply_rope(k_pe, cos, sin, self.rope_interleave))
 
     def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, attention_mask) -> torch.Tensor:
-        """Unabsorbed attention of [b, s, H, *] queries over ``kv_c`` [b, S, R] / ``k_pe``
-        [b, S, dr] (the last s of which are the queries' own tokens) -> [b, s, H, v_head_dim]."""
-        b, s, H, _ = q_nope.shape
+        """Unabsorbed attention of [b, H, s, *] queries over ``kv_c`` [b, S, R] / ``k_pe``
+        [b, S, dr] (the last s of which are the queries' own tokens) -> [b, s, H, v_head_dim].
+
+        transformers' computation, op for op and in its layouts (``expand_kv``, then its eager or
+        SDPA attention), so that a bf16 model rounds exactly as the original does."""
+        b, H, s, _ = q_nope.shape
         S = kv_c.shape[1]
         dn, dv = self.qk_nope_head_dim, self.v_head_dim
-        kv = self.kv_b_proj(kv_c.to(self.kv_b_proj.weight.dtype)).view(b, S, H, dn + dv)
-        k_nope, v = kv.split([dn, dv], dim=-1)
-        k = torch.cat([k_nope, k_pe[:, :, None].to(k_nope.dtype).expand(b, S, H, -1)], dim=-1)
-        q = torch.cat([q_nope, q_pe], dim=-1)
+        kv = self.kv_b_proj(kv_c.to(self.kv_b_proj.weight.dtype).view(b, 1, S, -1))
+        k_nope, v = kv.view(b, S, H, dn + dv).transpose(1, 2).split([dn, dv], dim=-1)
+        k = torch.cat([k_nope, k_pe[:, None].to(k_nope.dtype).expand(b, H, S, -1)], dim=-1)
+        q = torch.cat([q_nope, q_pe], dim=-1)  # [b, H, s, dqk]
+        dropout = self.attention_dropout if self.training else 0.0
         # A prompt without padding: SDPA's own causal masking (its fused kernels need no mask).
         plain_causal = attention_mask is None and s == S and s > 1
-        mask = None if plain_causal else _attention_mask(attention_mask, s, S, q.device, q.dtype)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask,
-            dropout_p=self.attention_dropout if self.training else 0.0, is_causal=plain_causal,
-            scale=self.scaling)
+        eager = getattr(self.config, "_attn_implementation", None) == "eager"
+        mask = None if plain_causal and not eager else _attention_mask(
+            attention_mask, s, S, q.device, q.dtype)
+        if eager:
+            scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
+            if mask is not None:
+                if mask.dtype == torch.bool:
+                    mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(
+                        ~mask, torch.finfo(q.dtype).min)
+                scores = scores + mask
+            p = F.softmax(scores, dim=-1, dtype=torch.float32).to(q.dtype)
+            out = torch.matmul(F.dropout(p, p=dropout, training=self.training), v)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout,
+                                                 is_causal=plain_causal, scale=self.scaling)
         return out.transpose(1, 2)
 
     def _attend_absorbed(self, q_nope, q_pe, step: LatentStep) -> torch.Tensor:
         """Decode: W_UK into the query, torch_mla.mla_decode over the latent cache, W_UV into the
-        output. [b, s, H, *] -> [b, s, H, v_head_dim]."""
+        output. [b, H, s, *] -> [b, s, H, v_head_dim]."""
         H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = self.kv_b_proj.weight.view(H, dn + dv, R)
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
-        q_lat = torch.einsum("bshn,hnr->bshr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe.to(q_lat.dtype)], dim=-1).to(step.kv_cache.dtype)
-        out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
-                                step.schedule, softmax_scale=self.scaling, causal=True, d_v=R)
+        q_lat = torch.einsum("bhsn,hnr->bshr", q_nope, w_uk)
+        q = torch.cat([q_lat, q_pe.transpose(1, 2).to(q_lat.dtype)], dim=-1)
+        out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
+                                step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
+                                causal=True, d_v=R)
         return torch.einsum("bshr,hvr->bshv", out_lat.to(w.dtype), w_uv)
 
 

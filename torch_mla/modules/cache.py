@@ -1,23 +1,29 @@
 """``MLACache``: a paged latent KV cache with static buffers, usable as a transformers ``Cache``.
 
-What it holds (all preallocated at construction, on one device, never reallocated):
+What it holds (all preallocated at construction, never reallocated):
 
-    kv_caches[l]   [num_blocks, 64, 1, kv_lora_rank + qk_rope_head_dim], one per layer: token t of
-                   request r lives in page ``block_table[r, t // 64]``, row ``t % 64``; each row is
-                   ``[kv_c | k_pe]``, the normalised latent and the rotated RoPE key (FlashMLA's
-                   layout, 576 values = 1152 bytes in bf16 for DeepSeek-V2/V3).
+    kv_caches[l]   [num_blocks, 64, 1, kv_lora_rank + qk_rope_head_dim], one per layer, on that
+                   layer's device: token t of request r lives in page ``block_table[r, t // 64]``,
+                   row ``t % 64``; each row is ``[kv_c | k_pe]``, the normalised latent and the
+                   rotated RoPE key (FlashMLA's layout, 576 values = 1152 bytes in bf16 for
+                   DeepSeek-V2/V3).
     block_table    int32 [max_batch_size, ceil(max_cache_len / 64)], shared by all layers
                    (default: request r owns pages ``r * max_blocks ...``, in order).
     cache_seqlens  int32 [max_batch_size], tokens cached per request, shared by all layers.
 
+A model split over devices (``device_map``) gets each layer's buffers on the device of that
+layer's attention (``MLACache.for_model`` reads them; ``layer_devices``); the block table and the
+lengths are kept on layer 0's device and mirrored, once a step, on every other device.
+
 A forward of the model is one *step*: its layer 0 starts it (computes this step's slots, advances
 the lengths on the device and computes the decode schedule, which all layers then share), every
-layer appends its latents. The first step after construction or
-:meth:`MLACache.reset` is the *prefill*: the attention runs over the prompt itself and its latents
-are written; a padding token (found from the attention mask) is not written, so each request's
-cache holds only its real tokens and requests of different lengths sit side by side. Every later
-step is a *decode* step of ``s_q >= 1`` new tokens per request, appended at each request's own
-length and attended causally through :func:`torch_mla.mla_decode`.
+layer appends its latents; the first layer on another device copies the lengths and the slots
+there and computes the schedule there, for the layers on that device. The first step after
+construction or :meth:`MLACache.reset` is the *prefill*: the attention runs over the prompt
+itself and its latents are written; a padding token (found from the attention mask) is not
+written, so each request's cache holds only its real tokens and requests of different lengths sit
+side by side. Every later step is a *decode* step of ``s_q >= 1`` new tokens per request,
+appended at each request's own length and attended causally through :func:`torch_mla.mla_decode`.
 
 Nothing in a decode step reads a value on the host, so it compiles to one graph whose shapes do
 not change from step to step, and replays in a CUDA graph: the buffers are marked as static
@@ -36,7 +42,7 @@ the real tokens before it. That needs the padding of a step to come before its r
 cache serves one generate call after another; to continue a sequence, pass the whole of it again
 (it is prefilled again, and the tokens are transformers' own).
 
-Limits: one device; at most ``max_cache_len`` positions per request, counted as transformers
+Limits: at most ``max_cache_len`` positions per request, counted as transformers
 counts them (padding included). In eager mode a step past that raises ValueError before anything
 is written; a compiled step (no host read is possible) fails a device-side assert instead
 (RuntimeError; on a GPU the CUDA context is lost, as with any device-side assert), unless
@@ -90,6 +96,35 @@ def key_padding(attention_mask: Any, num_tokens: int,
     # Clamped so that a mask narrower than the cache can never index out of bounds.
     own = own.clamp(max=m.shape[-1] - 1).expand(m.shape[0], num_tokens)
     return torch.gather(m, 2, own[:, :, None]).squeeze(2)
+
+
+def _per_layer(device: Any, num_layers: int) -> list[torch.device]:
+    if isinstance(device, (list, tuple)):
+        if len(device) != num_layers:
+            raise ValueError(f"device: one per layer, {num_layers} layers, got {len(device)} "
+                             "devices")
+        return [torch.device(d) for d in device]
+    return [torch.device(device if device is not None else "cpu")] * num_layers
+
+
+def attention_devices(model: torch.nn.Module) -> dict[int, torch.device]:
+    """``{layer_idx: device}`` for each MLA attention of ``model`` (a module with ``kv_b_proj``
+    and a ``layer_idx``): where its weights are, or, for a layer that accelerate offloads (weights
+    on the meta device or the CPU, moved in at each call), the device its hook runs it on."""
+    hooks = {}  # accelerate's hooks sit on the modules device_map names: the layers' ancestors
+    for name, m in model.named_modules():
+        if getattr(getattr(m, "_hf_hook", None), "execution_device", None) is not None:
+            hooks[name] = torch.device(m._hf_hook.execution_device)
+    devices = {}
+    for name, m in model.named_modules():
+        if not hasattr(m, "kv_b_proj") or getattr(m, "layer_idx", None) is None:
+            continue
+        device = m.kv_b_proj.weight.device
+        parts = name.split(".")
+        scopes = (".".join(parts[:i]) for i in range(len(parts), -1, -1))  # itself, parents
+        hooked = next((hooks[p] for p in scopes if p in hooks), None)
+        devices[m.layer_idx] = hooked if hooked is not None else device
+    return devices
 
 
 class LatentStep(NamedTuple):
@@ -161,7 +196,7 @@ class MLACacheLayer(_RefusesReshaping, _LayerBase):
         self.layer_idx = layer_idx
         self.is_initialized = True  # preallocated
         self.batch_size = cache.max_batch_size
-        self.device = cache.device
+        self.device = cache.layer_devices[layer_idx]
 
     def lazy_initialization(self, key_states, value_states) -> None:  # already allocated
         return None
@@ -202,7 +237,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
             ``qk_rope_head_dim``).
         max_batch_size: most requests in one forward.
         max_cache_len: most tokens per request (prompt, with its padding, plus generated).
-        device: of the buffers, the model's (default: the CPU).
+        device: of the buffers, the model's (default: the CPU); or one device per layer, for a
+            model split over devices (the step's state lives on layer 0's).
         dtype: of the buffers, the model's: bf16/fp16 run the GPU kernel, fp32 the reference
             (warned about once on a GPU). Default: ``torch.get_default_dtype()``.
             ``MLACache.for_model`` reads both from the model.
@@ -225,13 +261,17 @@ class MLACache(_RefusesReshaping, _CacheBase):
         if max_batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got "
                              f"{max_batch_size} and {max_cache_len}")
-        device = torch.device(device if device is not None else "cpu")
-        dtype = dtype if dtype is not None else torch.get_default_dtype()
-        _warn_fp32_on_gpu(device, dtype)
         self.num_layers = config.num_hidden_layers
+        self.layer_devices = _per_layer(device, self.num_layers)
+        dtype = dtype if dtype is not None else torch.get_default_dtype()
+        for d in dict.fromkeys(self.layer_devices):
+            _warn_fp32_on_gpu(d, dtype)
         self.kv_lora_rank = config.kv_lora_rank
         self.qk_rope_head_dim = config.qk_rope_head_dim
-        self.device, self.dtype = device, dtype
+        self.device, self.dtype = self.layer_devices[0], dtype
+        # The distinct devices, layer 0's first; each layer's index among them.
+        self._devices = list(dict.fromkeys(self.layer_devices))
+        self._device_of = [self._devices.index(d) for d in self.layer_devices]
         self._max_batch, self._max_len = max_batch_size, max_cache_len
         self.max_blocks = math.ceil(max_cache_len / PAGE_SIZE)
         if block_table is None:
@@ -244,15 +284,19 @@ class MLACache(_RefusesReshaping, _CacheBase):
         if num_blocks is None:
             num_blocks = int(block_table.max()) + 1
         d = self.kv_lora_rank + self.qk_rope_head_dim
-        self.kv_caches = [torch.zeros(num_blocks, PAGE_SIZE, 1, d, dtype=dtype, device=device)
-                          for _ in range(self.num_layers)]
-        self.block_table = block_table.to(device=device, dtype=torch.int32).contiguous()
-        self.cache_seqlens = torch.zeros(max_batch_size, dtype=torch.int32, device=device)
+        self.kv_caches = [torch.zeros(num_blocks, PAGE_SIZE, 1, d, dtype=dtype, device=dev)
+                          for dev in self.layer_devices]
+        # Per device: the block table and the lengths ([0]: layer 0's, where a step starts).
+        self._tables = [block_table.to(device=dev, dtype=torch.int32).contiguous()
+                        for dev in self._devices]
+        self._seqlens = [torch.zeros(max_batch_size, dtype=torch.int32, device=dev)
+                         for dev in self._devices]
+        self.block_table, self.cache_seqlens = self._tables[0], self._seqlens[0]
         # Positions processed, padding included (transformers' notion of the sequence length).
-        self._seen = torch.zeros((), dtype=torch.int64, device=device)
+        self._seen = torch.zeros((), dtype=torch.int64, device=self.device)
         if not torch.compiler.is_compiling():
             # In-place updates of these inside a compiled step need fixed addresses for CUDA graphs.
-            for t in (*self.kv_caches, self.block_table, self.cache_seqlens, self._seen):
+            for t in (*self.kv_caches, *self._tables, *self._seqlens, self._seen):
                 torch._dynamo.mark_static_address(t)
         self._reset_python_state()
         self._given_to_generate = False
@@ -265,12 +309,17 @@ class MLACache(_RefusesReshaping, _CacheBase):
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_batch_size: int, max_cache_len: int,
                   **kwargs) -> MLACache:
-        """A cache sized for ``model`` (a transformers DeepSeek model), on its device and in the
-        dtype of its attention weights."""
+        """A cache sized for ``model`` (a transformers DeepSeek model) in the dtype of its
+        attention weights, each layer's buffers on the device of that layer's attention
+        (:func:`attention_devices`: one device, or several for a model split by ``device_map``)."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         w = next(m.kv_b_proj.weight for m in model.modules() if hasattr(m, "kv_b_proj"))
-        kwargs.setdefault("device", w.device)
+        if "device" not in kwargs:
+            devices = attention_devices(model)
+            first = devices[min(devices)]
+            per_layer = [devices.get(i, first) for i in range(config.num_hidden_layers)]
+            kwargs["device"] = first if len(set(per_layer)) == 1 else per_layer
         kwargs.setdefault("dtype", w.dtype)
         return cls(config, max_batch_size, max_cache_len, **kwargs)
 
@@ -328,14 +377,15 @@ class MLACache(_RefusesReshaping, _CacheBase):
         """Empties the cache (lengths to 0); the next forward is a prefill again. ``generate``
         calls it itself (see ``_is_user_defined``); a hand-written loop calls it between
         sequences."""
-        self.cache_seqlens.zero_()
+        for lens in self._seqlens:
+            lens.zero_()
         self._seen.zero_()
         self._reset_python_state()
 
     def _reset_python_state(self) -> None:
         self._prefilled = False
-        # (prefill, batch, tokens, key_valid, slots, schedule) of the step under way; None
-        # between steps.
+        # (prefill, batch, tokens, key_valid, per device: (slots, schedule) or None) of the step
+        # under way; None between steps.
         self._step: tuple | None = None
         # ``_seen`` as the host knows it: eager steps keep it, a compiled step sets None.
         self._host_seen: int | None = 0
@@ -372,8 +422,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
         if b > self._max_batch or longest > self._max_len:
             raise ValueError(f"{b} requests of up to {longest} tokens do not fit a cache of "
                              f"{self._max_batch} x {self._max_len}")
-        self.cache_seqlens.zero_()
-        self.cache_seqlens[:b].copy_(cache_seqlens)
+        for lens in self._seqlens:
+            lens.zero_()
+            lens[:b].copy_(cache_seqlens)
         self._seen.fill_(longest)
         self._reset_python_state()
         self._prefilled = True
@@ -404,7 +455,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
             if not prefill and key_valid is not None and num_tokens > 1:
                 self._check_padding_first(key_valid)
             self._prefilled = True
-            self._step = (prefill, batch_size, num_tokens, key_valid, None, None)
+            self._step = (prefill, batch_size, num_tokens, key_valid, (None,) * len(self._devices))
         elif self._step is None:
             raise RuntimeError(f"layer {layer_idx} attends before layer 0 in this forward: "
                                "MLACache expects layers 0 .. num_layers - 1 in order")
@@ -463,20 +514,28 @@ class MLACache(_RefusesReshaping, _CacheBase):
             k_pe: [b, s, qk_rope_head_dim], their rotated RoPE keys.
             num_heads: query heads (sizes the decode schedule).
         """
-        prefill, b, s, key_valid, slots, sched = self._step
-        if slots is None:  # the first layer of the step computes what every layer shares
+        prefill, b, s, key_valid, per_device = self._step
+        if per_device[0] is None:  # the step's first layer computes what every layer shares
             if key_valid is None:
                 key_valid = torch.ones(b, s, dtype=torch.bool, device=self.device)
             key_valid = key_valid.to(self.device).expand(b, s)
             slots = self._store(b, s, key_valid, prefill)
-            if not prefill:
-                sched = get_decode_schedule(self.cache_seqlens[:b], s, num_heads)
-            self._step = (prefill, b, s, None, slots, sched)
+            sched = None if prefill else get_decode_schedule(self.cache_seqlens[:b], s, num_heads)
+            per_device = ((slots, sched), *per_device[1:])
+        k = self._device_of[layer_idx]
+        if per_device[k] is None:  # the step's first layer on another device: mirror it there
+            lens = self._seqlens[k]
+            lens.copy_(self.cache_seqlens)
+            slots = per_device[0][0].to(self._devices[k])
+            sched = None if prefill else get_decode_schedule(lens[:b], s, num_heads)
+            per_device = (*per_device[:k], (slots, sched), *per_device[k + 1:])
+        self._step = (prefill, b, s, None, per_device)
+        slots, sched = per_device[k]
         kv = self.kv_caches[layer_idx]
         append_kv(kv, kv_c.reshape(b * s, -1), k_pe.reshape(b * s, -1), slots)
         if layer_idx == self.num_layers - 1:
             self._step = None  # the step is over; hold no tensor past it
-        return LatentStep(prefill, kv, self.block_table[:b], self.cache_seqlens[:b], sched)
+        return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched)
 
     def _store(self, b: int, s: int, key_valid: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The slots of this step's tokens (-1 for padding, which is not stored); advances the
@@ -497,7 +556,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
         return slots.reshape(-1)
 
     def __repr__(self) -> str:
-        return (f"MLACache(layers={self.num_layers}, max_batch_size={self._max_batch}, "
+        where = "" if len(self._devices) == 1 else \
+            f"devices={[str(d) for d in self._devices]}, "
+        return (f"MLACache(layers={self.num_layers}, {where}max_batch_size={self._max_batch}, "
                 f"max_cache_len={self._max_len}, latent={self.kv_lora_rank}+"
                 f"{self.qk_rope_head_dim}, dtype={self.dtype}, "
                 f"{self.kv_bytes_per_token} bytes/token)")

@@ -1,12 +1,22 @@
 """Rotary position embedding as DeepSeek-V2/V3 configure it, without a dependency on transformers.
 
 MLA applies RoPE to a narrow slice of the query (``qk_rope_head_dim`` of each head) and to one
-shared key (``k_pe``, cached next to the latent). The rotation pairs dimensions either
-interleaved, ``(x0, x1), (x2, x3), ...`` (DeepSeek's own layout: V2 always, V3 with
-``rope_interleave``), or split in halves, ``(x_i, x_{i + d/2})``. Either way this module writes
-the rotated pair ``(a, b)`` as ``[a_0 .. a_{d/2-1}, b_0 .. b_{d/2-1}]``: the order of the
-dimensions changes nothing in ``q_pe . k_pe`` as long as queries and keys share it, and it is
-the order transformers' DeepSeek-V3 uses, so the cached ``k_pe`` is the same bits.
+shared key (``k_pe``, cached next to the latent). Three conventions exist in transformers' MLA
+models, and this module computes each with transformers' own operations, in its dtypes, so a
+swapped model rounds as the original does:
+
+    halves       pairs ``(x_i, x_{i + d/2})``, angles as ``(cos, sin)`` in the model's dtype and
+                 rotated in it (``rotate_half``: MiniCPM3, DeepSeek-V3 with
+                 ``rope_interleave=False``);
+    interleaved  pairs ``(x_0, x_1), (x_2, x_3), ...``, same angles and dtype, written as
+                 ``[a_0 .. a_{d/2-1}, b_0 .. b_{d/2-1}]`` for the rotated pairs (a, b)
+                 (DeepSeek-V3 with ``rope_interleave``);
+    complex      interleaved pairs multiplied by complex ``freqs_cis`` in float32 and kept
+                 interleaved (DeepSeek-V2).
+
+The order the dimensions come out in changes nothing in ``q_pe . k_pe`` as long as queries and
+keys share it; each convention keeps transformers' order, so the cached ``k_pe`` is the same bits
+as in transformers' cache.
 
 Frequencies: the default ``base ** (-2i / d)`` or YaRN (NTK-by-parts interpolation with its
 attention factor folded into cos/sin), as in transformers' ``_compute_yarn_parameters``. YaRN's
@@ -137,16 +147,25 @@ def half_angles(position_embeddings: Any, dim: int) -> tuple[torch.Tensor, torch
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, interleave: bool
                ) -> torch.Tensor:
-    """Rotates ``x`` [..., d] by angles given as cos/sin broadcastable to [..., d // 2].
+    """Rotates ``x`` [..., d] by angles given as cos/sin broadcastable to [..., d // 2], pairing
+    dimensions interleaved or in halves; output layout ``[a | b]`` for the rotated pairs (a, b).
 
-    Computes in float32 and returns x's dtype; the output layout is ``[a | b]`` for each rotated
-    pair (a, b) (see the module docstring), whichever the input layout.
+    The operations and their dtypes are transformers' (``apply_rotary_pos_emb`` and
+    ``apply_rotary_pos_emb_interleave``): each product and sum in the promoted dtype of x and the
+    angles (bf16 for a bf16 model, whose rotary embedding returns bf16 cos/sin), rounded to x's
+    dtype at the end.
     """
-    xf = x.float()
     if interleave:
-        x1, x2 = xf[..., 0::2], xf[..., 1::2]
+        x1, x2 = x[..., 0::2], x[..., 1::2]
     else:
         half = x.shape[-1] // 2
-        x1, x2 = xf[..., :half], xf[..., half:]
-    cos, sin = cos.float(), sin.float()
+        x1, x2 = x[..., :half], x[..., half:]
+    # rotate_half's first half is x1 * cos + (-x2) * sin, bit for bit x1 * cos - x2 * sin.
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+def apply_rope_complex(x: torch.Tensor, freqs_cis: torch.Tensor) -> torch.Tensor:
+    """DeepSeek-V2's rotation: ``x`` [..., d] as d // 2 interleaved complex pairs, times complex
+    ``freqs_cis`` broadcastable to [..., d // 2], in float32; returns x's dtype, interleaved."""
+    xc = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(xc * freqs_cis).flatten(-2).type_as(x)

@@ -166,6 +166,12 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
     """The split-KV decode kernel of ``backend`` ("sm90", "sm100" or "sm80") and the combine,
     behind one host call; the host side (workspace, one launch per KV head, argument packing) is
     the same for all."""
+    if q.device.index != torch.cuda.current_device():
+        # Kernels launch on the current device's stream, and a model split over GPUs
+        # (device_map) calls its layers on cuda:1 while cuda:0 is current.
+        with torch.cuda.device(q.device):
+            return _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta,
+                                 num_splits, softmax_scale, causal)
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
