@@ -353,6 +353,66 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert (comb["griddepcontrol.wait"] > 0) == pdl, (arch, comb)
 
 
+# Host-side CuTe DSL (runs on the CPU): every element of each view the portable kernel takes at
+# a runtime index (warp `half` of a pair) against its buffer's layout at the element's coordinate.
+PORTABLE_VIEWS_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+from cutlass import Int32
+from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig, half_views, smem_layouts
+
+@cute.jit
+def misplaced(view, coords, layout) -> Int32:
+    bad = Int32(0)
+    for i in cutlass.range(cute.size(view), unroll=1):
+        at = Int32(view.iterator.toint()) // 2 + Int32(cute.crd2idx(i, view.layout))
+        if at != Int32(cute.crd2idx(coords[i], layout)):
+            bad += 1
+    return bad
+
+@cute.jit
+def check(cfg: cutlass.Constexpr):
+    _, k_layout, p_layout = smem_layouts(cfg)
+    smem = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=1024)
+    sK, sP = cute.make_tensor(smem, k_layout), cute.make_tensor(smem, p_layout)
+    cK, cP = cute.make_identity_tensor(k_layout.shape), cute.make_identity_tensor(p_layout.shape)
+    for half in cutlass.range(2, unroll=1):
+        views, coords = half_views(cfg, sK, sP, half), half_views(cfg, cK, cP, half)
+        bad_v = Int32(0)
+        for c in cutlass.range_constexpr(len(views[2])):
+            bad_v += misplaced(views[2][c], coords[2][c], k_layout)
+        cute.printf("%dx%dx%d half %d: K %d of %d, P %d of %d, V %d of %d misplaced\n",
+                    cfg.block_m, cfg.block_n, cfg.stages, half,
+                    misplaced(views[0], coords[0], k_layout), cute.size(views[0]),
+                    misplaced(views[1], coords[1], p_layout), cute.size(views[1]),
+                    bad_v, 4 * cute.size(views[2][0]))
+
+for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3)]:
+    check(Sm80DecodeConfig(*tiles))
+"""
+
+
+def test_portable_half_views_address_their_buffers(tmp_path):
+    """The halves of K, P and V that each warp of a pair takes at a runtime offset address the
+    elements of their buffers. A view at an offset inside a swizzle atom is addressed with the
+    offset twice (nvidia-cutlass-dsl 4.8.1); with P in block_n-wide atoms, the second warp's P
+    went to the wrong place (all of it at 64x64 and 64x32 tiles), found on the H200."""
+    script = tmp_path / "views.py"  # the DSL compiles from source files only
+    script.write_text(PORTABLE_VIEWS_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
+    assert_expected_inline("\n".join(lines), """\
+64x64x2 half 0: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
+64x64x2 half 1: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
+64x32x2 half 0: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
+64x32x2 half 1: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
+32x16x3 half 0: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced
+32x16x3 half 1: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced""")
+
+
 def test_portable_tiles_fit_each_arch():
     from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig, smem_per_block
 

@@ -120,9 +120,40 @@ class Sm80DecodeConfig:
 def _smem_atom(cols: int):
     """Swizzled 8-row atom of `cols` 16-bit elements: ldmatrix reads of 8 rows x 16 bytes hit
     distinct banks."""
-    bits = {64: 3, 32: 2, 16: 1}[cols]
+    bits = {64: 3, 32: 2, 16: 1, 8: 0}[cols]
     return cute.make_composed_layout(cute.make_swizzle(bits, 3, 3), 0,
                                      cute.make_layout((8, cols), stride=(cols, 1)))
+
+
+def smem_layouts(cfg: Sm80DecodeConfig):
+    """Shared-memory layouts (element offsets): Q (block_m, 576), the stage buffers (block_n,
+    576, stages) and P (block_m, block_n)."""
+    bm, bn, st = cfg.block_m, cfg.block_n, cfg.stages
+    sQ = cute.tile_to_shape(_smem_atom(64), (bm, D_QK), (0, 1))
+    sK = cute.tile_to_shape(_smem_atom(64), (bn, D_QK, st), (0, 1, 2))
+    # P from atoms block_n / 2 wide, so that the half each warp writes (a view at a runtime
+    # offset) starts on an atom. A view at a runtime offset inside a swizzle atom gets the offset
+    # twice, in its pointer and in its layout (nvidia-cutlass-dsl 4.8.1): with block_n-wide atoms
+    # the second warp of a pair wrote its P block_n / 2 elements too far, partly over its
+    # partner's, and P V read stale shared memory for its keys (H200: lse right, outputs wrong).
+    sP = cute.tile_to_shape(_smem_atom(bn // 2), (bm, bn), (0, 1))
+    return sQ, sK, sP
+
+
+def half_views(cfg: Sm80DecodeConfig, sK: cute.Tensor, sP: cute.Tensor, half):
+    """The views of warp `half` (runtime 0 or 1) of a pair: its keys of every stage for S
+    (block_n / 2, 576, stages), its columns of P (block_m, block_n / 2), and V^T of its output
+    columns in 64-column chunks [(64, block_n, stages)] * 4. Each starts on a swizzle atom (see
+    smem_layouts); sK and sP may also be identity tensors of those shapes (tests)."""
+    bm, bn, st = cfg.block_m, cfg.block_n, cfg.stages
+    sK_half = cute.local_tile(sK, (bn // 2, D_QK, st), (half, 0, 0))
+    sP_half = cute.local_tile(sP, (bm, bn // 2), (0, half))
+    # V^T (d, keys, stages) viewed in the K buffers.
+    sVt = cute.composition(sK, cute.make_layout((D_V, bn, st), stride=(bn, 1, bn * D_QK)))
+    n_chunks = HALF_V // V_CHUNK
+    sV = [cute.local_tile(sVt, (V_CHUNK, bn, st), (half * n_chunks + c, 0, 0))
+          for c in range(n_chunks)]
+    return sK_half, sP_half, sV
 
 
 class MLADecodeSm80:
@@ -162,10 +193,8 @@ class MLADecodeSm80:
         stream,
     ):
         dt = self.dtype
-        bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
-        sQ_layout = cute.tile_to_shape(_smem_atom(64), (bm, D_QK), (0, 1))
-        sK_layout = cute.tile_to_shape(_smem_atom(64), (bn, D_QK, st), (0, 1, 2))
-        sP_layout = cute.tile_to_shape(_smem_atom(bn), (bm, bn), (0, 1))
+        bm, bn = self.cfg.block_m, self.cfg.block_n
+        sQ_layout, sK_layout, sP_layout = smem_layouts(self.cfg)
 
         # Global -> shared: rows of 8 threads x 16 bytes (one 64-column swizzle atom).
         g2s = cute.make_copy_atom(cpasync.CopyG2SOp(cache_mode=cpasync.LoadCacheMode.GLOBAL),
@@ -253,8 +282,9 @@ class MLADecodeSm80:
         tKsK = thr_g2s.partition_D(sK)  # (CPY, CPY_N, CPY_K, stages)
         tKcK = thr_g2s.partition_S(cute.make_identity_tensor((bn, D_QK)))
 
+        sK_half, sP_half, sV = half_views(self.cfg, sK, sP, half)
+
         # S = Q K_half^T: this warp's keys of each stage.
-        sK_half = cute.local_tile(sK, (bn // 2, D_QK, st), (half, 0, 0))
         thr_qk = tiled_qk.get_slice(mma_tid)
         tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[None, None, 0]))
@@ -276,7 +306,7 @@ class MLADecodeSm80:
         st_P = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=32), tiled_qk
         ).get_slice(mma_tid)
-        tPsP = st_P.partition_D(cute.local_tile(sP, (bm, bn // 2), (0, half)))
+        tPsP = st_P.partition_D(sP_half)
         thr_pv = tiled_pv.get_slice(mma_tid)
         ld_P = cute.make_tiled_copy_A(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dt), tiled_pv
@@ -285,14 +315,11 @@ class MLADecodeSm80:
         tOsP = ld_P.partition_S(sP)
         tOrP_v = ld_P.retile(tOrP)
 
-        # O_half += P V: V^T (d, keys, stages) viewed in the K buffers; chunks of 64 columns.
-        sVt = cute.composition(sK, cute.make_layout((D_V, bn, st), stride=(bn, 1, bn * D_QK)))
+        # O_half += P V, 64 output columns at a time.
         ld_V = cute.make_tiled_copy_B(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), dt), tiled_pv
         ).get_slice(mma_tid)
         n_chunks = HALF_V // V_CHUNK
-        sV = [cute.local_tile(sVt, (V_CHUNK, bn, st), (half * n_chunks + c, 0, 0))
-              for c in range(n_chunks)]
         tOsV = [ld_V.partition_S(x) for x in sV]  # (CPY, CPY_N, CPY_K, stages) per chunk
         tOrV = [thr_pv.make_fragment_B(thr_pv.partition_B(x[None, None, 0])) for x in sV]
         tOrV_v = [ld_V.retile(x) for x in tOrV]
