@@ -59,7 +59,9 @@ def get_mla_metadata(
     h_kv=h_kv)``. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
     """
     if is_fp8_kvcache or topk is not None:
-        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no topk)")
+        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
+                                  "sparse FP8 cache, no topk); a dense float8_e4m3fn cache: "
+                                  "get_mla_metadata_dense_fp8")
     if cache_seqlens is None:
         return FlashMLASchedMeta(), None
     if num_q_tokens_per_head_k is None:
@@ -102,7 +104,9 @@ def flash_mla_with_kvcache(
         out [batch, s_q, h_q, head_dim_v] in q's dtype; softmax_lse float32 [batch, h_q, s_q].
     """
     if is_fp8_kvcache or indices is not None:
-        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no indices)")
+        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
+                                  "sparse FP8 cache, no indices); a dense float8_e4m3fn cache: "
+                                  "flash_mla_with_kvcache_fp8")
     extra = [k for k, v in unsupported.items() if v is not None]
     if extra:
         raise NotImplementedError(f"unsupported FlashMLA arguments: {', '.join(sorted(extra))}")
