@@ -292,3 +292,15 @@ class TestFp8Errors(expecttest.TestCase):
         self.assertExpectedInline(append(fp8, torch.ones(64)), """kv_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [64]""")
         self.assertExpectedInline(append(torch.zeros(2, 64, 1, 576), torch.ones(1)), """kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.float32: pass kv_scale=None""")
         self.assertExpectedInline(append(fp8.view(torch.uint8), None), """kv_cache must be bfloat16, float16, float32 or float8_e4m3fn, got torch.uint8""")
+
+
+def test_fp8_cache_with_q_requiring_grad_is_forward_only():
+    inp, cache, kv_scale = fp8_inputs([3, 70], 1, 16)
+    q = inp.q.clone().requires_grad_()
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens,
+                                    kv_scale=kv_scale)
+    ref_out, _ = mla_decode_fp64(inp.q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                 inp.cache_seqlens, SCALE, False, 512)
+    torch.testing.assert_close(out.detach().double(), ref_out, atol=1e-3, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="torch_mla.mla_decode is forward-only"):
+        out.float().sum().backward()
