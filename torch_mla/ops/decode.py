@@ -28,8 +28,10 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                       softmax_scale, causal)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
-    return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v,
-                                kv_scale=kv_scale, q_scale=q_scale)
+    args = (q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
+    if kv_scale is None and q_scale is None:
+        return mla_decode_reference(*args)  # (the bf16/fp16 call as it always was)
+    return mla_decode_reference(*args, kv_scale=kv_scale, q_scale=q_scale)
 
 
 def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
