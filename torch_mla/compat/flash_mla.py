@@ -11,8 +11,10 @@ Both of FlashMLA's forms are accepted:
   :class:`FlashMLASchedMeta` that the first ``flash_mla_with_kvcache`` call fills in and later
   calls reuse (valid while the shapes and ``cache_seqlens`` values stay the same).
 
-Only dense decode is provided: the FP8 cache and sparse (``indices``) modes raise
-NotImplementedError.
+Dense decode only: FlashMLA's sparse modes (``indices``, its 656-byte FP8 sparse cache) raise
+NotImplementedError. The dense FP8 cache that vLLM's fork of FlashMLA decodes (float8_e4m3fn
+``[num_blocks, 64, h_kv, 576]``, one ``descale_k`` and one ``descale_q`` per tensor) is served by
+:func:`get_mla_metadata_dense_fp8` and :func:`flash_mla_with_kvcache_fp8`, vLLM's names.
 """
 
 from __future__ import annotations
@@ -26,7 +28,8 @@ from ..ops.checks import check_count, check_decode_args
 from ..ops.decode import mla_decode
 from ..ops.schedule import DecodeSchedule, get_decode_schedule
 
-__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache"]
+__all__ = ["FlashMLASchedMeta", "get_mla_metadata", "flash_mla_with_kvcache",
+           "get_mla_metadata_dense_fp8", "flash_mla_with_kvcache_fp8"]
 
 
 @dataclasses.dataclass
@@ -56,7 +59,9 @@ def get_mla_metadata(
     h_kv=h_kv)``. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
     """
     if is_fp8_kvcache or topk is not None:
-        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no topk)")
+        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
+                                  "sparse FP8 cache, no topk); a dense float8_e4m3fn cache: "
+                                  "get_mla_metadata_dense_fp8")
     if cache_seqlens is None:
         return FlashMLASchedMeta(), None
     if num_q_tokens_per_head_k is None:
@@ -99,7 +104,9 @@ def flash_mla_with_kvcache(
         out [batch, s_q, h_q, head_dim_v] in q's dtype; softmax_lse float32 [batch, h_q, s_q].
     """
     if is_fp8_kvcache or indices is not None:
-        raise NotImplementedError("torch_mla supports dense decode only (no FP8 cache, no indices)")
+        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
+                                  "sparse FP8 cache, no indices); a dense float8_e4m3fn cache: "
+                                  "flash_mla_with_kvcache_fp8")
     extra = [k for k, v in unsupported.items() if v is not None]
     if extra:
         raise NotImplementedError(f"unsupported FlashMLA arguments: {', '.join(sorted(extra))}")
@@ -125,3 +132,45 @@ def flash_mla_with_kvcache(
         schedule = DecodeSchedule(tile_scheduler_metadata, num_splits)
     return mla_decode(q, k_cache, block_table, cache_seqlens, schedule,
                       softmax_scale=softmax_scale, causal=causal, d_v=head_dim_v)
+
+
+def get_mla_metadata_dense_fp8(
+    cache_seqlens: torch.Tensor, num_q_tokens_per_head_k: int, num_heads_k: int
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``get_mla_metadata_dense_fp8``: ``(tile_scheduler_metadata int32 [num_sm_parts, 8],
+    num_splits int32 [batch + 1])`` for ``cache_seqlens`` int32 [batch]; the schedule does not
+    depend on the cache dtype, so this is :func:`get_mla_metadata`'s tensor form."""
+    return get_mla_metadata(cache_seqlens, num_q_tokens_per_head_k, num_heads_k)
+
+
+def flash_mla_with_kvcache_fp8(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    block_table: torch.Tensor,
+    cache_seqlens: torch.Tensor,
+    head_dim_v: int,
+    tile_scheduler_metadata: torch.Tensor,
+    num_splits: torch.Tensor,
+    softmax_scale: Optional[float] = None,
+    causal: bool = False,
+    descale_q: Optional[torch.Tensor] = None,
+    descale_k: Optional[torch.Tensor] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's ``flash_mla_with_kvcache_fp8``: dense decode over an FP8 latent cache.
+
+    Args:
+        q: [batch, s_q, h_q, head_dim], float8_e4m3fn with ``descale_q`` (or bf16/fp16 without);
+        k_cache: [num_blocks, 64, h_kv, head_dim] float8_e4m3fn; value = ``k_cache.float() *
+        descale_k``; block_table int32 [batch, max_blocks]; cache_seqlens int32 [batch];
+        head_dim_v: width of V; tile_scheduler_metadata, num_splits: from
+        :func:`get_mla_metadata_dense_fp8`; descale_k, descale_q: float32 [1] (one per tensor):
+        :func:`torch_mla.mla_decode`'s ``kv_scale`` and ``q_scale``.
+
+    Returns:
+        out [batch, s_q, h_q, head_dim_v] bf16 (q's dtype for a bf16/fp16 q); softmax_lse
+        float32 [batch, h_q, s_q].
+    """
+    return mla_decode(q, k_cache, block_table, cache_seqlens,
+                      DecodeSchedule(tile_scheduler_metadata, num_splits),
+                      softmax_scale=softmax_scale, causal=causal, d_v=head_dim_v,
+                      kv_scale=descale_k, q_scale=descale_q)

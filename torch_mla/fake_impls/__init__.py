@@ -3,6 +3,7 @@
 import torch
 
 from ..ops import library  # noqa: F401  (defines the ops first)
+from ..ops.checks import decode_out_dtype
 
 
 @torch.library.register_fake("torch_mla::get_decode_schedule")
@@ -14,15 +15,15 @@ def _get_decode_schedule_fake(cache_seqlens, num_parts):
 
 @torch.library.register_fake("torch_mla::mla_decode")
 def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                     softmax_scale, causal, d_v):
+                     softmax_scale, causal, d_v, kv_scale=None, q_scale=None):
     b, s_q, h_q, _ = q.shape
-    out = q.new_empty((b, s_q, h_q, d_v))
+    out = q.new_empty((b, s_q, h_q, d_v), dtype=decode_out_dtype(q.dtype))
     lse = q.new_empty((b, h_q, s_q), dtype=torch.float32)
     return out, lse
 
 
 @torch.library.register_fake("torch_mla::append_kv")
-def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping):
+def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None):
     return None
 
 

@@ -16,14 +16,15 @@ from .library import forward_only_grads, grad_like, lib
 REPEAT_CHECK_MAX_TOKENS = 2048
 
 
-def _append_impl(kv_cache, kv_c, k_pe, slot_mapping) -> None:
-    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, values=False)
+def _append_impl(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
+    check_append_args(kv_cache, kv_c, k_pe, slot_mapping, values=False, kv_scale=kv_scale)
     T = slot_mapping.shape[0]
+    # (None for a float8_e4m3fn cache: the kernel writes bf16/fp16 only.)
     kernel = find_append_kernel(kv_cache, kv_c, k_pe, slot_mapping) if T else None
     if kernel is None:
         if T and checks.checks_values(slot_mapping):
             checks.check_slot_values(kv_cache.shape[0], slot_mapping)
-        append_kv_reference(kv_cache, kv_c, k_pe, slot_mapping)
+        append_kv_reference(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
         return
     # The kernel checks the slots itself (printf + trap, in CUDA graphs too): the range always,
     # repeats up to REPEAT_CHECK_MAX_TOKENS tokens; longer slot arrays (prefill) have their
@@ -69,10 +70,10 @@ class _ForwardOnlyWrite(torch.autograd.Function):
         return (None, *forward_only_grads(grad, ctx.like, "append_kv"))
 
 
-def _append_autograd(kv_cache, kv_c, k_pe, slot_mapping) -> None:
+def _append_autograd(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
     # register_autograd does not take ops that mutate an input: an Autograd kernel instead.
     with torch._C._AutoDispatchBelowAutograd():
-        torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping)
+        torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     if torch.is_grad_enabled() and (kv_cache.requires_grad or kv_c.requires_grad
                                     or k_pe.requires_grad):
         _ForwardOnlyWrite.apply(kv_cache, kv_c, k_pe)
@@ -82,14 +83,16 @@ lib.impl("append_kv", _append_autograd, "Autograd")
 
 
 def append_kv(
-    kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor
+    kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor, slot_mapping: torch.Tensor,
+    kv_scale: torch.Tensor | None = None,
 ) -> None:
     """Writes new tokens' latents into the paged cache in place. Forward-only (inference): the
     inputs may require grad, but a backward through the written cache raises.
 
     Args:
-        kv_cache: [num_blocks, 64, 1, d_v + d_rope] (bf16/fp16/fp32), the persistent cache (one
-            latent head); token slot s is page ``s // 64``, row ``s % 64``.
+        kv_cache: [num_blocks, 64, 1, d_v + d_rope] (bf16/fp16/fp32, or float8_e4m3fn with
+            ``kv_scale``), the persistent cache (one latent head); token slot s is page
+            ``s // 64``, row ``s % 64``.
         kv_c: [T, d_v] compressed latents (after kv_a_layernorm); cast to the cache dtype.
         k_pe: [T, d_rope] rotary keys (RoPE already applied); cast to the cache dtype.
         slot_mapping: int32/int64 [T], the slot of each token, < num_blocks * 64; negative
@@ -99,14 +102,24 @@ def append_kv(
             raises, and the CUDA context is lost), in CUDA graphs too; where append_kv has no
             kernel, by device-side asserts (see :func:`torch_mla.set_value_checks`). Slots past
             the cache are never written, also with the checks off.
+        kv_scale: float32 [1] on the cache's device, required with a float8_e4m3fn cache (and
+            refused with any other): row = ``[kv_c | k_pe] / kv_scale``, saturated to +-448
+            (e4m3fn's largest finite value; values past ``448 * kv_scale`` are clipped, not
+            NaN) and rounded to nearest even; decode reads ``row.float() * kv_scale``. Choose
+            it so the largest latent magnitude maps near 448, e.g. ``amax / 448`` measured over
+            a prefill's latents. One scale per cache tensor for now.
 
-    On a GPU from SM80 up with a bf16/fp16 cache and 576-wide rows (512 + 64), one kernel launch.
+    On a GPU from SM80 up with a bf16/fp16 cache and 576-wide rows (512 + 64), one kernel launch;
+    a float8_e4m3fn cache takes the reference (torch ops, on any device).
     """
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (kv_cache, kv_c, k_pe))):
-        torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping)
+        if kv_scale is None:  # (the bf16/fp16 graph stays as it was)
+            torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping)
+        else:
+            torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     else:
-        _append_impl(kv_cache, kv_c, k_pe, slot_mapping)
+        _append_impl(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
 
 
 def slot_mapping(block_table: torch.Tensor, cache_seqlens: torch.Tensor,

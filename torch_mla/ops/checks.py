@@ -19,6 +19,9 @@ import torch
 PAGE_SIZE = 64
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+# The FP8 latent cache: e4m3 values times one float32 scale per cache tensor (kv_scale, [1]).
+FP8 = torch.float8_e4m3fn
+FP8_MAX = 448.0  # the largest finite e4m3fn value; append_kv saturates there
 
 # What a device-side assert says (CUDA keeps at most 254 characters); the CPU path names the
 # offending entry instead.
@@ -112,6 +115,8 @@ def check_decode_args(
     cache_seqlens: torch.Tensor,
     d_v: int,
     causal: bool,
+    kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> None:
     """Validates the shapes, dtypes and devices of :func:`torch_mla.mla_decode`'s arguments;
     raises ValueError/TypeError. The values (lengths, used block-table entries) are checked
@@ -130,10 +135,19 @@ def check_decode_args(
         _fail(f"block_table must have shape [batch, max_blocks], got {_shape(block_table)}")
     b, s_q, h_q, d_qk = q.shape
     num_blocks, page, h_kv, d_kv = kv_cache.shape
-    if q.dtype not in DTYPES:
-        _fail(f"q must be bfloat16, float16 or float32, got {q.dtype}")
-    if kv_cache.dtype != q.dtype:
-        _fail(f"kv_cache dtype ({kv_cache.dtype}) must match q's dtype ({q.dtype})")
+    if kv_cache.dtype == FP8 or q.dtype == FP8:
+        _check_fp8_decode(q, kv_cache, kv_scale, q_scale)
+    else:
+        if q.dtype not in DTYPES:
+            _fail(f"q must be bfloat16, float16 or float32, got {q.dtype}")
+        if kv_cache.dtype != q.dtype:
+            _fail(f"kv_cache dtype ({kv_cache.dtype}) must match q's dtype ({q.dtype})")
+        if kv_scale is not None:
+            _fail(f"kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is "
+                  f"{kv_cache.dtype}: pass kv_scale=None")
+        if q_scale is not None:
+            _fail(f"q_scale is the scale of a float8_e4m3fn q; this q is {q.dtype}: pass "
+                  "q_scale=None")
     if block_table.dtype != torch.int32:
         _fail(f"block_table must be int32, got {block_table.dtype}")
     devs = {t.device for t in (q, kv_cache, block_table, cache_seqlens)}
@@ -168,6 +182,43 @@ def check_decode_args(
         _fail("kv_cache must be contiguous (a persistent [num_blocks, 64, h_kv, d_qk] buffer)")
     if block_table.stride(-1) != 1:
         _fail("block_table's last dimension must be contiguous (stride 1)")
+
+
+def _check_fp8_decode(q, kv_cache, kv_scale, q_scale) -> None:
+    if kv_cache.dtype != FP8:
+        _fail(f"a float8_e4m3fn q needs a float8_e4m3fn kv_cache, got {kv_cache.dtype}")
+    if q.dtype not in (*DTYPES, FP8):
+        _fail(f"with a float8_e4m3fn kv_cache, q must be bfloat16, float16, float32 or "
+              f"float8_e4m3fn, got {q.dtype}")
+    check_scale("kv_scale", kv_scale, kv_cache, "kv_cache")
+    if q.dtype == FP8:
+        check_scale("q_scale", q_scale, q, "q")
+    elif q_scale is not None:
+        _fail(f"q_scale is the scale of a float8_e4m3fn q; this q is {q.dtype}: pass "
+              "q_scale=None")
+
+
+def check_scale(name: str, scale, x: torch.Tensor, x_name: str) -> None:
+    """The dequantization scale of the float8_e4m3fn tensor x: a float32 tensor of one element
+    on x's device (value = x.float() * scale)."""
+    if scale is None:
+        _fail(f"{x_name} is float8_e4m3fn: pass {name}=, a float32 tensor of shape [1] "
+              f"(value = {x_name}.float() * {name})")
+    if not isinstance(scale, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor (float32, shape [1]), got "
+                        f"{type(scale).__name__}")
+    if scale.numel() != 1:
+        _fail(f"{name} must hold one scale (shape [1]): one scale per tensor only for now, "
+              f"got shape {_shape(scale)}")
+    if scale.dtype != torch.float32:
+        _fail(f"{name} must be float32, got {scale.dtype}")
+    if scale.device != x.device:
+        _fail(f"{name} must be on {x_name}'s device ({x.device}), got {scale.device}")
+
+
+def decode_out_dtype(q_dtype: torch.dtype) -> torch.dtype:
+    """mla_decode's output dtype: q's, bf16 for a float8_e4m3fn q."""
+    return torch.bfloat16 if q_dtype == FP8 else q_dtype
 
 
 def check_decode_values(num_blocks: int, block_table: torch.Tensor,
@@ -222,7 +273,8 @@ def unpack_schedule(schedule) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                      slot_mapping: torch.Tensor, values: bool = True) -> None:
+                      slot_mapping: torch.Tensor, values: bool = True,
+                      kv_scale: torch.Tensor | None = None) -> None:
     """Validates :func:`torch_mla.append_kv`'s arguments (values as in check_decode_args)."""
     for name, t in (("kv_cache", kv_cache), ("kv_c", kv_c), ("k_pe", k_pe),
                     ("slot_mapping", slot_mapping)):
@@ -249,8 +301,14 @@ def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     if kv_c.shape[1] + k_pe.shape[1] != kv_cache.shape[3]:
         _fail(f"kv_c width {kv_c.shape[1]} + k_pe width {k_pe.shape[1]} must equal the cache's "
               f"head dim {kv_cache.shape[3]}")
-    if kv_cache.dtype not in DTYPES:
-        _fail(f"kv_cache must be bfloat16, float16 or float32, got {kv_cache.dtype}")
+    if kv_cache.dtype == FP8:
+        check_scale("kv_scale", kv_scale, kv_cache, "kv_cache")
+    elif kv_cache.dtype not in DTYPES:
+        _fail(f"kv_cache must be bfloat16, float16, float32 or float8_e4m3fn, got "
+              f"{kv_cache.dtype}")
+    elif kv_scale is not None:
+        _fail(f"kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is "
+              f"{kv_cache.dtype}: pass kv_scale=None")
     dev = kv_cache.device  # (compared one by one: half the host time of a set, every call)
     if kv_c.device != dev or k_pe.device != dev or slot_mapping.device != dev:
         devs = {t.device for t in (kv_cache, kv_c, k_pe, slot_mapping)}

@@ -19,8 +19,8 @@ from .schedule import DecodeSchedule, get_decode_schedule
 
 
 def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                softmax_scale: float, causal: bool, d_v: int):
-    kernel = find_decode_kernel(q, kv_cache, d_v)
+                softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None):
+    kernel = find_decode_kernel(q, kv_cache, d_v)  # (None for a float8_e4m3fn cache: no kernel)
     if kernel is not None:
         # The kernels check the lengths and the page ids they use themselves, at no cost and
         # inside CUDA graphs too: a bad value stops the launch with a message.
@@ -28,15 +28,18 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                       softmax_scale, causal)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
-    return mla_decode_reference(q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
+    args = (q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
+    if kv_scale is None and q_scale is None:
+        return mla_decode_reference(*args)  # (the bf16/fp16 call as it always was)
+    return mla_decode_reference(*args, kv_scale=kv_scale, q_scale=q_scale)
 
 
 def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                 softmax_scale: float, causal: bool, d_v: int):
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal)
+                 softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None):
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale)
     check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
     return _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                       softmax_scale, causal, d_v)
+                       softmax_scale, causal, d_v, kv_scale, q_scale)
 
 
 lib.impl("mla_decode", _decode_impl, "CompositeExplicitAutograd")
@@ -64,6 +67,8 @@ def mla_decode(
     softmax_scale: float | None = None,
     causal: bool = False,
     d_v: int = 512,
+    kv_scale: torch.Tensor | None = None,
+    q_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a paged latent cache (FlashMLA's dense decode).
 
@@ -74,10 +79,13 @@ def mla_decode(
     Forward-only (inference): inputs may require grad, but backward raises.
 
     Args:
-        q: [batch, s_q, h_q, d_qk], bf16/fp16 (fp32 runs on the reference path); last dim
-            contiguous. With absorbed weights, d_qk = kv_lora_rank + qk_rope_head_dim.
-        kv_cache: [num_blocks, 64, h_kv, d_qk], q's dtype, contiguous; page size 64, h_kv latent
-            heads (1 for DeepSeek), h_q a multiple of h_kv.
+        q: [batch, s_q, h_q, d_qk], bf16/fp16 (fp32 runs on the reference path), or
+            float8_e4m3fn with ``q_scale`` (only with an fp8 cache); last dim contiguous. With
+            absorbed weights, d_qk = kv_lora_rank + qk_rope_head_dim.
+        kv_cache: [num_blocks, 64, h_kv, d_qk], contiguous; page size 64, h_kv latent heads (1
+            for DeepSeek), h_q a multiple of h_kv. In q's dtype, or float8_e4m3fn (the FP8
+            latent cache, d_qk bytes per token and KV head) with ``kv_scale``: the latent a row
+            stands for is ``row.float() * kv_scale`` (see :func:`torch_mla.append_kv`).
         block_table: int32 [batch, max_blocks]; page j of request r is ``block_table[r, j]``.
             Entries request r uses (j < ceil(L_r / 64)) must be in [0, num_blocks); the others
             are never read and may hold anything.
@@ -88,9 +96,15 @@ def mla_decode(
         softmax_scale: scale of QK^T before the softmax (default d_qk ** -0.5).
         causal: for s_q > 1, query token i sees keys ``< L - s_q + i + 1`` (speculative decoding).
         d_v: width of V and of the output (512 for DeepSeek-V2/V3).
+        kv_scale: float32 [1] on the cache's device, the dequantization scale of a
+            float8_e4m3fn ``kv_cache``: required with one, refused without. One scale per
+            cache tensor for now (the argument is a tensor so that finer scales, per token or
+            per column block, can come later).
+        q_scale: float32 [1], the dequantization scale of a float8_e4m3fn ``q`` (value =
+            ``q.float() * q_scale``): required with one, refused otherwise.
 
     Returns:
-        out: [batch, s_q, h_q, d_v] in q's dtype.
+        out: [batch, s_q, h_q, d_v] in q's dtype (bf16 for a float8_e4m3fn q).
         lse: float32 [batch, h_q, s_q], natural-log log-sum-exp of the scaled scores.
         A query token that sees no key gets out = 0 and lse = +inf.
 
@@ -99,11 +113,14 @@ def mla_decode(
     "CUDA error: unspecified launch failure" at the next synchronisation, after the message
     is printed), inside CUDA graphs too; on the GPU reference path by device-side asserts
     (see :func:`torch_mla.set_value_checks`).
+
+    A float8_e4m3fn cache runs on the reference path everywhere for now (dequantize to float32,
+    then the fp32 math; on a GPU with a one-time warning: no FP8 kernel yet).
     """
     compiling = torch.compiler.is_compiling()
     # Shapes and dtypes here; values where they are used (_decode_run): in the kernel, or before
     # the reference runs. (Traced by torch.compile, the tensors hold no values.)
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal)
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale)
     if schedule is None:
         schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
                                        h_kv=kv_cache.shape[2])
@@ -115,6 +132,8 @@ def mla_decode(
     # The op (with its autograd formula) where autograd or the compiler needs it; else the
     # implementation directly, which saves the dispatcher's overhead on every layer.
     if compiling or (torch.is_grad_enabled() and (q.requires_grad or kv_cache.requires_grad)):
-        return torch.ops.torch_mla.mla_decode(*args)
+        if kv_scale is None and q_scale is None:  # (the bf16/fp16 graph stays as it was)
+            return torch.ops.torch_mla.mla_decode(*args)
+        return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale)
     check_schedule_args(metadata, num_splits, q.shape[0], q.device)
-    return _decode_run(*args)
+    return _decode_run(*args, kv_scale, q_scale)

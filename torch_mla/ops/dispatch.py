@@ -47,12 +47,14 @@ def portable_forced() -> bool:
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
-                   d_v: int = D_V, page_size: int = PAGE_SIZE) -> tuple[str, str]:
+                   d_v: int = D_V, page_size: int = PAGE_SIZE,
+                   cache_dtype: torch.dtype | None = None) -> tuple[str, str]:
     """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
 
     Args:
         device: where q and the cache live; dtype: q's (and the cache's) dtype;
-        d_qk, d_v, page_size: the problem's widths and the cache's page size.
+        d_qk, d_v, page_size: the problem's widths and the cache's page size;
+        cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn).
 
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200), ``"sm100"``
@@ -67,6 +69,9 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", f"{device.type} tensors: the kernels run on NVIDIA GPUs"
     if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
+    if torch.float8_e4m3fn in (dtype, cache_dtype):
+        return "reference", ("float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes "
+                             "the pages it reads to float32)")
     if dtype not in (torch.bfloat16, torch.float16):
         return "reference", f"{dtype} inputs: the kernels take bfloat16 or float16"
     if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
@@ -103,7 +108,8 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     slower than a kernel); CPU inputs and TORCH_MLA_FORCE_REFERENCE=1 fall back silently."""
     if not q.is_cuda:
         return None
-    name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1])
+    name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1],
+                                  kv_cache.dtype)
     if name == "sm90":
         return _run_sm90
     if name == "sm80":
@@ -401,8 +407,11 @@ _SLOT_NAMES = {torch.int32: "int32", torch.int64: "int64"}
 def find_append_kernel(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                        slot_mapping: torch.Tensor):
     """The compiled append_kv kernel for these (validated) arguments, else None (the reference):
-    a bf16/fp16 cache of 576-wide rows, 16-byte aligned, sources of one dtype."""
+    a bf16/fp16 cache of 576-wide rows, 16-byte aligned, sources of one dtype (a float8_e4m3fn
+    cache is quantized by the reference: no FP8 append kernel yet)."""
     if not kv_cache.is_cuda or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+        return None
+    if kv_cache.dtype == torch.float8_e4m3fn:
         return None
     if (kv_cache.dtype not in _DTYPE_NAMES or kv_c.dtype not in _APPEND_SOURCES
             or k_pe.dtype != kv_c.dtype or kv_c.shape[1] != D_V or k_pe.shape[1] != D_QK - D_V

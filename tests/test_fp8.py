@@ -1,0 +1,306 @@
+"""The FP8 latent cache (issue 13, CPU side): float8_e4m3fn cache + kv_scale (and an fp8 q +
+q_scale) through mla_decode, append_kv, the custom ops, dispatch and the FlashMLA/vLLM compat."""
+
+import types
+import warnings
+
+import expecttest
+import pytest
+import torch
+import torch._dynamo.testing
+
+import torch_mla
+from torch_mla.ops import dispatch
+from torch_mla.reference import dequantize_fp8, mla_decode_reference, quantize_fp8
+from torch_mla.testing import make_decode_inputs
+
+from oracle import mla_decode_fp64
+
+FP8 = torch.float8_e4m3fn
+SCALE = 576**-0.5
+
+
+def fp8_inputs(lens, s_q, h_q, mult=1.0, **sizes):
+    """make_decode_inputs (NaN past each length, huge unused block ids) with the cache quantized
+    to e4m3 at the per-tensor scale amax / 448; returns (inputs, fp8 cache, kv_scale [1])."""
+    inp = make_decode_inputs(lens, s_q, h_q, **sizes)
+    cache = inp.kv_cache.float() * mult
+    kv_scale = (cache.nan_to_num(0).abs().amax() / 448).reshape(1)
+    return inp, quantize_fp8(cache, kv_scale), kv_scale
+
+
+def e4m3_values() -> torch.Tensor:
+    """Every finite float8_e4m3fn value, as float64 (an independent table for the rounding)."""
+    v = torch.arange(256, dtype=torch.uint8).view(FP8).double()
+    return v[torch.isfinite(v)]
+
+
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16])
+def test_decode_bf16_fp16_q_matches_fp64_over_the_dequantized_cache(q_dtype):
+    inp, cache, kv_scale = fp8_inputs([1, 63, 64, 65, 300, 0], 2, 16)
+    q = inp.q.to(q_dtype)
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, causal=True,
+                                    kv_scale=kv_scale)
+    assert out.dtype == q_dtype and lse.dtype == torch.float32
+    ref_out, ref_lse = mla_decode_fp64(q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                       inp.cache_seqlens, SCALE, True, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_decode_fp8_q_with_q_scale_outputs_bf16():
+    inp, cache, kv_scale = fp8_inputs([5, 64, 129], 1, 16)
+    q_scale = (inp.q.float().abs().amax() / 448).reshape(1)
+    q8 = quantize_fp8(inp.q, q_scale)
+    out, lse = torch_mla.mla_decode(q8, cache, inp.block_table, inp.cache_seqlens,
+                                    kv_scale=kv_scale, q_scale=q_scale)
+    assert out.dtype == torch.bfloat16 and lse.dtype == torch.float32
+    ref_out, ref_lse = mla_decode_fp64(dequantize_fp8(q8, q_scale),
+                                       dequantize_fp8(cache, kv_scale), inp.block_table,
+                                       inp.cache_seqlens, SCALE, False, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+def test_reference_over_fp8_equals_fp32_math_over_the_dequantized_cache():
+    # Dequantizing page by page in the gather is the same float32 product as dequantizing the
+    # whole cache first: equal to the last bit, and to fp64 up to fp32 rounding.
+    inp, cache, kv_scale = fp8_inputs([1, 64, 65, 700, 0], 3, 16)
+    q = inp.q.float()
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, causal=True,
+                                    kv_scale=kv_scale)
+    deq = dequantize_fp8(cache, kv_scale)
+    ref_out, ref_lse = mla_decode_reference(q, deq, inp.block_table, inp.cache_seqlens, SCALE,
+                                            True, 512)
+    torch.testing.assert_close(out, ref_out, atol=0, rtol=0)
+    torch.testing.assert_close(lse, ref_lse, atol=0, rtol=0)
+    f64_out, f64_lse = mla_decode_fp64(q, deq, inp.block_table, inp.cache_seqlens, SCALE, True,
+                                       512)
+    torch.testing.assert_close(out.double(), f64_out, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(lse.double(), f64_lse, atol=1e-6, rtol=1e-6)
+
+
+# The issue's e_store (h_q 128, L 4096): 2.8e-2 for randn / 10, 2.0e-2 for randn, 6.5e-2 for
+# 2 * randn. Trimmed to h_q 16, L 1024 for the CPU (measured there: 2.7-2.8e-2, 2.8-3.0e-2,
+# 5.4-6.2e-2); the bounds are the issue's values / 2 and x 2.
+@pytest.mark.parametrize("mult, lo, hi", [(0.1, 1.4e-2, 5.6e-2), (1.0, 1.0e-2, 4.0e-2),
+                                          (2.0, 3.2e-2, 1.3e-1)])
+def test_e_store_of_the_fp8_cache(mult, lo, hi, capsys):
+    """e_store: exact attention over the dequantized fp8 cache (written by append_kv) against
+    exact attention over the original bf16 latents."""
+    L, h_q = 1024, 16
+    latents = (torch.randn(L, 576) * mult).bfloat16()
+    q = (torch.randn(1, 1, h_q, 576) * mult).bfloat16()
+    kv_scale = (latents.float().abs().amax() / 448).reshape(1)
+    cache = torch.full((L // 64, 64, 1, 576), float("nan")).to(FP8)
+    torch_mla.append_kv(cache, latents[:, :512], latents[:, 512:], torch.arange(L), kv_scale)
+    table = torch.arange(L // 64, dtype=torch.int32)[None]
+    lens = torch.tensor([L], dtype=torch.int32)
+    exact, _ = mla_decode_fp64(q, latents.view(L // 64, 64, 1, 576), table, lens, SCALE, False,
+                               512)
+    stored, _ = mla_decode_fp64(q, dequantize_fp8(cache, kv_scale), table, lens, SCALE, False,
+                                512)
+    e_store = ((stored - exact).norm() / exact.norm()).item()
+    with capsys.disabled():
+        print(f"\ne_store (x{mult} randn, h_q {h_q}, L {L}): {e_store:.2e}")
+    assert lo <= e_store <= hi
+    # The decode over the fp8 cache is that stored attention, up to the bf16 output's rounding.
+    out, _ = torch_mla.mla_decode(q, cache, table, lens, kv_scale=kv_scale)
+    assert ((out.double() - stored).norm() / stored.norm()).item() < 4e-3
+
+
+def test_append_quantizes_saturates_and_rounds_to_nearest_even():
+    kv_scale = torch.tensor([0.25])  # a power of two: x / kv_scale is exact
+    cache = torch.full((3, 64, 1, 576), float("nan")).to(FP8)
+    before = cache.clone()
+    kv_c, k_pe = torch.randn(4, 512, dtype=torch.bfloat16), torch.randn(4, 64)
+    # Past +-448 * kv_scale saturates; ties between neighbours round to the even mantissa:
+    # 1.0625 lies between 1.0 and 1.125 (-> 1.0), 1.1875 between 1.125 and 1.25 (-> 1.25).
+    kv_c[0, :4] = torch.tensor([1e4, -113.0, 1.0625 * 0.25, 1.1875 * 0.25])
+    slots = torch.tensor([130, -1, 5, 64])
+    torch_mla.append_kv(cache, kv_c, k_pe, slots, kv_scale=kv_scale)
+    flat, old = cache.view(-1, 576), before.view(-1, 576)
+    assert flat[130, :4].float().tolist() == [448.0, -448.0, 1.0, 1.25]
+    table = e4m3_values()
+    src = torch.cat([kv_c.double(), k_pe.double()], dim=-1) / 0.25
+    for i, s in enumerate(slots.tolist()):
+        if s < 0:
+            continue
+        y = src[i].clamp(-448, 448)
+        # Nearest: no e4m3 value lies closer to y than the stored one.
+        nearest = (table[None, :] - y[:, None]).abs().amin(dim=1)
+        torch.testing.assert_close((flat[s].double() - y).abs(), nearest, atol=0, rtol=0)
+    written = torch.zeros(flat.shape[0], dtype=torch.bool)
+    written[[130, 5, 64]] = True
+    assert torch.equal(flat[~written].view(torch.uint8), old[~written].view(torch.uint8))
+
+
+# Not test_schema: its SchemaCheckMode compares each aten op's inputs before and after with a
+# multiply that torch has no float8 CPU kernel for. The schemas' aliasing is checked by the
+# bf16 opchecks (tests/test_ops.py: the same schemas), the schemas themselves are pinned there.
+FP8_OPCHECKS = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+
+
+def test_opcheck_fp8():
+    inp, cache, kv_scale = fp8_inputs([3, 70, 0], 2, 16)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 16)
+    q_scale = torch.tensor([0.01])
+    for q, qs in ((inp.q, None), (quantize_fp8(inp.q, q_scale), q_scale)):
+        args = (q, cache, inp.block_table, inp.cache_seqlens, sched.metadata, sched.num_splits,
+                SCALE, True, 512, kv_scale, qs)
+        torch.library.opcheck(torch.ops.torch_mla.mla_decode.default, args,
+                              test_utils=FP8_OPCHECKS)
+    cache = torch.randn(4, 64, 1, 576).to(FP8)
+    args = (cache, torch.randn(5, 512, dtype=torch.bfloat16),
+            torch.randn(5, 64, dtype=torch.bfloat16), torch.tensor([3, 70, 200, 64, 1]),
+            torch.tensor([0.003]))
+    torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args, test_utils=FP8_OPCHECKS)
+
+
+def fp8_step(q, kv_c, k_pe, slots, kv_cache, block_table, cache_seqlens, kv_scale):
+    sched = torch_mla.get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
+    torch_mla.append_kv(kv_cache, kv_c, k_pe, slots, kv_scale=kv_scale)
+    return torch_mla.mla_decode(q, kv_cache, block_table, cache_seqlens, sched, causal=True,
+                                kv_scale=kv_scale)
+
+
+def test_compiled_fp8_step_matches_eager_without_recompiling():
+    torch._dynamo.reset()
+    counter = torch._dynamo.testing.CompileCounterWithBackend("inductor")
+    compiled = torch.compile(fp8_step, backend=counter, fullgraph=True)
+    for lens in ([70, 3, 300], [129, 64, 2], [5, 250, 190]):
+        # Same shapes, new lengths, block-table contents and scale value at every step.
+        inp, cache, kv_scale = fp8_inputs(lens, 2, 16, max_blocks=8, num_blocks=12)
+        kv_scale = kv_scale * (1 + torch.rand(1))  # a new scale value: no recompile either
+        b = len(lens)
+        # Each request's last 2 tokens are this step's: written through append_kv.
+        slots = torch_mla.slot_mapping(inp.block_table, inp.cache_seqlens - 2, 2)
+        kv_c, k_pe = torch.randn(b * 2, 512) / 10, torch.randn(b * 2, 64) / 10
+        args = (inp.q, kv_c, k_pe, slots)
+        c1, c2 = cache.clone(), cache.clone()
+        out_c, lse_c = compiled(*args, c1, inp.block_table, inp.cache_seqlens, kv_scale)
+        out_e, lse_e = fp8_step(*args, c2, inp.block_table, inp.cache_seqlens, kv_scale)
+        assert torch.equal(c1.view(torch.uint8), c2.view(torch.uint8))
+        torch.testing.assert_close(out_c, out_e, atol=0, rtol=0)
+        torch.testing.assert_close(lse_c, lse_e, atol=0, rtol=0)
+        ref_out, _ = mla_decode_fp64(inp.q, dequantize_fp8(c1, kv_scale), inp.block_table,
+                                     inp.cache_seqlens, SCALE, True, 512)
+        torch.testing.assert_close(out_c.double(), ref_out, atol=1e-3, rtol=1e-2)
+    assert counter.frame_count == 1, f"recompiled: {counter.frame_count} frames"
+
+
+def test_compat_vllm_fp8_names():
+    from torch_mla.compat.flash_mla import (
+        flash_mla_with_kvcache_fp8,
+        get_mla_metadata,
+        get_mla_metadata_dense_fp8,
+    )
+
+    inp, cache, kv_scale = fp8_inputs([10, 200], 2, 16)
+    meta, splits = get_mla_metadata_dense_fp8(inp.cache_seqlens, 2 * 16, 1)
+    meta2, splits2 = get_mla_metadata(inp.cache_seqlens, 2 * 16, 1)
+    assert torch.equal(meta, meta2) and torch.equal(splits, splits2)
+    q_scale = (inp.q.float().abs().amax() / 448).reshape(1)
+    q8 = quantize_fp8(inp.q, q_scale)
+    out, lse = flash_mla_with_kvcache_fp8(q8, cache, inp.block_table, inp.cache_seqlens, 512,
+                                          meta, splits, causal=True, descale_q=q_scale,
+                                          descale_k=kv_scale)
+    assert out.dtype == torch.bfloat16
+    ref_out, ref_lse = mla_decode_fp64(dequantize_fp8(q8, q_scale),
+                                       dequantize_fp8(cache, kv_scale), inp.block_table,
+                                       inp.cache_seqlens, SCALE, True, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+    # bf16 q over the fp8 cache, with a softmax scale of its own.
+    out, lse = flash_mla_with_kvcache_fp8(inp.q, cache, inp.block_table, inp.cache_seqlens, 512,
+                                          meta, splits, softmax_scale=0.05, descale_k=kv_scale)
+    ref_out, ref_lse = mla_decode_fp64(inp.q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                       inp.cache_seqlens, 0.05, False, 512)
+    torch.testing.assert_close(out.double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+class TestFp8Dispatch(expecttest.TestCase):
+    def setUp(self):
+        self.mp = pytest.MonkeyPatch()
+        self.mp.setattr(dispatch, "_cuda_arch", lambda device: (9, 0))
+        self.mp.setattr(dispatch, "_warned", set())
+        self.mp.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+        self.mp.delenv("TORCH_MLA_PORTABLE", raising=False)
+
+    def tearDown(self):
+        self.mp.undo()
+
+    def test_fp8_cache_takes_the_reference_on_an_h200_and_warns_once(self):
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
+        self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8), (name, why))
+        q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0),
+                                  dtype=torch.bfloat16, shape=(1, 1, 16, 576))
+        cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        with self.assertWarns(UserWarning) as cm:
+            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
+        self.assertExpectedInline(str(cm.warning), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # the same reason again: silent
+            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
+
+    def test_no_append_kernel_for_an_fp8_cache(self):
+        cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
+                                      shape=(4, 64, 1, 576), data_ptr=lambda: 0)
+        src = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 512))
+        pe = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 64))
+        slots = types.SimpleNamespace(dtype=torch.int64, shape=(3,))
+        self.assertIsNone(dispatch.find_append_kernel(cache, src, pe, slots))
+
+
+class TestFp8Errors(expecttest.TestCase):
+    def err(self, fn=None, **change):
+        inp, cache, kv_scale = fp8_inputs([3, 70], 1, 16)
+        args = dict(q=inp.q, kv_cache=cache, block_table=inp.block_table,
+                    cache_seqlens=inp.cache_seqlens, kv_scale=kv_scale)
+        args.update(change)
+        with self.assertRaises((ValueError, TypeError)) as cm:
+            (fn or torch_mla.mla_decode)(**args)
+        return str(cm.exception)
+
+    def test_decode(self):
+        inp = make_decode_inputs([3, 70], 1, 16)
+        q8, one = inp.q.to(FP8), torch.tensor([1.0])
+        self.assertExpectedInline(self.err(kv_scale=None), """kv_cache is float8_e4m3fn: pass kv_scale=, a float32 tensor of shape [1] (value = kv_cache.float() * kv_scale)""")
+        self.assertExpectedInline(self.err(kv_cache=inp.kv_cache), """kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass kv_scale=None""")
+        self.assertExpectedInline(self.err(kv_scale=torch.ones(2)), """kv_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [2]""")
+        self.assertExpectedInline(self.err(kv_scale=torch.ones(1, dtype=torch.bfloat16)), """kv_scale must be float32, got torch.bfloat16""")
+        self.assertExpectedInline(self.err(kv_scale=0.01), """kv_scale must be a torch.Tensor (float32, shape [1]), got float""")
+        self.assertExpectedInline(self.err(kv_scale=torch.ones(1, device="meta")), """kv_scale must be on kv_cache's device (cpu), got meta""")
+        self.assertExpectedInline(self.err(q=q8), """q is float8_e4m3fn: pass q_scale=, a float32 tensor of shape [1] (value = q.float() * q_scale)""")
+        self.assertExpectedInline(self.err(q_scale=one), """q_scale is the scale of a float8_e4m3fn q; this q is torch.bfloat16: pass q_scale=None""")
+        self.assertExpectedInline(self.err(q=q8, q_scale=one, kv_cache=inp.kv_cache, kv_scale=None), """a float8_e4m3fn q needs a float8_e4m3fn kv_cache, got torch.bfloat16""")
+        self.assertExpectedInline(self.err(q=q8, q_scale=torch.ones(1, 2)), """q_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [1, 2]""")
+        self.assertExpectedInline(self.err(q=inp.q.to(torch.int8)), """with a float8_e4m3fn kv_cache, q must be bfloat16, float16, float32 or float8_e4m3fn, got torch.int8""")
+        self.assertExpectedInline(self.err(kv_cache=inp.kv_cache, q_scale=one, kv_scale=None), """q_scale is the scale of a float8_e4m3fn q; this q is torch.bfloat16: pass q_scale=None""")
+
+    def test_append(self):
+        def append(cache, scale):
+            with self.assertRaises((ValueError, TypeError)) as cm:
+                torch_mla.append_kv(cache, torch.randn(2, 512), torch.randn(2, 64),
+                                    torch.tensor([0, 1]), kv_scale=scale)
+            return str(cm.exception)
+
+        fp8 = torch.zeros(2, 64, 1, 576).to(FP8)
+        self.assertExpectedInline(append(fp8, None), """kv_cache is float8_e4m3fn: pass kv_scale=, a float32 tensor of shape [1] (value = kv_cache.float() * kv_scale)""")
+        self.assertExpectedInline(append(fp8, torch.ones(64)), """kv_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [64]""")
+        self.assertExpectedInline(append(torch.zeros(2, 64, 1, 576), torch.ones(1)), """kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.float32: pass kv_scale=None""")
+        self.assertExpectedInline(append(fp8.view(torch.uint8), None), """kv_cache must be bfloat16, float16, float32 or float8_e4m3fn, got torch.uint8""")
+
+
+def test_fp8_cache_with_q_requiring_grad_is_forward_only():
+    inp, cache, kv_scale = fp8_inputs([3, 70], 1, 16)
+    q = inp.q.clone().requires_grad_()
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens,
+                                    kv_scale=kv_scale)
+    ref_out, _ = mla_decode_fp64(inp.q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                 inp.cache_seqlens, SCALE, False, 512)
+    torch.testing.assert_close(out.detach().double(), ref_out, atol=1e-3, rtol=1e-2)
+    with pytest.raises(RuntimeError, match="torch_mla.mla_decode is forward-only"):
+        out.float().sum().backward()
