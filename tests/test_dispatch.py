@@ -58,12 +58,12 @@ sm90: compute capability 9.0: the SM90 CuTe DSL kernel
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: d_qk=192, d_v=128, page size 64: the kernels are built for d_qk=576, d_v=512, page size 64
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
-reference: compute capability 8.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
-reference: compute capability 8.6: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
-reference: compute capability 8.9: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
-reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
-reference: compute capability 12.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
-sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
+sm80: compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+sm80: compute capability 8.6: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+sm80: compute capability 8.9: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+sm80: compute capability 10.0 (the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it): the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+sm80: compute capability 12.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+sm80: TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: TORCH_MLA_FORCE_REFERENCE=1 is set""")
@@ -91,15 +91,41 @@ def test_fallback_on_gpu_warns_once_per_reason(arch, monkeypatch):
         warnings.simplefilter("error")  # a kernel: no warning
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
             dispatch._run_sm90
-    # The portable kernel is opt-in until verified on a GPU (its first H200 run was wrong).
-    for cap in [(8, 0), (8, 9), (12, 0)]:
+    # Other GPUs of compute capability 8.0+ run the portable kernel, after a first-use check
+    # against the reference (it was verified on an H200 only); TORCH_MLA_PORTABLE=1 forces it
+    # on the H200, where it needs none.
+    checked = []
+    monkeypatch.setattr(dispatch, "_first_use_checked", {})
+    monkeypatch.setattr(dispatch, "_first_use_failed",
+                        lambda name, run, device, dtype: checked.append((name, run)))
+    for cap in [(8, 0), (8, 9), (10, 0), (12, 0)]:
         arch["value"] = cap
-        with pytest.warns(UserWarning, match="portable one .* is not verified yet"):
-            assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
-        monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
-        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
-            dispatch._run_sm80
-        monkeypatch.delenv("TORCH_MLA_PORTABLE")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
+                dispatch._run_sm80
+    assert checked == [("sm80", dispatch._run_sm80)] * 4
+    arch["value"] = (9, 0)
+    monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
+    assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
+        dispatch._run_sm80
+    assert len(checked) == 4
+
+
+def test_portable_kernel_falls_back_when_its_first_use_check_fails(arch, monkeypatch):
+    monkeypatch.setattr(dispatch, "_warned", set())
+    monkeypatch.setattr(dispatch, "_first_use_checked", {})
+    check = selfcheck.check_kernel
+    monkeypatch.setattr(selfcheck, "check_kernel",
+                        lambda run, device, dtype: check(run, "cpu", dtype))
+    monkeypatch.setattr(dispatch, "_run_sm80", lambda q, kv, table, seqlens, meta, splits, scale,
+                        causal: _ignores_causal(q, kv, table, seqlens, scale, causal))
+    arch["value"] = (8, 6)
+    cache = torch.empty(1, 64, 1, 576)
+    with pytest.warns(UserWarning) as w:
+        assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
+    expecttest.assert_expected_inline(str(w[0].message), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: the portable kernel did not match the reference in its first-use check (lengths [200, 7, 64], s_q 2, h_q 64, causal True: out[0, 0, 0, 5] = 0.00196838, reference 0.00286865 (50038 of 196608 values differ))""")
+
 
 
 def test_portable_kernel_is_compiled_for_the_device_arch(monkeypatch):
@@ -203,10 +229,10 @@ def test_sm100_is_opt_in(arch, monkeypatch):
         name, reason = dispatch.decode_backend("cuda", torch.bfloat16)
         rows.append(f"{cap} {env}: {name}: {reason}")
     expecttest.assert_expected_inline("\n".join(rows), """\
-(10, 0) None: reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
+(10, 0) None: sm80: compute capability 10.0 (the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it): the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
 (10, 0) 1: sm100: compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL kernel (not yet run on a Blackwell GPU; checked against the reference on first use)
-(10, 0) 0: reference: compute capability 10.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it
-(10, 3) 1: reference: compute capability 10.3: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet""")  # noqa: E501
+(10, 0) 0: sm80: compute capability 10.0 (the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it): the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+(10, 3) 1: sm80: compute capability 10.3: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)""")  # noqa: E501
 
 
 @pytest.fixture
@@ -216,7 +242,7 @@ def sm100(arch, monkeypatch):
     arch["value"] = (10, 0)
     monkeypatch.setenv("TORCH_MLA_SM100", "1")
     monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "_sm100_checked", {})
+    monkeypatch.setattr(dispatch, "_first_use_checked", {})
     check = selfcheck.check_kernel
     monkeypatch.setattr(selfcheck, "check_kernel",
                         lambda run, device, dtype: check(run, "cpu", dtype))

@@ -81,21 +81,23 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
     if major < 8:
         return "reference", (f"compute capability {major}.{minor}: the kernels need 8.0 "
                              "(Ampere) or newer")
-    if portable_forced():
-        return "sm80", ("TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; "
-                        "experimental: its outputs were wrong in its first H200 run)")
-    if (major, minor) == (9, 0):
+    if (major, minor) == (9, 0) and not portable_forced():
         return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
-    if (major, minor) == (10, 0) and os.environ.get("TORCH_MLA_SM100") == "1":
+    if (major, minor) == (10, 0) and os.environ.get("TORCH_MLA_SM100") == "1" \
+            and not portable_forced():
         return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
                          "kernel (not yet run on a Blackwell GPU; checked against the "
                          "reference on first use)")
-    # The portable kernel stays opt-in until it is right: on the H200 (TORCH_MLA_PORTABLE=1) its
-    # lse matched the reference but its outputs did not (docs/kernel-notes.md).
-    sm100 = ("; the native SM100 kernel has not run on a Blackwell GPU yet: TORCH_MLA_SM100=1 "
-             "opts in to it" if (major, minor) == (10, 0) else "")
-    return "reference", (f"compute capability {major}.{minor}: torch_mla's kernel for this GPU, "
-                         "the portable one (TORCH_MLA_PORTABLE=1), is not verified yet" + sm100)
+    if portable_forced():
+        why = "TORCH_MLA_PORTABLE=1"
+    elif (major, minor) == (10, 0):
+        why = (f"compute capability {major}.{minor} (the native SM100 kernel has not run on a "
+               "Blackwell GPU yet: TORCH_MLA_SM100=1 opts in to it)")
+    else:
+        why = f"compute capability {major}.{minor}"
+    return "sm80", (f"{why}: the portable CuTe DSL kernel (SM80 instructions; verified on an "
+                    "H200" + ("" if (major, minor) == (9, 0) else
+                              ", checked against the reference on first use on this GPU") + ")")
 
 
 _warned: set[str] = set()
@@ -112,12 +114,13 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
                                   kv_cache.dtype)
     if name == "sm90":
         return _run_sm90
-    if name == "sm80":
-        return _run_sm80
-    if name == "sm100":
-        failed = _sm100_failed_check(q.device, q.dtype)
+    if name == "sm80" and _cuda_arch(q.device) == (9, 0):
+        return _run_sm80  # (the GPU it was verified on: no first-use check)
+    if name in ("sm80", "sm100"):
+        run = _run_sm80 if name == "sm80" else _run_sm100
+        failed = _first_use_failed(name, run, q.device, q.dtype)
         if failed is None:
-            return _run_sm100
+            return run
         reason = failed
     if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
         _warned.add(reason)
@@ -126,30 +129,33 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     return None
 
 
-# (device index, dtype) -> None once the SM100 kernel passed its first-use check there, else why
-# it failed (the reference then runs for the rest of the process).
-_sm100_checked: dict[tuple, str | None] = {}
+# (backend, device index, dtype) -> None once that kernel passed its first-use check there, else
+# why it failed (the reference then runs for the rest of the process).
+_first_use_checked: dict[tuple, str | None] = {}
+_KERNEL_NAMES = {"sm80": "the portable kernel", "sm100": "the SM100 kernel"}
 
 
 def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _sm100_failed_check(device: torch.device, dtype: torch.dtype) -> str | None:
-    """None when the SM100 kernel matched the reference on small poisoned problems on this
-    device (checked on the first call of the process, then remembered), else the reason."""
-    key = (torch.device(device).index, dtype)
-    if key not in _sm100_checked:
+def _first_use_failed(backend: str, run, device: torch.device, dtype: torch.dtype) -> str | None:
+    """None when kernel ``run`` of ``backend`` matched the reference on small poisoned problems
+    on this device (checked on the first call of the process, then remembered), else the
+    reason. For kernels that have not run on this kind of GPU before (selfcheck.py)."""
+    key = (backend, torch.device(device).index, dtype)
+    if key not in _first_use_checked:
+        what = _KERNEL_NAMES[backend]
         if _capturing():
             # The check synchronizes; it cannot run while a CUDA graph is being captured.
-            return ("the SM100 kernel's first-use check cannot run during a CUDA-graph capture; "
-                    "make one call before capturing")
+            return (f"{what}'s first-use check cannot run during a CUDA-graph capture; make one "
+                    "call before capturing")
         from . import selfcheck  # (it runs the ops, which import this module)
 
-        why = selfcheck.check_kernel(_run_sm100, device, dtype)
-        _sm100_checked[key] = None if why is None else (
-            f"the SM100 kernel did not match the reference in its first-use check ({why})")
-    return _sm100_checked[key]
+        why = selfcheck.check_kernel(run, device, dtype)
+        _first_use_checked[key] = None if why is None else (
+            f"{what} did not match the reference in its first-use check ({why})")
+    return _first_use_checked[key]
 
 
 def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
@@ -271,10 +277,13 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str):
+def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
+                   tiles: tuple[int, int, int] | None = None):
     """A decode kernel and the combine behind one host call (what mla_decode runs), for arch:
     backend "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
-    portable MLADecodeSm80, any arch from sm_80)."""
+    portable MLADecodeSm80, any arch from sm_80). tiles: the portable kernel's (block_m,
+    block_n, stages) instead of Sm80DecodeConfig.from_heuristic(arch), for tools that compare
+    tile shapes (tools/check_portable.py)."""
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.decode_step import MLADecodeStep
@@ -290,13 +299,15 @@ def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str):
         else:
             from ..cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
 
-            decode = MLADecodeSm80(cdt, causal, Sm80DecodeConfig.from_heuristic(arch),
-                                   use_pdl=_has_pdl(arch))
+            cfg = Sm80DecodeConfig(*tiles) if tiles else Sm80DecodeConfig.from_heuristic(arch)
+            decode = MLADecodeSm80(cdt, causal, cfg, use_pdl=_has_pdl(arch))
         step = MLADecodeStep(decode, cdt, use_pdl=_has_pdl(arch))
         return compile_decode_step(cute, cutlass, step, cdt, arch)
 
-    return kernel_cache.load_or_build(
-        f"step_{backend}", {"dtype": _DTYPE_NAMES[dtype], "causal": causal}, arch, build)
+    config = {"dtype": _DTYPE_NAMES[dtype], "causal": causal}
+    if tiles:
+        config["tiles"] = "x".join(map(str, tiles))
+    return kernel_cache.load_or_build(f"step_{backend}", config, arch, build)
 
 
 def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
