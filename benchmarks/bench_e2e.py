@@ -17,10 +17,10 @@ Systems, each timed over ``--steps`` decode steps of one token per request after
     torch_mla                 swap_mla_attention + MLACache, the forward under
                               torch.compile(mode="reduce-overhead", fullgraph=True): CUDA graphs
 
-Memory floor of a step: the bytes it must read at least, over the H200's 4246 GB/s copy ceiling:
-    weights = every parameter except the embedding table, plus b rows of it (lm_head included)
-    cache   = b * context * layers * (kv_lora_rank + qk_rope_head_dim) * 2 bytes (the latents)
-    floor   = (weights + cache) / 4246 GB/s;   % of floor = floor / measured step time
+Roofline floor of a step (floor_ms): per op the larger of its bytes over the H200's 4246 GB/s
+copy ceiling and its FLOP over the 679 TFLOP/s bf16 matmul ceiling, summed over every linear
+layer (weights + activations), the embedding rows and the absorbed attention over the latent
+cache (b * context * (kv_lora_rank + rope) values a layer); % of floor = floor / step time.
 KV cache bytes per token: the cache object's bytes over the tokens it has room for (all layers).
 The first step's logits of each system are compared with transformers as shipped (same inputs,
 same cache contents): the relative error is printed.
@@ -45,6 +45,7 @@ except ImportError:  # run from a checkout without installing it
 from torch_mla.demo import V3_SHAPE, build_model, deepseek_config  # noqa: E402
 
 COPY_GBPS = 4246.0
+MATMUL_TFLOPS = 679.0  # the H200's bf16 dense matmul ceiling (shared/anchors/README.md)
 # transformers as shipped (eager, sdpa, DynamicCache filled to 4096), batch -> ms per step,
 # measured on the H200 (torch 2.11, transformers 5.17) before this benchmark existed.
 HF_REFERENCE_MS = {1: 5.86, 32: 75.7, 128: 302.0}
@@ -142,6 +143,24 @@ def time_steps(step, token_ids, steps, device):
     return (time.perf_counter() - t0) / steps * 1e3, first
 
 
+def profile_steps(step, ids, b: int, steps: int = 5, top: int = 25) -> None:
+    """Prints (stderr) where the GPU time of `steps` replayed steps goes, kernel by kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step(ids)
+        torch.cuda.synchronize()
+    events = [e for e in prof.key_averages() if e.device_time_total > 0]
+    events.sort(key=lambda e: -e.device_time_total)
+    total = sum(e.device_time_total for e in events)
+    log(f"batch {b}: GPU time per step {total / steps / 1e3:.3f} ms in "
+        f"{sum(e.count for e in events) // steps} kernels; the largest:")
+    for e in events[:top]:
+        log(f"  {e.device_time_total / steps:9.1f} us/step  {e.count // steps:4d} x  "
+            f"{e.key[:110]}")
+
+
 def free(device) -> None:
     torch._dynamo.reset()  # drops compiled graphs and their CUDA-graph memory pools
     gc.collect()
@@ -173,6 +192,8 @@ def run_system(system, model, b, args, dims, dtype, device):
         step = torch.compile(forward_fn(model, cache), mode=mode, fullgraph=True, dynamic=False)
     with torch.no_grad():
         ms, logits = time_steps(step, token_ids, args.steps, device)
+        if args.profile and system == "torch_mla" and device.type == "cuda":
+            profile_steps(step, token_ids[-1], b)
     if system != "hf":
         graphs = counters["stats"]["unique_graphs"]
         note = f"{graphs} graph{'s' if graphs != 1 else ''}"
@@ -187,12 +208,29 @@ def run_system(system, model, b, args, dims, dtype, device):
 
 
 def floor_ms(model, b, ctx, config) -> float:
-    embed = model.get_input_embeddings().weight
-    weights = sum(p.numel() * p.element_size() for p in model.parameters())
-    weights += -embed.numel() * embed.element_size() + b * embed.shape[1] * embed.element_size()
+    """The step's roofline floor: per op the larger of its bytes / 4246 GB/s and its FLOP /
+    679 TFLOP/s (bf16 dense), summed over the ops that move or compute nearly everything:
+    every nn.Linear (weight + b rows in and out; 2 b in out FLOP), the embedding rows, and per
+    layer the absorbed MLA attention over the latent cache (b ctx (kv_lora_rank + rope) cached
+    values read; 2 b ctx heads (2 kv_lora_rank + rope) FLOP: scores over 576 columns, output
+    over 512). Norms, RoPE and the residual adds are a few b x hidden vectors: left out."""
+    el = next(model.parameters()).element_size()
+    total = 0.0
+
+    def op(nbytes: float, flop: float) -> None:
+        nonlocal total
+        total += max(nbytes / (COPY_GBPS * 1e9), flop / (MATMUL_TFLOPS * 1e12))
+
+    for m in model.modules():
+        if isinstance(m, torch.nn.Linear):
+            op(m.weight.numel() * el + b * (m.in_features + m.out_features) * el,
+               2 * b * m.in_features * m.out_features)
+    op(b * model.get_input_embeddings().weight.shape[1] * el, 0)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
-    cache = b * ctx * config.num_hidden_layers * latent * embed.element_size()
-    return (weights + cache) / (COPY_GBPS * 1e9) * 1e3
+    for _ in range(config.num_hidden_layers):
+        op(b * ctx * latent * el,
+           2 * b * ctx * config.num_attention_heads * (latent + config.kv_lora_rank))
+    return total * 1e3
 
 
 NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
@@ -216,6 +254,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per system")
     ap.add_argument("--systems", default="hf,hf_static,torch_mla")
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
+    ap.add_argument("--profile", action="store_true",
+                    help="print where torch_mla's step spends its GPU time, kernel by kernel")
     args = ap.parse_args(argv)
     shape = dict(TINY if args.tiny else V3_SHAPE)
     for k in V3_SHAPE:
@@ -293,7 +333,9 @@ def main(argv=None) -> None:
         f"rope {shape['rope_dim']}, nope {shape['nope_dim']}, v {shape['v_dim']}, vocab "
         f"{shape['vocab']}, random weights. Context {args.context} cached tokens per request; "
         f"one new token per request per step; mean of {args.steps} steps after {WARMUP} "
-        "warm-up steps. Floor: (weights + latent cache bytes) / 4246 GB/s.",
+        "warm-up steps. Floor: per op the larger of bytes / 4246 GB/s and FLOP / 679 TFLOP/s, "
+        "summed (every linear layer, the embedding rows, the absorbed attention over the latent "
+        "cache; benchmarks/bench_e2e.py floor_ms).",
         "",
         "| batch | system | step (ms) | tokens/s | vs shipped | KV cache (bytes/token) "
         "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
