@@ -200,7 +200,7 @@ def check_split(say) -> bool:
     for dtype in (torch.float32, torch.bfloat16):
         name = f"split over cuda:0 + cuda:1, {how}, {str(dtype)[6:]}"
         try:
-            def load(split=True):
+            def load(split=True, dtype=dtype):
                 if how.startswith("device_map"):
                     device_map = {"model.embed_tokens": 0, "model.rotary_emb": 0,
                                   "model.layers.0": 0, "model.layers.1": 1, "model.norm": 1,
@@ -245,6 +245,7 @@ def check_split(say) -> bool:
 def tp_worker(args) -> int:
     """Runs on every rank under torchrun; rank 0 prints. Returns the exit code."""
     import torch.distributed as dist
+    from torch._dynamo.utils import counters
     from transformers import AutoModelForCausalLM
 
     from torch_mla.modules import MLACache, MultiheadLatentAttention, swap_mla_attention
@@ -289,14 +290,14 @@ def tp_worker(args) -> int:
                     f", {heads} heads = {world} x 3, {str(dtype)[6:]}")
             lines, ok = [], True
             try:
-                def load():
+                def load(path=tmp[0], dtype=dtype, plan=plan):
                     if loader.startswith("from_pretrained(distributed"):
                         from transformers.distributed import DistributedConfig
 
                         return AutoModelForCausalLM.from_pretrained(
-                            tmp[0], dtype=dtype,
+                            path, dtype=dtype,
                             distributed_config=DistributedConfig(tp_plan=plan)).eval()
-                    m = AutoModelForCausalLM.from_pretrained(tmp[0], dtype=dtype).to(device)
+                    m = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).to(device)
                     return shard_model(m, plan).eval()
 
                 hf, ours = load(), swap_mla_attention(load())
@@ -305,9 +306,14 @@ def tp_worker(args) -> int:
                 lines.append(f"heads per rank {sorted({a.num_heads for a in attn})}")
                 ids, mask = (t.to(device) for t in left_padded_prompts(3, 12, (0, 3, 8)))
                 for label, cc in (("eager", None), ("compiled", compile_config(device))):
+                    counters.clear()
                     cache = MLACache.for_model(ours, 3, 12 + 10)
                     ref, free, forced = greedy_runs(hf, ours, ids, mask, cache, 10, cc)
                     good, line = compare(ref, free, forced, ids.shape[1], dtype)
+                    if cc is not None:  # fullgraph: a graph break would have raised
+                        graphs = counters["stats"]["unique_graphs"]
+                        good &= graphs >= 1
+                        label += f" ({graphs} graph(s), fullgraph)"
                     ok &= good
                     lines.append(f"{label}: {line}")
             except Exception:

@@ -93,8 +93,9 @@ def head_shard(attn: nn.Module, name: str = "attention") -> HeadShard | None:
                 "them (torch_mla.modules.mla_tp_plan(config))")
         if isinstance(t, DTensor):
             if t.device_mesh.ndim != 1:
-                raise NotImplementedError(f"{name}.{pname} lies on a {t.device_mesh.ndim}-D mesh; "
-                                          "MultiheadLatentAttention takes a 1-D tensor-parallel one")
+                raise NotImplementedError(
+                    f"{name}.{pname} lies on a {t.device_mesh.ndim}-D mesh; "
+                    "MultiheadLatentAttention takes a 1-D tensor-parallel one")
             mesh = t.device_mesh if mesh is None else mesh
     world = mesh.size()
     if attn.num_heads % world:
