@@ -49,10 +49,9 @@ from pathlib import Path
 
 import torch
 
-try:
-    import torch_mla  # noqa: F401
-except ImportError:  # run from a checkout without installing it
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in, before any installed torch_mla (an editable install may point at
+# another checkout): the benchmark measures the code next to it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch_mla.demo import V3_SHAPE, build_model, deepseek_config  # noqa: E402
 
 COPY_GBPS = 4246.0
@@ -339,10 +338,10 @@ def main(argv=None) -> None:
     ]
     if tp > 1:
         one = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
-        one = one.replace(f"--tp {tp}", "").replace(f"--tp={tp}", "").strip()
+        one = " ".join(one.replace(f"--tp {tp}", "").replace(f"--tp={tp}", "").split())
         lines[3:3] = [
             "",
-            f"Tensor parallel over {tp} ranks (one GPU each): attention heads "
+            f"Tensor parallel over {tp} ranks (one process and device each): attention heads "
             f"{shape['heads']} = {tp} x {shape['heads'] // tp} (torch_mla's mla_tp_plan), MLPs "
             "sharded by transformers' plan, each rank holding the whole latent cache. The step "
             "time is every rank's; tokens/s is the job's, per GPU the job's over "
