@@ -2,6 +2,16 @@
 
     python benchmarks/bench_e2e.py --out docs/e2e-h200.md     # one H200, ~4 min
     python benchmarks/bench_e2e.py --tiny --device cpu       # plumbing check on a CPU
+    torchrun --nproc-per-node 2 benchmarks/bench_e2e.py --tp 2 --systems torch_mla
+                                                             # tensor parallel over 2 GPUs
+
+Tensor parallel (``--tp N``, under ``torchrun --nproc-per-node N``, one GPU per rank): the same
+model, sharded with transformers' tensor parallelism (its plan for the MLPs, torch_mla's
+``mla_tp_plan`` for the attention: heads split over the ranks, the latent replicated); every rank
+keeps the whole latent cache and runs its heads. The table (rank 0's) gives the step time, which
+every rank shares (the all-reduces synchronise them), tokens/s of the whole job and per GPU; the
+floor counts one rank's bytes (its weight shards, the whole latent cache). The one-GPU numbers
+come from a separate run without ``--tp`` (same flags); the table says which.
 
 Model: transformers' DeepseekV3ForCausalLM with DeepSeek-V3's attention shape (hidden 7168, 128
 heads, q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 4 layers with dense
@@ -31,6 +41,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import os
 import sys
 import time
 import traceback
@@ -38,10 +49,9 @@ from pathlib import Path
 
 import torch
 
-try:
-    import torch_mla  # noqa: F401
-except ImportError:  # run from a checkout without installing it
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+# The checkout this script is in, before any installed torch_mla (an editable install may point at
+# another checkout): the benchmark measures the code next to it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from torch_mla.demo import V3_SHAPE, build_model, deepseek_config  # noqa: E402
 
 COPY_GBPS = 4246.0
@@ -55,6 +65,8 @@ WARMUP = 3  # reduce-overhead: a warm-up run, the CUDA-graph recording, then rep
 
 
 def log(msg: str) -> None:
+    if os.environ.get("RANK", "0") != "0":  # under torchrun, rank 0 speaks for all
+        return
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
@@ -207,13 +219,16 @@ def run_system(system, model, b, args, dims, dtype, device):
     return dict(ms=ms, logits=logits, kv_bpt=bpt, peak_gib=peak, note=note)
 
 
-def floor_ms(model, b, ctx, config) -> float:
-    """The step's roofline floor: per op the larger of its bytes / 4246 GB/s and its FLOP /
-    679 TFLOP/s (bf16 dense), summed over the ops that move or compute nearly everything:
-    every nn.Linear (weight + b rows in and out; 2 b in out FLOP), the embedding rows, and per
-    layer the absorbed MLA attention over the latent cache (b ctx (kv_lora_rank + rope) cached
-    values read; 2 b ctx heads (2 kv_lora_rank + rope) FLOP: scores over 576 columns, output
-    over 512). Norms, RoPE and the residual adds are a few b x hidden vectors: left out."""
+def floor_ms(model, b, ctx, config, tp: int = 1) -> float:
+    """The step's roofline floor on one rank: per op the larger of its bytes / 4246 GB/s and
+    its FLOP / 679 TFLOP/s (bf16 dense), summed over the ops that move or compute nearly
+    everything: every nn.Linear (this rank's weight shard + b rows in and out; 2 b in out FLOP),
+    the embedding rows, and per layer the absorbed MLA attention over the latent cache (b ctx
+    (kv_lora_rank + rope) cached values read; 2 b ctx heads (2 kv_lora_rank + rope) FLOP, this
+    rank's heads: scores over 576 columns, output over 512). Norms, RoPE and the residual adds
+    are a few b x hidden vectors: left out."""
+    from torch_mla.modules.tensor_parallel import local
+
     el = next(model.parameters()).element_size()
     total = 0.0
 
@@ -223,13 +238,13 @@ def floor_ms(model, b, ctx, config) -> float:
 
     for m in model.modules():
         if isinstance(m, torch.nn.Linear):
-            op(m.weight.numel() * el + b * (m.in_features + m.out_features) * el,
-               2 * b * m.in_features * m.out_features)
+            n_out, n_in = local(m.weight).shape
+            op(n_out * n_in * el + b * (n_in + n_out) * el, 2 * b * n_in * n_out)
     op(b * model.get_input_embeddings().weight.shape[1] * el, 0)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     for _ in range(config.num_hidden_layers):
         op(b * ctx * latent * el,
-           2 * b * ctx * config.num_attention_heads * (latent + config.kv_lora_rank))
+           2 * b * ctx * config.num_attention_heads // tp * (latent + config.kv_lora_rank))
     return total * 1e3
 
 
@@ -256,7 +271,19 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--profile", action="store_true",
                     help="print where torch_mla's step spends its GPU time, kernel by kernel")
+    ap.add_argument("--tp", type=int, default=1,
+                    help="tensor-parallel ranks; run under torchrun --nproc-per-node TP")
     args = ap.parse_args(argv)
+    rank = 0
+    if args.tp > 1:
+        world = int(os.environ.get("WORLD_SIZE", 1))
+        if world != args.tp:
+            sys.exit(f"--tp {args.tp}: run under torchrun --nproc-per-node {args.tp} (WORLD_SIZE "
+                     f"is {world})")
+        rank = int(os.environ["RANK"])
+        if args.device == "cuda":
+            args.device = f"cuda:{os.environ['LOCAL_RANK']}"
+            torch.cuda.set_device(torch.device(args.device))
     shape = dict(TINY if args.tiny else V3_SHAPE)
     for k in V3_SHAPE:
         if getattr(args, k) is not None:
@@ -282,6 +309,10 @@ def main(argv=None) -> None:
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = build_model(config, dtype, device)
+    if args.tp > 1:  # every rank built the same weights (same seed); each keeps its shards
+        from torch_mla.modules import mla_tp_plan, shard_model
+
+        model = shard_model(model, mla_tp_plan(config))
     dims = (config.kv_lora_rank, config.qk_rope_head_dim)
     log(f"built the model: {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
 
@@ -319,9 +350,15 @@ def main(argv=None) -> None:
                 parent, _, child = n.rpartition(".")
                 setattr(model.get_submodule(parent), child, m)
 
+    if rank != 0:  # every rank ran every step; rank 0 reports
+        if failed:
+            sys.exit(1)
+        return
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU"
+    tp = args.tp
+    where = f"{tp} x {name}, tensor parallel" if tp > 1 else name
     lines = [
-        f"# End-to-end decode step: {name}",
+        f"# End-to-end decode step: {where}",
         "",
         f"`python benchmarks/bench_e2e.py {' '.join(argv if argv is not None else sys.argv[1:])}`"
         f" ({datetime.date.today()}; torch {torch.__version__}, transformers "
@@ -341,15 +378,30 @@ def main(argv=None) -> None:
         "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    if tp > 1:
+        one = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
+        one = " ".join(one.replace(f"--tp {tp}", "").replace(f"--tp={tp}", "").split())
+        lines[3:3] = [
+            "",
+            f"Tensor parallel over {tp} ranks (one process and device each): attention heads "
+            f"{shape['heads']} = {tp} x {shape['heads'] // tp} (torch_mla's mla_tp_plan), MLPs "
+            "sharded by transformers' plan, each rank holding the whole latent cache. The step "
+            "time is every rank's; tokens/s is the job's, per GPU the job's over "
+            f"{tp}; floor and peak memory are one rank's. One GPU: `python benchmarks/"
+            f"bench_e2e.py {one}` (a separate run).",
+        ]
+        lines[-2] = lines[-2].replace("| tokens/s |", "| tokens/s | per GPU |")
+        lines[-1] += "---|"
     for b in batches:
-        fl = floor_ms(model, b, args.context, config)
+        fl = floor_ms(model, b, args.context, config, args.tp)
         ref = results.get((b, "hf"), {}).get("logits")
         ref_ms = results.get((b, "hf"), {}).get("ms")
         for system in systems:
             r = results[b, system]
             if r["ms"] is None:
-                lines.append(f"| {b} | {names[system]} | - | - | - | - | {fl:.3g} | - | - | - | "
-                             f"{r['note']} |")
+                dash = "- | " if tp > 1 else ""
+                lines.append(f"| {b} | {names[system]} | - | - | {dash}- | - | {fl:.3g} | - | - "
+                             f"| - | {r['note']} |")
                 continue
             err = "-"
             if ref is not None and system != "hf":
@@ -359,8 +411,10 @@ def main(argv=None) -> None:
                 note = f"reference run: {HF_REFERENCE_MS[b]} ms"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
             ratio = f"{ref_ms / r['ms']:.2f}x" if ref_ms else "-"
+            tps = f"{b / r['ms'] * 1e3:,.0f}" + (
+                f" | {b / r['ms'] * 1e3 / tp:,.0f}" if tp > 1 else "")
             lines.append(
-                f"| {b} | {names[system]} | {r['ms']:.2f} | {b / r['ms'] * 1e3:,.0f} | {ratio} | "
+                f"| {b} | {names[system]} | {r['ms']:.2f} | {tps} | {ratio} | "
                 f"{r['kv_bpt']:,.0f} | {fl:.3g} | {100 * fl / r['ms']:.3g}% | {peak} | {err} | "
                 f"{note} |")
     d = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim

@@ -526,6 +526,7 @@ def test_split_cache_mirrors_lengths_and_schedule_and_matches_transformers():
 
 
 @pytest.mark.cuda
+@pytest.mark.multigpu
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 GPUs")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_model_split_over_two_gpus(tmp_path, dtype):

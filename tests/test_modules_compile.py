@@ -219,3 +219,32 @@ def test_e2e_benchmark_runs_on_cpu_and_agrees_with_transformers(capsys):
     assert mla[10].strip(" |") == "1 graph"
     assert mla[5] == rows[0][5] == f"{2 * (32 + 16) * 4:,}"  # KV bytes per token, 2 layers fp32
     assert rows[0][4] == "1.00x" and mla[4].endswith("x")
+
+
+def test_e2e_benchmark_tensor_parallel_on_two_cpu_ranks():
+    # torchrun, 2 CPU ranks (gloo): the sharded model's table, its logits against transformers'
+    # tensor-parallel model (same shards, same cache contents).
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+         "benchmarks/bench_e2e.py", "--tiny", "--device", "cpu", "--tp", "2", "--layers", "2",
+         "--batches", "2", "--context", "70", "--steps", "2", "--systems", "hf,torch_mla"],
+        cwd=root, capture_output=True, text=True, timeout=900,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stderr[-5000:]
+    out = proc.stdout
+    assert "attention heads 4 = 2 x 2" in out and "2 x CPU, tensor parallel" in out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [r[1] for r in rows] == ["transformers as shipped (eager, DynamicCache)",
+                                    "torch_mla, compiled (CPU: no CUDA graphs)"]
+    for r in rows:  # tokens/s of the job, per GPU: half of it
+        assert abs(float(r[3].replace(",", "")) / 2 - float(r[4].replace(",", ""))) <= 1
+    mla = rows[1]
+    assert float(mla[10]) < 1e-5  # first-step logits vs transformers' tensor-parallel model
+    assert mla[11].strip(" |") == "1 graph"
+    assert mla[6] == rows[0][6] == f"{2 * (32 + 16) * 4:,}"  # whole latent on every rank

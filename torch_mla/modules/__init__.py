@@ -7,6 +7,9 @@
     swap_mla_attention         replaces every DeepSeek-V2/V3-style attention of a loaded model
                                (decided by structure and config), in place
     generate_kwargs            the keyword under which this transformers version takes a cache
+    mla_tp_plan                transformers tp_plan rules that shard MLA attention by head
+    shard_model                transformers' tensor parallelism for a model loaded on every rank
+                               (what from_pretrained(tp_plan=...) does, without accelerate)
 
 transformers is optional (extra ``hf``): without it the module and the cache still work, the cache
 is just not a transformers ``Cache``.
@@ -15,6 +18,7 @@ is just not a transformers ``Cache``.
 from .attention import MultiheadLatentAttention, RMSNorm
 from .cache import MLACache
 from .swap import swap_mla_attention
+from .tensor_parallel import mla_tp_plan, shard_model
 
 
 def generate_kwargs(model, cache) -> dict:
@@ -26,5 +30,5 @@ def generate_kwargs(model, cache) -> dict:
     return {"cache": cache} if "cache" in params else {"past_key_values": cache}
 
 
-__all__ = ["MLACache", "MultiheadLatentAttention", "RMSNorm", "generate_kwargs",
-           "swap_mla_attention"]
+__all__ = ["MLACache", "MultiheadLatentAttention", "RMSNorm", "generate_kwargs", "mla_tp_plan",
+           "shard_model", "swap_mla_attention"]

@@ -15,6 +15,10 @@ so a decode step attends every query head directly to the cached ``[c | k_pe]`` 
 values. The prefill (the first forward on an empty :class:`MLACache`, or any forward without one)
 expands the latents of its own tokens instead, exactly as transformers does, and writes the
 latents into the cache. The softmax scale is the model's (with YaRN's mscale ** 2).
+
+Under transformers' tensor parallelism (heads split over ranks, see ``tensor_parallel.py``) each
+rank's module computes its own heads (``num_heads`` is the rank's count) over the whole latent,
+and o_proj's partial outputs are summed over the ranks.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ from .rope import (
     rope_parameters,
     softmax_scale,
 )
+from .tensor_parallel import all_reduce_sum, head_shard, local
 
 _warned_foreign_cache = False
 
@@ -116,6 +121,7 @@ class MultiheadLatentAttention(nn.Module):
         self.v_head_dim = config.v_head_dim
         self.qk_head_dim = self.qk_nope_head_dim + self.qk_rope_head_dim
         self.attention_dropout = float(getattr(config, "attention_dropout", 0.0) or 0.0)
+        self.tp_group = None  # the ranks holding the other heads, under tensor parallelism
         self.is_causal = True
         # How the model rotates (see rope.py): DeepSeek-V2 multiplies by complex angles; the others
         # pass (cos, sin) and pair dimensions interleaved where the config says rope_interleave
@@ -138,6 +144,9 @@ class MultiheadLatentAttention(nn.Module):
         nn.Module.__init__(self)
         self._setup(attn.config, attn.layer_idx)
         self.scaling = float(attn.scaling)
+        shard = head_shard(attn, f"layer {attn.layer_idx}'s attention")
+        if shard is not None:  # transformers' tensor parallelism: this rank's heads
+            self.num_heads, self.tp_group = shard
         for name in ("q_proj", "q_a_proj", "q_a_layernorm", "q_b_proj", "kv_a_proj_with_mqa",
                      "kv_a_layernorm", "kv_b_proj", "o_proj"):
             setattr(self, name, getattr(attn, name, None))
@@ -190,12 +199,13 @@ class MultiheadLatentAttention(nn.Module):
         H, dn, dr, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, \
             self.kv_lora_rank
         if self.q_proj is not None:
-            q = self.q_proj(hidden_states)
+            q = self._linear(self.q_proj, hidden_states)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(hidden_states)))
+            q = self._linear(self.q_b_proj, self.q_a_layernorm(
+                self._linear(self.q_a_proj, hidden_states)))
         # Heads first, as transformers lays the query out: the same tensors go into the same ops.
         q_nope, q_pe = q.view(b, s, H, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
-        kv_c, k_pe = self.kv_a_proj_with_mqa(hidden_states).split([R, dr], dim=-1)
+        kv_c, k_pe = self._linear(self.kv_a_proj_with_mqa, hidden_states).split([R, dr], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [b, s, R]
         q_pe, k_pe = self._rotate(q_pe, k_pe, position_embeddings, position_ids)
 
@@ -212,7 +222,23 @@ class MultiheadLatentAttention(nn.Module):
             kv_all, pe_all = cache.update(kv_c.view(b, 1, s, R), k_pe.view(b, 1, s, dr),
                                           self.layer_idx)
             out = self._attend_expanded(q_nope, q_pe, kv_all[:, 0], pe_all[:, 0], attention_mask)
-        return self.o_proj(out.reshape(b, s, H * self.v_head_dim)), None
+        return self._out(out.reshape(b, s, H * self.v_head_dim)), None
+
+    def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+        """``lin(x)``; under tensor parallelism on this rank's shard of the weight (its heads'
+        rows, or the whole of a replicated one), as transformers' wrapped forward computes it."""
+        if self.tp_group is None:
+            return lin(x)
+        return F.linear(x, local(lin.weight), local(lin.bias))
+
+    def _out(self, out: torch.Tensor) -> torch.Tensor:
+        """o_proj of [b, s, num_heads * v_head_dim]; under tensor parallelism this rank's heads'
+        columns, summed over the ranks, then the bias (once), as transformers' rowwise layer."""
+        if self.tp_group is None:
+            return self.o_proj(out)
+        y = all_reduce_sum(F.linear(out, local(self.o_proj.weight)), self.tp_group)
+        bias = local(self.o_proj.bias)
+        return y if bias is None else y + bias
 
     def _rotate(self, q_pe, k_pe, position_embeddings, position_ids):
         """RoPE on ``q_pe`` [b, H, s, dr] and ``k_pe`` [b, s, dr], as the model computes it."""
@@ -245,7 +271,7 @@ class MultiheadLatentAttention(nn.Module):
         b, H, s, _ = q_nope.shape
         S = kv_c.shape[1]
         dn, dv = self.qk_nope_head_dim, self.v_head_dim
-        kv = self.kv_b_proj(kv_c.to(self.kv_b_proj.weight.dtype).view(b, 1, S, -1))
+        kv = self._linear(self.kv_b_proj, kv_c.to(self.kv_b_proj.weight.dtype).view(b, 1, S, -1))
         k_nope, v = kv.view(b, S, H, dn + dv).transpose(1, 2).split([dn, dv], dim=-1)
         k = torch.cat([k_nope, k_pe[:, None].to(k_nope.dtype).expand(b, H, S, -1)], dim=-1)
         q = torch.cat([q_nope, q_pe], dim=-1)  # [b, H, s, dqk]
@@ -273,7 +299,7 @@ class MultiheadLatentAttention(nn.Module):
         """Decode: W_UK into the query, torch_mla.mla_decode over the latent cache, W_UV into the
         output. [b, H, s, *] -> [b, s, H, v_head_dim]."""
         H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
-        w = self.kv_b_proj.weight.view(H, dn + dv, R)
+        w = local(self.kv_b_proj.weight).view(H, dn + dv, R)
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
         q_lat = torch.einsum("bhsn,hnr->bshr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe.transpose(1, 2).to(q_lat.dtype)], dim=-1)
