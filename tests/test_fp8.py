@@ -231,19 +231,52 @@ class TestFp8Dispatch(expecttest.TestCase):
     def tearDown(self):
         self.mp.undo()
 
-    def test_fp8_cache_takes_the_reference_on_an_h200_and_warns_once(self):
-        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
-        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
-        self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8), (name, why))
-        q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0),
-                                  dtype=torch.bfloat16, shape=(1, 1, 16, 576))
+    def query(self, dtype):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype,
+                                     shape=(1, 1, 16, 576))
+
+    def test_fp8_cache_runs_the_sm90_kernel_on_an_h200(self):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        for q_dtype in (torch.bfloat16, torch.float16, FP8):
+            name, why = dispatch.decode_backend("cuda", q_dtype, cache_dtype=FP8)
+            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)""")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                self.assertIs(dispatch.find_decode_kernel(self.query(q_dtype), cache, 512),
+                              dispatch._run_sm90_fp8)
+        # a bf16 cache still gets the 16-bit kernel's runner
+        self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16),
+                                                  torch.empty(1, 64, 1, 576,
+                                                              dtype=torch.bfloat16), 512),
+                      dispatch._run_sm90)
+
+    def test_fp8_cache_takes_the_reference_elsewhere_and_warns_once(self):
+        cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        name, why = dispatch.decode_backend("cuda", torch.float32, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: torch.float32 q with a float8_e4m3fn cache: the FP8 kernel takes a bfloat16, float16 or float8_e4m3fn q (the reference dequantizes the pages it reads to float32)""")
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, d_qk=320, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: d_qk=320, d_v=512, page size 64: the FP8 kernel is built for d_qk=576, d_v=512, page size 64""")
+        self.mp.setenv("TORCH_MLA_PORTABLE", "1")
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache on TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
+        self.mp.delenv("TORCH_MLA_PORTABLE")
+        for cap in [(8, 0), (8, 9), (10, 0)]:
+            self.mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+            name, why = dispatch.decode_backend("cuda", FP8, cache_dtype=FP8)
+            self.assertEqual(name, "reference")
+            self.assertEqual(dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8),
+                             (name, why))
+        self.assertExpectedInline(why, """float8_e4m3fn cache on compute capability 10.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         with self.assertWarns(UserWarning) as cm:
-            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
-        self.assertExpectedInline(str(cm.warning), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
+            self.assertIsNone(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache,
+                                                          512))
+        self.assertExpectedInline(str(cm.warning), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: float8_e4m3fn cache on compute capability 10.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the same reason again: silent
-            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
+            self.assertIsNone(dispatch.find_decode_kernel(self.query(FP8), cache, 512))
+        self.mp.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
+        self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8),
+                         ("reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"))
 
     def test_no_append_kernel_for_an_fp8_cache(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
