@@ -3,6 +3,7 @@
     python benchmarks/bench_decode.py              # all anchor configurations
     python benchmarks/bench_decode.py --quick      # a few of them
     python benchmarks/bench_decode.py 8,1,4096,128 # chosen ones (b,s_q,s_k,h_q; causal if s_q > 1)
+    python benchmarks/bench_decode.py --fp8        # torch_mla over a float8_e4m3fn cache
 
 Per configuration: the schedule is computed once (as in serving, shared by all layers), one decode
 call (split-KV kernel + combine) is captured in a CUDA graph, and the replay is timed with
@@ -103,18 +104,26 @@ def breakdown_us(inp, sched, causal):
     return t_dec, t_comb
 
 
-def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None):
+def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool = False):
+    """fp8: torch_mla runs over the cache quantized to float8_e4m3fn (one scale, amax / 448;
+    exact mode), FlashMLA over the bf16 one; bytes count 1 per cache element."""
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
-    args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
+    cache, kw = inp.kv_cache, {}
+    if fp8:
+        from torch_mla.reference import quantize_fp8
+
+        kw["kv_scale"] = (cache.float().abs().amax() / 448).reshape(1)
+        cache = quantize_fp8(cache, kw["kv_scale"])
+    args = (inp.q, cache, inp.block_table, inp.cache_seqlens, sched)
     err = float("nan")
     if check:
-        out, lse = torch_mla.mla_decode(*args, causal=causal)
-        ref, ref_lse = mla_decode_reference(inp.q, inp.kv_cache, inp.block_table,
-                                            inp.cache_seqlens, 576**-0.5, causal, 512)
+        out, lse = torch_mla.mla_decode(*args, causal=causal, **kw)
+        ref, ref_lse = mla_decode_reference(inp.q, cache, inp.block_table,
+                                            inp.cache_seqlens, 576**-0.5, causal, 512, **kw)
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
         assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4), "lse mismatch"
-    us = graph_time_us(lambda: torch_mla.mla_decode(*args, causal=causal))
+    us = graph_time_us(lambda: torch_mla.mla_decode(*args, causal=causal, **kw))
     fm_us = float("nan")
     if flash_mla is not None:
         meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
@@ -123,7 +132,7 @@ def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None):
             causal=causal))
     lm = inp.cache_seqlens.float().mean().item()
     flop = b * h_q * s_q * (2 * 576 * lm + 2 * 512 * lm)
-    nbytes = b * (s_q * h_q * 576 * 2 + lm * 576 * 2 + s_q * h_q * 512 * 2)
+    nbytes = b * (s_q * h_q * 576 * 2 + lm * 576 * (1 if fp8 else 2) + s_q * h_q * 512 * 2)
     return us, flop / us / 1e6, nbytes / us / 1e3, err, fm_us
 
 
@@ -133,6 +142,8 @@ def main(argv=None):
     ap.add_argument("--no-check", action="store_true", help="skip the reference comparison")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time the split-KV kernel and the combine kernel on their own")
+    ap.add_argument("--fp8", action="store_true",
+                    help="torch_mla over a float8_e4m3fn cache (exact mode; FlashMLA stays bf16)")
     ap.add_argument("configs", nargs="*", metavar="B,S_Q,S_K,H_Q",
                     help="configurations to time instead of the anchor table")
     args = ap.parse_args(argv)
@@ -140,7 +151,8 @@ def main(argv=None):
         import flash_mla  # noqa: F401
     except ImportError:
         flash_mla = None
-    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}")
+    print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
+          + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
           "| FlashMLA us (anchor) | FlashMLA / ours | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
@@ -151,7 +163,8 @@ def main(argv=None):
     for cfg in configs:
         b, s_q, s_k, h_q, causal = cfg
         check = not args.no_check and b * s_k <= 128 * 8192
-        us, tflops, gbps, err, fm_us = run_config(*cfg, check=check, flash_mla=flash_mla)
+        us, tflops, gbps, err, fm_us = run_config(*cfg, check=check, flash_mla=flash_mla,
+                                                  fp8=args.fp8)
         anchor = ANCHORS.get(cfg, float("nan"))
         fm = f"{anchor:.1f}" + (f" ({fm_us:.1f} here)" if fm_us == fm_us else "")
         print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "

@@ -1,6 +1,7 @@
 """The FP8 latent cache (issue 13, CPU side): float8_e4m3fn cache + kv_scale (and an fp8 q +
 q_scale) through mla_decode, append_kv, the custom ops, dispatch and the FlashMLA/vLLM compat."""
 
+import random
 import types
 import warnings
 
@@ -25,7 +26,7 @@ def fp8_inputs(lens, s_q, h_q, mult=1.0, **sizes):
     to e4m3 at the per-tensor scale amax / 448; returns (inputs, fp8 cache, kv_scale [1])."""
     inp = make_decode_inputs(lens, s_q, h_q, **sizes)
     cache = inp.kv_cache.float() * mult
-    kv_scale = (cache.nan_to_num(0).abs().amax() / 448).reshape(1)
+    kv_scale = (cache.nan_to_num(0).abs().amax() / 448).reshape(1)  # (on cache's device)
     return inp, quantize_fp8(cache, kv_scale), kv_scale
 
 
@@ -231,19 +232,52 @@ class TestFp8Dispatch(expecttest.TestCase):
     def tearDown(self):
         self.mp.undo()
 
-    def test_fp8_cache_takes_the_reference_on_an_h200_and_warns_once(self):
-        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
-        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
-        self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8), (name, why))
-        q = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0),
-                                  dtype=torch.bfloat16, shape=(1, 1, 16, 576))
+    def query(self, dtype):
+        return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype,
+                                     shape=(1, 1, 16, 576))
+
+    def test_fp8_cache_runs_the_sm90_kernel_on_an_h200(self):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        for q_dtype in (torch.bfloat16, torch.float16, FP8):
+            name, why = dispatch.decode_backend("cuda", q_dtype, cache_dtype=FP8)
+            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)""")
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")
+                self.assertIs(dispatch.find_decode_kernel(self.query(q_dtype), cache, 512),
+                              dispatch._run_sm90_fp8)
+        # a bf16 cache still gets the 16-bit kernel's runner
+        self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16),
+                                                  torch.empty(1, 64, 1, 576,
+                                                              dtype=torch.bfloat16), 512),
+                      dispatch._run_sm90)
+
+    def test_fp8_cache_takes_the_reference_elsewhere_and_warns_once(self):
+        cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        name, why = dispatch.decode_backend("cuda", torch.float32, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: torch.float32 q with a float8_e4m3fn cache: the FP8 kernel takes a bfloat16, float16 or float8_e4m3fn q (the reference dequantizes the pages it reads to float32)""")
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, d_qk=320, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: d_qk=320, d_v=512, page size 64: the FP8 kernel is built for d_qk=576, d_v=512, page size 64""")
+        self.mp.setenv("TORCH_MLA_PORTABLE", "1")
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
+        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache on TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
+        self.mp.delenv("TORCH_MLA_PORTABLE")
+        for cap in [(8, 0), (8, 9), (10, 0)]:
+            self.mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+            name, why = dispatch.decode_backend("cuda", FP8, cache_dtype=FP8)
+            self.assertEqual(name, "reference")
+            self.assertEqual(dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8),
+                             (name, why))
+        self.assertExpectedInline(why, """float8_e4m3fn cache on compute capability 10.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         with self.assertWarns(UserWarning) as cm:
-            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
-        self.assertExpectedInline(str(cm.warning), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes the pages it reads to float32)""")
+            self.assertIsNone(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache,
+                                                          512))
+        self.assertExpectedInline(str(cm.warning), """torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: float8_e4m3fn cache on compute capability 10.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         with warnings.catch_warnings():
             warnings.simplefilter("error")  # the same reason again: silent
-            self.assertIsNone(dispatch.find_decode_kernel(q, cache, 512))
+            self.assertIsNone(dispatch.find_decode_kernel(self.query(FP8), cache, 512))
+        self.mp.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
+        self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8),
+                         ("reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"))
 
     def test_no_append_kernel_for_an_fp8_cache(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
@@ -304,3 +338,199 @@ def test_fp8_cache_with_q_requiring_grad_is_forward_only():
     torch.testing.assert_close(out.detach().double(), ref_out, atol=1e-3, rtol=1e-2)
     with pytest.raises(RuntimeError, match="torch_mla.mla_decode is forward-only"):
         out.float().sum().backward()
+
+
+@pytest.mark.parametrize("n_tiles", [4, 5])
+def test_sm90_in_place_expansion_is_race_free_and_lands_in_the_swizzled_layout(n_tiles):
+    """The FP8 kernel expands a page-buffer half (4 or 5 tiles of 64 keys x 64 columns) from
+    its fp8 bytes in the upper half of the region to 16-bit, in place, by 128 threads with
+    barriers between steps (fp8_expand_schedule, fp8_expand_addrs). Model of it: no thread
+    stores, between two barriers, a byte another thread loads there (any interleaving then
+    gives the sequential result), and the result is every value in the 128-byte-swizzled
+    K-major tile layout that TMA writes and wgmma reads (16-byte chunk c of row r of a tile
+    at chunk c ^ (r % 8))."""
+    from torch_mla.cute_kernels.sm90_decode import fp8_expand_addrs, fp8_expand_schedule
+
+    size = n_tiles * 8192
+    codes = torch.randint(0, 256, (size // 2,), dtype=torch.uint8)
+    mem = torch.full((size,), 0xA5, dtype=torch.uint8)  # bf16 leftovers of the last page
+    mem[size // 2:] = codes
+    steps = fp8_expand_schedule(n_tiles)
+    epochs, cur = [], []
+    for step in steps:
+        if step[0] == "bar":
+            epochs.append(cur)
+            cur = []
+        else:
+            cur.append(step)
+    epochs.append(cur)
+    assert sum(len(e) for e in epochs) == 4 * n_tiles  # a load and a store per wave
+    regs = {}
+    for epoch in epochs:
+        loads, stores = {}, {}
+        for i in range(128):
+            for kind, w in epoch:
+                src, d0, d1 = fp8_expand_addrs(n_tiles, w, i)
+                if kind == "load":
+                    for b in range(src, src + 16):
+                        loads.setdefault(b, set()).add(i)
+                else:
+                    for b in [*range(d0, d0 + 16), *range(d1, d1 + 16)]:
+                        assert b not in stores, (epoch, b)
+                        stores[b] = i
+        for b, i in stores.items():
+            assert loads.get(b, set()) <= {i}, (epoch, b)
+        # sequential per thread (a thread's own load precedes its store in program order)
+        for i in range(128):
+            for kind, w in epoch:
+                src, d0, d1 = fp8_expand_addrs(n_tiles, w, i)
+                if kind == "load":
+                    regs[w, i] = mem[src:src + 16].clone()
+                else:
+                    vals = regs[w, i].view(FP8).to(torch.bfloat16).view(torch.uint8)
+                    mem[d0:d0 + 16], mem[d1:d1 + 16] = vals[:16], vals[16:]
+    # unswizzle: tile t, row r, chunk c at t * 8 KB + 128 r + 16 (c ^ (r % 8))
+    t, r, c = torch.meshgrid(torch.arange(n_tiles), torch.arange(64), torch.arange(8),
+                             indexing="ij")
+    offs = t * 8192 + r * 128 + 16 * (c ^ (r % 8))
+    chunks = mem.view(-1, 16)[(offs // 16).flatten()].view(n_tiles, 64, 64, 2)
+    got = chunks.reshape(-1).view(torch.bfloat16).view(n_tiles, 64, 64)
+    want = codes.view(n_tiles, 64, 64).view(FP8).to(torch.bfloat16)
+    assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+
+
+# --- the SM90 kernel over an fp8 cache (exact mode): GPU tests -----------------------------
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available()
+                          or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an SM90 GPU")
+
+
+@pytest.fixture
+def kernel_env(monkeypatch):
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, FP8])
+def test_sm90_fp8_kernel_converts_every_code_exactly(q_dtype, kernel_env):
+    from torch_mla.testing import make_fp8_code_case
+
+    c = make_fp8_code_case(q_dtype, "cuda")
+    assert dispatch.find_decode_kernel(c.q, c.kv_cache, 512) is dispatch._run_sm90_fp8
+    out, lse = torch_mla.mla_decode(c.q, c.kv_cache, c.block_table, c.cache_seqlens,
+                                    softmax_scale=1.0, kv_scale=c.kv_scale, q_scale=c.q_scale)
+    assert out.dtype == (torch.bfloat16 if q_dtype == FP8 else q_dtype)
+    bad = (out.float() != c.out).nonzero()
+    assert bad.numel() == 0, f"{len(bad)} wrong values, first at {bad[:4].tolist()}"
+    torch.testing.assert_close(lse, torch.full_like(lse, c.lse), atol=1e-3, rtol=0)
+
+
+def run_fp8_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, mult=1.0,
+                      h_kv=1, q_fp8=False):
+    """The kernel against the fp32 reference over the same dequantized cache, within the bf16
+    kernel's tolerances (atol scaled with the data: the errors are relative to |V|)."""
+    from test_kernel_sm90 import TOL
+
+    inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, mult, device="cuda", h_kv=h_kv)
+    q = (inp.q.float() * mult).to(dtype)
+    q_scale = None
+    if q_fp8:
+        q_scale = (q.float().abs().amax() / 448).reshape(1)
+        q = quantize_fp8(q, q_scale)
+    scale = scale or SCALE
+    assert dispatch.find_decode_kernel(q, cache, 512) is dispatch._run_sm90_fp8
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q, h_kv=h_kv)
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
+                                    softmax_scale=scale, causal=causal, kv_scale=kv_scale,
+                                    q_scale=q_scale)
+    ref_out, ref_lse = mla_decode_reference(q, cache, inp.block_table, inp.cache_seqlens, scale,
+                                            causal, 512, kv_scale=kv_scale, q_scale=q_scale)
+    assert not out.isnan().any()
+    tol = TOL[torch.bfloat16 if q_fp8 else dtype]
+    torch.testing.assert_close(out.float(), ref_out.float(), atol=tol["atol"] * mult,
+                               rtol=tol["rtol"])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("h_q", [1, 3, 16, 63, 64, 128])
+@pytest.mark.parametrize("s_q,causal", [(1, False), (2, True), (4, True)])
+def test_sm90_fp8_heads_and_query_tokens(h_q, s_q, causal, kernel_env):
+    run_fp8_and_check([20, 140, 4096, 0, 1, 65], s_q, h_q, causal)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("L", [1, 63, 64, 65, 128, 129, 192, 193])
+def test_sm90_fp8_page_boundaries(L, kernel_env):
+    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 1, 64, False)
+    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 3, 32, True)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("b", [1, 6, 128])
+def test_sm90_fp8_batches_varlen(b, kernel_env):
+    rng = random.Random(b)
+    lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
+    if b > 2:
+        lens[rng.randrange(b)] = 0
+    run_fp8_and_check(lens, 2, 128, True)
+    run_fp8_and_check(lens, 1, 16, False)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("mult", [1.0, 10.0, 20.0])  # randn / 10, randn, 2 randn
+def test_sm90_fp8_data_scales_fp16_and_fp8_q(mult, kernel_env):
+    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, mult=mult)
+    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, dtype=torch.float16, mult=mult)
+    run_fp8_and_check([20, 140, 4096, 0], 1, 128, False, mult=mult, q_fp8=True)
+
+
+@pytest.mark.cuda
+@sm90
+def test_sm90_fp8_long_context_and_h_kv_heads(kernel_env):
+    run_fp8_and_check([32768, 5], 1, 128, False, scale=0.01)
+    run_fp8_and_check([20, 140, 0, 65], 2, 16, True, h_kv=4)
+
+
+@pytest.mark.cuda
+@sm90
+def test_sm90_fp8_graph_replays_with_new_lengths(kernel_env):
+    steps = [fp8_inputs(lens, 2, 64, device="cuda", max_blocks=6, num_blocks=14)
+             for lens in ([70, 3, 300], [129, 64, 0], [5, 250, 190])]
+    static = [steps[0][0].q.clone(), steps[0][1].clone(), steps[0][0].block_table.clone(),
+              steps[0][0].cache_seqlens.clone(), steps[0][2].clone()]
+
+    def step(q, cache, table, lens, kv_scale):
+        sched = torch_mla.get_decode_schedule(lens, 2, 64)
+        return torch_mla.mla_decode(q, cache, table, lens, sched, causal=True,
+                                    kv_scale=kv_scale)
+
+    torch_mla.set_value_checks(False)
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(*[t.clone() for t in static])  # compiles outside the capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, lse = step(*static)
+        for inp, cache, kv_scale in steps * 2:
+            for dst, src in zip(static, [inp.q, cache, inp.block_table, inp.cache_seqlens,
+                                         kv_scale]):
+                dst.copy_(src)
+            g.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = mla_decode_reference(*static[:4], SCALE, True, 512,
+                                                    kv_scale=static[4])
+            torch.testing.assert_close(out.float(), ref_out.float(), atol=8e-4, rtol=2.01 / 128)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    finally:
+        torch_mla.set_value_checks(True)

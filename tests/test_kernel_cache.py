@@ -255,10 +255,12 @@ def test_off_stores_nothing(cache, monkeypatch, tmp_path):
 
 def test_precompile_variants_cover_the_dispatch():
     got = [(k, c) for k, c, _ in precompile.variants(["bf16", "fp16"], (False, True),
-                                                     ["step", "decode", "combine"])]
+                                                     ["step", "fp8_step", "decode", "combine"])]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 step_sm90 {'dtype': 'bf16', 'causal': False}
 step_sm90 {'dtype': 'bf16', 'causal': True}
+step_sm90 {'dtype': 'bf16', 'causal': False, 'kv': 'e4m3'}
+step_sm90 {'dtype': 'bf16', 'causal': True, 'kv': 'e4m3'}
 decode_sm90 {'dtype': 'bf16', 'causal': False}
 decode_sm90 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
@@ -266,6 +268,8 @@ combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
 step_sm90 {'dtype': 'fp16', 'causal': False}
 step_sm90 {'dtype': 'fp16', 'causal': True}
+step_sm90 {'dtype': 'fp16', 'causal': False, 'kv': 'e4m3'}
+step_sm90 {'dtype': 'fp16', 'causal': True, 'kv': 'e4m3'}
 decode_sm90 {'dtype': 'fp16', 'causal': False}
 decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
@@ -310,8 +314,8 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 3 + 6)  # schedule; per dtype: sm90 + portable steps, decode,
-    # combine, append_kv
+        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6)  # schedule; per dtype: sm90 + portable steps, fp8
+    # steps, decode, combine, append_kv
     assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
 
 

@@ -20,8 +20,10 @@ from torch_mla.cute_kernels.decode_step import MLADecodeStep
 from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
+kv_fp8 = sys.argv[3] == "fp8"  # a float8_e4m3fn cache (exact mode)
 # What mla_decode runs: the decode kernel and the three combine variants behind one host call.
-compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(dt, causal), dt), dt)
+compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(dt, causal, kv_fp8=kv_fp8), dt),
+                    dt)
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -33,18 +35,22 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         for k in ["wgmma.mma_async", "cp.async.bulk.tensor", "cp.async.bulk.global", "stmatrix",
                   "ldmatrix", "ld.local", "st.local", "griddepcontrol.launch_dependents",
                   "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
-                  r"call.uni \(retval0\), vprintf"]:
+                  r"call.uni \(retval0\), vprintf", "cvt.rn.f16x2.e4m3x2",
+                  r"cvt.rn.bf16x2.f32 h\d, fu\d, fl\d;", "wgmma.mma_async.*bf16",
+                  "wgmma.mma_async.*f16.f16"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 assert entries == {"decode": 1, "combine": 3}, entries
 print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("dtype,causal", [("bf16", "causal"), ("fp16", "plain")])
-def test_sm90_kernels_compile(tmp_path, dtype, causal):
+@pytest.mark.parametrize("dtype,causal,cache", [("bf16", "causal", "same"),
+                                                ("fp16", "plain", "same"),
+                                                ("bf16", "causal", "fp8")])
+def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", SCRIPT, dtype, causal], env=env,
+    res = subprocess.run([sys.executable, "-c", SCRIPT, dtype, causal, cache], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
@@ -58,6 +64,18 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal):
     assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
     # output staged in smem and written by bulk copies; the combine may launch early (PDL)
     assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
+    # the MMAs are the 16-bit ones in both cache formats
+    mma = dec["wgmma.mma_async.*bf16" if dtype == "bf16" else "wgmma.mma_async.*f16.f16"]
+    assert mma == dec["wgmma.mma_async"], dec
+    if cache == "fp8":
+        # the page expansion: 8 cvt.rn.f16x2.e4m3x2 per 16 bytes, 8 or 10 waves a buffer half,
+        # two halves, in each of the four inlined Q K^T issue sites (first S of each
+        # warpgroup, the steady-state pair of each); bf16 goes through f32 (exact)
+        assert dec["cvt.rn.f16x2.e4m3x2"] == 8 * 18 * 4, dec
+        bf16_route = dec[r"cvt.rn.bf16x2.f32 h\d, fu\d, fl\d;"]
+        assert bf16_route == (dec["cvt.rn.f16x2.e4m3x2"] if dtype == "bf16" else 0), dec
+    else:
+        assert dec["cvt.rn.f16x2.e4m3x2"] == 0, dec
     comb = counts["combine"]
     assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0, comb
     # the input checks: a message (its 5 and 8 arguments are the only local stores: 3 + 4

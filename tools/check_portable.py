@@ -62,7 +62,7 @@ def portable(tiles=None, on=True):
         os.environ.pop("TORCH_MLA_PORTABLE", None)
     if tiles:
         dispatch._STEPS["sm80"] = lambda dtype, causal, index: dispatch._compiled_step(
-            "sm80", dtype, causal, dispatch.device_arch(index), tiles)
+            "sm80", dtype, causal, dispatch.device_arch(index), tiles=tiles)
     try:
         yield
     finally:

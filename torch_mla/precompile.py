@@ -1,11 +1,13 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,decode,combine,portable,schedule,append_kv]
+                                   [--kernels step,fp8_step,decode,combine,portable,schedule,
+                                              append_kv]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
 sm_90a): the decode step (the decode kernel and the combine behind one call: the SM90 kernel on
-sm_90a, the portable one elsewhere), the schedule kernel and append_kv in each cache dtype of
+sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m3fn cache
+(``fp8_step``: q and output in each dtype), the schedule kernel and append_kv in each cache dtype of
 ``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable
 decode step on sm_90a (``TORCH_MLA_PORTABLE=1``); decode and combine alone serve benchmarks.
 
@@ -33,8 +35,8 @@ from .ops import dispatch, kernel_cache
 
 # The arches torch_mla has kernels for: SM90's own, and the portable kernels'.
 ARCHS = tuple(dict.fromkeys((dispatch.SM90_ARCH, *dispatch.PORTABLE_ARCHS.values())))
-KERNELS = ("step", "decode", "combine", "portable", "schedule", "append_kv")
-DEFAULT_KERNELS = ("step", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "decode", "combine", "portable", "schedule", "append_kv")
+DEFAULT_KERNELS = ("step", "fp8_step", "schedule", "append_kv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
 COMBINE_WARPS_PER_ROW = scheduling.COMBINE_WARPS_PER_ROW
@@ -58,6 +60,10 @@ def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
         for kind in steps:
             out += [(f"step_{kind}", {"dtype": name, "causal": c},
                      lambda dt=dt, c=c, kind=kind: dispatch._compiled_step(kind, dt, c, arch))
+                    for c in causal]
+        if "fp8_step" in kernels and native == "sm90":  # the only float8_e4m3fn-cache kernel
+            out += [("step_sm90", {"dtype": name, "causal": c, "kv": "e4m3"},
+                     lambda dt=dt, c=c: dispatch._compiled_step("sm90", dt, c, arch, kv_fp8=True))
                     for c in causal]
         for kind in decode:
             out += [(f"decode_{kind}", {"dtype": name, "causal": c},

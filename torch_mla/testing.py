@@ -105,3 +105,65 @@ def make_anchor_inputs(b: int, s_q: int, h_q: int, s_k: int, dtype=torch.bfloat1
     cache = cache.clamp(-1, 1).to(dtype)
     lens = torch.tensor(seqlens, dtype=torch.int32, device=device)
     return DecodeInputs(q, cache, table, lens)
+
+
+@dataclasses.dataclass
+class Fp8CodeCase:
+    """Inputs whose exact output is known: see :func:`make_fp8_code_case`."""
+
+    q: torch.Tensor  # [1, 2, 128, 576], bf16/fp16, or float8_e4m3fn with q_scale
+    kv_cache: torch.Tensor  # float8_e4m3fn [5, 64, 1, 576]
+    block_table: torch.Tensor  # int32 [1, 6]
+    cache_seqlens: torch.Tensor  # int32 [1], 256
+    kv_scale: torch.Tensor  # float32 [1]
+    q_scale: torch.Tensor | None  # float32 [1] for an e4m3 q
+    out: torch.Tensor  # [1, 2, 128, 512] float32: the exact output (softmax_scale=1)
+    lse: float  # every row's lse
+
+
+def make_fp8_code_case(q_dtype: torch.dtype, device: str | torch.device = "cpu",
+                       seed: int = 0) -> Fp8CodeCase:
+    """An FP8-cache decode whose exact output is each query row's own key's V: a bit-exact
+    check of a kernel's e4m3 -> 16-bit conversion of every value (every code at every row and
+    column position of the pages) through the whole kernel.
+
+    One request of 256 keys (4 pages, shuffled; a spare NaN page and huge ids after them),
+    s_q 2 x h_q 128 = 256 query rows, causal off, softmax_scale 1. Query row j (= s * 128 + h)
+    and key j share a RoPE signature: key j holds +-448 (sign: bit 5 of j) at RoPE column
+    j % 32 and 448 at RoPE column 32 + j // 64, zeros elsewhere; q row j holds the same pattern
+    with 16 in place of 448 (8 with q_scale 2 for an e4m3 q). Row j's score is 2 * 448 * 16 on
+    key j and at most half of that on any other key, so the softmax is exactly one-hot (the
+    others underflow to 0) and out[j] = V[key j] * kv_scale exactly (kv_scale = 1/8: exact in
+    bf16 and fp16). V columns hold random finite e4m3 codes (NaN codes 0x7f/0xff excluded:
+    q's zero columns times NaN would poison the scores)."""
+    g = torch.Generator().manual_seed(seed)
+    fp8 = torch.float8_e4m3fn
+    keys = torch.arange(256)
+    codes = torch.randint(0, 256, (4, PAGE_SIZE, 1, 576), generator=g, dtype=torch.uint8)
+    codes[(codes == 0x7F) | (codes == 0xFF)] = 0
+    codes[..., 512:] = 0
+    pos, neg = 0x7E, 0xFE  # +448, -448
+    flat = codes.view(256, 576)
+    flat[keys, 512 + keys % 32] = torch.where((keys >> 5) % 2 == 0, pos, neg).to(torch.uint8)
+    flat[keys, 544 + keys // 64] = pos
+    order = torch.tensor([3, 0, 2, 1])  # page j // 64 of the request lives in block order[j]
+    cache = torch.full((5, PAGE_SIZE, 1, 576), 0x7F, dtype=torch.uint8)  # block 4: NaN
+    cache[order] = codes
+    table = torch.tensor([[*order.tolist(), POISON_BLOCK_ID, POISON_BLOCK_ID]], dtype=torch.int32)
+    kv_scale = torch.tensor([0.125])
+    q = torch.zeros(256, 576)
+    q[keys, 512 + keys % 32] = torch.where((keys >> 5) % 2 == 0, 16.0, -16.0)
+    q[keys, 544 + keys // 64] = 16.0
+    q = q.view(1, 2, 128, 576)
+    q_scale = None
+    if q_dtype == fp8:
+        q_scale = torch.tensor([2.0])
+        q = (q / 2).to(fp8)
+    else:
+        q = q.to(q_dtype)
+    out = (flat.view(fp8).float()[:, :512] * kv_scale).view(1, 2, 128, 512)
+    dev = torch.device(device)
+    return Fp8CodeCase(q.to(dev), cache.view(fp8).to(dev), table.to(dev),
+                       torch.tensor([256], dtype=torch.int32, device=dev), kv_scale.to(dev),
+                       None if q_scale is None else q_scale.to(dev), out.to(dev),
+                       2 * 448 * 16 * 0.125)

@@ -14,7 +14,7 @@ merges.
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32
+from cutlass import Float32, Int32, const_expr
 
 from ..scheduling import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
 from .combine import MLACombine
@@ -26,6 +26,8 @@ class MLADecodeStep:
     def __init__(self, decode, dtype, d_v: int = 512, use_pdl: bool = True):
         # use_pdl: the combine starts early as a programmatic dependent (sm_90 and later).
         self.decode = decode
+        # A float8_e4m3fn-cache decode kernel (MLADecodeSm90(kv_fp8=True)) takes its scales.
+        self.kv_fp8 = getattr(decode, "kv_fp8", False)
         self.combines = [MLACombine(dtype, d_v, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
 
     @cute.jit
@@ -44,9 +46,16 @@ class MLADecodeStep:
         scale_log2: Float32,
         combine_variant: Int32,
         stream,
+        mKVScale: cute.Tensor = None,  # kv_fp8: (1,) fp32
+        mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, read when q_scaled != 0
+        q_scaled=None,  # kv_fp8: Int32, 1 when q_scale applies
     ):
-        self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
-                    scale_log2, stream)
+        if const_expr(self.kv_fp8):
+            self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
+                        mLSEacc, scale_log2, stream, None, mKVScale, mQScale, q_scaled)
+        else:
+            self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
+                        mLSEacc, scale_log2, stream)
         args = (mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens, mKV.shape[0],
                 stream)
         if combine_variant == 0:

@@ -111,6 +111,92 @@ def _globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+@dsl_user_op
+def _lds128(addr: Int32, *, loc=None, ip=None):
+    """Four 32-bit words from shared::cta address addr (16-byte aligned): one ld.shared.v4.
+    Side effects keep it in program order with the named barriers around it."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+def _e4m3_asm(to_bf16: bool) -> str:
+    """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
+    two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15).
+
+    cvt.rn.f16x2.e4m3x2 is exact (every e4m3 value, subnormals included, is a normal f16).
+    For bf16: f16 -> f32 (exact) -> bf16x2 (exact: 3 significant bits, exponents -9..8, so
+    neither a denormal nor a rounding ever occurs). Of cvt's x2 forms the upper half of the
+    result comes from the upper input (upper byte; first f32 operand), so value k of the
+    chunk sits in bits 16 (k % 2) of word k // 2, as in memory."""
+    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>;", ".reg .f32 fl<8>, fu<8>;"]
+    for w in range(4):
+        lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
+    for i in range(8):
+        if to_bf16:
+            lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};", f"mov.b32 {{l{i}, u{i}}}, h{i};",
+                      f"cvt.f32.f16 fl{i}, l{i};", f"cvt.f32.f16 fu{i}, u{i};",
+                      f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};"]
+        else:
+            lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
+    lines += ["st.shared.v4.b32 [$0], {h0, h1, h2, h3};",
+              "st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
+    return "\n".join(lines)
+
+
+@dsl_user_op
+def _e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, ip=None) -> None:
+    """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
+    (values 8-15); see _e4m3_asm."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst0, dst1, *words)]
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16), "r,r,r,r,r,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+def fp8_expand_schedule(n_tiles: int) -> list[tuple[str, int]]:
+    """The in-place expansion of one page-buffer half of n_tiles 64-column tiles, as steps
+    ("load", w), ("store", w) (wave w: 2 KB of fp8 = 16 bytes per thread of a warpgroup) and
+    ("bar", -1) (a warpgroup barrier).
+
+    The half's fp8 bytes lie in the upper half of its bf16 region (F = n_tiles * 4 KB from its
+    start); fp8 byte x becomes bf16 bytes [2 x, 2 x + 2) (up to the swizzle, which permutes
+    16-byte chunks inside a 128-byte row). So wave w's stores cover rows that held fp8 waves
+    2 w - W and 2 w - W + 1 (W = 2 n_tiles waves): a wave may be stored once every thread has
+    loaded those, which a barrier after their loads guarantees; the last wave overlaps itself
+    (load, barrier, store). Every thread loads before it stores within a wave, and barriers
+    are inserted only where a store would otherwise overrun a load of another thread."""
+    W = 2 * n_tiles
+    steps: list[tuple[str, int]] = []
+    covered = -1  # the waves whose loads a barrier already ordered before what follows
+    for w in range(W):
+        need = 2 * w - W + 1  # the last fp8 wave this wave's output overlaps
+        if need >= w:
+            steps += [("load", w), ("bar", -1), ("store", w)]
+            covered = w
+            continue
+        if need > covered:
+            steps.append(("bar", -1))
+            covered = w - 1
+        steps += [("load", w), ("store", w)]
+    return steps
+
+
+def fp8_expand_addrs(n_tiles: int, w: int, i):
+    """Byte offsets from a page-buffer half's start (1 KB aligned) for wave w, thread i of
+    its in-place expansion: (the 16 fp8 bytes it reads, the 16-byte chunks it writes values
+    0-7 and 8-15 to). Those bytes are tile w // 2, row 32 (w % 2) + i // 4, columns
+    16 (i % 4) + [0, 16); the 16-bit row is 128 bytes, its chunks 2 (i % 4) and 2 (i % 4) + 1
+    XORed with row % 8 (the 128-byte swizzle of TMA and wgmma: address bits 4-6 ^= bits 7-9).
+    i: a Python int (tests) or the DSL's Int32."""
+    src = n_tiles * PAGE * 64 + w * 2048 + i * 16
+    row_start = (w // 2) * PAGE * 128 + ((w % 2) * 32 + i // 4) * 128
+    q, sw = i % 4, (i // 4) % 8
+    return src, row_start + ((2 * q) ^ sw) * 16, row_start + ((2 * q + 1) ^ sw) * 16
+
+
 @cute.jit
 def fence_operand(t: cute.Tensor):
     """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
@@ -130,9 +216,14 @@ class MLADecodeSm90:
 
     num_threads = 256
 
-    def __init__(self, dtype, causal: bool, trace: bool = False):
+    def __init__(self, dtype, causal: bool, trace: bool = False, kv_fp8: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
+        # kv_fp8: the cache is float8_e4m3fn ("exact" mode): each page lands as fp8 bytes in
+        # the upper half of its bf16 (fp16) buffer halves and the warpgroup that computes its
+        # Q K^T expands it in place (_expand_half); the MMAs are the 16-bit kernel's. The
+        # scales fold into the softmax scale and the epilogue (see __call__).
+        self.kv_fp8 = bool(kv_fp8)
         # trace: a development build that takes one more argument, an int64 (ctas, 128) tensor,
         # and writes %globaltimer stamps into it (see _stamp); tools/trace_decode.py reads them.
         self.trace = bool(trace)
@@ -165,7 +256,13 @@ class MLADecodeSm90:
         scale_log2: Float32,
         stream,
         mTrace: cute.Tensor = None,
+        mKVScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, the cache's dequantization scale
+        mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, q's scale (read if q_scaled != 0)
+        q_scaled=None,  # kv_fp8: Int32, 1 when q was e4m3 (converted to dtype by the host)
     ):
+        """kv_fp8 builds: the scores use scale_log2 * kv_scale (* q_scale), and O and the
+        partials Oacc are multiplied by kv_scale in the epilogue (the combine is unchanged):
+        e4m3 values are exact in bf16/fp16, so the dequantization itself is a conversion."""
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
@@ -203,7 +300,13 @@ class MLADecodeSm90:
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, self.sQ_layout, (BLOCK_M, D_QK))
-        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout, (PAGE, 64))
+        if const_expr(self.kv_fp8):
+            # fp8 tiles land unswizzled (64-byte rows): _expand_half reads them linearly.
+            tile8 = cute.make_layout((PAGE, 64), stride=(64, 1))
+            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE, 64))
+        else:
+            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout,
+                                                         (PAGE, 64))
 
         @cute.struct
         class SharedStorage:
@@ -223,7 +326,7 @@ class MLADecodeSm90:
         num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
         self.kernel(
             tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace,
+            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
         ).launch(
@@ -253,6 +356,9 @@ class MLADecodeSm90:
         mLSEacc: cute.Tensor,
         scale_log2: Float32,
         mTrace,
+        mKVScale,
+        mQScale,
+        q_scaled,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
         tile_layout: cute.ComposedLayout,
@@ -313,12 +419,36 @@ class MLADecodeSm90:
         self._stamp(mTrace, cta, 0, tidx, 0)
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
-        sK_tiles = cute.flat_divide(sK, (PAGE, 64))  # (64, 64, 1, 9, 2)
         gK_tiles = cute.local_tile(tma_mKV, (PAGE, 64), (0, None, None))  # (64, 64, 9, pages)
-        tKsK, tKgK = cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1),
-            cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
-        )
+        if const_expr(self.kv_fp8):
+            # Fp8 tile t of buffer s: 4 KB at byte s * 72 KB + half start + half size / 2 +
+            # 4 KB (t - first tile of the half); one partition per half (tiles 0-3, 4-8).
+            k8 = cute.recast_ptr(k_base, dtype=cutlass.Uint8)
+            tKsK = []
+            for h in cutlass.range_constexpr(2):
+                t0, nt = (0, 4) if h == 0 else (4, 5)
+                start = t0 * PAGE * 64 * 2 + nt * PAGE * 64
+                sK8 = cute.make_tensor(k8 + start, cute.make_layout(
+                    (PAGE, 64, 1, nt, 2), stride=(64, 1, 0, PAGE * 64, 2 * PAGE * D_QK)))
+                tKsK_h, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1),
+                    cute.group_modes(sK8, 0, 2), cute.group_modes(gK_tiles, 0, 2),
+                )
+                tKsK.append(tKsK_h)
+            # Folded scales (see __call__): read once, no host synchronisation.
+            kv_scale = mKVScale[0]
+            q_scale = Float32(1.0)
+            if q_scaled != 0:
+                q_scale = mQScale[0]
+            scale_log2 = scale_log2 * kv_scale * q_scale
+            self.d_kv_scale = kv_scale
+        else:
+            sK_tiles = cute.flat_divide(sK, (PAGE, 64))  # (64, 64, 1, 9, 2)
+            tKsK, tKgK = cpasync.tma_partition(
+                tma_k, 0, cute.make_layout(1),
+                cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
+            )
+        self.d_k_base, self.d_wtid = k_base, wtid
 
         # MMA partitions (per warpgroup).
         thr_qk = tiled_qk_ss.get_slice(wtid)
@@ -545,10 +675,18 @@ class MLADecodeSm90:
         """One warp: TMA tiles [t_begin, t_end) of cache page `page` into buffer s."""
         for t in cutlass.range_constexpr(t_begin, t_end):
             bar = barK + s * N_TILES + t
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64 * self.dtype.width // 8)
-            cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar,
-                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+            if const_expr(self.kv_fp8):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64)
+                dst = tKsK[0][None, 0, t, s] if t < 4 else tKsK[1][None, 0, t - 4, s]
+                cute.copy(tma_k, tKgK[None, t, page], dst, tma_bar_ptr=bar,
+                          cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+            else:
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar,
+                                                            PAGE * 64 * self.dtype.width // 8)
+                cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar,
+                          cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
     def _qk(self, acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, s: cutlass.Constexpr[int],
@@ -565,7 +703,13 @@ class MLADecodeSm90:
         first = fresh
         for t in cutlass.range_constexpr(len(order)):
             tile = order[t]
-            cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+            if const_expr(self.kv_fp8):
+                # Every call's order takes a buffer half's tiles together, starting at tile 0
+                # or 4: the half is expanded (waiting for all of its tiles) before its first.
+                if const_expr(tile == 0 or tile == 4):
+                    self._expand_half(barK, phase, s, 0 if tile == 0 else 1)
+            else:
+                cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
             warpgroup.fence()
             for kk in cutlass.range_constexpr(4):
                 k = tile * 4 + kk
@@ -580,6 +724,30 @@ class MLADecodeSm90:
         warpgroup.commit_group()
         if const_expr(last):
             phase[s] = phase[s] ^ 1
+
+    @cute.jit
+    def _expand_half(self, barK, phase, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
+        """kv_fp8: waits for half h of buffer s (tiles 0-3 or 4-8) and expands its fp8 bytes,
+        in place, into the swizzled 16-bit tiles the MMAs read (fp8_expand_schedule says in
+        what order); then fences them for the async proxy. The warpgroup that computes Q K_s^T
+        (warpgroup s) runs it; its barriers are that warpgroup's."""
+        t0, nt = (0, 4) if h == 0 else (4, 5)
+        bar_id = NB_WG0 if s == 0 else NB_WG1
+        for t in cutlass.range_constexpr(t0, t0 + nt):
+            cute.arch.mbarrier_wait(barK + s * N_TILES + t, phase[s])
+        wtid = self.d_wtid
+        half = self.d_k_base.toint() + (s * PAGE * D_QK + t0 * PAGE * 64) * 2  # byte address
+        words = [None] * (2 * nt)
+        for step, w in fp8_expand_schedule(nt):
+            if const_expr(step == "bar"):
+                cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
+            elif const_expr(step == "load"):
+                words[w] = _lds128(half + fp8_expand_addrs(nt, w, wtid)[0])
+            else:
+                _, d0, d1 = fp8_expand_addrs(nt, w, wtid)
+                _e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16)
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
     @cute.jit
     def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool]):
@@ -841,6 +1009,8 @@ class MLADecodeSm90:
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
         inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
                Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
+        if const_expr(self.kv_fp8):
+            inv = [inv[0] * self.d_kv_scale, inv[1] * self.d_kv_scale]  # V's scale
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
         if pieces > 1:
             self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],

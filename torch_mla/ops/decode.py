@@ -20,12 +20,15 @@ from .schedule import DecodeSchedule, get_decode_schedule
 
 def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
                 softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None):
-    kernel = find_decode_kernel(q, kv_cache, d_v)  # (None for a float8_e4m3fn cache: no kernel)
+    kernel = find_decode_kernel(q, kv_cache, d_v)
     if kernel is not None:
         # The kernels check the lengths and the page ids they use themselves, at no cost and
         # inside CUDA graphs too: a bad value stops the launch with a message.
-        return kernel(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                      softmax_scale, causal)
+        args = (q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
+                softmax_scale, causal)
+        if kv_scale is None:
+            return kernel(*args)
+        return kernel(*args, kv_scale, q_scale)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
     args = (q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
@@ -114,8 +117,11 @@ def mla_decode(
     is printed), inside CUDA graphs too; on the GPU reference path by device-side asserts
     (see :func:`torch_mla.set_value_checks`).
 
-    A float8_e4m3fn cache runs on the reference path everywhere for now (dequantize to float32,
-    then the fp32 math; on a GPU with a one-time warning: no FP8 kernel yet).
+    A float8_e4m3fn cache runs the SM90 kernel on H100/H200 ("exact" mode: the pages are
+    expanded to bf16/fp16 on chip, the matmuls are the 16-bit kernel's, q_scale and kv_scale
+    fold into the softmax scale and the output), with a bf16/fp16 or float8_e4m3fn q; elsewhere
+    (and with a float32 q) the reference (dequantize to float32, then the fp32 math; on a GPU
+    with a one-time warning).
     """
     compiling = torch.compiler.is_compiling()
     # Shapes and dtypes here; values where they are used (_decode_run): in the kernel, or before

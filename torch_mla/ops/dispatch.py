@@ -57,7 +57,8 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn).
 
     Returns:
-        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200), ``"sm100"``
+        ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200; with a
+        float8_e4m3fn cache its "exact" variant: pages expanded to 16 bits on chip), ``"sm100"``
         (the CuTe DSL kernel for B200, only with ``TORCH_MLA_SM100=1``: it has not run on a
         Blackwell GPU yet), ``"sm80"`` (the portable CuTe DSL kernel on SM80-class
         instructions, for every other GPU of compute capability 8.0 or newer, and on any of them
@@ -70,8 +71,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
     if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
     if torch.float8_e4m3fn in (dtype, cache_dtype):
-        return "reference", ("float8_e4m3fn cache: no FP8 kernel yet (the reference dequantizes "
-                             "the pages it reads to float32)")
+        return _fp8_backend(device, dtype, d_qk, d_v, page_size)
     if dtype not in (torch.bfloat16, torch.float16):
         return "reference", f"{dtype} inputs: the kernels take bfloat16 or float16"
     if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
@@ -100,6 +100,27 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
                               ", checked against the reference on first use on this GPU") + ")")
 
 
+def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
+                 page_size: int) -> tuple[str, str]:
+    """decode_backend for a float8_e4m3fn cache (q bf16/fp16/float8_e4m3fn): the SM90 kernel's
+    exact mode on compute capability 9.0, else the reference."""
+    deq = "the reference dequantizes the pages it reads to float32"
+    if dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
+        return "reference", (f"{dtype} q with a float8_e4m3fn cache: the FP8 kernel takes a "
+                             f"bfloat16, float16 or float8_e4m3fn q ({deq})")
+    if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
+        return "reference", (f"d_qk={d_qk}, d_v={d_v}, page size {page_size}: the FP8 kernel "
+                             f"is built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
+    major, minor = _cuda_arch(device)
+    if (major, minor) != (9, 0) or portable_forced():
+        why = "TORCH_MLA_PORTABLE=1" if portable_forced() else (
+            f"compute capability {major}.{minor}")
+        return "reference", (f"float8_e4m3fn cache on {why}: the only FP8 kernel is the SM90 "
+                             f"one ({deq})")
+    return "sm90", ("compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, "
+                    "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)")
+
+
 _warned: set[str] = set()
 
 
@@ -113,7 +134,7 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     name, reason = decode_backend(q.device, q.dtype, q.shape[-1], d_v, kv_cache.shape[1],
                                   kv_cache.dtype)
     if name == "sm90":
-        return _run_sm90
+        return _run_sm90_fp8 if kv_cache.dtype == torch.float8_e4m3fn else _run_sm90
     if name == "sm80" and _cuda_arch(q.device) == (9, 0):
         return _run_sm80  # (the GPU it was verified on: no first-use check)
     if name in ("sm80", "sm100"):
@@ -163,6 +184,14 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
                          softmax_scale, causal)
 
 
+def _run_sm90_fp8(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale,
+                  causal, kv_scale, q_scale=None):
+    """The SM90 kernel over a float8_e4m3fn cache (exact mode). An e4m3 q becomes bf16 here
+    (exact; its scale folds into the kernel's softmax scale): out is bf16 then."""
+    return _run_split_kv("sm90", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
+                         softmax_scale, causal, (kv_scale, q_scale))
+
+
 def _run_sm80(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
     return _run_split_kv("sm80", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
                          softmax_scale, causal)
@@ -174,25 +203,34 @@ def _run_sm100(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softma
 
 
 def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_splits,
-                  softmax_scale, causal):
+                  softmax_scale, causal, scales=None):
     """The split-KV decode kernel of ``backend`` ("sm90", "sm100" or "sm80") and the combine,
     behind one host call; the host side (workspace, one launch per KV head, argument packing) is
-    the same for all."""
+    the same for all. scales: (kv_scale, q_scale or None) with a float8_e4m3fn cache."""
     if q.device.index != torch.cuda.current_device():
         # Kernels launch on the current device's stream, and a model split over GPUs
         # (device_map) calls its layers on cuda:1 while cuda:0 is current.
         with torch.cuda.device(q.device):
             return _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta,
-                                 num_splits, softmax_scale, causal)
+                                 num_splits, softmax_scale, causal, scales)
     b, s_q, h_q, _ = q.shape
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
+    extra = ()
+    if scales is not None:
+        kv_scale, q_scale = scales
+        if q.dtype == torch.float8_e4m3fn:
+            q = q.to(torch.bfloat16)  # exact; q_scale is applied in the kernel
+        # The kernel takes the cache's bytes (no fp8 type crosses DLPack).
+        kv_cache = kv_cache.view(torch.uint8)
+        extra = (kv_scale, kv_scale if q_scale is None else q_scale, int(q_scale is not None))
     # One launch per KV head, over query heads h_kv_idx * g .. (h_kv_idx + 1) * g - 1 and a
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = _STEPS[backend](q.dtype, bool(causal) and s_q > 1, q.device.index)
+    key = backend + ("_fp8" if scales is not None else "")
+    step = _STEPS[key](q.dtype, bool(causal) and s_q > 1, q.device.index)
     variant = combine_variant(b, meta.shape[0], rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     slots = b + meta.shape[0]
@@ -204,7 +242,7 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
         lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
         if b > 0:
             _launch(step, variant, q, kv_cache[:, :, 0], block_table, cache_seqlens, meta,
-                    num_splits, out, lse, oacc, lseacc, scale_log2)
+                    num_splits, out, lse, oacc, lseacc, scale_log2, extra)
         return out, lse
     out = torch.empty(b, s_q, h_kv, g, D_V, dtype=q.dtype, device=q.device)
     lse = torch.empty(b, h_kv, g, s_q, dtype=torch.float32, device=q.device)
@@ -215,17 +253,17 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
         out_k = torch.empty(b, s_q, g, D_V, dtype=q.dtype, device=q.device)
         lse_k = torch.empty(b, g, s_q, dtype=torch.float32, device=q.device)
         _launch(step, variant, qg[:, :, k], kv_cache[:, :, k], block_table, cache_seqlens,
-                meta, num_splits, out_k, lse_k, oacc, lseacc, scale_log2)
+                meta, num_splits, out_k, lse_k, oacc, lseacc, scale_log2, extra)
         out[:, :, k] = out_k
         lse[:, k] = lse_k
     return out.view(b, s_q, h_q, D_V), lse.view(b, h_q, s_q)
 
 
 def _launch(step, variant, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
-            oacc, lseacc, scale_log2):
+            oacc, lseacc, scale_log2, extra=()):
     """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
     [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine, in one host call
-    (cute_kernels/decode_step.py)."""
+    (cute_kernels/decode_step.py). extra: an fp8 step's (kv_scale, q_scale, q_scaled)."""
     b, s_q, g, _ = q.shape
     q3 = q.reshape(b, s_q * g, D_QK)
     if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
@@ -233,7 +271,7 @@ def _launch(step, variant, q, kv, block_table, cache_seqlens, meta, num_splits, 
     out3 = out.view(b, s_q * g, D_V)
     # The combine also checks the lengths and the used page ids (combine.check_request).
     step(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
-         scale_log2, variant)
+         scale_log2, variant, *extra)
 
 
 @functools.lru_cache(maxsize=None)
@@ -278,12 +316,16 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
-                   tiles: tuple[int, int, int] | None = None):
+                   kv_fp8: bool = False, tiles: tuple[int, int, int] | None = None):
     """A decode kernel and the combine behind one host call (what mla_decode runs), for arch:
     backend "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
-    portable MLADecodeSm80, any arch from sm_80). tiles: the portable kernel's (block_m,
-    block_n, stages) instead of Sm80DecodeConfig.from_heuristic(arch), for tools that compare
-    tile shapes (tools/check_portable.py)."""
+    portable MLADecodeSm80, any arch from sm_80). kv_fp8 (sm90 only): over a float8_e4m3fn
+    cache, with q (and out) in dtype. tiles: the portable kernel's (block_m, block_n, stages)
+    instead of Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes
+    (tools/check_portable.py)."""
+    if kv_fp8 and backend != "sm90":
+        raise ValueError(f"no float8_e4m3fn-cache kernel for backend {backend!r}")
+
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.decode_step import MLADecodeStep
@@ -291,7 +333,7 @@ def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
         if backend == "sm90":
             from ..cute_kernels.sm90_decode import MLADecodeSm90
 
-            decode = MLADecodeSm90(cdt, causal)
+            decode = MLADecodeSm90(cdt, causal, kv_fp8=kv_fp8)
         elif backend == "sm100":
             from ..cute_kernels.sm100_decode import MLADecodeSm100
 
@@ -305,6 +347,8 @@ def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
         return compile_decode_step(cute, cutlass, step, cdt, arch)
 
     config = {"dtype": _DTYPE_NAMES[dtype], "causal": causal}
+    if kv_fp8:
+        config["kv"] = "e4m3"  # (bf16/fp16-cache entries keep their names)
     if tiles:
         config["tiles"] = "x".join(map(str, tiles))
     return kernel_cache.load_or_build(f"step_{backend}", config, arch, build)
@@ -318,6 +362,8 @@ def _compiled_step_sm90(dtype: torch.dtype, causal: bool):
 # functions up when called, so tools and tests can swap them.
 _STEPS = {
     "sm90": lambda dtype, causal, index: _compiled_step("sm90", dtype, causal, SM90_ARCH),
+    "sm90_fp8": lambda dtype, causal, index: _compiled_step("sm90", dtype, causal, SM90_ARCH,
+                                                            kv_fp8=True),
     "sm100": lambda dtype, causal, index: _compiled_step("sm100", dtype, causal, SM100_ARCH),
     "sm80": lambda dtype, causal, index: _compiled_step("sm80", dtype, causal,
                                                         device_arch(index)),
@@ -477,16 +523,19 @@ def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def _decode_fake_args(cute, cutlass, cdt) -> list:
-    """A decode kernel's arguments up to scale_log2, as fake tensors with symbolic sizes."""
+def _decode_fake_args(cute, cutlass, cdt, kv_fp8: bool = False) -> list:
+    """A decode kernel's arguments up to scale_log2, as fake tensors with symbolic sizes. With
+    kv_fp8 the cache is float8_e4m3fn, passed as its bytes (uint8: the kernels only move and
+    convert them; DLPack needs no fp8 type)."""
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
     h_q, s_q = cute.sym_int(), cute.sym_int()
+    kdt, kdiv = (cutlass.Uint8, 16) if kv_fp8 else (cdt, 8)  # 16-byte aligned rows (TMA)
     return [
         _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
         # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
-        _fake(cute, cdt, (n_blocks, PAGE_SIZE, D_QK),
-              (cute.sym_int64(divisibility=8), cute.sym_int64(divisibility=8), 1)),
+        _fake(cute, kdt, (n_blocks, PAGE_SIZE, D_QK),
+              (cute.sym_int64(divisibility=kdiv), cute.sym_int64(divisibility=kdiv), 1)),
         _fake(cute, i32, (b, max_blocks), (cute.sym_int64(), 1), 4),
         _fake(cute, i32, (b,), (1,), 4),
         _fake(cute, i32, (parts, 8), (8, 1), 4),
@@ -517,9 +566,15 @@ compile_decode_sm80 = compile_decode  # the portable kernel: the same signature,
 
 
 def compile_decode_step(cute, cutlass, step, cdt, arch: str = SM90_ARCH):
-    """Compiles a decode step (cute_kernels/decode_step.py: decode kernel + combine variants)."""
-    args = _decode_fake_args(cute, cutlass, cdt)
+    """Compiles a decode step (cute_kernels/decode_step.py: decode kernel + combine variants).
+    A float8_e4m3fn-cache step (step.kv_fp8) takes three more arguments: kv_scale and q_scale
+    (float32 [1] device tensors) and q_scaled (int: 1 when q_scale applies)."""
+    kv_fp8 = getattr(step, "kv_fp8", False)
+    args = _decode_fake_args(cute, cutlass, cdt, kv_fp8)
     args += [cutlass.Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)]
+    if kv_fp8:
+        args += [_fake(cute, cutlass.Float32, (1,), (1,), 4),
+                 _fake(cute, cutlass.Float32, (1,), (1,), 4), cutlass.Int32(0)]
     return cute.compile(step, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
 
 

@@ -1,0 +1,282 @@
+"""The SM90 kernel over a float8_e4m3fn cache (exact mode, issue 13) on this GPU: exact
+conversion, correctness grid with e_store, then speed against bf16 and FlashMLA.
+
+    python tools/check_fp8.py --quick     # trimmed grid + benchmarks' QUICK rows (~3 min)
+    python tools/check_fp8.py             # full grid + every anchor row
+    python tools/check_fp8.py --no-bench / --no-grid
+
+(0) Conversion: testing.make_fp8_code_case (every e4m3 code but NaN, at every row and column
+position, one-hot softmax) with q bf16, fp16 and e4m3 + q_scale: the output must equal V *
+kv_scale bit for bit.
+(1) Grid: tools/check_portable.py's cases (heads x tokens, s_q 8, varlen, page edges, fp16,
+long context, h_kv 4) on randn / 10, randn and 2 randn data (q and latents), poisoned as in the
+tests, the cache quantized per tensor (kv_scale = amax / 448); the kernel against the fp32
+reference over the same dequantized cache, within the bf16 kernel's tolerances (atol scaled
+with the data). Per group: passed / run, worst error / tolerance, worst lse error / tolerance,
+and e_store (exact attention over the dequantized cache vs over the original 16-bit latents,
+relative norm error; worst per group and data scale). Plus an e4m3 q and a CUDA-graph replay.
+(2) Speed: anchor rows, one call captured in a CUDA graph and replayed (bench_decode's
+timing): torch_mla fp8, torch_mla bf16, FlashMLA bf16 (when ``flash_mla`` imports), same
+process; ratio = fp8 / bf16 against the issue's bars (<= 0.55 for b128 s_k 8192 h_q 16/32/64,
+<= 1.1 for h_q 128 rows).
+Exit 1 when a grid case fails or a bar is missed (the last lines say which).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's torch_mla, not an installed one
+sys.path.insert(0, str(ROOT / "benchmarks"))
+sys.path.insert(0, str(ROOT / "tools"))
+import torch_mla  # noqa: E402
+from torch_mla.ops import dispatch, kernel_cache  # noqa: E402
+from torch_mla.reference import mla_decode_reference, quantize_fp8  # noqa: E402
+from torch_mla.testing import make_anchor_inputs, make_decode_inputs, make_fp8_code_case  # noqa: E402
+
+FP8 = torch.float8_e4m3fn
+MULTS = {"randn/10": 1.0, "randn": 10.0, "2 randn": 20.0}  # make_decode_inputs draws randn/10
+BARS = {(128, 1, 8192, 16): 0.55, (128, 1, 8192, 32): 0.55, (128, 1, 8192, 64): 0.55}
+
+
+def precompile_in_parallel() -> None:
+    """Compiles the decode steps this script runs in parallel processes into the disk cache
+    (each variant compiles for ~20-30 s; this process then loads them)."""
+    if kernel_cache.cache_dir(dispatch.SM90_ARCH) is None:
+        return
+    variants = [(dt, c, f8) for dt in ("bfloat16", "float16") for c in (False, True)
+                for f8 in (True, False) if f8 or dt == "bfloat16"]
+    code = ("import sys, torch; sys.path.insert(0, {root!r}); from torch_mla.ops import dispatch;"
+            " dispatch._compiled_step('sm90', getattr(torch, {dt!r}), {c}, dispatch.SM90_ARCH,"
+            " kv_fp8={f8})")
+    procs = [subprocess.Popen([sys.executable, "-c", code.format(root=str(ROOT), dt=dt, c=c,
+                                                                  f8=f8)])
+             for dt, c, f8 in variants]
+    for p in procs:
+        p.wait()
+
+
+def check_codes() -> int:
+    print("\n## (0) e4m3 -> 16-bit conversion, every finite code (bit-exact output)")
+    failed = 0
+    for q_dtype in (torch.bfloat16, torch.float16, FP8):
+        c = make_fp8_code_case(q_dtype, "cuda")
+        out, lse = torch_mla.mla_decode(c.q, c.kv_cache, c.block_table, c.cache_seqlens,
+                                        softmax_scale=1.0, kv_scale=c.kv_scale,
+                                        q_scale=c.q_scale)
+        wrong = int((out.float() != c.out).sum())
+        lse_err = (lse - c.lse).abs().max().item()
+        ok = wrong == 0 and lse_err < 1e-3
+        failed += not ok
+        print(f"q {str(q_dtype)[6:]}: {'ok' if ok else 'FAIL'} ({wrong} of {out.numel()} values "
+              f"differ, lse err {lse_err:.2g})")
+    return failed
+
+
+def rel(a, b) -> float:
+    return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+
+def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv, mult, q_fp8=False):
+    """(out err / tol, lse err / tol, NaN?, e_store) of one fp8 case."""
+    from check_portable import errors
+
+    inp = make_decode_inputs(lens, s_q, h_q, dtype=torch.float32, device="cuda", h_kv=h_kv)
+    q = (inp.q * mult).to(dtype)
+    latents = (inp.kv_cache * mult).to(dtype)  # the "original" 16-bit latents
+    kv_scale = (latents.float().nan_to_num(0).abs().amax() / 448).reshape(1)
+    cache = quantize_fp8(latents, kv_scale)
+    q_scale = None
+    if q_fp8:
+        q_scale = (q.float().abs().amax() / 448).reshape(1)
+        q = quantize_fp8(q, q_scale)
+    scale = scale or 576**-0.5
+    args = (inp.block_table, inp.cache_seqlens)
+    out, lse = torch_mla.mla_decode(q, cache, *args, softmax_scale=scale, causal=causal,
+                                    kv_scale=kv_scale, q_scale=q_scale)
+    ref_out, ref_lse = mla_decode_reference(q, cache, *args, scale, causal, 512,
+                                            kv_scale=kv_scale, q_scale=q_scale)
+    q16 = q.float() * q_scale if q_fp8 else q
+    orig_out, _ = mla_decode_reference(q16.to(torch.bfloat16) if q_fp8 else q16, latents, *args,
+                                       scale, causal, 512)
+    ratio, lse_ratio, nan = errors(out.float() / mult, lse, ref_out.float() / mult, ref_lse,
+                                   torch.bfloat16 if q_fp8 else dtype)
+    return ratio, lse_ratio, nan, rel(ref_out, orig_out)
+
+
+def graph_case():
+    """schedule + decode over an fp8 cache captured once, replayed on three new inputs (new
+    lengths, pages, queries and kv_scale): (worst err / tol, worst lse err / tol, NaN?)."""
+    from check_portable import errors
+
+    steps = []
+    for lens in ([70, 3, 300], [129, 64, 0], [5, 250, 190]):
+        inp = make_decode_inputs(lens, 2, 64, device="cuda", max_blocks=6, num_blocks=14)
+        kv_scale = (inp.kv_cache.float().nan_to_num(0).abs().amax() / 448).reshape(1)
+        steps.append([inp.q, quantize_fp8(inp.kv_cache, kv_scale), inp.block_table,
+                      inp.cache_seqlens, kv_scale])
+    static = [t.clone() for t in steps[0]]
+
+    def step(q, cache, table, lens, kv_scale):
+        sched = torch_mla.get_decode_schedule(lens, 2, 64)
+        return torch_mla.mla_decode(q, cache, table, lens, sched, causal=True, kv_scale=kv_scale)
+
+    torch_mla.set_value_checks(False)
+    try:
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            step(*[t.clone() for t in static])
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, lse = step(*static)
+        worst = (0.0, 0.0, False)
+        for inputs in steps:
+            for dst, src in zip(static, inputs):
+                dst.copy_(src)
+            g.replay()
+            torch.cuda.synchronize()
+            ref = mla_decode_reference(*static[:4], 576**-0.5, True, 512, kv_scale=static[4])
+            e = errors(out, lse, *ref, torch.bfloat16)
+            worst = (max(worst[0], e[0]), max(worst[1], e[1]), worst[2] or e[2])
+        return worst
+    finally:
+        torch_mla.set_value_checks(True)
+
+
+def check_grid(quick: bool) -> int:
+    from check_portable import grid
+
+    print("\n## (1) correctness grid, fp8 cache vs the fp32 reference over the dequantized cache")
+    cases = [(g, label, lens, s_q, h_q, causal, dtype, scale, h_kv, m, False)
+             for g, label, lens, s_q, h_q, causal, dtype, scale, h_kv in grid(quick)
+             for m in MULTS]
+    cases += [("e4m3 q", f"s_q=2 h_q=128 causal {m}", [20, 140, 4096, 0], 2, 128, True,
+               torch.bfloat16, None, 1, m, True) for m in MULTS]
+    cases.append(("graph replay", "s_q=2 h_q=64 causal, 3 replays", None, 2, 64, True,
+                  torch.bfloat16, None, 1, "randn/10", False))
+    groups: dict[str, list] = {}
+    e_store: dict[tuple[str, str], float] = {}
+    failed = 0
+    for group, label, lens, s_q, h_q, causal, dtype, scale, h_kv, m, q_fp8 in cases:
+        try:
+            if lens is None:
+                ratio, lse_ratio, nan = graph_case()
+                es = float("nan")
+            else:
+                ratio, lse_ratio, nan, es = run_case(lens, s_q, h_q, causal, dtype, scale, h_kv,
+                                                     MULTS[m], q_fp8)
+            ok = ratio <= 1 and lse_ratio <= 1 and not nan
+            why = f"out err/tol {ratio:.3g}, lse err/tol {lse_ratio:.3g}, NaN {nan}"
+        except Exception as e:  # a launch or compile error is a failed case, not a crash
+            ok, ratio, lse_ratio, es, why = False, float("inf"), float("inf"), float("nan"), \
+                repr(e)[:300]
+        g = groups.setdefault(group, [0, 0, 0.0, 0.0])
+        g[0] += ok
+        g[1] += 1
+        g[2], g[3] = max(g[2], ratio), max(g[3], lse_ratio)
+        if es == es:
+            e_store[group, m] = max(e_store.get((group, m), 0.0), es)
+        if not ok:
+            failed += 1
+            print(f"FAIL {group}: {label} ({m}): {why}", flush=True)
+    print("| group | passed | worst out err / tol | worst lse err / tol | "
+          + " | ".join(f"e_store {m}" for m in MULTS) + " |")
+    print("|---|---|---|---|" + "---|" * len(MULTS))
+    for group, (ok, n, r, lr) in groups.items():
+        es = " | ".join(f"{e_store.get((group, m), float('nan')):.2e}" for m in MULTS)
+        print(f"| {group} | {ok}/{n} | {r:.3f} | {lr:.3f} | {es} |")
+    total = sum(g[1] for g in groups.values())
+    print(f"{total - failed}/{total} passed, {failed} failed", flush=True)
+    return failed
+
+
+def bench_row(cfg, flash_mla, graph_time_us):
+    """(fp8 us, bf16 us, FlashMLA bf16 us or NaN, fp8 relative error vs the reference) of an
+    anchor row; the fp8 cache is the bf16 one quantized per tensor."""
+    b, s_q, s_k, h_q, causal = cfg
+    inp = make_anchor_inputs(b, s_q, h_q, s_k)
+    kv_scale = (inp.kv_cache.float().abs().amax() / 448).reshape(1)
+    cache8 = quantize_fp8(inp.kv_cache, kv_scale)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    rest = (inp.block_table, inp.cache_seqlens, sched)
+    fp8 = functools.partial(torch_mla.mla_decode, inp.q, cache8, *rest, causal=causal,
+                            kv_scale=kv_scale)
+    err = float("nan")
+    if b * s_k <= 128 * 8192:
+        ref, _ = mla_decode_reference(inp.q, cache8, inp.block_table, inp.cache_seqlens,
+                                      576**-0.5, causal, 512, kv_scale=kv_scale)
+        err = rel(fp8()[0], ref)
+    t8 = graph_time_us(fp8)
+    t16 = graph_time_us(functools.partial(torch_mla.mla_decode, inp.q, inp.kv_cache, *rest,
+                                          causal=causal))
+    tfm = float("nan")
+    if flash_mla is not None:
+        meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
+        tfm = graph_time_us(functools.partial(
+            flash_mla.flash_mla_with_kvcache, inp.q, inp.kv_cache, inp.block_table,
+            inp.cache_seqlens, 512, meta, splits, causal=causal))
+    return t8, t16, tfm, err
+
+
+def bench(quick: bool) -> int:
+    from bench_decode import ANCHORS, QUICK, graph_time_us
+
+    try:
+        import flash_mla
+    except ImportError:
+        flash_mla = None
+    print(f"\n## (2) speed, {torch.cuda.get_device_name()}: us per call (decode + combine, CUDA "
+          "graph replay); ratio = fp8 / bf16")
+    print("| b | s_q | s_k | h_q | causal | fp8 exact us | bf16 us | FlashMLA bf16 us | "
+          "fp8 / bf16 | bar | fp8 rel err |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    missed = 0
+    for cfg in (QUICK if quick else list(ANCHORS)):
+        b, s_q, s_k, h_q, causal = cfg
+        t8, t16, tfm, err = bench_row(cfg, flash_mla, graph_time_us)
+        torch.cuda.empty_cache()  # the next row's cache may be several GB
+        bar = BARS.get((b, s_q, s_k, h_q), 1.1 if h_q == 128 else None)
+        ok = bar is None or t8 / t16 <= bar
+        missed += not ok
+        print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {t8:.1f} | "
+              f"{t16:.1f} | {tfm:.1f} | {t8 / t16:.3f} | "
+              f"{'-' if bar is None else f'<= {bar}'}{'' if ok else ' MISSED'} | {err:.1e} |",
+              flush=True)
+    return missed
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="trimmed grid, benchmarks' QUICK rows")
+    ap.add_argument("--no-grid", action="store_true")
+    ap.add_argument("--no-bench", action="store_true")
+    args = ap.parse_args(argv)
+    os.environ.pop("TORCH_MLA_FORCE_REFERENCE", None)
+    os.environ.pop("TORCH_MLA_PORTABLE", None)
+    print(f"# {torch.cuda.get_device_name()}, capability {torch.cuda.get_device_capability()}, "
+          f"torch {torch.__version__}")
+    t0 = time.time()
+    precompile_in_parallel()
+    print(f"compiled in {time.time() - t0:.0f} s", flush=True)
+    failed = check_codes()
+    if not args.no_grid:
+        failed += check_grid(args.quick)
+    missed = 0 if args.no_bench else bench(args.quick)
+    print(f"\n{time.time() - t0:.0f} s; correctness failures: {failed}; speed bars missed: "
+          f"{missed}")
+    return 1 if failed or missed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
