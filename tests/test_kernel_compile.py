@@ -434,12 +434,36 @@ def test_portable_warp_views_address_their_buffers(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
     assert_expected_inline("\n".join(lines), """\
-64x64x2 half 0: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
-64x64x2 half 1: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
-64x32x2 half 0: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
-64x32x2 half 1: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
-32x16x3 half 0: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced
-32x16x3 half 1: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced""")
+64x64x2 quarter 0: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 0, 64: 0 of 16384 misplaced
+64x64x2 quarter 1: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 128, 192: 0 of 16384 misplaced
+64x64x2 quarter 2: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 256, 320: 0 of 16384 misplaced
+64x64x2 quarter 3: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 384, 448: 0 of 16384 misplaced
+64x64x2 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x64x2 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x64x2 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x64x2 P V reads P rows 48..63 as row group 3: 0 misplaced
+64x32x2 quarter 0: K from key 0: 0 of 18432, P from column 0: 0 of 1024, V^T from d 0, 64: 0 of 8192 misplaced
+64x32x2 quarter 1: K from key 16: 0 of 18432, P from column 16: 0 of 1024, V^T from d 128, 192: 0 of 8192 misplaced
+64x32x2 quarter 2: K from key 0: 0 of 18432, P from column 0: 0 of 1024, V^T from d 256, 320: 0 of 8192 misplaced
+64x32x2 quarter 3: K from key 16: 0 of 18432, P from column 16: 0 of 1024, V^T from d 384, 448: 0 of 8192 misplaced
+64x32x2 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x32x2 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x2 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x32x2 P V reads P rows 48..63 as row group 3: 0 misplaced
+32x16x3 quarter 0: K from key 0: 0 of 13824, P from column 0: 0 of 256, V^T from d 0, 64: 0 of 6144 misplaced
+32x16x3 quarter 1: K from key 8: 0 of 13824, P from column 8: 0 of 256, V^T from d 128, 192: 0 of 6144 misplaced
+32x16x3 quarter 2: K from key 0: 0 of 13824, P from column 0: 0 of 256, V^T from d 256, 320: 0 of 6144 misplaced
+32x16x3 quarter 3: K from key 8: 0 of 13824, P from column 8: 0 of 256, V^T from d 384, 448: 0 of 6144 misplaced
+32x16x3 P V reads P rows 0..15 as row group 0: 0 misplaced
+32x16x3 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x3 quarter 0: K from key 0: 0 of 27648, P from column 0: 0 of 1024, V^T from d 0, 64: 0 of 12288 misplaced
+64x32x3 quarter 1: K from key 16: 0 of 27648, P from column 16: 0 of 1024, V^T from d 128, 192: 0 of 12288 misplaced
+64x32x3 quarter 2: K from key 0: 0 of 27648, P from column 0: 0 of 1024, V^T from d 256, 320: 0 of 12288 misplaced
+64x32x3 quarter 3: K from key 16: 0 of 27648, P from column 16: 0 of 1024, V^T from d 384, 448: 0 of 12288 misplaced
+64x32x3 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x32x3 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x3 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x32x3 P V reads P rows 48..63 as row group 3: 0 misplaced""")
 
 
 def test_portable_tiles_fit_each_arch():
