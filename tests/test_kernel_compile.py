@@ -358,8 +358,12 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert dec["mma.sync.aligned.m16n8k16.row.col.f32"] == 36 * steps + 32 * steps, dec
         assert dec["cp.async.cg.shared.global"] > 0 and dec["cp.async.wait_group"] == 1, dec
         assert dec["cp.async.commit_group"] >= 2, dec  # double-buffered (or deeper)
-        assert dec["ldmatrix.sync.aligned"] > 0, dec
-        assert dec["ldmatrix.sync.aligned.m8n8.x4.trans"] == 4 * steps * 4, dec  # V, 4 chunks
+        # ldmatrix per stage and warp: per k-step of Q K^T, Q and K (block_n / 2 keys: one .x2
+        # or .x4 per 16); per k-step of P V, P of the quad's two row groups and V^T of its 128
+        # output columns (2 chunks x 4 .x4.trans). (176 at 64x64 with warp pairs, now 148.)
+        k_loads = 36 * max(1, steps // 2)
+        assert dec["ldmatrix.sync.aligned"] == 36 + k_loads + 2 * steps + 2 * 4 * steps, dec
+        assert dec["ldmatrix.sync.aligned.m8n8.x4.trans"] == 2 * 4 * steps, dec
         assert dec["wgmma"] == dec["cp.async.bulk"] == dec["mbarrier"] == 0, dec
         assert dec["ld.local"] == dec["st.local"] == 0, dec
         # the combine's input checks: printf's arguments (3 + 4 vector stores) are its only
@@ -372,11 +376,15 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
 
 
 # Host-side CuTe DSL (runs on the CPU): every element of each view the portable kernel takes at
-# a runtime index (warp `half` of a pair) against its buffer's layout at the element's coordinate.
+# a runtime index (warp `quarter` of a quad) against its buffer's layout at the element's
+# coordinate, and where each view starts (keys and P columns of its half, V^T of its columns);
+# then the P that P V reads as the warp of each row group (all 32 lanes): its rows, addresses.
 PORTABLE_VIEWS_SCRIPT = r"""
 import cutlass, cutlass.cute as cute
 from cutlass import Int32
-from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig, half_views, smem_layouts
+from cutlass.cute.nvgpu import warp
+from torch_mla.cute_kernels.sm80_decode import (Sm80DecodeConfig, smem_layouts, tiled_mmas,
+                                                warp_views)
 
 @cute.jit
 def misplaced(view, coords, layout) -> Int32:
@@ -392,28 +400,49 @@ def check(cfg: cutlass.Constexpr):
     _, k_layout, p_layout = smem_layouts(cfg)
     smem = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=1024)
     sK, sP = cute.make_tensor(smem, k_layout), cute.make_tensor(smem, p_layout)
-    cK, cP = cute.make_identity_tensor(k_layout.shape), cute.make_identity_tensor(p_layout.shape)
-    for half in cutlass.range(2, unroll=1):
-        views, coords = half_views(cfg, sK, sP, half), half_views(cfg, cK, cP, half)
+    # flat coordinates (key, d, stage) and (row, column): crd2idx takes them for the layouts'
+    # hierarchical shapes too
+    cK = cute.make_identity_tensor(cute.product_each(k_layout.shape))
+    cP = cute.make_identity_tensor(cute.product_each(p_layout.shape))
+    for quarter in cutlass.range(4, unroll=1):
+        views, coords = warp_views(cfg, sK, sP, quarter), warp_views(cfg, cK, cP, quarter)
         bad_v = Int32(0)
         for c in cutlass.range_constexpr(len(views[2])):
             bad_v += misplaced(views[2][c], coords[2][c], k_layout)
-        cute.printf("%dx%dx%d half %d: K %d of %d, P %d of %d, V %d of %d misplaced\n",
-                    cfg.block_m, cfg.block_n, cfg.stages, half,
-                    misplaced(views[0], coords[0], k_layout), cute.size(views[0]),
-                    misplaced(views[1], coords[1], p_layout), cute.size(views[1]),
-                    bad_v, 4 * cute.size(views[2][0]))
+        cute.printf("%dx%dx%d quarter %d: K from key %d: %d of %d, P from column %d: %d of %d, "
+                    "V^T from d %d, %d: %d of %d misplaced\n",
+                    cfg.block_m, cfg.block_n, cfg.stages, quarter,
+                    coords[0][0][0], misplaced(views[0], coords[0], k_layout),
+                    cute.size(views[0]),
+                    coords[1][0][1], misplaced(views[1], coords[1], p_layout),
+                    cute.size(views[1]), coords[2][0][0][1], coords[2][1][0][1],
+                    bad_v, len(views[2]) * cute.size(views[2][0]))
+    # as the kernel's ld_P
+    ld_P = cute.make_tiled_copy_A(
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), cutlass.BFloat16),
+        tiled_mmas(cfg, cutlass.BFloat16)[1])
+    for g in cutlass.range(cfg.block_m // 16, unroll=1):
+        bad, lo, hi = Int32(0), Int32(cfg.block_m), Int32(-1)
+        for lane in cutlass.range(32, unroll=1):
+            thr = ld_P.get_slice(g * 32 + lane)
+            view, coords = thr.partition_S(sP), thr.partition_S(cP)
+            bad += misplaced(view, coords, p_layout)
+            for i in cutlass.range(cute.size(coords), unroll=1):
+                lo, hi = cutlass.min(lo, coords[i][0]), cutlass.max(hi, coords[i][0])
+        cute.printf("%dx%dx%d P V reads P rows %d..%d as row group %d: %d misplaced\n",
+                    cfg.block_m, cfg.block_n, cfg.stages, lo, hi, g, bad)
 
-for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3)]:
+for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3), (64, 32, 3)]:
     check(Sm80DecodeConfig(*tiles))
 """
 
 
-def test_portable_half_views_address_their_buffers(tmp_path):
-    """The halves of K, P and V that each warp of a pair takes at a runtime offset address the
-    elements of their buffers. A view at an offset inside a swizzle atom is addressed with the
-    offset twice (nvidia-cutlass-dsl 4.8.1); with P in block_n-wide atoms, the second warp's P
-    went to the wrong place (all of it at 64x64 and 64x32 tiles), found on the H200."""
+def test_portable_warp_views_address_their_buffers(tmp_path):
+    """The keys and P columns (halves) and V^T columns (quarters) that each warp of a quad takes
+    at a runtime offset start where they should and address the elements of their buffers. A
+    view at an offset inside a swizzle atom is addressed with the offset twice
+    (nvidia-cutlass-dsl 4.8.1); with P in block_n-wide atoms, the second warp's P went to the
+    wrong place (all of it at 64x64 and 64x32 tiles), found on the H200."""
     script = tmp_path / "views.py"  # the DSL compiles from source files only
     script.write_text(PORTABLE_VIEWS_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -423,12 +452,36 @@ def test_portable_half_views_address_their_buffers(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
     assert_expected_inline("\n".join(lines), """\
-64x64x2 half 0: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
-64x64x2 half 1: K 0 of 36864, P 0 of 2048, V 0 of 32768 misplaced
-64x32x2 half 0: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
-64x32x2 half 1: K 0 of 18432, P 0 of 1024, V 0 of 16384 misplaced
-32x16x3 half 0: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced
-32x16x3 half 1: K 0 of 13824, P 0 of 256, V 0 of 12288 misplaced""")
+64x64x2 quarter 0: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 0, 64: 0 of 16384 misplaced
+64x64x2 quarter 1: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 128, 192: 0 of 16384 misplaced
+64x64x2 quarter 2: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 256, 320: 0 of 16384 misplaced
+64x64x2 quarter 3: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 384, 448: 0 of 16384 misplaced
+64x64x2 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x64x2 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x64x2 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x64x2 P V reads P rows 48..63 as row group 3: 0 misplaced
+64x32x2 quarter 0: K from key 0: 0 of 18432, P from column 0: 0 of 1024, V^T from d 0, 64: 0 of 8192 misplaced
+64x32x2 quarter 1: K from key 16: 0 of 18432, P from column 16: 0 of 1024, V^T from d 128, 192: 0 of 8192 misplaced
+64x32x2 quarter 2: K from key 0: 0 of 18432, P from column 0: 0 of 1024, V^T from d 256, 320: 0 of 8192 misplaced
+64x32x2 quarter 3: K from key 16: 0 of 18432, P from column 16: 0 of 1024, V^T from d 384, 448: 0 of 8192 misplaced
+64x32x2 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x32x2 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x2 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x32x2 P V reads P rows 48..63 as row group 3: 0 misplaced
+32x16x3 quarter 0: K from key 0: 0 of 13824, P from column 0: 0 of 256, V^T from d 0, 64: 0 of 6144 misplaced
+32x16x3 quarter 1: K from key 8: 0 of 13824, P from column 8: 0 of 256, V^T from d 128, 192: 0 of 6144 misplaced
+32x16x3 quarter 2: K from key 0: 0 of 13824, P from column 0: 0 of 256, V^T from d 256, 320: 0 of 6144 misplaced
+32x16x3 quarter 3: K from key 8: 0 of 13824, P from column 8: 0 of 256, V^T from d 384, 448: 0 of 6144 misplaced
+32x16x3 P V reads P rows 0..15 as row group 0: 0 misplaced
+32x16x3 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x3 quarter 0: K from key 0: 0 of 27648, P from column 0: 0 of 1024, V^T from d 0, 64: 0 of 12288 misplaced
+64x32x3 quarter 1: K from key 16: 0 of 27648, P from column 16: 0 of 1024, V^T from d 128, 192: 0 of 12288 misplaced
+64x32x3 quarter 2: K from key 0: 0 of 27648, P from column 0: 0 of 1024, V^T from d 256, 320: 0 of 12288 misplaced
+64x32x3 quarter 3: K from key 16: 0 of 27648, P from column 16: 0 of 1024, V^T from d 384, 448: 0 of 12288 misplaced
+64x32x3 P V reads P rows 0..15 as row group 0: 0 misplaced
+64x32x3 P V reads P rows 16..31 as row group 1: 0 misplaced
+64x32x3 P V reads P rows 32..47 as row group 2: 0 misplaced
+64x32x3 P V reads P rows 48..63 as row group 3: 0 misplaced""")
 
 
 def test_portable_tiles_fit_each_arch():

@@ -13,16 +13,23 @@ swizzled shared memory, mma.sync m16n8k16 bf16/fp16 with fp32 accumulators, name
 Nothing from SM90 on (no TMA, wgmma, mbarriers), so one source compiles for sm_80 ... sm_120.
 
 CTA: block_m query rows x all keys of the segment, taken block_n keys (a stage) at a time;
-warps in pairs, one pair per 16 query rows (block_m / 16 pairs, 8 warps for block_m = 64).
-Output O (block_m x 512 fp32) does not fit one warp per 16 rows (256 registers a thread), so
-warp `half` of a pair owns output columns [256 half, 256 half + 256) (128 fp32 registers a
-thread), and computes S = Q K^T for keys [half * block_n / 2, ...) of each stage. Per stage:
-    S_half = Q K_half^T (36 k-steps over d = 576)   (ldmatrix Q and K, mma.sync)
+warps in quads, one quad per 32 query rows (block_m / 32 quads, 8 warps for block_m = 64).
+Output O (block_m x 512 fp32) is split by columns: warp `quarter` of a quad owns the quad's 32
+rows x output columns [128 quarter, 128 quarter + 128) (2 m16 tiles x 16 n8 tiles, 128 fp32
+registers a thread). S = Q K^T is split as a 2 x 2 grid: warp `quarter` scores row group
+quarter // 2 (16 rows) against keys [half * block_n / 2, ...) of each stage, half = quarter % 2
+(at block_n 64 that is as many ldmatrix per mma as 32 rows x block_n / 4 keys, and block_n 16
+leaves 8 keys a warp, one n8 tile). Per stage:
+    S = Q_rows K_half^T (36 k-steps over d = 576)   (ldmatrix Q and K, mma.sync)
     mask keys past each row's horizon (boundary stages only)
-    row max -> smem, pair barrier, max of both halves -> running max, rescale O and the sum
-    P_half = exp2(S * scale - max) -> smem (dtype), pair barrier
-    O_half += P V[:, half]  (P from smem by ldmatrix, V by ldmatrix.trans, 64 columns at a time)
-Each warp keeps the row sum of its own keys; the two are added in the epilogue.
+    row max -> smem, quad barrier; the max of both halves for all 32 rows -> running max,
+        rescale O (every warp of the quad the same values), the sum of its own rows
+    P = exp2(S * scale - max) -> smem (dtype), quad barrier
+    O_quarter += P V[:, quarter]  (P of 32 rows from smem by ldmatrix, V by ldmatrix.trans, 64
+        columns at a time: per k16 step 2 P + 8 V ldmatrix.x4 for 32 mma; a warp of a pair
+        owning all 512 columns of 16 rows needed 1 P + 16 V)
+Each warp keeps the row sum of its own rows and keys; the two halves are added in the epilogue.
+Per 64-key stage and warp: 108 ldmatrix.x4 for S, 40 for P V (148; 176 with pairs).
 
 Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
 Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
@@ -30,7 +37,8 @@ computed; one __syncthreads per stage both publishes the landed stage and retire
 about to be refilled. The block-table entry of the next stage is read a stage ahead. Rows of a
 stage past L are zero-filled instead of loaded (the cache may hold NaN there and 0 * NaN = NaN);
 their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
-s_q * h_q are zero-filled and whole 16-row groups past them skip the math.
+s_q * h_q are zero-filled; a quad with none of them skips the math, and a 16-row group of them
+in a working quad skips its S and its P V mma.sync (predicated off).
 
 Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
 stages + P):
@@ -39,7 +47,7 @@ stages + P):
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
 None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
 assume 64-row m-blocks, so such a grid takes more than one wave). Registers: ~250 a thread
-(O alone is 128), no spills (ptxas 13.0 on sm_80 and sm_90a).
+(O alone is 128), no spills (ptxas 13.0 on sm_80, sm_86 and sm_90a).
 
 Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
 L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
@@ -66,7 +74,7 @@ D_QK = 576
 D_V = 512
 PAGE = 64
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
-HALF_V = D_V // 2  # output columns per warp
+QUARTER_V = D_V // 4  # output columns per warp
 V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
 LN_2 = 0.6931471805599453
 
@@ -86,7 +94,7 @@ def smem_per_block(arch: str) -> int:
 class Sm80DecodeConfig:
     """Tile shape and pipeline depth of the portable kernel."""
 
-    block_m: int  # query rows per CTA: 64 or 32 (16 per warp pair)
+    block_m: int  # query rows per CTA: 64 or 32 (32 per quad of warps)
     block_n: int  # keys per stage: 64, 32 or 16 (divides the 64-key page)
     stages: int  # shared-memory buffers of block_n keys
 
@@ -95,7 +103,7 @@ class Sm80DecodeConfig:
         smem = smem_per_block(arch)
         # Not measured yet (compile-checked only). Each warp re-reads its Q rows from shared
         # memory every stage, so the widest stage that fits double-buffered halves that
-        # traffic (86 KB of ldmatrix per warp and 64 keys against 104 KB at block_n 32).
+        # traffic (70 KB of ldmatrix per warp and 64 keys against 88 KB at block_n 32).
         if smem >= 224 * 1024:  # sm_90/100/103/110: 225 KB of 227
             return cls(64, 64, 2)
         if smem >= 160 * 1024:  # sm_80/87: 149 KB of 163
@@ -104,7 +112,7 @@ class Sm80DecodeConfig:
 
     @property
     def num_threads(self) -> int:
-        return self.block_m // 16 * 2 * 32
+        return self.block_m // 32 * 4 * 32  # a quad of warps per 32 rows
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         return (elem_bytes * (self.block_m * D_QK + self.stages * self.block_n * D_QK
@@ -140,20 +148,34 @@ def smem_layouts(cfg: Sm80DecodeConfig):
     return sQ, sK, sP
 
 
-def half_views(cfg: Sm80DecodeConfig, sK: cute.Tensor, sP: cute.Tensor, half):
-    """The views of warp `half` (runtime 0 or 1) of a pair: its keys of every stage for S
-    (block_n / 2, 576, stages), its columns of P (block_m, block_n / 2), and V^T of its output
-    columns in 64-column chunks [(64, block_n, stages)] * 4. Each starts on a swizzle atom (see
-    smem_layouts); sK and sP may also be identity tensors of those shapes (tests)."""
+def warp_views(cfg: Sm80DecodeConfig, sK: cute.Tensor, sP: cute.Tensor, quarter):
+    """The views of warp `quarter` (runtime 0..3) of a quad: the keys of every stage it scores
+    (half = quarter % 2: (block_n / 2, 576, stages)), its columns of P (block_m, block_n / 2),
+    and V^T of its output columns in 64-column chunks [(64, block_n, stages)] * 2. Each starts
+    on a swizzle atom (see smem_layouts); sK and sP may also be identity tensors of those
+    shapes (tests)."""
     bm, bn, st = cfg.block_m, cfg.block_n, cfg.stages
+    half = quarter % 2
     sK_half = cute.local_tile(sK, (bn // 2, D_QK, st), (half, 0, 0))
     sP_half = cute.local_tile(sP, (bm, bn // 2), (0, half))
     # V^T (d, keys, stages) viewed in the K buffers.
     sVt = cute.composition(sK, cute.make_layout((D_V, bn, st), stride=(bn, 1, bn * D_QK)))
-    n_chunks = HALF_V // V_CHUNK
-    sV = [cute.local_tile(sVt, (V_CHUNK, bn, st), (half * n_chunks + c, 0, 0))
+    n_chunks = QUARTER_V // V_CHUNK
+    sV = [cute.local_tile(sVt, (V_CHUNK, bn, st), (quarter * n_chunks + c, 0, 0))
           for c in range(n_chunks)]
     return sK_half, sP_half, sV
+
+
+def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
+    """The tiled MMAs of Q K^T and P V: one warp per 16 rows. In Q K^T the warps of a pair
+    each use the tiling for their own keys; in P V a warp takes the places of the warps of both
+    row groups of its quad (thread (2 quad + m) * 32 + lane)."""
+    bm, bn = cfg.block_m, cfg.block_n
+    mma_op = warp.MmaF16BF16Op(dtype, Float32, (16, 8, 16))
+    tiled_qk = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1),
+                                   permutation_mnk=(bm, min(16, bn // 2), 16))
+    tiled_pv = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1), permutation_mnk=(bm, 16, 16))
+    return tiled_qk, tiled_pv
 
 
 class MLADecodeSm80:
@@ -193,7 +215,7 @@ class MLADecodeSm80:
         stream,
     ):
         dt = self.dtype
-        bm, bn = self.cfg.block_m, self.cfg.block_n
+        bm = self.cfg.block_m
         sQ_layout, sK_layout, sP_layout = smem_layouts(self.cfg)
 
         # Global -> shared: rows of 8 threads x 16 bytes (one 64-column swizzle atom).
@@ -202,11 +224,7 @@ class MLADecodeSm80:
         gmem_copy = cute.make_tiled_copy_tv(
             g2s, cute.make_ordered_layout((self.num_threads // 8, 8), order=(1, 0)),
             cute.make_layout((1, 8)))
-        # One warp per 16 rows; the warps of a pair each use this tiling for their own half.
-        mma_op = warp.MmaF16BF16Op(dt, Float32, (16, 8, 16))
-        tiled_qk = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1),
-                                       permutation_mnk=(bm, min(16, bn // 2), 16))
-        tiled_pv = cute.make_tiled_mma(mma_op, (bm // 16, 1, 1), permutation_mnk=(bm, 16, 16))
+        tiled_qk, tiled_pv = tiled_mmas(self.cfg, dt)
 
         @cute.struct
         class SharedStorage:
@@ -258,10 +276,12 @@ class MLADecodeSm80:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(tidx // 32)
-        rg = warp_idx // 2  # rows [16 rg, 16 rg + 16) of the CTA tile
-        half = warp_idx % 2  # keys of S, columns of O (see the module docstring)
+        rg = warp_idx // 2  # S: rows [16 rg, 16 rg + 16) of the CTA tile
+        half = warp_idx % 2  # S: keys [half bn / 2, half bn / 2 + bn / 2) of a stage
+        quad = warp_idx // 4  # O: rows [32 quad, 32 quad + 32), row groups 2 quad, 2 quad + 1
+        quarter = warp_idx % 4  # O: columns [128 quarter, 128 quarter + 128)
         lane = tidx % 32
-        mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA
+        mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA (Q K^T)
 
         smem = cutlass.memory.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
@@ -282,7 +302,7 @@ class MLADecodeSm80:
         tKsK = thr_g2s.partition_D(sK)  # (CPY, CPY_N, CPY_K, stages)
         tKcK = thr_g2s.partition_S(cute.make_identity_tensor((bn, D_QK)))
 
-        sK_half, sP_half, sV = half_views(self.cfg, sK, sP, half)
+        sK_half, sP_half, sV = warp_views(self.cfg, sK, sP, quarter)
 
         # S = Q K_half^T: this warp's keys of each stage.
         thr_qk = tiled_qk.get_slice(mma_tid)
@@ -302,44 +322,54 @@ class MLADecodeSm80:
         tSsK = ld_K.partition_S(sK_half)  # (CPY, CPY_N, 36, stages)
         tSrK_v = ld_K.retile(tSrK)
 
-        # P: this warp's half (accumulator order) -> smem; the whole row block back as A.
+        # P: this warp's keys of its row group (accumulator order) -> smem; the quad's two row
+        # groups, all keys, back as A: the thread stands in for lane `lane` of the warp of row
+        # group 2 quad + m of the tiled MMA (m = 0, 1).
         st_P = cute.make_tiled_copy_C(
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), dt, num_bits_per_copy=32), tiled_qk
         ).get_slice(mma_tid)
         tPsP = st_P.partition_D(sP_half)
-        thr_pv = tiled_pv.get_slice(mma_tid)
-        ld_P = cute.make_tiled_copy_A(
+        pv_tid = [(2 * quad + m) * 32 + lane for m in range(2)]
+        thr_pv = [tiled_pv.get_slice(x) for x in pv_tid]
+        ld_P = [cute.make_tiled_copy_A(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dt), tiled_pv
-        ).get_slice(mma_tid)
-        tOrP = thr_pv.make_fragment_A(thr_pv.partition_A(sP))  # (MMA, 1, bn / 16)
-        tOsP = ld_P.partition_S(sP)
-        tOrP_v = ld_P.retile(tOrP)
+        ).get_slice(x) for x in pv_tid]
+        tOrP = [thr.make_fragment_A(thr.partition_A(sP)) for thr in thr_pv]  # (MMA, 1, bn / 16)
+        tOsP = [ld.partition_S(sP) for ld in ld_P]
+        tOrP_v = [ld.retile(x) for ld, x in zip(ld_P, tOrP)]
 
-        # O_half += P V, 64 output columns at a time.
+        # O_quarter += P V, 64 output columns at a time; the B operand (V) does not depend on
+        # the row group, so both row groups' MMAs share its fragments.
         ld_V = cute.make_tiled_copy_B(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(True, 4), dt), tiled_pv
-        ).get_slice(mma_tid)
-        n_chunks = HALF_V // V_CHUNK
+        ).get_slice(pv_tid[0])
+        n_chunks = QUARTER_V // V_CHUNK
         tOsV = [ld_V.partition_S(x) for x in sV]  # (CPY, CPY_N, CPY_K, stages) per chunk
-        tOrV = [thr_pv.make_fragment_B(thr_pv.partition_B(x[None, None, 0])) for x in sV]
+        tOrV = [thr_pv[0].make_fragment_B(thr_pv[0].partition_B(x[None, None, 0])) for x in sV]
         tOrV_v = [ld_V.retile(x) for x in tOrV]
-        acc_O = [cute.make_rmem_tensor(thr_pv.partition_shape_C((bm, V_CHUNK)), Float32)
-                 for _ in range(n_chunks)]
-        tOcO = thr_pv.partition_C(cute.make_identity_tensor((bm, V_CHUNK)))
+        # acc_O[m][c]: rows of row group 2 quad + m, columns 128 quarter + 64 c + [0, 64)
+        acc_O = [[cute.make_rmem_tensor(thr_pv[0].partition_shape_C((bm, V_CHUNK)), Float32)
+                  for _ in range(n_chunks)] for _ in range(2)]
+        tOcO = thr_pv[0].partition_C(cute.make_identity_tensor((bm, V_CHUNK)))
 
         rows = mO.shape[1]
         h_q = mLSE.shape[1]
         s_q = mLSE.shape[2]
         width = mBlockTable.shape[1]
         num_pages = mKV.shape[0]
-        # A 16-row group with no query row skips the math (h_q * s_q < 64: memory-bound rows).
+        # A quad with no query row skips the math, and in a quad whose second row group has
+        # none that group's S and P V (h_q * s_q < 64: memory-bound rows).
         valid_rows = cutlass.min(rows - m_block * bm, bm)
-        active = rg * 16 < valid_rows
-        r_a = rg * 16 + lane // 4  # the two rows this thread holds: r_a and r_a + 8
+        active = quad * 32 < valid_rows
+        hi_on = quad * 32 + 16 < valid_rows
+        s_on = rg * 16 < valid_rows
+        r_a = rg * 16 + lane // 4  # the two S rows this thread holds: r_a and r_a + 8
         g_a = m_block * bm + r_a
 
-        m_run = cute.make_rmem_tensor(2, Float32)  # running max (log2 domain), rows r_a, r_a+8
-        l_run = cute.make_rmem_tensor(2, Float32)  # this thread's sum over its keys
+        # running max (log2 domain) of the O rows this thread holds: 32 quad + lane // 4 +
+        # 16 m + 8 h at index 2 m + h (the same in every warp of the quad)
+        m_run = cute.make_rmem_tensor(4, Float32)
+        l_run = cute.make_rmem_tensor(2, Float32)  # this thread's sum over its keys, S rows
         page_next = cute.make_rmem_tensor(1, Int32)  # block-table entry of the next stage
 
         meta_row = mMeta[part, None]
@@ -378,8 +408,9 @@ class MLADecodeSm80:
                                       gmem_copy)
                     cute.arch.cp_async_commit_group()
                 page_next[0] = self._page(mBlockTable, r, lo, hi, st - 1, num_pages)
-                for c in cutlass.range_constexpr(n_chunks):
-                    acc_O[c].fill(0.0)
+                for m in cutlass.range_constexpr(2):
+                    for c in cutlass.range_constexpr(n_chunks):
+                        acc_O[m][c].fill(0.0)
                 m_run.fill(-Float32.inf)
                 l_run.fill(0.0)
 
@@ -396,13 +427,13 @@ class MLADecodeSm80:
                     cute.arch.cp_async_commit_group()
                     if active:
                         self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
-                                    scale_log2, half, rg, lane, r_a, acc_S, tScS, tSsQ, tSrQ,
-                                    tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP,
-                                    tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K,
-                                    tiled_qk, tiled_pv, sMax, m_run, l_run)
+                                    scale_log2, half, rg, quad, s_on, hi_on, lane, r_a, acc_S,
+                                    tScS, tSsQ, tSrQ, tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP,
+                                    ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O,
+                                    ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run)
                 if active:
-                    self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, rg, lane, r_a,
-                                   m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
+                    self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, quad, quarter, lane,
+                                   r_a, m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
                                    mLSEacc)
 
     # ------------------------------------------------------------------------------------------
@@ -447,16 +478,16 @@ class MLADecodeSm80:
                 tKsK[None, n, None, stage].fill(0.0)
 
     @cute.jit
-    def _pair_barrier(self, rg: Int32):
-        # The two warps of row group rg (ids 1..4; 0 is __syncthreads).
-        cute.arch.barrier(barrier_id=1 + rg, number_of_threads=64)
+    def _quad_barrier(self, quad: Int32):
+        # The four warps of quad `quad` (ids 1..2; 0 is __syncthreads).
+        cute.arch.barrier(barrier_id=1 + quad, number_of_threads=128)
 
     @cute.jit
     def _stage(self, stage: Int32, key0: Int32, border_a: Int32, border_b: Int32,
-               min_border: Int32, scale_log2: Float32, half: Int32, rg: Int32, lane: Int32,
-               r_a: Int32, acc_S, tScS, tSsQ, tSrQ, tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP,
-               ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K,
-               tiled_qk, tiled_pv, sMax, m_run, l_run):
+               min_border: Int32, scale_log2: Float32, half: Int32, rg: Int32, quad: Int32,
+               s_on, hi_on, lane: Int32, r_a: Int32, acc_S, tScS, tSsQ, tSrQ, tSrQ_v, tSsK,
+               tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v,
+               acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run):
         """One stage (block_n keys from key0) for this warp: S, softmax, O += P V."""
         bn = self.cfg.block_n
         # S accumulates in `chains` interleaved partial sums (k-steps round robin), so that
@@ -465,11 +496,13 @@ class MLADecodeSm80:
         parts = [acc_S] + [cute.make_fragment_like(acc_S) for _ in range(chains - 1)]
         for p in cutlass.range_constexpr(chains):
             parts[p].fill(0.0)
-        for k in cutlass.range_constexpr(K_STEPS):
-            cute.copy(ld_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
-            cute.copy(ld_K, tSsK[None, None, k, stage], tSrK_v[None, None, k])
-            acc = parts[k % chains]
-            cute.gemm(tiled_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
+        # A row group of padding rows scores 0, as its zero-filled Q rows would.
+        if s_on:
+            for k in cutlass.range_constexpr(K_STEPS):
+                cute.copy(ld_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
+                cute.copy(ld_K, tSsK[None, None, k, stage], tSrK_v[None, None, k])
+                acc = parts[k % chains]
+                cute.gemm(tiled_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
         for p in cutlass.range_constexpr(1, chains):
             acc_S.store(acc_S.load() + parts[p].load())
 
@@ -477,86 +510,113 @@ class MLADecodeSm80:
         if key0 + bn > min_border:
             softmax.mask_keys(acc_S, tScS, key0 + half * (bn // 2), border_a, border_b)
 
-        # Row max over both halves: exchange through smem.
+        # Row max over both halves of the keys, for the quad's 32 rows: through smem.
         m_loc = [softmax.row_max(acc_S, 0), softmax.row_max(acc_S, 1)]
         if lane % 4 == 0:
             sMax[r_a, half] = m_loc[0]
             sMax[r_a + 8, half] = m_loc[1]
-        self._pair_barrier(rg)
-        m_use = [Float32(0.0), Float32(0.0)]
-        scale = [Float32(0.0), Float32(0.0)]
+        self._quad_barrier(quad)
+        m_use = [Float32(0.0)] * 4
+        scale = [Float32(0.0)] * 4
+        for i in cutlass.range_constexpr(4):  # O row 32 quad + lane // 4 + 16 m + 8 h, i = 2 m + h
+            row = quad * 32 + lane // 4 + 8 * i
+            m_blk = cute.arch.fmax(sMax[row, 0], sMax[row, 1]) * scale_log2
+            m_new, m_use[i], scale[i] = softmax.online_max(m_run[i], m_blk)
+            m_run[i] = m_new
+        # This warp's S rows are those of row group rg = 2 quad + rg % 2.
+        hi = rg % 2
+        m_use_s = [Float32(0.0)] * 2
+        scale_s = [Float32(0.0)] * 2
         for h in cutlass.range_constexpr(2):
-            m_blk = cute.arch.fmax(m_loc[h], sMax[r_a + 8 * h, 1 - half]) * scale_log2
-            m_new, m_use[h], scale[h] = softmax.online_max(m_run[h], m_blk)
-            m_run[h] = m_new
-        softmax.exp_rows(acc_S, m_use, scale_log2, l_run, scale)
+            m_use_s[h] = m_use[2 + h] if hi == 1 else m_use[h]
+            scale_s[h] = scale[2 + h] if hi == 1 else scale[h]
+        softmax.exp_rows(acc_S, m_use_s, scale_log2, l_run, scale_s)
         # The max of a row rarely moves after the first stages: skip the 128 multiplies then
         # (exact: the factor is exactly 1).
-        if scale[0] != 1.0 or scale[1] != 1.0:
-            for c in cutlass.range_constexpr(len(acc_O)):
-                softmax.scale_rows(acc_O[c], scale)
+        if scale[0] != 1.0 or scale[1] != 1.0 or scale[2] != 1.0 or scale[3] != 1.0:
+            for m in cutlass.range_constexpr(2):
+                for c in cutlass.range_constexpr(len(acc_O[m])):
+                    softmax.scale_rows(acc_O[m][c], scale[2 * m: 2 * m + 2])
 
-        # P (dtype) -> smem; after the barrier both halves' keys are there. (sMax and sP are
-        # single-buffered: the partner's reads of this stage precede its next barrier arrival.)
+        # P (dtype) -> smem; after the barrier the quad's rows and keys are there. (sMax and sP
+        # are single-buffered: the quad's reads of this stage precede their next barrier
+        # arrival.)
         rP = cute.make_fragment_like(acc_S, self.dtype)
         rP.store(acc_S.load().to(self.dtype))
         cute.copy(st_P, st_P.retile(rP), tPsP)
-        self._pair_barrier(rg)
-        for k in cutlass.range_constexpr(bn // 16):
-            cute.copy(ld_P, tOsP[None, None, k], tOrP_v[None, None, k])
-            for c in cutlass.range_constexpr(len(acc_O)):
-                cute.copy(ld_V, tOsV[c][None, None, k, stage], tOrV_v[c][None, None, k])
-                cute.gemm(tiled_pv, acc_O[c], tOrP[None, None, k], tOrV[c][None, None, k],
-                          acc_O[c])
+        self._quad_barrier(quad)
+        self._pv(stage, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O,
+                 tiled_pv)
 
     @cute.jit
-    def _epilogue(self, acc_O, tOcO, m_run, l_run, sSum, half: Int32, rg: Int32, lane: Int32,
-                  r_a: Int32, m_block: Int32, r: Int32, slot: Int32, pieces: Int32,
-                  rows: Int32, h_q: Int32, mO, mLSE, mOacc, mLSEacc):
-        """Normalizes this warp's 16 x 256 of O and writes it (dtype, or the fp32 partial in
+    def _pv(self, stage: Int32, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v,
+            acc_O, tiled_pv):
+        """O += P V for the quad's rows (the second row group only if hi_on) and this warp's
+        columns."""
+        # hi_on is warp-uniform and its branches are small: ptxas predicates them (sm_90a: the
+        # mma.sync of the second row group are predicated HMMA, no branch in the loop). One
+        # if/else around two copies of the loop spilled (392 bytes at 64x64x2).
+        for k in cutlass.range_constexpr(self.cfg.block_n // 16):
+            cute.copy(ld_P[0], tOsP[0][None, None, k], tOrP_v[0][None, None, k])
+            if hi_on:
+                cute.copy(ld_P[1], tOsP[1][None, None, k], tOrP_v[1][None, None, k])
+            for c in cutlass.range_constexpr(len(tOsV)):
+                cute.copy(ld_V, tOsV[c][None, None, k, stage], tOrV_v[c][None, None, k])
+                cute.gemm(tiled_pv, acc_O[0][c], tOrP[0][None, None, k],
+                          tOrV[c][None, None, k], acc_O[0][c])
+                if hi_on:
+                    cute.gemm(tiled_pv, acc_O[1][c], tOrP[1][None, None, k],
+                              tOrV[c][None, None, k], acc_O[1][c])
+
+    @cute.jit
+    def _epilogue(self, acc_O, tOcO, m_run, l_run, sSum, half: Int32, quad: Int32,
+                  quarter: Int32, lane: Int32, r_a: Int32, m_block: Int32, r: Int32,
+                  slot: Int32, pieces: Int32, rows: Int32, h_q: Int32, mO, mLSE, mOacc,
+                  mLSEacc):
+        """Normalizes this warp's 32 x 128 of O and writes it (dtype, or the fp32 partial in
         workspace slot `slot` when the request has several pieces), and the lse."""
         bm = self.cfg.block_m
-        total = [Float32(0.0), Float32(0.0)]
         own = [softmax.row_sum_quad(l_run[0]), softmax.row_sum_quad(l_run[1])]
         if lane % 4 == 0:
             sSum[r_a, half] = own[0]
             sSum[r_a + 8, half] = own[1]
-        self._pair_barrier(rg)
-        inv = [Float32(0.0), Float32(0.0)]
-        for h in cutlass.range_constexpr(2):
-            total[h] = own[h] + sSum[r_a + 8 * h, 1 - half]
+        self._quad_barrier(quad)
+        for i in cutlass.range_constexpr(4):  # O row 32 quad + lane // 4 + 16 m + 8 h, i = 2 m + h
+            row = quad * 32 + lane // 4 + 8 * i
+            total = sSum[row, 0] + sSum[row, 1]
             # A row that saw no key has sum 0: output 0 (and lse +inf below).
-            inv[h] = Float32(1.0) / total[h] if total[h] > 0.0 else Float32(0.0)
-        g_a = m_block * bm + r_a
-        for h in cutlass.range_constexpr(2):
-            g = g_a + 8 * h
+            inv = Float32(1.0) / total if total > 0.0 else Float32(0.0)
+            g = m_block * bm + row
             if g < rows:
                 if pieces > 1:
-                    self._store_row(acc_O, tOcO, inv[h], h, half, Float32, mOacc[slot, g, None])
+                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, Float32,
+                                    mOacc[slot, g, None])
                 else:
-                    self._store_row(acc_O, tOcO, inv[h], h, half, self.dtype, mO[r, g, None])
-                if half == 0:
+                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, self.dtype,
+                                    mO[r, g, None])
+                if quarter == 0:
                     if lane % 4 == 0:
-                        m = m_run[h]
+                        m = m_run[i]
                         if pieces > 1:
                             lse2 = -Float32.inf
-                            if total[h] > 0.0:
-                                lse2 = cute.math.log2(total[h], fastmath=False) + m
+                            if total > 0.0:
+                                lse2 = cute.math.log2(total, fastmath=False) + m
                             mLSEacc[slot, g] = lse2
                         else:
                             lse = Float32.inf
-                            if total[h] > 0.0:
-                                lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
+                            if total > 0.0:
+                                lse = (cute.math.log2(total, fastmath=False) + m) * LN_2
                             mLSE[r, g % h_q, g // h_q] = lse
 
     @cute.jit
-    def _store_row(self, acc_O, tOcO, inv: Float32, h: cutlass.Constexpr[int], half: Int32,
+    def _store_row(self, acc_O, tOcO, inv: Float32, h: cutlass.Constexpr[int], quarter: Int32,
                    out_dtype: cutlass.Constexpr, gRow: cute.Tensor):
-        """Row r_a + 8 h of this warp's output columns, times inv, -> gRow (512,) in pairs."""
+        """Row lane // 4 + 8 h of a row group's part of this warp's output columns (acc_O: its
+        chunks), times inv, -> gRow (512,) in pairs."""
         pair = cute.make_rmem_tensor(2, out_dtype)
         for c in cutlass.range_constexpr(len(acc_O)):
             for j in cutlass.range_constexpr(cute.size(acc_O[c]) // 4):
                 for e in cutlass.range_constexpr(2):
                     pair[e] = (acc_O[c][e + 2 * h + 4 * j] * inv).to(out_dtype)
-                col = half * HALF_V + c * V_CHUNK + tOcO[2 * h + 4 * j][1]
+                col = quarter * QUARTER_V + c * V_CHUNK + tOcO[2 * h + 4 * j][1]
                 cute.local_tile(gRow, (2,), (col // 2,)).store(pair.load())
