@@ -217,7 +217,8 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
     h_kv = kv_cache.shape[2]
     if kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
-    extra = ()
+    # (A loaded step takes its defaulted trailing arguments explicitly: None without fp8.)
+    extra = (None, None, None)
     if scales is not None:
         kv_scale, q_scale = scales
         if q.dtype == torch.float8_e4m3fn:
@@ -260,7 +261,7 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
 
 
 def _launch(step, variant, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
-            oacc, lseacc, scale_log2, extra=()):
+            oacc, lseacc, scale_log2, extra=(None, None, None)):
     """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
     [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine, in one host call
     (cute_kernels/decode_step.py). extra: an fp8 step's (kv_scale, q_scale, q_scaled)."""
