@@ -77,8 +77,8 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
   cuda:0 (NVIDIA H200)            bfloat16  bfloat16     sm90       compute capability 9.0: the SM90 CuTe DSL kernel
   cuda:0 (NVIDIA H200)            float16   float16      sm90       compute capability 9.0: the SM90 CuTe DSL kernel
   cuda:0 (NVIDIA H200)            float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     reference  compute capability 8.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
-  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      reference  compute capability 8.0: torch_mla's kernel for this GPU, the portable one (TORCH_MLA_PORTABLE=1), is not verified yet
+  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
   cuda:2 (NVIDIA A100-SXM4-80GB)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
   cpu                             bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
   cpu                             float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
@@ -108,11 +108,11 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
         self.assertExpectedInline(table(text), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
   device                            q dtype   cache dtype  runs       why
-  cuda:0 (NVIDIA H200)              bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
-  cuda:0 (NVIDIA H200)              float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
+  cuda:0 (NVIDIA H200)              bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
+  cuda:0 (NVIDIA H200)              float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
   cuda:0 (NVIDIA H200)              float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
-  cuda:1 (NVIDIA GeForce RTX 5090)  float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; experimental: its outputs were wrong in its first H200 run)
+  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:1 (NVIDIA GeForce RTX 5090)  float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
   cuda:1 (NVIDIA GeForce RTX 5090)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
   cpu                               bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
   cpu                               float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
