@@ -41,7 +41,12 @@ sys.path.insert(0, str(ROOT / "tools"))
 import torch_mla  # noqa: E402
 from torch_mla.ops import dispatch, kernel_cache  # noqa: E402
 from torch_mla.reference import mla_decode_reference, quantize_fp8  # noqa: E402
-from torch_mla.testing import make_anchor_inputs, make_decode_inputs, make_fp8_code_case  # noqa: E402
+from torch_mla.testing import (  # noqa: E402
+    capture_graph,
+    make_anchor_inputs,
+    make_decode_inputs,
+    make_fp8_code_case,
+)
 
 FP8 = torch.float8_e4m3fn
 MULTS = {"randn/10": 1.0, "randn": 10.0, "2 randn": 20.0}  # make_decode_inputs draws randn/10
@@ -132,14 +137,7 @@ def graph_case():
 
     torch_mla.set_value_checks(False)
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(*[t.clone() for t in static])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, lse = step(*static)
+        g, (out, lse) = capture_graph(step, static)
         worst = (0.0, 0.0, False)
         for inputs in steps:
             for dst, src in zip(static, inputs):

@@ -40,7 +40,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import torch_mla  # noqa: E402
 from torch_mla.ops import dispatch  # noqa: E402
 from torch_mla.reference import mla_decode_reference  # noqa: E402
-from torch_mla.testing import make_anchor_inputs, make_decode_inputs  # noqa: E402
+from torch_mla.testing import capture_graph, make_anchor_inputs, make_decode_inputs  # noqa: E402
 
 TOL = {torch.bfloat16: (8e-4, 2.01 / 128), torch.float16: (4e-4, 3e-3)}  # as the tests
 LSE_TOL = (1e-4, 1e-4)
@@ -139,14 +139,7 @@ def graph_case():
 
     torch_mla.set_value_checks(False)
     try:
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            step(*[t.clone() for t in static])
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out, lse = step(*static)
+        g, (out, lse) = capture_graph(step, static)
         worst = (0.0, 0.0, False)
         for inp in steps:
             for dst, src in zip(static, [inp.q, inp.kv_cache, inp.block_table,

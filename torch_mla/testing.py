@@ -167,3 +167,18 @@ def make_fp8_code_case(q_dtype: torch.dtype, device: str | torch.device = "cpu",
                        torch.tensor([256], dtype=torch.int32, device=dev), kv_scale.to(dev),
                        None if q_scale is None else q_scale.to(dev), out.to(dev),
                        2 * 448 * 16 * 0.125)
+
+
+def capture_graph(fn, static: list[torch.Tensor]):
+    """Captures ``fn(*static)`` in a CUDA graph after one warm-up call on a side stream (which
+    compiles and allocates outside the capture). Returns ``(graph, outputs)``: copy new values
+    into ``static`` in place, then ``graph.replay()`` rewrites ``outputs``."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn(*[t.clone() for t in static])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outputs = fn(*static)
+    return graph, outputs
