@@ -2,6 +2,8 @@
 
     python benchmarks/bench_e2e.py --out docs/e2e-h200.md     # one H200, ~4 min
     python benchmarks/bench_e2e.py --tiny --device cpu       # plumbing check on a CPU
+    python benchmarks/bench_e2e.py --systems torch_mla,torch_mla_fp8
+                                                             # bf16 vs fp8 latent cache
     torchrun --nproc-per-node 2 benchmarks/bench_e2e.py --tp 2 --systems torch_mla
                                                              # tensor parallel over 2 GPUs
 
