@@ -2,6 +2,8 @@
 
     python benchmarks/bench_e2e.py --out docs/e2e-h200.md     # one H200, ~4 min
     python benchmarks/bench_e2e.py --tiny --device cpu       # plumbing check on a CPU
+    python benchmarks/bench_e2e.py --systems torch_mla,torch_mla_fp8
+                                                             # bf16 vs fp8 latent cache
     torchrun --nproc-per-node 2 benchmarks/bench_e2e.py --tp 2 --systems torch_mla
                                                              # tensor parallel over 2 GPUs
 
@@ -26,11 +28,17 @@ Systems, each timed over ``--steps`` decode steps of one token per request after
                               torch.compile(mode="reduce-overhead"), transformers' own recipe
     torch_mla                 swap_mla_attention + MLACache, the forward under
                               torch.compile(mode="reduce-overhead", fullgraph=True): CUDA graphs
+    torch_mla_fp8             the same with the FP8 latent cache (MLACache in float8_e4m3fn, 576
+                              bytes a token and layer); each layer's kv_scale is amax / 448 of its
+                              random latents (what the prefill would measure), written quantized.
+                              On H100/H200 its decode runs the SM90 kernel's exact mode (fp8 pages
+                              expanded to bf16 on chip, bf16 MMAs)
 
 Roofline floor of a step (floor_ms): per op the larger of its bytes over the H200's 4246 GB/s
 copy ceiling and its FLOP over the 679 TFLOP/s bf16 matmul ceiling, summed over every linear
 layer (weights + activations), the embedding rows and the absorbed attention over the latent
-cache (b * context * (kv_lora_rank + rope) values a layer); % of floor = floor / step time.
+cache (b * context * (kv_lora_rank + rope) values a layer, 2 bytes each in bf16, 1 in the fp8
+cache); % of floor = floor / step time.
 KV cache bytes per token: the cache object's bytes over the tokens it has room for (all layers).
 The first step's logits of each system are compared with transformers as shipped (same inputs,
 same cache contents): the relative error is printed.
@@ -118,14 +126,22 @@ def hf_static_cache(model, b, ctx, max_len, dims, dtype, device):
     return cache
 
 
-def mla_cache(model, b, ctx, max_len, dims, dtype, device):
+def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False):
+    """The MLACache holding the context's random latents; ``fp8``: in float8_e4m3fn, each layer's
+    scale amax / 448 of its latents (what a prefill of them would measure)."""
     from torch_mla.modules import MLACache
+    from torch_mla.reference import quantize_fp8
 
-    cache = MLACache.for_model(model, b, max_len)
-    for layer, kv_cache in enumerate(cache.kv_caches):
-        kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
+    latents = [torch.cat(random_latents(layer, b, ctx, *dims, dtype, device), dim=-1)
+               for layer in range(model.config.num_hidden_layers)]
+    if fp8:
+        scales = [(x.abs().amax().float() / 448).reshape(1) for x in latents]
+        cache = MLACache.for_model(model, b, max_len, dtype=torch.float8_e4m3fn, kv_scale=scales)
+    else:
+        cache = MLACache.for_model(model, b, max_len)
+    for layer, (kv_cache, x) in enumerate(zip(cache.kv_caches, latents)):
         rows = kv_cache.view(b, cache.max_blocks * 64, -1)  # default table: request r's pages
-        rows[:, :ctx] = torch.cat([kv, pe], dim=-1)
+        rows[:, :ctx] = quantize_fp8(x, cache.kv_scales[layer]) if fp8 else x
     cache.set_seqlens(torch.full((b,), ctx, dtype=torch.int32, device=device))
     return cache
 
@@ -200,11 +216,12 @@ def run_system(system, model, b, args, dims, dtype, device):
         # transformers' own recipe (and generate's default compile config): not fullgraph.
         step = torch.compile(forward_fn(model, cache), mode=mode, dynamic=False)
     else:
-        cache = mla_cache(model, b, ctx, max_len, dims, dtype, device)
+        cache = mla_cache(model, b, ctx, max_len, dims, dtype, device,
+                          fp8=system == "torch_mla_fp8")
         step = torch.compile(forward_fn(model, cache), mode=mode, fullgraph=True, dynamic=False)
     with torch.no_grad():
         ms, logits = time_steps(step, token_ids, args.steps, device)
-        if args.profile and system == "torch_mla" and device.type == "cuda":
+        if args.profile and system.startswith("torch_mla") and device.type == "cuda":
             profile_steps(step, token_ids[-1], b)
     if system != "hf":
         graphs = counters["stats"]["unique_graphs"]
@@ -219,14 +236,15 @@ def run_system(system, model, b, args, dims, dtype, device):
     return dict(ms=ms, logits=logits, kv_bpt=bpt, peak_gib=peak, note=note)
 
 
-def floor_ms(model, b, ctx, config, tp: int = 1) -> float:
+def floor_ms(model, b, ctx, config, tp: int = 1, cache_el: int | None = None) -> float:
     """The step's roofline floor on one rank: per op the larger of its bytes / 4246 GB/s and
     its FLOP / 679 TFLOP/s (bf16 dense), summed over the ops that move or compute nearly
     everything: every nn.Linear (this rank's weight shard + b rows in and out; 2 b in out FLOP),
     the embedding rows, and per layer the absorbed MLA attention over the latent cache (b ctx
     (kv_lora_rank + rope) cached values read; 2 b ctx heads (2 kv_lora_rank + rope) FLOP, this
     rank's heads: scores over 576 columns, output over 512). Norms, RoPE and the residual adds
-    are a few b x hidden vectors: left out."""
+    are a few b x hidden vectors: left out. ``cache_el``: bytes per cached value (default: the
+    model's; 1 for the fp8 cache, whose FLOP still run at the bf16 rate: exact mode)."""
     from torch_mla.modules.tensor_parallel import local
 
     el = next(model.parameters()).element_size()
@@ -243,16 +261,18 @@ def floor_ms(model, b, ctx, config, tp: int = 1) -> float:
     op(b * model.get_input_embeddings().weight.shape[1] * el, 0)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
     for _ in range(config.num_hidden_layers):
-        op(b * ctx * latent * el,
+        op(b * ctx * latent * (cache_el or el),
            2 * b * ctx * config.num_attention_heads // tp * (latent + config.kv_lora_rank))
     return total * 1e3
 
 
 NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
          "hf_static": "transformers, StaticCache + torch.compile",
-         "torch_mla": "torch_mla, compiled + CUDA graphs"}
+         "torch_mla": "torch_mla, compiled + CUDA graphs",
+         "torch_mla_fp8": "torch_mla, fp8 latent cache, compiled + CUDA graphs"}
 CPU_NAMES = dict(NAMES, hf_static="transformers, StaticCache + torch.compile (CPU)",
-                 torch_mla="torch_mla, compiled (CPU: no CUDA graphs)")
+                 torch_mla="torch_mla, compiled (CPU: no CUDA graphs)",
+                 torch_mla_fp8="torch_mla, fp8 latent cache, compiled (CPU: no CUDA graphs)")
 
 
 def main(argv=None) -> None:
@@ -267,7 +287,9 @@ def main(argv=None) -> None:
     ap.add_argument("--batches", default="1,32,128")
     ap.add_argument("--context", type=int, default=4096)
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per system")
-    ap.add_argument("--systems", default="hf,hf_static,torch_mla")
+    ap.add_argument("--systems", default="hf,hf_static,torch_mla",
+                    help="comma-separated, of hf, hf_static, torch_mla, torch_mla_fp8 (the fp8 "
+                         "latent cache) (default: %(default)s)")
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--profile", action="store_true",
                     help="print where torch_mla's step spends its GPU time, kernel by kernel")
@@ -320,11 +342,11 @@ def main(argv=None) -> None:
     failed = False
     # torch_mla first (swapped, then the original attention put back), the riskiest last:
     # transformers' static cache expands the whole static length at every step.
-    for system in ("torch_mla", "hf", "hf_static"):
+    for system in ("torch_mla", "torch_mla_fp8", "hf", "hf_static"):
         if system not in systems:
             continue
         originals = None
-        if system == "torch_mla":
+        if system.startswith("torch_mla"):
             originals = {n: m for n, m in model.named_modules()
                          if type(m).__name__ == "DeepseekV3Attention"}
             swap_mla_attention(model)
@@ -338,7 +360,7 @@ def main(argv=None) -> None:
             except Exception as e:  # report it and go on with the other systems
                 oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
                 note = "out of memory" if oom else f"failed: {type(e).__name__}"
-                failed |= system == "torch_mla" or not oom
+                failed |= system.startswith("torch_mla") or not oom
                 log(f"  {note}: {e}")
                 if not oom:
                     traceback.print_exc()
@@ -372,7 +394,10 @@ def main(argv=None) -> None:
         f"one new token per request per step; mean of {args.steps} steps after {WARMUP} "
         "warm-up steps. Floor: per op the larger of bytes / 4246 GB/s and FLOP / 679 TFLOP/s, "
         "summed (every linear layer, the embedding rows, the absorbed attention over the latent "
-        "cache; benchmarks/bench_e2e.py floor_ms).",
+        "cache; benchmarks/bench_e2e.py floor_ms)."
+        + (" The fp8 latent cache's floor reads 1 byte a cached value; its kv_scale per layer is "
+           "amax / 448 of the cached latents, and its logits differ from transformers' by the "
+           "e4m3 storage error." if "torch_mla_fp8" in systems else ""),
         "",
         "| batch | system | step (ms) | tokens/s | vs shipped | KV cache (bytes/token) "
         "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
@@ -393,10 +418,11 @@ def main(argv=None) -> None:
         lines[-2] = lines[-2].replace("| tokens/s |", "| tokens/s | per GPU |")
         lines[-1] += "---|"
     for b in batches:
-        fl = floor_ms(model, b, args.context, config, args.tp)
         ref = results.get((b, "hf"), {}).get("logits")
         ref_ms = results.get((b, "hf"), {}).get("ms")
         for system in systems:
+            fl = floor_ms(model, b, args.context, config, args.tp,
+                          cache_el=1 if system == "torch_mla_fp8" else None)
             r = results[b, system]
             if r["ms"] is None:
                 dash = "- | " if tp > 1 else ""

@@ -59,7 +59,7 @@ def test_demo_fp32_reproduces_transformers_tokens_with_progress_lines_in_a_pipe(
 def test_demo_every_option_has_help(cuda):
     parser = demo.build_parser(cuda)
     options = [a for a in parser._actions if a.dest != "help"]
-    assert len(options) == 17
+    assert len(options) == 18
     missing = [a.option_strings[0] for a in options if not (a.help or "").strip()]
     assert missing == []
     hidden = next(a for a in options if a.dest == "hidden")
@@ -115,6 +115,45 @@ def test_demo_bf16_measures_both_runs_against_fp32_and_the_verdict_follows(capsy
     assert "NOT all partings" not in out
     if "further from fp32 than transformers'" in out:
         assert expected == "further"
+
+
+def test_demo_fp8_cache_reports_agreement_with_the_bf16_cache_run(capsys):
+    demo.main([*TINY, "--dtype", "bf16", "--kv-cache", "fp8"])
+    out = capsys.readouterr().out
+    assert ("4/5 torch_mla (eager, MLACache in float8_e4m3fn, scales measured at the prefill), "
+            "teacher-forced on run 3's tokens; its decode runs reference: cpu tensors: the kernels "
+            "run on NVIDIA GPUs") in out, out
+    assert "5/5 fp32 copy of the same weights" in out
+    bpt = dict(re.findall(r"^\| (torch_mla \(eager(?:, fp8 cache)?\)) \| [0-9,]+ \| ([0-9,]+) \|",
+                          out, flags=re.M))
+    assert int(bpt["torch_mla (eager)"].replace(",", "")) == 2 * 2 * (64 + 16)  # bf16, 2 layers
+    assert int(bpt["torch_mla (eager, fp8 cache)"].replace(",", "")) == 2 * (64 + 16)
+    rows = re.findall(r"^\| (\d+|all 10) \| ([0-9.e-]+) \| ([0-9.e-]+) \| (\d+|\d+/30) \|$", out,
+                      flags=re.M)
+    assert [r[0] for r in rows] == ["1", "2", "4", "8", "10", "all 10"], out
+    # Step 1 is the prefill: attention over the prompt's own latents, identical logits.
+    assert rows[0][1:] == ("0", "0", "3")
+    # Later steps: the storage error of e4m3 (measured 1.9-2.1e-2 relative here; e_store
+    # 2-7e-2 in tests/test_fp8.py), far above the zero of identical runs and below 0.1.
+    assert all(5e-3 < float(r[2]) < 0.1 for r in rows[1:]), out
+    agree = int(rows[-1][3].split("/")[0])
+    assert agree >= 24, out  # measured 30/30
+    m = re.search(r"^fp8 cache: top-1 agreement with the bfloat16 cache (\d+)/30 \(([0-9.]+)%\), "
+                  r"relative logit error ([0-9.e-]+) ", out, flags=re.M)
+    assert m and int(m[1]) == agree and float(m[2]) == pytest.approx(100 * agree / 30, abs=0.05)
+    assert float(m[3]) == float(rows[-1][2])
+
+
+def test_demo_against_run_per_step_numbers():
+    import torch
+
+    ref = [torch.tensor([[3.0, 4.0], [1.0, 0.0]]), torch.tensor([[0.0, 2.0], [2.0, 0.0]])]
+    ours = [torch.tensor([[3.0, 4.0], [1.0, 0.0]]), torch.tensor([[0.0, 1.0], [2.0, 3.0]])]
+    vs = demo.against_run(ref, ours)
+    assert vs["max_err"] == [0.0, 3.0] and vs["top1"] == [2, 1]
+    assert vs["rel_err"] == pytest.approx([0.0, 10**0.5 / 8**0.5])
+    assert vs["rel"] == pytest.approx((10 / (26 + 8)) ** 0.5)
+    assert (vs["max"], vs["agree"], vs["picks"]) == (3.0, 3, 4)
 
 
 def test_demo_against_fp32_per_step_numbers():

@@ -209,16 +209,27 @@ def test_e2e_benchmark_runs_on_cpu_and_agrees_with_transformers(capsys):
     spec.loader.exec_module(bench)
     torch._dynamo.reset()
     bench.main(["--tiny", "--device", "cpu", "--layers", "2", "--batches", "2", "--context",
-                "70", "--steps", "2", "--systems", "hf,torch_mla"])
+                "70", "--steps", "2", "--systems", "hf,torch_mla,torch_mla_fp8"])
     rows = [line.split(" | ") for line in capsys.readouterr().out.splitlines()
             if line.startswith("| 2 |")]
     assert [r[1] for r in rows] == ["transformers as shipped (eager, DynamicCache)",
-                                    "torch_mla, compiled (CPU: no CUDA graphs)"]
-    mla = rows[1]
+                                    "torch_mla, compiled (CPU: no CUDA graphs)",
+                                    "torch_mla, fp8 latent cache, compiled (CPU: no CUDA graphs)"]
+    mla, fp8 = rows[1], rows[2]
     assert float(mla[9]) < 1e-5  # first-step logits vs transformers, same cache contents
-    assert mla[10].strip(" |") == "1 graph"
+    assert mla[10].strip(" |") == fp8[10].strip(" |") == "1 graph"
     assert mla[5] == rows[0][5] == f"{2 * (32 + 16) * 4:,}"  # KV bytes per token, 2 layers fp32
     assert rows[0][4] == "1.00x" and mla[4].endswith("x")
+    # The fp8 cache: 1 byte a value (a quarter of fp32 here, half of bf16 on a GPU); its logits
+    # off transformers' by the e4m3 storage error (3.6e-3 of the largest logit measured: the
+    # latents are randn, e_store ~2e-2 in the attention, less after o_proj), not by 0.
+    assert fp8[5] == f"{2 * (32 + 16):,}"
+    assert 1e-4 < float(fp8[9]) < 5e-2
+    # Its floor reads 1 byte a cached value instead of 4: 2 layers x b 2 x 70 tokens x 48 values
+    # x 3 bytes fewer, at 4246 GB/s (the tiny attention is memory-bound), in ms, to the table's
+    # 3 digits.
+    saved = 2 * 2 * 70 * 48 * 3 / 4246e9 * 1e3
+    assert abs(float(mla[6]) - float(fp8[6]) - saved) < 2e-7
 
 
 def test_e2e_benchmark_tensor_parallel_on_two_cpu_ranks():

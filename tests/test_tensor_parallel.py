@@ -3,7 +3,8 @@
 The two-rank runs launch ``tools/check_multi_gpu.py --device cpu --only tp`` (torchrun, 2 CPU
 processes): tiny DeepSeek-V2 (transformers' own plan) and DeepSeek-V3 (``mla_tp_plan``), fp32,
 swapped vs unswapped tensor-parallel models, eager and compiled (fullgraph): greedy tokens
-identical, teacher-forced logits within 1e-4. The in-process tests use a one-rank mesh.
+identical, teacher-forced logits within 1e-4; and on an FP8 latent cache, the same scales on both
+ranks and the unsharded model's logits. The in-process tests use a one-rank mesh.
 """
 
 import os
@@ -42,6 +43,11 @@ def test_two_ranks_swapped_matches_unswapped_tensor_parallel():
         assert len(parts) == 2 and "fullgraph" in line, line  # eager, compiled
         for same, err in parts:
             assert same == "3" and float(err) <= 1e-4, line
+        # The fp8 latent cache: one scale per layer, the same on both ranks, and the sharded
+        # model's logits the unsharded one's (fp32: the ranks' latents round alike; 5e-6 seen).
+        fp8 = re.findall(r"fp8 cache: scales equal on every rank: True, teacher-forced logits vs "
+                         r"the unsharded model's max \|diff\| ([0-9.e+-]+)", line)
+        assert len(fp8) == 1 and float(fp8[0]) <= 1e-4, line
 
 
 def v3_model():

@@ -242,6 +242,51 @@ def check_split(say) -> bool:
 # --- tensor parallel (one process per rank) ------------------------------------------------------
 
 
+def load_whole(path, dtype, device):
+    """The unsharded model, swapped: every rank's own copy."""
+    from transformers import AutoModelForCausalLM
+
+    from torch_mla.modules import swap_mla_attention
+
+    return swap_mla_attention(AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+                              .to(device).eval())
+
+
+def check_tp_fp8(ours, whole, ids, mask, tokens) -> tuple[bool, str]:
+    """The FP8 latent cache under tensor parallelism (eager): every rank measures the same
+    scales (the latent projection is replicated), and the sharded model's logits, teacher-forced
+    on ``tokens``, are the unsharded model's on its own fp8 cache. The bound is 1e-2 of the
+    largest logit: the ranks' latents differ from the unsharded ones by the summation order of
+    the all-reduce, which can move an e4m3 rounding (a whole step of 1/16 on one value); e4m3
+    storage itself moves these logits by 5e-2 and more."""
+    import torch.distributed as dist
+    from transformers import LogitsProcessorList
+
+    from torch_mla.modules import MLACache, generate_kwargs
+
+    b, s = ids.shape
+    logits = []
+    for model in (ours, whole):
+        cache = MLACache.for_model(model, b, s + tokens.shape[1], dtype=torch.float8_e4m3fn)
+        with torch.no_grad():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens.shape[1],
+                                 do_sample=False, output_logits=True,
+                                 return_dict_in_generate=True, disable_compile=True,
+                                 logits_processor=LogitsProcessorList([force_tokens(tokens, s)]),
+                                 **generate_kwargs(model, cache))
+        logits.append(torch.stack(out.logits, 1).float())
+        if model is ours:
+            scales = torch.cat(cache.kv_scales)
+    gathered = [torch.empty_like(scales) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, scales)
+    same = all(torch.equal(g, scales) for g in gathered)
+    err = float((logits[0] - logits[1]).abs().max())
+    bound = 1e-2 * float(logits[1].abs().max())
+    return same and err <= bound, (f"fp8 cache: scales equal on every rank: {same}, "
+                                   f"teacher-forced logits vs the unsharded model's max |diff| "
+                                   f"{err:.2e} (bound {bound:.3g})")
+
+
 def tp_worker(args) -> int:
     """Runs on every rank under torchrun; rank 0 prints. Returns the exit code."""
     import torch.distributed as dist
@@ -318,6 +363,10 @@ def tp_worker(args) -> int:
                             f", {skips} CUDA graph(s) SKIPPED)" if skips else ")")
                     ok &= good
                     lines.append(f"{label}: {line}")
+                good, line = check_tp_fp8(ours, load_whole(tmp[0], dtype, device), ids, mask,
+                                          ref.sequences[:, ids.shape[1]:])
+                ok &= good
+                lines.append(line)
             except Exception:
                 ok = False
                 lines.append(f"rank {rank}:\n{traceback.format_exc()}")

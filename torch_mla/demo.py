@@ -12,6 +12,13 @@ the greedy tokens agree. Then an fp32 copy of the same weights re-scores each ru
 each run's logits are measured against the exact result at every step (error, and whether its
 pick is fp32's): where two bf16 runs part, the numbers say which one is closer to fp32.
 
+``--kv-cache fp8`` adds a run on an FP8 latent cache (``MLACache(dtype=torch.float8_e4m3fn)``,
+its scales measured at the prefill), teacher-forced on the tokens of the run on the model-dtype
+cache so that both see the same prefix at every step, and reports how often its top-1 token
+agrees with that run's and how far its logits are, per step and overall. On H100/H200 its decode
+runs the SM90 kernel's exact mode (fp8 pages expanded to 16 bits on chip, 16-bit MMAs over the
+dequantized cache), elsewhere the reference.
+
 Needs transformers (``pip install -e ".[hf]"``).
 """
 
@@ -130,17 +137,32 @@ def nbytes(tensors: list[torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors)
 
 
-def timed_generate(model, ids, new_tokens, label, device, **kwargs):
-    """Greedy generate with a progress bar. Returns (tokens [b, s + new], decode tokens/s over
-    the steps after the first token, the generate output, each step's scores [b, vocab])."""
+def _force_tokens(tokens: torch.Tensor, prompt_len: int):
+    """A logits processor for teacher forcing: step t picks ``tokens[:, t]`` ([b, new])."""
+    from transformers import LogitsProcessor
+
+    class Force(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            t = input_ids.shape[1] - prompt_len
+            forced = torch.full_like(scores, float("-inf"))
+            return forced.scatter_(1, tokens[:, t:t + 1].to(scores.device), 0.0)
+
+    return Force()
+
+
+def timed_generate(model, ids, new_tokens, label, device, force=None, **kwargs):
+    """Greedy generate with a progress bar, or teacher-forced on ``force`` (new tokens [b, new]:
+    the scores are still the model's). Returns (tokens [b, s + new], decode tokens/s over the
+    steps after the first token, the generate output, each step's scores [b, vocab])."""
     from transformers import LogitsProcessorList
 
     streamer = _progress_streamer(label, new_tokens, device)
     top = _logits_recorder(model.dtype)
+    procs = [top] + ([_force_tokens(force, ids.shape[1])] if force is not None else [])
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=new_tokens, min_new_tokens=new_tokens,
                              do_sample=False, streamer=streamer, return_dict_in_generate=True,
-                             logits_processor=LogitsProcessorList([top]), **kwargs)
+                             logits_processor=LogitsProcessorList(procs), **kwargs)
     t = streamer.times
     steps_per_s = (len(t) - 1) / (t[-1] - t[0]) if len(t) > 1 else float("nan")
     return out.sequences, steps_per_s * ids.shape[0], out, top.steps
@@ -203,6 +225,25 @@ def against_fp32(ref_model, sequences: torch.Tensor, steps: list[torch.Tensor]) 
                 mean=sum(mean_err) / n, agree=sum(top1), picks=sequences.shape[0] * n)
 
 
+def against_run(ref_steps: list[torch.Tensor], steps: list[torch.Tensor]) -> dict:
+    """How far a teacher-forced run's scores are from another run's over the same tokens: each
+    step's scores [b, vocab] against the other's. Per-step lists ``max_err`` (largest |logit
+    difference|), ``rel_err`` (norm of the difference over the norm of ``ref_steps``, the whole
+    batch) and ``top1`` (requests whose argmax is the reference's); totals ``max``, ``rel``
+    (over all steps), ``agree`` of ``picks``."""
+    max_err, rel_err, top1 = [], [], []
+    num, den = 0.0, 0.0
+    for ref, ours in zip(ref_steps, steps):
+        ref, ours = ref.float(), ours.float()
+        diff = ours - ref
+        max_err.append(float(diff.abs().max()))
+        rel_err.append(float(diff.norm() / ref.norm()))
+        num, den = num + float(diff.norm()) ** 2, den + float(ref.norm()) ** 2
+        top1.append(int((ours.argmax(-1) == ref.argmax(-1)).sum()))
+    return dict(max_err=max_err, rel_err=rel_err, top1=top1, max=max(max_err),
+                rel=(num / den) ** 0.5, agree=sum(top1), picks=steps[0].shape[0] * len(steps))
+
+
 def fp32_verdict(ours: dict, theirs: dict) -> str:
     """Whether a run is "closer", "as close" or "further" from fp32 than another, by their mean
     logit errors over every step (within 10% of each other: as close)."""
@@ -259,6 +300,10 @@ def build_parser(cuda: bool) -> argparse.ArgumentParser:
                     help="random prompt tokens per request (default: %(default)s)")
     ap.add_argument("--new-tokens", type=int, default=128 if cuda else 32,
                     help="tokens generated per request (default: %(default)s)")
+    ap.add_argument("--kv-cache", choices=["model", "fp8"], default="model",
+                    help="model: the latent cache in the model's dtype; fp8: also run on a "
+                         "float8_e4m3fn latent cache (half the bytes) and compare it with the "
+                         "model-dtype run (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true",
                     help="run the swapped model eagerly (no torch.compile, no CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0,
@@ -314,7 +359,9 @@ def main(argv=None) -> None:
         return f"{peak / 2**30:.2f} GiB"
 
     # 1. transformers as shipped.
-    print("1/4 transformers as shipped (eager attention, DynamicCache)")
+    fp8 = args.kv_cache == "fp8"
+    total = 5 if fp8 else 4
+    print(f"1/{total} transformers as shipped (eager attention, DynamicCache)")
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
     if on_gpu:
@@ -330,40 +377,67 @@ def main(argv=None) -> None:
     backend, why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
                                   args.kv_lora_rank)
     print(f"swapped in torch_mla's attention; its decode runs {backend}: {why}")
-    cache = MLACache.for_model(model, b, s + n)
-    kwargs = generate_kwargs(model, cache)
     label = "eager" if args.no_compile else (
         "compiled, CUDA graphs" if on_gpu else "compiled")
-    if args.no_compile:
-        kwargs["disable_compile"] = True
-    else:
+    cc = None
+    if not args.no_compile:
         cc = CompileConfig(fullgraph=True, dynamic=False,
                            mode="reduce-overhead" if on_gpu else "default")
         cc._compile_all_devices = True  # transformers compiles only on accelerators by default
+
+    def generate_options(cache, what: str, backend: str) -> dict:
+        """generate's keyword arguments for this cache; compiles the decode step first (a cache
+        of another dtype is another graph)."""
+        kwargs = generate_kwargs(model, cache)
+        if cc is None:
+            kwargs["disable_compile"] = True
+            return kwargs
         kwargs["compile_config"] = cc
-        print(f"2/4 swapped attention: compiling the decode step (mode={cc.mode!r}, fullgraph; "
-              f"once, {'~1 min' if on_gpu else '~30 s'}"
+        print(f"{what}: compiling the decode step (mode={cc.mode!r}, fullgraph; once, "
+              f"{'~1 min' if on_gpu else '~30 s'}"
               f"{', the decode kernel included' if backend != 'reference' else ''})...")
         t0 = time.perf_counter()
         with torch.no_grad():  # same batch and cache shape as the timed run: no recompiles
             model.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False, **kwargs)
         cache.reset()
         print(f"  compiled in {time.perf_counter() - t0:.1f} s")
-    print(f"3/4 torch_mla ({label}, MLACache)")
+        return kwargs
+
+    cache = MLACache.for_model(model, b, s + n)
+    kwargs = generate_options(cache, f"2/{total} swapped attention", backend)
+    print(f"3/{total} torch_mla ({label}, MLACache)")
     if backend != "reference" and args.no_compile:
         print("  compiling the decode kernel (first call, ~20-60 s)...")
     if on_gpu:
         torch.cuda.reset_peak_memory_stats(device)
     tok, ours_tps, _, steps = timed_generate(model, ids, n, "torch_mla", device, **kwargs)
     ours_peak = peak_over_weights(ref_steps + steps)
+    fp8_steps = []
+    if fp8:
+        fp8_backend, fp8_why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
+                                              args.kv_lora_rank,
+                                              cache_dtype=torch.float8_e4m3fn)
+        print(f"4/{total} torch_mla ({label}, MLACache in float8_e4m3fn, scales measured at the "
+              f"prefill), teacher-forced on run 3's tokens; its decode runs {fp8_backend}: "
+              f"{fp8_why}")
+        cache8 = MLACache.for_model(model, b, s + n, dtype=torch.float8_e4m3fn)
+        kwargs8 = generate_options(cache8, "  fp8 cache", fp8_backend)
+        if on_gpu:
+            torch.cuda.reset_peak_memory_stats(device)
+        _, fp8_tps, _, fp8_steps = timed_generate(model, ids, n, "torch_mla fp8", device,
+                                                  force=tok[:, s:], **kwargs8)
+        fp8_peak = peak_over_weights(ref_steps + steps + fp8_steps)
 
     # 4. The exact result: the same weights in fp32 re-score each run's own tokens.
-    print("4/4 fp32 copy of the same weights, re-scoring both runs' tokens (the exact result)")
+    print(f"{total}/{total} fp32 copy of the same weights, re-scoring both runs' tokens (the "
+          "exact result)")
     exact = build_model(config, torch.float32, device)
     exact.load_state_dict(model.state_dict())  # the swap kept the parameter names
     dtype_name = str(dtype).replace("torch.", "")
     acc = {"transformers": against_fp32(exact, ref, ref_steps),
            "torch_mla": against_fp32(exact, tok, steps)}
+    if fp8:
+        acc["fp8"] = against_fp32(exact, tok, fp8_steps)  # (its tokens are run 3's)
     del exact
 
     cmp = compare_greedy(ref[:, s:], top_scores(ref_steps), tok[:, s:], top_scores(steps))
@@ -373,6 +447,9 @@ def main(argv=None) -> None:
     print(f"| transformers (eager, DynamicCache) | {hf_tps:,.0f} | {hf_bpt:,.0f} | {hf_peak} |")
     print(f"| torch_mla ({label}) | {ours_tps:,.0f} | {cache.kv_bytes_per_token:,} | "
           f"{ours_peak} |")
+    if fp8:
+        print(f"| torch_mla ({label}, fp8 cache) | {fp8_tps:,.0f} | "
+              f"{cache8.kv_bytes_per_token:,} | {fp8_peak} |")
     el = torch.empty((), dtype=dtype).element_size()
     expanded = args.heads * (args.nope_dim + args.rope_dim + args.v_dim) * el * args.layers
     print(f"\nspeed-up: {ours_tps / hf_tps:.2f}x. Both caches hold one latent per token and layer "
@@ -415,9 +492,35 @@ def main(argv=None) -> None:
               f"request's tokens part, transformers rates its own token and torch_mla's within "
               f"{cmp['tie_gap']:.3g} of each other ({cmp['outside_top']} partings outside its "
               f"top 8): {why}.")
+    if fp8:
+        report_fp8(steps, fp8_steps, acc, dtype_name, label, b, n, shown)
     if not on_gpu:
         print("on a CPU both paths are plain PyTorch on a tiny model: the numbers show the "
               "plumbing, not the kernel; run it on an H100/H200 for the real comparison")
+
+
+
+def report_fp8(steps, fp8_steps, acc, dtype_name: str, label: str, b: int, n: int,
+               shown: list[int]) -> None:
+    """The fp8-cache run against the model-dtype-cache run (same tokens: teacher-forced)."""
+    vs = against_run(steps, fp8_steps)
+    print(f"\nFP8 latent cache against the {dtype_name} cache (torch_mla {label}, the same "
+          f"tokens: each step's logits of the fp8 run minus the {dtype_name}-cache run's; top-1: "
+          f"requests whose pick is the {dtype_name}-cache run's, of {b}):\n")
+    print("| step | max error | relative error | top-1 agreement |")
+    print("|---|---|---|---|")
+    for t in shown:
+        print(f"| {t} | {vs['max_err'][t - 1]:.3g} | {vs['rel_err'][t - 1]:.2g} | "
+              f"{vs['top1'][t - 1]} |")
+    print(f"| all {n} | {vs['max']:.3g} | {vs['rel']:.2g} | {vs['agree']}/{vs['picks']} |")
+    ours, f8 = acc["torch_mla"], acc["fp8"]
+    print(f"\nfp8 cache: top-1 agreement with the {dtype_name} cache {vs['agree']}/"
+          f"{vs['picks']} ({100 * vs['agree'] / vs['picks']:.1f}%), relative logit error "
+          f"{vs['rel']:.2g} (step 1 is the prefill, which attends over the prompt's unquantized "
+          f"latents); against fp32, mean logit error {f8['mean']:.3g} vs {ours['mean']:.3g} "
+          f"for the {dtype_name} cache, picks equal to fp32's {f8['agree']}/{f8['picks']} vs "
+          f"{ours['agree']}/{ours['picks']}. Storing the latents in e4m3 alone moves attention "
+          "by about 2-7e-2 (relative; tests/test_fp8.py).")
 
 
 if __name__ == "__main__":

@@ -303,9 +303,14 @@ class MultiheadLatentAttention(nn.Module):
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
         q_lat = torch.einsum("bhsn,hnr->bshr", q_nope, w_uk)
         q = torch.cat([q_lat, q_pe.transpose(1, 2).to(q_lat.dtype)], dim=-1)
-        out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
-                                step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
-                                causal=True, d_v=R)
+        if step.kv_scale is None:
+            out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
+                                    step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
+                                    causal=True, d_v=R)
+        else:  # an FP8 cache: q stays in the model's dtype (bf16/fp16 run the SM90 exact mode)
+            out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
+                                    step.schedule, softmax_scale=self.scaling, causal=True, d_v=R,
+                                    kv_scale=step.kv_scale)
         return torch.einsum("bshr,hvr->bshv", out_lat.to(w.dtype), w_uv)
 
 

@@ -29,6 +29,15 @@ Nothing in a decode step reads a value on the host, so it compiles to one graph 
 not change from step to step, and replays in a CUDA graph: the buffers are marked as static
 addresses for cudagraph trees.
 
+The FP8 latent cache (``dtype=torch.float8_e4m3fn``): the latent buffers hold e4m3 values (576
+bytes a token and layer for DeepSeek, half of bf16) and each layer has one float32 [1] scale,
+``kv_scales[l]`` on that layer's device: a row stands for ``row.float() * kv_scales[l]``. The
+scale is given (``kv_scale=``) or, by default, measured: at the prefill each layer takes the
+largest magnitude of the latents it stores (``[kv_c | k_pe]`` of the real tokens, what
+``append_kv`` writes) over 448, on the device (no host sync), and keeps it until the next prefill.
+A later latent past ``448 * scale`` is saturated to +-448 (clipped, not NaN), so tokens after
+the prompt that grow larger than every prompt token lose that excess.
+
 Positions: a decode step needs each request's own positions when the lengths differ;
 ``generate`` passes them, a hand-written loop passes ``position_ids=cache.position_ids(b, s)``.
 
@@ -54,11 +63,13 @@ supported and raise.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
 
 from ..ops import DecodeSchedule, append_kv, checks, get_decode_schedule
+from ..ops.checks import FP8, FP8_MAX
 
 try:  # transformers is optional: without it MLACache is a plain object with the same methods.
     from transformers.cache_utils import Cache as _CacheBase
@@ -127,6 +138,17 @@ def attention_devices(model: torch.nn.Module) -> dict[int, torch.device]:
     return devices
 
 
+def measure_scale(kv_c: torch.Tensor, k_pe: torch.Tensor, stored: torch.Tensor) -> torch.Tensor:
+    """float32 [1]: ``amax(|[kv_c | k_pe]|) / 448`` over the rows that ``stored`` (bool [T])
+    marks, the scale that maps the largest stored latent to e4m3's largest finite value.
+    kv_c [T, R], k_pe [T, d_rope], any float dtype. On the device, no host sync. Never 0 (all
+    rows zero or unstored: the smallest normal float32), so quantizing never divides by 0."""
+    amax = torch.maximum(kv_c.abs().amax(dim=1), k_pe.abs().amax(dim=1)).float()  # [T]
+    amax = torch.where(stored, amax, 0.0).amax(dim=0, keepdim=True) if amax.numel() else \
+        amax.new_zeros(1)
+    return (amax / FP8_MAX).clamp(min=torch.finfo(torch.float32).tiny)
+
+
 class LatentStep(NamedTuple):
     """What one layer needs to attend in the current step.
 
@@ -134,6 +156,7 @@ class LatentStep(NamedTuple):
     kv_cache: this layer's [num_blocks, 64, 1, d_latent + d_rope] buffer (this step's latents in).
     block_table: int32 [b, max_blocks]; cache_seqlens: int32 [b], lengths including this step.
     schedule: the decode schedule for these lengths (None at prefill).
+    kv_scale: float32 [1], the dequantization scale of a float8_e4m3fn kv_cache; None otherwise.
     """
 
     prefill: bool
@@ -141,6 +164,7 @@ class LatentStep(NamedTuple):
     block_table: torch.Tensor
     cache_seqlens: torch.Tensor
     schedule: DecodeSchedule | None
+    kv_scale: torch.Tensor | None = None
 
 
 def _warn_fp32_on_gpu(device: torch.device, dtype: torch.dtype) -> None:
@@ -241,7 +265,16 @@ class MLACache(_RefusesReshaping, _CacheBase):
             model split over devices (the step's state lives on layer 0's).
         dtype: of the buffers, the model's: bf16/fp16 run the GPU kernel, fp32 the reference
             (warned about once on a GPU). Default: ``torch.get_default_dtype()``.
-            ``MLACache.for_model`` reads both from the model.
+            ``MLACache.for_model`` reads both from the model. ``torch.float8_e4m3fn``: the FP8
+            latent cache (half the bytes of bf16; the decode runs the SM90 kernel's exact mode
+            on H100/H200 with a bf16/fp16 model, the reference elsewhere), with a scale per
+            layer (``kv_scale``).
+        kv_scale: only with a float8_e4m3fn cache: ``"auto"`` (the default) measures each
+            layer's scale at each prefill, ``amax([kv_c | k_pe]) / 448`` over the real tokens'
+            latents, on the device, and keeps it until the next prefill (NaN before the first:
+            a cache filled by :meth:`set_seqlens` instead needs its ``kv_scales`` filled too);
+            or a given scale used as is: a float or a tensor of one element for every layer, or
+            a list of them, one per layer. Latents past ``448 * scale`` are saturated to +-448.
         block_table: optional int32 [max_batch_size, ceil(max_cache_len / 64)], a custom page
             assignment (pages must be distinct); default: request r owns its own run of pages.
         num_blocks: pages to allocate per layer (default: enough for the block table).
@@ -257,6 +290,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
         dtype: torch.dtype | None = None,
         block_table: torch.Tensor | None = None,
         num_blocks: int | None = None,
+        kv_scale: str | float | torch.Tensor | Sequence[float | torch.Tensor] | None = None,
     ):
         if max_batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got "
@@ -286,6 +320,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
         d = self.kv_lora_rank + self.qk_rope_head_dim
         self.kv_caches = [torch.zeros(num_blocks, PAGE_SIZE, 1, d, dtype=dtype, device=dev)
                           for dev in self.layer_devices]
+        # float32 [1] per layer for a float8_e4m3fn cache, else None.
+        self.kv_scales, self.auto_scale = self._scales(kv_scale, dtype)
         # Per device: the block table and the lengths ([0]: layer 0's, where a step starts).
         self._tables = [block_table.to(device=dev, dtype=torch.int32).contiguous()
                         for dev in self._devices]
@@ -296,7 +332,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
         self._seen = torch.zeros((), dtype=torch.int64, device=self.device)
         if not torch.compiler.is_compiling():
             # In-place updates of these inside a compiled step need fixed addresses for CUDA graphs.
-            for t in (*self.kv_caches, *self._tables, *self._seqlens, self._seen):
+            for t in (*self.kv_caches, *(self.kv_scales or ()), *self._tables, *self._seqlens,
+                      self._seen):
                 torch._dynamo.mark_static_address(t)
         self._reset_python_state()
         self._given_to_generate = False
@@ -306,12 +343,44 @@ class MLACache(_RefusesReshaping, _CacheBase):
         else:  # pragma: no cover
             self.layers = layers
 
+    def _scales(self, kv_scale, dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, bool]:
+        """(kv_scales, measured at the prefill) from the constructor's ``kv_scale``."""
+        if dtype != FP8:
+            if kv_scale is not None:
+                raise ValueError(f"kv_scale is the scale of a float8_e4m3fn cache; this cache is "
+                                 f"{dtype}: pass kv_scale=None")
+            return None, False
+        if kv_scale is None or (isinstance(kv_scale, str) and kv_scale == "auto"):
+            # NaN until a prefill measures it: a decode over latents nobody scaled shows.
+            return [torch.full((1,), math.nan, dtype=torch.float32, device=dev)
+                    for dev in self.layer_devices], True
+        if isinstance(kv_scale, str):
+            raise ValueError(f'kv_scale must be "auto", a float, a tensor of one element or a '
+                             f"list of them (one per layer), got {kv_scale!r}")
+        given = list(kv_scale) if isinstance(kv_scale, (list, tuple)) else \
+            [kv_scale] * self.num_layers
+        if len(given) != self.num_layers:
+            raise ValueError(f"kv_scale: one per layer, {self.num_layers} layers, got "
+                             f"{len(given)} scales")
+        scales = []
+        for layer, (x, dev) in enumerate(zip(given, self.layer_devices)):
+            if isinstance(x, torch.Tensor) and x.numel() != 1:
+                raise ValueError(f"kv_scale of layer {layer}: one element, got shape "
+                                 f"{list(x.shape)}")
+            t = torch.as_tensor(x).to(device=dev, dtype=torch.float32).reshape(1).clone()
+            if t.device.type == "cpu" and not (math.isfinite(t.item()) and t.item() > 0):
+                raise ValueError(f"kv_scale of layer {layer} must be finite and > 0, got "
+                                 f"{t.item()}")
+            scales.append(t)
+        return scales, False
+
     @classmethod
     def for_model(cls, model: torch.nn.Module, max_batch_size: int, max_cache_len: int,
                   **kwargs) -> MLACache:
         """A cache sized for ``model`` (a transformers DeepSeek model) in the dtype of its
         attention weights, each layer's buffers on the device of that layer's attention
-        (:func:`attention_devices`: one device, or several for a model split by ``device_map``)."""
+        (:func:`attention_devices`: one device, or several for a model split by ``device_map``).
+        ``dtype=torch.float8_e4m3fn`` (and ``kv_scale=``) make it an FP8 latent cache."""
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") \
             else model.config
         w = next(m.kv_b_proj.weight for m in model.modules() if hasattr(m, "kv_b_proj"))
@@ -339,7 +408,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
 
     @property
     def kv_bytes_per_token_per_layer(self) -> int:
-        """Bytes one cached token takes in one layer: (kv_lora_rank + qk_rope_head_dim) values."""
+        """Bytes one cached token takes in one layer: (kv_lora_rank + qk_rope_head_dim) values
+        (one byte each in a float8_e4m3fn cache; its one scale per layer is not per token)."""
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_caches[0].element_size()
 
     @property
@@ -532,10 +602,17 @@ class MLACache(_RefusesReshaping, _CacheBase):
         self._step = (prefill, b, s, None, per_device)
         slots, sched = per_device[k]
         kv = self.kv_caches[layer_idx]
-        append_kv(kv, kv_c.reshape(b * s, -1), k_pe.reshape(b * s, -1), slots)
+        kv_c, k_pe = kv_c.reshape(b * s, -1), k_pe.reshape(b * s, -1)
+        scale = None if self.kv_scales is None else self.kv_scales[layer_idx]
+        if scale is not None and prefill and self.auto_scale:
+            scale.copy_(measure_scale(kv_c, k_pe, slots >= 0))
+        if scale is None:
+            append_kv(kv, kv_c, k_pe, slots)
+        else:
+            append_kv(kv, kv_c, k_pe, slots, kv_scale=scale)
         if layer_idx == self.num_layers - 1:
             self._step = None  # the step is over; hold no tensor past it
-        return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched)
+        return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched, scale)
 
     def _store(self, b: int, s: int, key_valid: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The slots of this step's tokens (-1 for padding, which is not stored); advances the
