@@ -158,6 +158,30 @@ def test_opcheck_fp8():
     torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args, test_utils=FP8_OPCHECKS)
 
 
+def test_compute_fp8_on_the_reference_path_is_exact_and_reaches_the_op():
+    """compute="fp8" permits e4m3 Q and P; the CPU reference keeps fp32 math, so the result is
+    exact mode's to the bit, through the eager call, the op and the vLLM name."""
+    from torch_mla.compat.flash_mla import flash_mla_with_kvcache_fp8
+
+    inp, cache, kv_scale = fp8_inputs([3, 70, 129], 2, 16)
+    args = (inp.q, cache, inp.block_table, inp.cache_seqlens)
+    exact = torch_mla.mla_decode(*args, causal=True, kv_scale=kv_scale)
+    fast = torch_mla.mla_decode(*args, causal=True, kv_scale=kv_scale, compute="fp8")
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 16)
+    op = torch.ops.torch_mla.mla_decode(*args, sched.metadata, sched.num_splits, SCALE, True,
+                                        512, kv_scale, None, "fp8")
+    compat = flash_mla_with_kvcache_fp8(*args, 512, sched.metadata, sched.num_splits,
+                                        causal=True, descale_k=kv_scale, compute="fp8")
+    for got in (fast, op, compat):
+        torch.testing.assert_close(got, exact, atol=0, rtol=0)
+    ref_out, _ = mla_decode_fp64(inp.q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                 inp.cache_seqlens, SCALE, True, 512)
+    torch.testing.assert_close(fast[0].double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.library.opcheck(torch.ops.torch_mla.mla_decode.default,
+                          (*args, sched.metadata, sched.num_splits, SCALE, True, 512, kv_scale,
+                           None, "fp8"), test_utils=FP8_OPCHECKS)
+
+
 def fp8_step(q, kv_c, k_pe, slots, kv_cache, block_table, cache_seqlens, kv_scale):
     sched = torch_mla.get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
     torch_mla.append_kv(kv_cache, kv_c, k_pe, slots, kv_scale=kv_scale)
@@ -279,6 +303,14 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8),
                          ("reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"))
 
+    def test_fast_mode_runs_exact_mode_until_its_kernel_exists(self):
+        cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
+                                            compute="fp8")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages expanded to 16 bits on chip, 16-bit MMAs): compute='fp8' (e4m3 Q and P) has no kernel yet, and exact mode is at least as accurate""")
+        self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
+                      dispatch._run_sm90_fp8)
+
     def test_no_append_kernel_for_an_fp8_cache(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
                                       shape=(4, 64, 1, 576), data_ptr=lambda: 0)
@@ -313,6 +345,19 @@ class TestFp8Errors(expecttest.TestCase):
         self.assertExpectedInline(self.err(q=q8, q_scale=torch.ones(1, 2)), """q_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [1, 2]""")
         self.assertExpectedInline(self.err(q=inp.q.to(torch.int8)), """with a float8_e4m3fn kv_cache, q must be bfloat16, float16, float32 or float8_e4m3fn, got torch.int8""")
         self.assertExpectedInline(self.err(kv_cache=inp.kv_cache, q_scale=one, kv_scale=None), """q_scale is the scale of a float8_e4m3fn q; this q is torch.bfloat16: pass q_scale=None""")
+
+    def test_compute(self):
+        inp = make_decode_inputs([3, 70], 1, 16)
+        self.assertExpectedInline(self.err(compute="fast"), """compute must be 'exact' or 'fp8', got 'fast'""")
+        self.assertExpectedInline(self.err(compute="fp8", kv_cache=inp.kv_cache, kv_scale=None), """compute='fp8' (e4m3 Q and P on fp8 tensor cores) needs a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass compute='exact'""")
+        from torch_mla.compat.flash_mla import flash_mla_with_kvcache_fp8, get_mla_metadata
+
+        meta, splits = get_mla_metadata(inp.cache_seqlens, 16, 1)
+        self.assertExpectedInline(self.err(fn=lambda q, kv_cache, block_table, cache_seqlens,
+                                           kv_scale: flash_mla_with_kvcache_fp8(
+                                               q, kv_cache, block_table, cache_seqlens, 512, meta,
+                                               splits, descale_k=kv_scale, compute="e4m3")),
+                                  """compute must be 'exact' or 'fp8', got 'e4m3'""")
 
     def test_append(self):
         def append(cache, scale):

@@ -48,13 +48,15 @@ def portable_forced() -> bool:
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
                    d_v: int = D_V, page_size: int = PAGE_SIZE,
-                   cache_dtype: torch.dtype | None = None) -> tuple[str, str]:
+                   cache_dtype: torch.dtype | None = None,
+                   compute: str = "exact") -> tuple[str, str]:
     """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
 
     Args:
         device: where q and the cache live; dtype: q's (and the cache's) dtype;
         d_qk, d_v, page_size: the problem's widths and the cache's page size;
-        cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn).
+        cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn);
+        compute: mla_decode's (an fp8 cache's mode, "exact" or "fp8").
 
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200; with a
@@ -71,7 +73,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
     if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
     if torch.float8_e4m3fn in (dtype, cache_dtype):
-        return _fp8_backend(device, dtype, d_qk, d_v, page_size)
+        return _fp8_backend(device, dtype, d_qk, d_v, page_size, compute)
     if dtype not in (torch.bfloat16, torch.float16):
         return "reference", f"{dtype} inputs: the kernels take bfloat16 or float16"
     if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
@@ -101,7 +103,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
 
 
 def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
-                 page_size: int) -> tuple[str, str]:
+                 page_size: int, compute: str = "exact") -> tuple[str, str]:
     """decode_backend for a float8_e4m3fn cache (q bf16/fp16/float8_e4m3fn): the SM90 kernel's
     exact mode on compute capability 9.0, else the reference."""
     deq = "the reference dequantizes the pages it reads to float32"
@@ -117,8 +119,12 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
             f"compute capability {major}.{minor}")
         return "reference", (f"float8_e4m3fn cache on {why}: the only FP8 kernel is the SM90 "
                              f"one ({deq})")
-    return "sm90", ("compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, "
-                    "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)")
+    why = "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)"
+    if compute == "fp8":
+        # Fast mode permits e4m3 Q and P; exact mode is within its tolerance, so it stands in.
+        why = ("exact mode (pages expanded to 16 bits on chip, 16-bit MMAs): compute='fp8' "
+               "(e4m3 Q and P) has no kernel yet, and exact mode is at least as accurate")
+    return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"
 
 
 _warned: set[str] = set()
