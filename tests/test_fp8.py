@@ -579,3 +579,81 @@ def test_sm90_fp8_graph_replays_with_new_lengths(kernel_env):
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     finally:
         torch_mla.set_value_checks(True)
+
+
+def wavefronts(addrs, nbytes):
+    """Shared-memory wavefronts of one warp-wide access of nbytes (8 or 16) per lane: the
+    hardware splits the warp into phases of 128 / nbytes lanes, and a phase takes as many
+    wavefronts as the most distinct 4-byte words any one of the 32 banks holds."""
+    per_phase = 128 // nbytes
+    total = 0
+    for p in range(0, 32, per_phase):
+        banks: dict[int, set] = {}
+        for a in addrs[p:p + per_phase]:
+            for w in range(a // 4, (a + nbytes) // 4):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
+    """Fast mode's layouts (sm90_decode.fp8_vt_unit / fp8_pv_key / fp8_p_fragment), simulated
+    byte by byte: the transposed V lands in the K-major 64-byte-swizzled layout with every byte
+    written once, P's register fragment (the scores' registers, unmoved) against it gives P V;
+    the transpose's shared-memory wavefronts are counted per warp."""
+    from torch_mla.cute_kernels.sm90_decode import (
+        fp8_p_fragment,
+        fp8_pv_key,
+        fp8_vt_unit,
+        sw64,
+    )
+
+    page = torch.randint(0, 256, (64, 576), dtype=torch.uint8)
+    page[page.view(FP8).float().isnan()] = 0  # (finite codes, for the product below)
+    buf = torch.zeros(9 * 4096, dtype=torch.uint8)
+    for t in range(9):
+        for r in range(64):
+            for col in range(0, 64, 16):
+                o = t * 4096 + sw64(r, col)
+                buf[o:o + 16] = page[r, 64 * t + col:64 * t + col + 16]
+    vt = [torch.full((256 * 64,), -1, dtype=torch.int16) for _ in range(2)]
+    load_waves = store_waves = 0
+    for half in range(2):
+        units = [fp8_vt_unit(w, half) for w in range(128)]
+        for loads, stores in units:
+            regs = [buf[o:o + 8] for o, _ in loads]
+            for o, _, src in stores:
+                assert (vt[half][o:o + 16] == -1).all()  # each byte once
+                vt[half][o:o + 16] = torch.stack([regs[n][b] for n, b in src]).to(torch.int16)
+        for warp_i in range(4):
+            lanes = units[32 * warp_i:32 * warp_i + 32]
+            load_waves += sum(wavefronts([u[0][s][0] for u in lanes], 8) for s in range(16))
+            store_waves += sum(wavefronts([u[1][e][0] for u in lanes], 16) for e in range(8))
+    for half in range(2):
+        for dl in range(256):
+            for k in range(0, 64, 16):
+                got = vt[half][sw64(dl, k):sw64(dl, k) + 16]
+                want = torch.tensor([page[fp8_pv_key(k + b), 256 * half + dl] for b in range(16)])
+                assert torch.equal(got, want.to(torch.int16)), (half, dl, k)
+    # Stores: 4 phases x 8 per warp, 8 warps: conflict-free. Loads: 2-way (2 phases x 16 per
+    # warp would be conflict-free): a 16-lane phase spans 4 key blocks x 32 d-bytes, and no
+    # per-lane key order the prmt selectors can absorb reaches the other 32 bytes of the bank
+    # window (docs/kernel-notes.md, fast mode, open points). Pinned so a change shows.
+    assert (load_waves, store_waves) == (2 * 8 * 2 * 16, 8 * 4 * 8), (load_waves, store_waves)
+
+    # P: thread (warp w, lane) holds S[16 w + lane // 4 + 8 h, 8 j + 2 (lane % 4) + c] at
+    # accumulator index c + 2 h + 4 j; its e4m3 fragment is read in the A operand's order.
+    S = torch.rand(64, 64)
+    A = torch.full((64, 64), float("nan"))
+    for t in range(128):
+        r0, q = 16 * (t // 32) + (t % 32) // 4, t % 4
+        acc = {c + 2 * h + 4 * j: S[r0 + 8 * h, 8 * j + 2 * q + c]
+               for c in range(2) for h in range(2) for j in range(8)}
+        for kk in range(2):
+            for v in range(16):
+                i, h, u = v % 4, (v // 4) % 2, v // 8
+                A[r0 + 8 * h, 32 * kk + 16 * u + 4 * q + i] = acc[fp8_p_fragment(kk, v)]
+    V = page[:, :512].view(FP8).float()
+    Vt = torch.stack([torch.stack([vt[d // 256][sw64(d % 256, k)] for k in range(64)])
+                      for d in range(512)]).to(torch.uint8).view(FP8).float()  # (512, 64)
+    torch.testing.assert_close(A @ Vt.T, S @ V, rtol=1e-5, atol=1e-5)

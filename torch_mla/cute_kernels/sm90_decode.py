@@ -197,6 +197,70 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
     return src, row_start + ((2 * q) ^ sw) * 16, row_start + ((2 * q + 1) ^ sw) * 16
 
 
+# ---- fast mode (compute="fp8"): layouts of e4m3 Q, P and V^T, modelled in Python ----------
+# Not yet used by the kernel (docs/kernel-notes.md, "FP8 fast mode: design and state"); the
+# tests check them byte by byte so that the device code can be written against them.
+
+
+def sw64(row, col):
+    """Byte offset of (row, col) in a K-major 8-bit tile with 64-byte rows and the 64-byte
+    swizzle (the DSL's K_SW64 atom for 8-bit types: S<2,4,3> o (8,64):(64,1)), which TMA and
+    wgmma both use: 16-byte chunk index (address bits 4-5) ^= row / 2 % 4 (bits 7-8)."""
+    return row * 64 + ((col // 16) ^ ((row >> 1) & 3)) * 16 + col % 16
+
+
+def fp8_pv_key(k):
+    """The key (0..63 of a page) that column k of fast mode's P and V^T holds.
+
+    The e4m3 wgmma's register A operand gives thread q (= lane % 4) of a quad the columns
+    4 q + [0, 4) and 16 + 4 q + [0, 4) of each 32-column step, while the fp32 scores S leave it
+    columns 8 j + 2 q + {0, 1}. Rather than exchange bytes between threads, P keeps S's
+    registers in order and V^T's columns are permuted to match: the sum over keys does not care
+    in which order they come, only that P and V^T agree."""
+    base, i = k - k % 16, k % 16
+    return base + 2 * (i // 4) + (i & 1) + 8 * ((i >> 1) & 1)
+
+
+def fp8_p_fragment(kk: int, v: int) -> int:
+    """Fast mode's P as a register A operand: value v (0..15) of k-step kk (0, 1; 32 keys each)
+    of a thread's e4m3 fragment is its fp32 score accumulator's value fp8_p_fragment(kk, v).
+    Fragment order (the DSL's tv_layout_A for e4m3, m64k32): v = i + 4 h + 8 u is row
+    r0 + 8 h, column 16 u + 4 q + i; accumulator order (tv_layout_C): idx = c + 2 h + 4 j is
+    row r0 + 8 h, key 8 j + 2 q + c. With fp8_pv_key the column holds key 32 kk + 16 u +
+    2 q + (i & 1) + 8 (i >> 1), i.e. j = 4 kk + 2 u + (i >> 1), c = i & 1: no data movement."""
+    i, h, u = v % 4, (v // 4) % 2, v // 8
+    return (i & 1) + 2 * h + 4 * (4 * kk + 2 * u + (i >> 1))
+
+
+def fp8_vt_unit(wtid: int, half: int):
+    """Thread wtid (0..127) of the warpgroup that owns V half `half` (d in [256 half,
+    256 half + 256)) transposes one 16-key x 8-d block of a page into V^T (256 d-rows x 64
+    key-bytes, K-major, sw64, keys in fp8_pv_key order). Returns (loads, stores):
+    loads: 16 (byte offset in the page's fp8 buffer (9 tiles of 64 keys x 64 bytes, sw64,
+    4 KB apart), key) for 8-byte ld.shared, in register order; stores: 8 (byte offset in the
+    V^T half, d, [16 (load index, byte in it)]) for 16-byte st.shared.
+
+    Lanes: c = lane % 4 is the key block (keys 16 c..16 c + 15), g = lane / 4 + 8 warp the
+    8-d group. Each lane takes its keys in the order s ^ c and stores its d's in the order
+    e ^ (g % 2): both only swap inputs of one byte-permute stage (prmt selectors per lane), and
+    they spread a warp's accesses over the banks (tests count the wavefronts)."""
+    lane, warp_i = wtid % 32, wtid // 32
+    c, g = lane % 4, lane // 4 + 8 * warp_i
+    d0 = 256 * half + 8 * g
+    loads = []
+    for s in range(16):
+        key = 16 * c + (s ^ c)
+        loads.append(((d0 // 64) * 4096 + sw64(key, d0 % 64), key))
+    load_of_key = {key: n for n, (_, key) in enumerate(loads)}
+    stores = []
+    for e in range(8):
+        dd = e ^ (g % 2)
+        row = 8 * g + dd
+        src = [(load_of_key[fp8_pv_key(16 * c + b)], dd) for b in range(16)]
+        stores.append((sw64(row, 16 * c), d0 + dd, src))
+    return loads, stores
+
+
 @cute.jit
 def fence_operand(t: cute.Tensor):
     """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
