@@ -656,4 +656,6 @@ def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
     V = page[:, :512].view(FP8).float()
     Vt = torch.stack([torch.stack([vt[d // 256][sw64(d % 256, k)] for k in range(64)])
                       for d in range(512)]).to(torch.uint8).view(FP8).float()  # (512, 64)
-    torch.testing.assert_close(A @ Vt.T, S @ V, rtol=1e-5, atol=1e-5)
+    # (float64: the same products summed in another order; fp32 would cancel differently)
+    torch.testing.assert_close(A.double() @ Vt.double().T, S.double() @ V.double(), rtol=1e-9,
+                               atol=1e-9)
