@@ -256,15 +256,12 @@ def test_fp8_compiled_decode_step_is_one_graph_across_prefills_and_matches_eager
 
 @pytest.mark.cuda
 def test_fp8_reduce_overhead_decode_step_replays_cuda_graphs_on_the_kernel():
-    from test_modules_compile import decode_step, models
+    from test_modules_compile import decode_step, kernel_sized_models
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
     counters.clear()
-    # DeepSeek's latent width (512 + 64), so that the decode runs the SM90 kernel (exact mode).
-    hf, ours = models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
-                      num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512,
-                      qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+    _, ours = kernel_sized_models()  # the decode runs the SM90 kernel (exact mode)
     b, s = 4, 100
     ids = torch.randint(2, VOCAB, (b, s), device="cuda")
     mask = torch.ones(b, s, dtype=torch.long, device="cuda")
