@@ -11,7 +11,7 @@ import torch
 import torch_mla
 from torch_mla.ops.dispatch import decode_backend, find_decode_kernel
 from torch_mla.reference import mla_decode_reference
-from torch_mla.testing import make_decode_inputs
+from torch_mla.testing import capture_graph, make_decode_inputs
 
 pytestmark = pytest.mark.cuda
 
@@ -130,14 +130,7 @@ def test_graph_replays_with_new_lengths(mode):
     torch_mla.set_value_checks(False)
     try:
         if mode == "graph":
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step(*[t.clone() for t in static])  # compiles the kernels outside the capture
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out, lse = step(*static)
+            g, (out, lse) = capture_graph(step, static)
             run = g.replay
         else:
             torch._dynamo.reset()

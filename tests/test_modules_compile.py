@@ -33,6 +33,14 @@ def models(dtype=torch.float32, device="cpu", **overrides):
     return hf, swap_mla_attention(copy.deepcopy(hf))
 
 
+def kernel_sized_models():
+    """bf16 (transformers', swapped) tiny models on the GPU with DeepSeek's latent width
+    (512 + 64), so that their decode runs the GPU kernel."""
+    return models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
+                  num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512,
+                  qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+
+
 def decode_step(model, cache, ids):
     """One decode step of the swapped model: positions from the cache, logits out."""
     pos = cache.position_ids(ids.shape[0], ids.shape[1])
@@ -133,10 +141,7 @@ def test_reduce_overhead_decode_step_replays_cuda_graphs():
 
     torch._dynamo.reset()
     counters.clear()
-    # DeepSeek's latent width (512 + 64), so that the decode runs the GPU kernel.
-    hf, ours = models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
-                      num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512,
-                      qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32)
+    hf, ours = kernel_sized_models()
     b, s = 4, 100
     ids = torch.randint(2, VOCAB, (b, s), device="cuda")
     mask = torch.ones(b, s, dtype=torch.long, device="cuda")

@@ -81,19 +81,6 @@ def poison(cache):
     return cache
 
 
-def force_tokens(tokens, prompt_len):
-    """A logits processor that picks ``tokens[:, t]`` at step t (teacher forcing)."""
-    from transformers import LogitsProcessor
-
-    class Force(LogitsProcessor):
-        def __call__(self, input_ids, scores):
-            t = input_ids.shape[1] - prompt_len
-            forced = torch.full_like(scores, float("-inf"))
-            return forced.scatter_(1, tokens[:, t:t + 1].to(scores.device), 0.0)
-
-    return Force()
-
-
 def compare(ref, ours_free, ours_forced, prompt_len: int, dtype) -> tuple[bool, str]:
     """transformers' greedy run against ours: tokens equal up to each request's first near-tie,
     teacher-forced logits within the dtype's tolerance. Returns (ok, one line of numbers)."""
@@ -118,6 +105,7 @@ def greedy_runs(hf, ours, ids, mask, cache, new_tokens, compile_config=None):
     """transformers' greedy run, ours free-running and ours teacher-forced on its tokens."""
     from transformers import LogitsProcessorList
 
+    from torch_mla.demo import _force_tokens
     from torch_mla.modules import generate_kwargs
 
     gen = dict(attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
@@ -131,7 +119,7 @@ def greedy_runs(hf, ours, ids, mask, cache, new_tokens, compile_config=None):
         ref = hf.generate(ids, **gen)
         poison(cache)
         free = ours.generate(ids, **gen, **kw)
-        force = force_tokens(ref.sequences[:, ids.shape[1]:], ids.shape[1])
+        force = _force_tokens(ref.sequences[:, ids.shape[1]:], ids.shape[1])
         poison(cache)
         forced = ours.generate(ids, logits_processor=LogitsProcessorList([force]), **gen, **kw)
     return ref, free, forced
@@ -262,6 +250,7 @@ def check_tp_fp8(ours, whole, ids, mask, tokens) -> tuple[bool, str]:
     import torch.distributed as dist
     from transformers import LogitsProcessorList
 
+    from torch_mla.demo import _force_tokens
     from torch_mla.modules import MLACache, generate_kwargs
 
     b, s = ids.shape
@@ -272,7 +261,7 @@ def check_tp_fp8(ours, whole, ids, mask, tokens) -> tuple[bool, str]:
             out = model.generate(ids, attention_mask=mask, max_new_tokens=tokens.shape[1],
                                  do_sample=False, output_logits=True,
                                  return_dict_in_generate=True, disable_compile=True,
-                                 logits_processor=LogitsProcessorList([force_tokens(tokens, s)]),
+                                 logits_processor=LogitsProcessorList([_force_tokens(tokens, s)]),
                                  **generate_kwargs(model, cache))
         logits.append(torch.stack(out.logits, 1).float())
         if model is ours:

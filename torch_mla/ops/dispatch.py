@@ -404,21 +404,19 @@ def compiled_decode(name: str, dtype: torch.dtype, causal: bool, arch: str):
 
 
 @functools.lru_cache(maxsize=None)
-def _compiled_decode_sm80(dtype: torch.dtype, causal: bool, arch: str,
-                          tiles: tuple[int, int, int] | None = None):
-    """tiles: (block_m, block_n, stages) instead of Sm80DecodeConfig.from_heuristic(arch), for
-    tools that compare tile shapes (tools/check_portable.py)."""
+def _compiled_decode_sm80(dtype: torch.dtype, causal: bool, arch: str):
+    """The portable decode kernel alone (its tiles from Sm80DecodeConfig.from_heuristic(arch)),
+    for precompile and the tools; mla_decode runs it inside the decode step (_compiled_step,
+    which also takes other tiles)."""
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
 
-        cfg = Sm80DecodeConfig(*tiles) if tiles else Sm80DecodeConfig.from_heuristic(arch)
-        kernel = MLADecodeSm80(cdt, causal, cfg, use_pdl=_has_pdl(arch))
+        kernel = MLADecodeSm80(cdt, causal, Sm80DecodeConfig.from_heuristic(arch),
+                               use_pdl=_has_pdl(arch))
         return compile_decode_sm80(cute, cutlass, kernel, cdt, arch)
 
     config = {"dtype": _DTYPE_NAMES[dtype], "causal": causal}
-    if tiles:
-        config["tiles"] = "x".join(map(str, tiles))
     return kernel_cache.load_or_build("decode_sm80", config, arch, build)
 
 
