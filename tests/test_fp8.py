@@ -635,11 +635,8 @@ def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
                 got = vt[half][sw64(dl, k):sw64(dl, k) + 16]
                 want = torch.tensor([page[fp8_pv_key(k + b), 256 * half + dl] for b in range(16)])
                 assert torch.equal(got, want.to(torch.int16)), (half, dl, k)
-    # Stores: 4 phases x 8 per warp, 8 warps: conflict-free. Loads: 2-way (2 phases x 16 per
-    # warp would be conflict-free): a 16-lane phase spans 4 key blocks x 32 d-bytes, and no
-    # per-lane key order the prmt selectors can absorb reaches the other 32 bytes of the bank
-    # window (docs/kernel-notes.md, fast mode, open points). Pinned so a change shows.
-    assert (load_waves, store_waves) == (2 * 8 * 2 * 16, 8 * 4 * 8), (load_waves, store_waves)
+    # Conflict-free: loads 2 phases x 16 per warp, stores 4 phases x 8, 8 warps.
+    assert (load_waves, store_waves) == (8 * 2 * 16, 8 * 4 * 8), (load_waves, store_waves)
 
     # P: thread (warp w, lane) holds S[16 w + lane // 4 + 8 h, 8 j + 2 (lane % 4) + c] at
     # accumulator index c + 2 h + 4 j; its e4m3 fragment is read in the A operand's order.

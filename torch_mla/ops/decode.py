@@ -21,8 +21,8 @@ from .schedule import DecodeSchedule, get_decode_schedule
 def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
                 softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None,
                 compute: str = "exact"):
-    # compute="fp8" permits e4m3 Q and P; no kernel has that mode yet, so the exact kernel (or
-    # the fp32 reference) runs, which is at least as accurate (decode_backend says so).
+    # compute="fp8" permits e4m3 Q and P: the SM90 kernel's fast mode; the fp32 reference
+    # (CPU, other GPUs) is at least as accurate (decode_backend says which runs).
     kernel = find_decode_kernel(q, kv_cache, d_v)
     if kernel is not None:
         # The kernels check the lengths and the page ids they use themselves, at no cost and
@@ -31,7 +31,9 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                 softmax_scale, causal)
         if kv_scale is None:
             return kernel(*args)
-        return kernel(*args, kv_scale, q_scale)
+        if compute == "exact":
+            return kernel(*args, kv_scale, q_scale)
+        return kernel(*args, kv_scale, q_scale, compute)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
     args = (q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
@@ -114,10 +116,10 @@ def mla_decode(
         compute: with a float8_e4m3fn cache, "exact" (default: the scores and P V in 16-bit
             MMAs over the dequantized pages; the bf16 kernel's error on top of the cache's own)
             or "fp8" ("fast mode": Q, quantized per row, and P in float8_e4m3fn on the fp8
-            tensor cores; allowed up to 2.5x the error the fp8 cache itself costs). "fp8" is a
-            permission, not a promise: where no fast kernel exists (every GPU today; see
-            :func:`torch_mla.ops.dispatch.decode_backend`) exact mode or the reference runs.
-            Refused with a 16-bit cache.
+            tensor cores; allowed up to 2.5x the error the fp8 cache itself costs): the SM90
+            kernel (H100/H200); elsewhere the fp32 reference runs, which is at least as
+            accurate (:func:`torch_mla.ops.dispatch.decode_backend` says which runs). Refused
+            with a 16-bit cache.
 
     Returns:
         out: [batch, s_q, h_q, d_v] in q's dtype (bf16 for a float8_e4m3fn q).
