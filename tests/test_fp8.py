@@ -303,11 +303,11 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8),
                          ("reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"))
 
-    def test_fast_mode_runs_exact_mode_until_its_kernel_exists(self):
+    def test_fast_mode_is_the_sm90_kernel(self):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
                                             compute="fp8")
-        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages expanded to 16 bits on chip, 16-bit MMAs): compute='fp8' (e4m3 Q and P) has no kernel yet, and exact mode is at least as accurate""")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 tensor cores)""")
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
                       dispatch._run_sm90_fp8)
 
