@@ -18,8 +18,9 @@ with the data). Per group: passed / run, worst error / tolerance, worst lse erro
 and e_store (exact attention over the dequantized cache vs over the original 16-bit latents,
 relative norm error; worst per group and data scale). Plus an e4m3 q and a CUDA-graph replay.
 Fast mode's bar instead: out error (relative norm, vs the same reference) <= 2.5 x the case's
-e_store, lse within 0.05 + 1e-3 |lse|; its table adds what Q's per-row e4m3 quantization alone
-costs (the reference with Q rounded as the kernel rounds it) beside the kernel's total.
+e_store; lse within 1e-3 + 1e-4 |lse| of the reference with Q rounded as the kernel rounds it
+(the kernel's row sums are fp32 sums of unrounded P); its table adds what that rounding of Q
+alone costs the output (relative norm against the reference) beside the kernel's total.
 (2) Speed: anchor rows, one call captured in a CUDA graph and replayed (bench_decode's
 timing): torch_mla fp8, torch_mla bf16, FlashMLA bf16 (when ``flash_mla`` imports), same
 process; ratio = fp8 / bf16 against the issue's bars (<= 0.55 for b128 s_k 8192 h_q 16/32/64,
@@ -144,8 +145,12 @@ def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv, mult, q_fp8=False, mode
     qref, _ = mla_decode_reference(q_rows.to(torch.float32) if not q_fp8 else q, cache, *args,
                                    scale, causal, 512, kv_scale=kv_scale, q_scale=q_scale)
     e_q = rel(qref, ref_out)
+    # lse: the row sums are fp32 sums of unrounded P, so the kernel's lse is the reference's
+    # with Q rounded as the kernel rounds it (the rounding moves the scores themselves).
+    qref_lse = mla_decode_reference(q_rows.to(torch.float32) if not q_fp8 else q, cache, *args,
+                                    scale, causal, 512, kv_scale=kv_scale, q_scale=q_scale)[1]
     fin = torch.isfinite(ref_lse)
-    lse_err = (lse[fin] - ref_lse[fin]).abs() / (0.05 + 1e-3 * ref_lse[fin].abs())
+    lse_err = (lse[fin] - qref_lse[fin]).abs() / (1e-3 + 1e-4 * qref_lse[fin].abs())
     lse_ratio = lse_err.max().item() if lse_err.numel() else 0.0
     lse_ratio = max(lse_ratio, float((lse[~fin] != ref_lse[~fin]).any()) * 2)
     nan = bool(out.isnan().any())
