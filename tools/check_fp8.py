@@ -18,9 +18,9 @@ with the data). Per group: passed / run, worst error / tolerance, worst lse erro
 and e_store (exact attention over the dequantized cache vs over the original 16-bit latents,
 relative norm error; worst per group and data scale). Plus an e4m3 q and a CUDA-graph replay.
 Fast mode's bar instead: out error (relative norm, vs the same reference) <= 2.5 x the case's
-e_store; lse within 1e-3 + 1e-4 |lse| of the reference with Q rounded as the kernel rounds it
-(the kernel's row sums are fp32 sums of unrounded P); its table adds what that rounding of Q
-alone costs the output (relative norm against the reference) beside the kernel's total.
+e_store; lse within 1e-3 + 2^-4 |q| max|k| softmax_scale of the reference (what e4m3 rounding
+of Q can move a score by); its table adds what that rounding of Q alone costs the output (the
+reference with Q rounded as the kernel rounds it) beside the kernel's total.
 (2) Speed: anchor rows, one call captured in a CUDA graph and replayed (bench_decode's
 timing): torch_mla fp8, torch_mla bf16, FlashMLA bf16 (when ``flash_mla`` imports), same
 process; ratio = fp8 / bf16 against the issue's bars (<= 0.55 for b128 s_k 8192 h_q 16/32/64,
@@ -46,7 +46,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 sys.path.insert(0, str(ROOT / "tools"))
 import torch_mla  # noqa: E402
 from torch_mla.ops import dispatch, kernel_cache  # noqa: E402
-from torch_mla.reference import mla_decode_reference, quantize_fp8  # noqa: E402
+from torch_mla.reference import (  # noqa: E402
+    dequantize_fp8,
+    mla_decode_reference,
+    quantize_fp8,
+)
 from torch_mla.testing import (  # noqa: E402
     capture_graph,
     make_anchor_inputs,
@@ -145,12 +149,15 @@ def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv, mult, q_fp8=False, mode
     qref, _ = mla_decode_reference(q_rows.to(torch.float32) if not q_fp8 else q, cache, *args,
                                    scale, causal, 512, kv_scale=kv_scale, q_scale=q_scale)
     e_q = rel(qref, ref_out)
-    # lse: the row sums are fp32 sums of unrounded P, so the kernel's lse is the reference's
-    # with Q rounded as the kernel rounds it (the rounding moves the scores themselves).
-    qref_lse = mla_decode_reference(q_rows.to(torch.float32) if not q_fp8 else q, cache, *args,
-                                    scale, causal, 512, kv_scale=kv_scale, q_scale=q_scale)[1]
+    # lse: e4m3 rounding of Q moves every score by at most 2^-4 |q| |k| softmax_scale
+    # (Cauchy-Schwarz, relative rounding error <= 2^-4), and so lse; the fp8 MMAs' truncated
+    # accumulation (~14 bits) stays well inside that. Per row, against the largest |k| cached.
+    k_norm = dequantize_fp8(cache, kv_scale).float().nan_to_num(0).norm(dim=-1).amax()
+    bound = 2.0**-4 * q.float().norm(dim=-1).transpose(1, 2) * k_norm * scale  # [b, h_q, s_q]
+    if q_fp8:
+        bound = bound * q_scale
     fin = torch.isfinite(ref_lse)
-    lse_err = (lse[fin] - qref_lse[fin]).abs() / (1e-3 + 1e-4 * qref_lse[fin].abs())
+    lse_err = (lse[fin] - ref_lse[fin]).abs() / (1e-3 + bound[fin])
     lse_ratio = lse_err.max().item() if lse_err.numel() else 0.0
     lse_ratio = max(lse_ratio, float((lse[~fin] != ref_lse[~fin]).any()) * 2)
     nan = bool(out.isnan().any())

@@ -1104,23 +1104,23 @@ class MLADecodeSm90:
         selA1 = cutlass.select_(c1 == 0, Int32(0x7362), Int32(0x3726))
         selB0 = cutlass.select_(g1 == 0, Int32(0x5410), Int32(0x7632))
         selB1 = cutlass.select_(g1 == 0, Int32(0x7632), Int32(0x5410))
-        out = [[None] * 4 for _ in range(8)]
-        for w4 in cutlass.range_constexpr(4):
-            for half_w in cutlass.range_constexpr(2):
-                arr = lo if half_w == 0 else hi
-                e0 = 4 * half_w
+        vt = self.d_vt_base + (2 * s + h) * (HALF_V * PAGE)
+        # d 0-3 (the lo words) first, stored before d 4-7 are built: fewer live registers.
+        for half_w in cutlass.range_constexpr(2):
+            arr = lo if half_w == 0 else hi
+            out = [[None] * 4 for _ in range(4)]
+            for w4 in cutlass.range_constexpr(4):
                 t0 = Int32(cute.arch.prmt(arr[2 * w4], arr[2 * w4 + 1], selA0))
                 t1 = Int32(cute.arch.prmt(arr[2 * w4], arr[2 * w4 + 1], selA1))
                 u0 = Int32(cute.arch.prmt(arr[2 * w4 + 8], arr[2 * w4 + 9], selA0))
                 u1 = Int32(cute.arch.prmt(arr[2 * w4 + 8], arr[2 * w4 + 9], selA1))
-                out[e0][w4] = Int32(cute.arch.prmt(t0, u0, selB0))
-                out[e0 + 1][w4] = Int32(cute.arch.prmt(t0, u0, selB1))
-                out[e0 + 2][w4] = Int32(cute.arch.prmt(t1, u1, selB0))
-                out[e0 + 3][w4] = Int32(cute.arch.prmt(t1, u1, selB1))
-        vt = self.d_vt_base + (2 * s + h) * (HALF_V * PAGE)
-        for e in cutlass.range_constexpr(8):
-            row = 8 * g + (g1 ^ e)
-            _sts(vt + row * 64 + ((c ^ ((row >> 1) & 3)) * 16), out[e])
+                out[0][w4] = Int32(cute.arch.prmt(t0, u0, selB0))
+                out[1][w4] = Int32(cute.arch.prmt(t0, u0, selB1))
+                out[2][w4] = Int32(cute.arch.prmt(t1, u1, selB0))
+                out[3][w4] = Int32(cute.arch.prmt(t1, u1, selB1))
+            for k in cutlass.range_constexpr(4):
+                row = 8 * g + (g1 ^ (4 * half_w + k))
+                _sts(vt + row * 64 + ((c ^ ((row >> 1) & 3)) * 16), out[k])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
@@ -1148,21 +1148,20 @@ class MLADecodeSm90:
             raw = []
             for i in cutlass.range_constexpr(18):
                 raw += _ldg128(src + 16 * i)
-            vals = []
-            for w in raw:
-                vals += _unpack16x2(w, bf16)
             amax = Float32(0.0)
-            for v in vals:
-                amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            for w in raw:
+                for v in _unpack16x2(w, bf16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
             inv = Float32(0.0)
             if amax > 0.0:
                 inv = Float32(448.0) / amax
             scale = amax * Float32(1.0 / 448.0)
-            for i in cutlass.range_constexpr(36):
-                words.append(_e4m3x4(vals[4 * i] * inv, vals[4 * i + 1] * inv,
-                                     vals[4 * i + 2] * inv, vals[4 * i + 3] * inv))
+            for i in cutlass.range_constexpr(36):  # (unpacked again: fewer live registers)
+                a = _unpack16x2(raw[2 * i], bf16)
+                b = _unpack16x2(raw[2 * i + 1], bf16)
+                words.append(_e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
         for i in cutlass.range_constexpr(9):
             col = 144 * part + 16 * i
             chunk = ((col % 64) // 16) ^ ((row >> 1) & 3)
@@ -1241,9 +1240,14 @@ class MLADecodeSm90:
         cute.arch.barrier_arrive(barrier_id=NB_SCALE0, number_of_threads=256)
 
         if const_expr(self.fast):
-            # (B0's tiles landed: this warpgroup's Q K0^T waited for them.)
+            # (B0's tiles landed: this warpgroup's Q K0^T waited for them.) Fast mode reads V
+            # from V^T, so a buffer half is refilled once it is transposed (and its Q K^T done),
+            # not after the P V that reads it: the next page has longer to land.
             self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK, phase,
                               False)
+            if const_expr(has2):
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         else:
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1253,7 +1257,7 @@ class MLADecodeSm90:
         fence_operand(acc_O)
 
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
-        if const_expr(has2):
+        if const_expr(has2 and not self.fast):
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
@@ -1272,6 +1276,9 @@ class MLADecodeSm90:
             if const_expr(self.fast):
                 self._transpose_v(1, 0, self._page_valid(blk0 + 1, nb_req, tail), NB_WG0, barK,
                                   phase, True)
+                if blk0 + 3 <= last:
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             else:
                 if blk0 + 1 == nb_req - 1:
                     if tail != 0:
@@ -1284,9 +1291,10 @@ class MLADecodeSm90:
             # refills B1's left half; the other five tiles follow.
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3), True, False)
             warpgroup.wait_group(1)
-            if blk0 + 3 <= last:
-                if wtid < 32:
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
+            if const_expr(not self.fast):
+                if blk0 + 3 <= last:
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
             warpgroup.wait_group(0)
@@ -1331,6 +1339,9 @@ class MLADecodeSm90:
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
                 self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1, barK,
                                   phase, False)
+                if const_expr(has3):
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
             else:
                 self._to_P(acc_S, rP, one)
                 self._store_P(st_P, rP, sP1)
@@ -1343,6 +1354,9 @@ class MLADecodeSm90:
             # warpgroup waits too, on its own parity copy).
             self._transpose_v(0, 1, self._page_valid(blk0, nb_req, tail), NB_WG1, barK, phase,
                               True)
+            if blk0 + 2 <= last:
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
         if const_expr(not self.fast):
             if blk0 == nb_req - 1:
@@ -1352,15 +1366,16 @@ class MLADecodeSm90:
         self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1], False)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
-        if const_expr(has3):
+        if const_expr(has3 and not self.fast):
             warpgroup.wait_group(1)
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
-        if blk0 + 2 <= last:
-            if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
+        if const_expr(not self.fast):
+            if blk0 + 2 <= last:
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
             warpgroup.wait_group(0)
