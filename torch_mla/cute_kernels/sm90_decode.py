@@ -744,6 +744,11 @@ class MLADecodeSm90:
                     cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
+                    if const_expr(self.fast):
+                        # Each warpgroup transposes the V^T half its next P V reads while that
+                        # page's Q K^T runs (see _wg0_pair).
+                        self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE), NB_WG0,
+                                          barK, phase, False)
                     warpgroup.wait_group(0)
                     fence_operand(acc_S)
                     self._stamp(mTrace, cta, ts + 2, tidx, 0)
@@ -769,6 +774,9 @@ class MLADecodeSm90:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
+                        if const_expr(self.fast):
+                            self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE),
+                                              NB_WG1, barK, phase, False)
                         warpgroup.wait_group(0)
                         fence_operand(acc_S)
                     wg1 = partial(
@@ -1222,6 +1230,9 @@ class MLADecodeSm90:
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
+        if const_expr(self.fast):
+            page4 = mBlockTable[r, cutlass.min(blk0 + 4, last)]
+            page5 = mBlockTable[r, cutlass.min(blk0 + 5, last)]
         tail = L % PAGE
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -1240,14 +1251,20 @@ class MLADecodeSm90:
         cute.arch.barrier_arrive(barrier_id=NB_SCALE0, number_of_threads=256)
 
         if const_expr(self.fast):
-            # (B0's tiles landed: this warpgroup's Q K0^T waited for them.) Fast mode reads V
-            # from V^T, so a buffer half is refilled once it is transposed (and its Q K^T done),
-            # not after the P V that reads it: the next page has longer to land.
-            self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK, phase,
-                              False)
+            # V0L^T was built while this page's Q K^T ran (at the end of the last pair, or at
+            # the segment's start). Fast mode reads V from V^T, so a buffer half is refilled
+            # once it is transposed and its Q K^T is done, not after the P V that reads it: the
+            # next page has longer to land.
             if const_expr(has2):
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
+                    # Half-size pages: two buffers hold too few bytes in flight for the HBM's
+                    # latency, so the pages of the pair after next go to L2 now (TMA prefetch).
+                    with cute.arch.elect_one():
+                        if blk0 + 4 <= last:
+                            cute.prefetch(tma_k, tKgK[None, None, page4])
+                        if blk0 + 5 <= last:
+                            cute.prefetch(tma_k, tKgK[None, None, page5])
         else:
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1297,6 +1314,11 @@ class MLADecodeSm90:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
+            if const_expr(self.fast):
+                # The next page's V0L^T, while its Q K^T runs (its tiles landed: the Q K^T
+                # waited for them; P0 @ V0L, the last reader of V0L^T, is done).
+                self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
+                                  phase, False)
             warpgroup.wait_group(0)
             fence_operand(acc_O)
             fence_operand(acc_S)
@@ -1337,8 +1359,7 @@ class MLADecodeSm90:
             if const_expr(self.fast):
                 self._to_P8(acc_S, rP, one)
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
-                self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1, barK,
-                                  phase, False)
+                # (V1R^T was built while this page's Q K^T ran.)
                 if const_expr(has3):
                     if wtid < 32:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
@@ -1378,6 +1399,9 @@ class MLADecodeSm90:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
+            if const_expr(self.fast):
+                self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
+                                  phase, False)
             warpgroup.wait_group(0)
             fence_operand(acc_S)
 
