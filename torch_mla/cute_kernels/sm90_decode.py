@@ -352,6 +352,8 @@ class MLADecodeSm90:
     # Fast mode (MLADecodeSm90Fast) sets these: e4m3 Q and P on the fp8 wgmma.
     fast = False
     q_fp8 = False
+    early_vt = False
+    prefetch = False
 
     def __init__(self, dtype, causal: bool, trace: bool = False, kv_fp8: bool = False):
         self.dtype = dtype
@@ -744,7 +746,7 @@ class MLADecodeSm90:
                     cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
-                    if const_expr(self.fast):
+                    if const_expr(self.early_vt):
                         # Each warpgroup transposes the V^T half its next P V reads while that
                         # page's Q K^T runs (see _wg0_pair).
                         self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE), NB_WG0,
@@ -774,7 +776,7 @@ class MLADecodeSm90:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
-                        if const_expr(self.fast):
+                        if const_expr(self.early_vt):
                             self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE),
                                               NB_WG1, barK, phase, False)
                         warpgroup.wait_group(0)
@@ -1255,16 +1257,20 @@ class MLADecodeSm90:
             # the segment's start). Fast mode reads V from V^T, so a buffer half is refilled
             # once it is transposed and its Q K^T is done, not after the P V that reads it: the
             # next page has longer to land.
+            if const_expr(not self.early_vt):
+                self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK,
+                                  phase, False)
             if const_expr(has2):
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
                     # Half-size pages: two buffers hold too few bytes in flight for the HBM's
                     # latency, so the pages of the pair after next go to L2 now (TMA prefetch).
-                    with cute.arch.elect_one():
-                        if blk0 + 4 <= last:
-                            cute.prefetch(tma_k, tKgK[None, None, page4])
-                        if blk0 + 5 <= last:
-                            cute.prefetch(tma_k, tKgK[None, None, page5])
+                    if const_expr(self.prefetch):
+                        with cute.arch.elect_one():
+                            if blk0 + 4 <= last:
+                                cute.prefetch(tma_k, tKgK[None, None, page4])
+                            if blk0 + 5 <= last:
+                                cute.prefetch(tma_k, tKgK[None, None, page5])
         else:
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1314,7 +1320,7 @@ class MLADecodeSm90:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
-            if const_expr(self.fast):
+            if const_expr(self.early_vt):
                 # The next page's V0L^T, while its Q K^T runs (its tiles landed: the Q K^T
                 # waited for them; P0 @ V0L, the last reader of V0L^T, is done).
                 self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
@@ -1359,7 +1365,10 @@ class MLADecodeSm90:
             if const_expr(self.fast):
                 self._to_P8(acc_S, rP, one)
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
-                # (V1R^T was built while this page's Q K^T ran.)
+                # (V1R^T was built while this page's Q K^T ran, with early_vt.)
+                if const_expr(not self.early_vt):
+                    self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1,
+                                      barK, phase, False)
                 if const_expr(has3):
                     if wtid < 32:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
@@ -1399,7 +1408,7 @@ class MLADecodeSm90:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
-            if const_expr(self.fast):
+            if const_expr(self.early_vt):
                 self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
                                   phase, False)
             warpgroup.wait_group(0)
@@ -1524,9 +1533,15 @@ class MLADecodeSm90Fast(MLADecodeSm90):
 
     fast = True
 
-    def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False):
+    def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False,
+                 early_vt: bool = True, prefetch: bool = True):
         super().__init__(dtype, causal, trace=trace, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
+        # Schedule choices (tools/ab_fast.py times them): early_vt builds V0L^T / V1R^T of a
+        # page while its Q K^T runs, instead of inside the pair; prefetch sends the pages of
+        # the pair after next to L2.
+        self.early_vt = bool(early_vt)
+        self.prefetch = bool(prefetch)
 
     @cute.jit
     def __call__(
