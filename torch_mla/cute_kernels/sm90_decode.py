@@ -1534,12 +1534,14 @@ class MLADecodeSm90Fast(MLADecodeSm90):
     fast = True
 
     def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False,
-                 early_vt: bool = True, prefetch: bool = True):
+                 early_vt: bool = True, prefetch: bool = False):
         super().__init__(dtype, causal, trace=trace, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
-        # Schedule choices (tools/ab_fast.py times them): early_vt builds V0L^T / V1R^T of a
-        # page while its Q K^T runs, instead of inside the pair; prefetch sends the pages of
-        # the pair after next to L2.
+        # Schedule choices (tools/ab_fast.py times them; H200, us at 128x8192 h_q 16 / 128,
+        # 64x2048 h_q 16): early_vt builds V0L^T / V1R^T of a page while its Q K^T runs instead
+        # of inside the pair (254.3 / 476.4 / 60.8 against 265.8 / 476.6 / 63.0); prefetch
+        # sends the pages of the pair after next to L2 with TMA prefetches (300.6 / 539.7 /
+        # 65.1 with early_vt: slower, off).
         self.early_vt = bool(early_vt)
         self.prefetch = bool(prefetch)
 
