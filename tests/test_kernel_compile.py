@@ -17,13 +17,16 @@ import glob, json, os, re, sys
 import cutlass, cutlass.cute as cute
 from torch_mla.ops.dispatch import compile_decode_step
 from torch_mla.cute_kernels.decode_step import MLADecodeStep
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90, MLADecodeSm90Fast
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
 kv_fp8 = sys.argv[3] == "fp8"  # a float8_e4m3fn cache (exact mode)
+if sys.argv[3].startswith("fast"):  # fast mode (compute="fp8"); "fastq8": an e4m3 q
+    decode = MLADecodeSm90Fast(dt, causal, q_fp8=sys.argv[3] == "fastq8")
+else:
+    decode = MLADecodeSm90(dt, causal, kv_fp8=kv_fp8)
 # What mla_decode runs: the decode kernel and the three combine variants behind one host call.
-compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(dt, causal, kv_fp8=kv_fp8), dt),
-                    dt)
+compile_decode_step(cute, cutlass, MLADecodeStep(decode, dt), dt)
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -37,7 +40,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
                   r"call.uni \(retval0\), vprintf", "cvt.rn.f16x2.e4m3x2",
                   r"cvt.rn.bf16x2.f32 h\d, fu\d, fl\d;", "wgmma.mma_async.*bf16",
-                  "wgmma.mma_async.*f16.f16"]:
+                  "wgmma.mma_async.*f16.f16", "wgmma.mma_async.*e4m3.e4m3", "prmt.b32",
+                  "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.prefetch"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 assert entries == {"decode": 1, "combine": 3}, entries
 print(json.dumps(counts))
@@ -46,7 +50,9 @@ print(json.dumps(counts))
 
 @pytest.mark.parametrize("dtype,causal,cache", [("bf16", "causal", "same"),
                                                 ("fp16", "plain", "same"),
-                                                ("bf16", "causal", "fp8")])
+                                                ("bf16", "causal", "fp8"),
+                                                ("bf16", "causal", "fast"),
+                                                ("fp16", "plain", "fastq8")])
 def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -55,10 +61,25 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     dec = counts["decode"]
-    # 9 tiles x 4 k-steps of QK^T per warpgroup and page, 4 per P @ V: hundreds of wgmma.
-    assert dec["wgmma.mma_async"] >= 100, dec
-    assert dec["cp.async.bulk.tensor"] > 0 and dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
-    assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    # 9 tiles x 4 k-steps of QK^T per warpgroup and page, 4 per P @ V: hundreds of wgmma
+    # (fast mode: k32 steps, half as many).
+    assert dec["wgmma.mma_async"] >= (80 if cache.startswith("fast") else 100), dec
+    assert dec["cp.async.bulk.tensor"] > 0 and dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    if cache.startswith("fast"):
+        # Fast mode: every MMA on e4m3 operands (Q K^T 18 k32 steps a page, P V 2 per half);
+        # P to e4m3 by cvt (4 a word, 8 words per P); V^T by byte permutes (64 a transposed
+        # half); no stmatrix/ldmatrix (bytes go through plain shared stores); no prefetches
+        # (measured slower, off by default); Q by 16-byte global loads (none when q is e4m3:
+        # 9 a thread either way, 18 for 16-bit q).
+        assert dec["wgmma.mma_async.*e4m3.e4m3"] == dec["wgmma.mma_async"] >= 80, dec
+        assert dec["stmatrix"] == 0 and dec["ldmatrix"] == 0, dec
+        assert dec["prmt.b32"] > 0 and dec["prmt.b32"] % 64 == 0, dec
+        assert dec["cvt.rn.satfinite.e4m3x2.f32"] > 0 and dec["cp.async.bulk.prefetch"] == 0, dec
+        assert dec["ld.global.nc"] == (9 if cache == "fastq8" else 18), dec
+        assert dec["cvt.rn.f16x2.e4m3x2"] == 0, dec
+        assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
+        return
+    assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     # no function call: ptxas serialises every wgmma of a kernel that makes one (a printf in the
     # input checks made the decode 2.5x slower; they live in the combine instead)
     assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec

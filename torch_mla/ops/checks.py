@@ -117,6 +117,7 @@ def check_decode_args(
     causal: bool,
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    compute: str = "exact",
 ) -> None:
     """Validates the shapes, dtypes and devices of :func:`torch_mla.mla_decode`'s arguments;
     raises ValueError/TypeError. The values (lengths, used block-table entries) are checked
@@ -135,6 +136,7 @@ def check_decode_args(
         _fail(f"block_table must have shape [batch, max_blocks], got {_shape(block_table)}")
     b, s_q, h_q, d_qk = q.shape
     num_blocks, page, h_kv, d_kv = kv_cache.shape
+    check_compute(compute, kv_cache)
     if kv_cache.dtype == FP8 or q.dtype == FP8:
         _check_fp8_decode(q, kv_cache, kv_scale, q_scale)
     else:
@@ -182,6 +184,19 @@ def check_decode_args(
         _fail("kv_cache must be contiguous (a persistent [num_blocks, 64, h_kv, d_qk] buffer)")
     if block_table.stride(-1) != 1:
         _fail("block_table's last dimension must be contiguous (stride 1)")
+
+
+COMPUTE_MODES = ("exact", "fp8")
+
+
+def check_compute(compute: str, kv_cache: torch.Tensor) -> None:
+    """compute: how an fp8 cache is computed with ("exact": 16-bit MMAs over the dequantized
+    pages; "fp8": e4m3 Q and P on fp8 MMAs); only "exact" means anything for a 16-bit cache."""
+    if compute not in COMPUTE_MODES:
+        _fail(f"compute must be 'exact' or 'fp8', got {compute!r}")
+    if compute == "fp8" and kv_cache.dtype != FP8:
+        _fail(f"compute='fp8' (e4m3 Q and P on fp8 tensor cores) needs a float8_e4m3fn "
+              f"kv_cache; this kv_cache is {kv_cache.dtype}: pass compute='exact'")
 
 
 def _check_fp8_decode(q, kv_cache, kv_scale, q_scale) -> None:
