@@ -16,29 +16,40 @@ CTA: block_m query rows x all keys of the segment, taken block_n keys (a stage) 
 warps in quads, one quad per 32 query rows (block_m / 32 quads, 8 warps for block_m = 64).
 Output O (block_m x 512 fp32) is split by columns: warp `quarter` of a quad owns the quad's 32
 rows x output columns [128 quarter, 128 quarter + 128) (2 m16 tiles x 16 n8 tiles, 128 fp32
-registers a thread). S = Q K^T is split as a 2 x 2 grid: warp `quarter` scores row group
-quarter // 2 (16 rows) against keys [half * block_n / 2, ...) of each stage, half = quarter % 2
-(at block_n 64 that is as many ldmatrix per mma as 32 rows x block_n / 4 keys, and block_n 16
-leaves 8 keys a warp, one n8 tile). Per stage:
-    S = Q_rows K_half^T (36 k-steps over d = 576)   (ldmatrix Q and K, mma.sync)
+registers a thread). S = Q K^T is split over keys and k: warp `quarter` computes partial S of the
+quad's 32 rows (both row groups) against keys [half * block_n / 2, ...) of each stage (half =
+quarter % 2) over half of the 36 k-steps (kh = quarter // 2: 4 of the 8 64-column atoms of the
+latent and 2 k-steps of the rope atom); per k-step 2 Q + 2 K ldmatrix.x4 feed 8 mma at block_n
+64 (0.5 a mma; 0.75 when a warp scored 16 rows over all k). The warps of a pair (same keys,
+other kh) then add: warp kh keeps row group 2 quad + kh and hands the other's partial (16 x
+block_n / 2 fp32) to its partner through shared memory (exchange_offsets: P's rows of the quad,
+and the rope columns of the buffer being refilled, whose load waits until after the exchange).
+Per stage:
+    S partials = Q_quad K_half^T over k half kh (18 k-steps)   (ldmatrix Q and K, mma.sync)
+    partial of the other row group -> smem, quad barrier, + the partner's: S of row group rg
     mask keys past each row's horizon (boundary stages only)
     row max -> smem, quad barrier; the max of both halves for all 32 rows -> running max,
-        rescale O (every warp of the quad the same values), the sum of its own rows
+        rescale O (every warp of the quad the same values), the sum of its own rows;
+        the rope columns of the refilled stage start loading
     P = exp2(S * scale - max) -> smem (dtype), quad barrier
     O_quarter += P V[:, quarter]  (P of 32 rows from smem by ldmatrix, V by ldmatrix.trans, 64
         columns at a time: per k16 step 2 P + 8 V ldmatrix.x4 for 32 mma; a warp of a pair
         owning all 512 columns of 16 rows needed 1 P + 16 V)
 Each warp keeps the row sum of its own rows and keys; the two halves are added in the epilogue.
-Per 64-key stage and warp: 108 ldmatrix.x4 for S, 40 for P V (148; 176 with pairs).
+Per 64-key stage and warp: 72 ldmatrix.x4 for S, 40 for P V (112; 148 with S over all k, 176
+with pairs), and 2 KB of fp32 each way for the exchange.
 
 Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
 Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
 computed; one __syncthreads per stage both publishes the landed stage and retires the one
 about to be refilled. The block-table entry of the next stage is read a stage ahead. Rows of a
 stage past L are zero-filled instead of loaded (the cache may hold NaN there and 0 * NaN = NaN);
+a stage's rope columns (512..575) are issued later in the stage than the rest (see above), in
+the same commit group;
 their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
 s_q * h_q are zero-filled; a quad with none of them skips the math, and a 16-row group of them
-in a working quad skips its S and its P V mma.sync (predicated off).
+in a working quad skips its S and its P V mma.sync (predicated off); the S exchange still runs
+(on zeros).
 
 Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
 stages + P):
@@ -46,8 +57,10 @@ stages + P):
     163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
 None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
-assume 64-row m-blocks, so such a grid takes more than one wave). Registers: ~250 a thread
-(O alone is 128), no spills (ptxas 13.0 on sm_80, sm_86 and sm_90a).
+assume 64-row m-blocks, so such a grid takes more than one wave). Registers (ptxas 13.0): 254
+(64x64x2, sm_90a), 228 (64x32x2, sm_80), 246 (32x16x3, sm_86), 233 (64x32x3); O alone is 128;
+no spills. The S exchange needs no shared memory of its own (227 KB leave 1 KB spare at
+64x64x2).
 
 Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
 L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
@@ -481,9 +494,10 @@ class MLADecodeSm80:
                         x_p, x_k = exchange_offsets(self.cfg, quad, half, t_load % st)
                         self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
                                     scale_log2, half, kh, rg, quad, hi_on, lane, r_a, acc_S,
-                                    tScS, tSsQ, tSsQ_lo, tSrQ, tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP,
-                                    ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O,
-                                    ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
+                                    tScS, tSsQ, tSsQ_lo, tSrQ, tSrQ_v, tSsK, tSsK_lo, tSrK,
+                                    tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV,
+                                    tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax,
+                                    m_run, l_run,
                                     sP_base + x_p, sK_base + x_k, t_load < n_tiles, mKV,
                                     page_next[1], key_lo, t_load, L, tKsK, tKcK, thr_g2s,
                                     gmem_copy)
@@ -546,10 +560,10 @@ class MLADecodeSm80:
     def _stage(self, stage: Int32, key0: Int32, border_a: Int32, border_b: Int32,
                min_border: Int32, scale_log2: Float32, half: Int32, kh: Int32, rg: Int32,
                quad: Int32, hi_on, lane: Int32, r_a: Int32, acc_S, tScS, tSsQ, tSsQ_lo, tSrQ,
-               tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV,
-               tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run, x_p: Int32,
-               x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32, L: Int32,
-               tKsK, tKcK, thr_g2s, gmem_copy):
+               tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V,
+               tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
+               x_p: Int32, x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32,
+               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy):
         """One stage (block_n keys from key0) for this warp: S, softmax, O += P V. x_p, x_k: the
         shared-memory addresses of the S exchange slots (exchange_offsets); if `refill`, the
         rope columns of stage t_load (page `page`) are loaded once the slots are read."""
