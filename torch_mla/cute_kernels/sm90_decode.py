@@ -460,16 +460,21 @@ class MLADecodeSm90:
             barQ: cute.struct.MemRange[cutlass.Int64, 1]
 
         self.shared_storage = SharedStorage
-        assert SharedStorage.size_in_bytes() <= 227 * 1024, SharedStorage.size_in_bytes()
-        num_parts = mMeta.shape[0]
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
-        self.kernel(
+        self._launch((
             tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
             mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
-        ).launch(
-            grid=[num_m_blocks, num_parts, 1],
+        ), mMeta, mO, stream)
+
+    def _launch(self, args, mMeta, mO, stream):
+        """self.kernel(*args) on its grid: a CTA per 64 query rows and schedule part, one a SM
+        (traced inside __call__)."""
+        size = self.shared_storage.size_in_bytes()
+        assert size <= 227 * 1024, size
+        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
+        self.kernel(*args).launch(
+            grid=[num_m_blocks, mMeta.shape[0], 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
@@ -1601,18 +1606,10 @@ class MLADecodeSm90Fast(MLADecodeSm90):
             barQ: cute.struct.MemRange[cutlass.Int64, 1]
 
         self.shared_storage = SharedStorage
-        assert SharedStorage.size_in_bytes() <= 227 * 1024, SharedStorage.size_in_bytes()
-        num_parts = mMeta.shape[0]
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
-        self.kernel(
+        self._launch((
             tma_k, mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
             mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
             sQ_layout, sK_layout, tile_layout, vt_layout,
             tiled_qk, tiled_qk, tiled_pv_rs, tiled_pv_ss,
-        ).launch(
-            grid=[num_m_blocks, num_parts, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        ), mMeta, mO, stream)
