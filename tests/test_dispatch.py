@@ -11,8 +11,10 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
+import torch_mla
 from torch_mla.ops import dispatch, selfcheck
 from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import make_decode_inputs
 
 
 @pytest.fixture
@@ -333,3 +335,43 @@ def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
     monkeypatch.setattr(dispatch, "_capturing", lambda: False)
     assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
     assert len(sm100.calls) == 3
+
+
+@pytest.mark.parametrize("h_kv, s_q", [(1, 1), (1, 3), (2, 2)])
+def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q):
+    """The host side of a kernel call (_run_split_kv) on CPU tensors, with a stand-in for the
+    compiled step (the launch needs a GPU): each KV head's query rows, cache rows, output rows and
+    workspace reach the step in the layouts the kernels were compiled for, and what the step
+    writes comes back as out [b, s_q, h_q, 512] and lse [b, h_q, s_q] in the right places."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    inp = make_decode_inputs([3, 70, 130], s_q, 4, h_kv=h_kv)
+    b, g = 3, 4 // h_kv
+    meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, 4, h_kv=h_kv)
+    layouts = set()
+
+    def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra):
+        rows, slots = s_q * g, b + meta.shape[0]
+        layouts.add((q3.shape == (b, rows, 576) and q3.stride()[1:] == (576, 1)
+                     and q3.data_ptr() % 16 == 0,
+                     kv.shape == (inp.kv_cache.shape[0], 64, 576) and kv.stride(-1) == 1,
+                     out3.shape == (b, rows, 512) and out3.is_contiguous(),
+                     lse.shape == (b, g, s_q) and lse.is_contiguous(),
+                     oacc.shape == (slots, rows, 512) and oacc.is_contiguous(),
+                     lseacc.shape == (slots, rows) and lseacc.is_contiguous(),
+                     table is inp.block_table and seqlens is inp.cache_seqlens,
+                     meta_ is meta and splits_ is splits, extra == (None, None, None),
+                     round(scale_log2, 6), variant))
+        # Stand-in results: a row's output is its query's first 512 columns plus the first
+        # cached row of request 0 in its KV head; its lse is its query's first entry.
+        out3.copy_(q3[..., :512] + kv[table[0, 0], 0, :512])
+        lse.copy_(q3[..., 0].view(b, s_q, g).transpose(1, 2))
+
+    monkeypatch.setitem(dispatch._STEPS, "sm90", lambda dtype, causal, index: step)
+    out, lse = dispatch._run_sm90(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, meta,
+                                  splits, 0.5, True)
+    variant = dispatch.combine_variant(b, meta.shape[0], s_q * g)
+    assert layouts == {(True,) * 9 + (round(0.5 * math.log2(math.e), 6), variant)}
+    heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
+    torch.testing.assert_close(out, inp.q[..., :512] + heads, rtol=0, atol=0)
+    torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)

@@ -303,9 +303,10 @@ def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch:
 
 def unpack_schedule(schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """(metadata, num_splits) from a DecodeSchedule or a plain 2-tuple of tensors."""
-    if (isinstance(schedule, tuple) and len(schedule) == 2
-            and all(isinstance(t, torch.Tensor) for t in schedule)):
-        return schedule[0], schedule[1]
+    if isinstance(schedule, tuple) and len(schedule) == 2:
+        metadata, num_splits = schedule
+        if isinstance(metadata, torch.Tensor) and isinstance(num_splits, torch.Tensor):
+            return metadata, num_splits
     raise TypeError("schedule must be a torch_mla.DecodeSchedule (from get_decode_schedule) or a "
                     f"(metadata, num_splits) tuple of tensors, got {type(schedule).__name__}")
 
