@@ -337,14 +337,18 @@ def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
     assert len(sm100.calls) == 3
 
 
-@pytest.mark.parametrize("h_kv, s_q", [(1, 1), (1, 3), (2, 2)])
-def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q):
+@pytest.mark.parametrize("h_kv, s_q, misaligned", [(1, 1, False), (1, 3, False), (2, 2, False),
+                                                   (1, 2, True)])
+def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misaligned):
     """The host side of a kernel call (_run_split_kv) on CPU tensors, with a stand-in for the
     compiled step (the launch needs a GPU): each KV head's query rows, cache rows, output rows and
     workspace reach the step in the layouts the kernels were compiled for, and what the step
     writes comes back as out [b, s_q, h_q, 512] and lse [b, h_q, s_q] in the right places."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
     inp = make_decode_inputs([3, 70, 130], s_q, 4, h_kv=h_kv)
+    if misaligned:  # a contiguous q 2 bytes past a 16-byte boundary: the step gets a copy
+        inp.q = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype)[1:].view(inp.q.shape).copy_(
+            inp.q)
     b, g = 3, 4 // h_kv
     meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, 4, h_kv=h_kv)
     layouts = set()

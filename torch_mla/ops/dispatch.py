@@ -289,7 +289,9 @@ _LOG2E = math.log2(math.e)
 def _q_rows(q, b, rows):
     """q [b, s_q, g, 576] (any strides) as the kernels' [b, rows = s_q * g, 576] with 16-byte
     aligned rows (TMA): a view where q allows one, else a copy."""
-    q3 = q.view(b, rows, D_QK) if q.is_contiguous() else q.reshape(b, rows, D_QK)
+    if q.is_contiguous() and not q.data_ptr() % 16:
+        return q.view(b, rows, D_QK)  # (the usual q: nothing more to look at)
+    q3 = q.reshape(b, rows, D_QK)
     if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
         q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()
     return q3
