@@ -33,6 +33,8 @@ Systems, each timed over ``--steps`` decode steps of one token per request after
                               random latents (what the prefill would measure), written quantized.
                               On H100/H200 its decode runs the SM90 kernel's exact mode (fp8 pages
                               expanded to bf16 on chip, bf16 MMAs)
+    torch_mla_fp8_fast        the same in fast mode (MLACache(compute="fp8"): Q, quantized per
+                              row, and P in e4m3 on the fp8 tensor cores)
 
 Roofline floor of a step (floor_ms): per op the larger of its bytes over the H200's 4246 GB/s
 copy ceiling and its FLOP over the 679 TFLOP/s bf16 matmul ceiling, summed over every linear
@@ -126,9 +128,11 @@ def hf_static_cache(model, b, ctx, max_len, dims, dtype, device):
     return cache
 
 
-def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False):
+def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False,
+              compute: str = "exact"):
     """The MLACache holding the context's random latents; ``fp8``: in float8_e4m3fn, each layer's
-    scale amax / 448 of its latents (what a prefill of them would measure)."""
+    scale amax / 448 of its latents (what a prefill of them would measure), decoded in
+    ``compute`` mode."""
     from torch_mla.modules import MLACache
     from torch_mla.reference import quantize_fp8
 
@@ -136,7 +140,8 @@ def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False):
                for layer in range(model.config.num_hidden_layers)]
     if fp8:
         scales = [(x.abs().amax().float() / 448).reshape(1) for x in latents]
-        cache = MLACache.for_model(model, b, max_len, dtype=torch.float8_e4m3fn, kv_scale=scales)
+        cache = MLACache.for_model(model, b, max_len, dtype=torch.float8_e4m3fn, kv_scale=scales,
+                                   compute=compute)
     else:
         cache = MLACache.for_model(model, b, max_len)
     for layer, (kv_cache, x) in enumerate(zip(cache.kv_caches, latents)):
@@ -217,7 +222,8 @@ def run_system(system, model, b, args, dims, dtype, device):
         step = torch.compile(forward_fn(model, cache), mode=mode, dynamic=False)
     else:
         cache = mla_cache(model, b, ctx, max_len, dims, dtype, device,
-                          fp8=system == "torch_mla_fp8")
+                          fp8=system.startswith("torch_mla_fp8"),
+                          compute="fp8" if system == "torch_mla_fp8_fast" else "exact")
         step = torch.compile(forward_fn(model, cache), mode=mode, fullgraph=True, dynamic=False)
     with torch.no_grad():
         ms, logits = time_steps(step, token_ids, args.steps, device)
@@ -269,10 +275,13 @@ def floor_ms(model, b, ctx, config, tp: int = 1, cache_el: int | None = None) ->
 NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
          "hf_static": "transformers, StaticCache + torch.compile",
          "torch_mla": "torch_mla, compiled + CUDA graphs",
-         "torch_mla_fp8": "torch_mla, fp8 latent cache, compiled + CUDA graphs"}
+         "torch_mla_fp8": "torch_mla, fp8 latent cache, compiled + CUDA graphs",
+         "torch_mla_fp8_fast": "torch_mla, fp8 latent cache (fast mode), compiled + CUDA graphs"}
 CPU_NAMES = dict(NAMES, hf_static="transformers, StaticCache + torch.compile (CPU)",
                  torch_mla="torch_mla, compiled (CPU: no CUDA graphs)",
-                 torch_mla_fp8="torch_mla, fp8 latent cache, compiled (CPU: no CUDA graphs)")
+                 torch_mla_fp8="torch_mla, fp8 latent cache, compiled (CPU: no CUDA graphs)",
+                 torch_mla_fp8_fast="torch_mla, fp8 latent cache (fast mode), compiled (CPU: no "
+                                    "CUDA graphs)")
 
 
 def main(argv=None) -> None:
@@ -289,7 +298,8 @@ def main(argv=None) -> None:
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per system")
     ap.add_argument("--systems", default="hf,hf_static,torch_mla",
                     help="comma-separated, of hf, hf_static, torch_mla, torch_mla_fp8 (the fp8 "
-                         "latent cache) (default: %(default)s)")
+                         "latent cache), torch_mla_fp8_fast (it in fast mode) "
+                         "(default: %(default)s)")
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--profile", action="store_true",
                     help="print where torch_mla's step spends its GPU time, kernel by kernel")
@@ -342,7 +352,7 @@ def main(argv=None) -> None:
     failed = False
     # torch_mla first (swapped, then the original attention put back), the riskiest last:
     # transformers' static cache expands the whole static length at every step.
-    for system in ("torch_mla", "torch_mla_fp8", "hf", "hf_static"):
+    for system in ("torch_mla", "torch_mla_fp8", "torch_mla_fp8_fast", "hf", "hf_static"):
         if system not in systems:
             continue
         originals = None
@@ -397,7 +407,8 @@ def main(argv=None) -> None:
         "cache; benchmarks/bench_e2e.py floor_ms)."
         + (" The fp8 latent cache's floor reads 1 byte a cached value; its kv_scale per layer is "
            "amax / 448 of the cached latents, and its logits differ from transformers' by the "
-           "e4m3 storage error." if "torch_mla_fp8" in systems else ""),
+           "e4m3 storage error." if any(s.startswith("torch_mla_fp8") for s in systems)
+           else ""),
         "",
         "| batch | system | step (ms) | tokens/s | vs shipped | KV cache (bytes/token) "
         "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
@@ -422,7 +433,7 @@ def main(argv=None) -> None:
         ref_ms = results.get((b, "hf"), {}).get("ms")
         for system in systems:
             fl = floor_ms(model, b, args.context, config, args.tp,
-                          cache_el=1 if system == "torch_mla_fp8" else None)
+                          cache_el=1 if system.startswith("torch_mla_fp8") else None)
             r = results[b, system]
             if r["ms"] is None:
                 dash = "- | " if tp > 1 else ""

@@ -1,6 +1,6 @@
 """mla_decode's metadata checks are skipped for a call signature that passed them before: a call
-that differs in anything they read (type, shape, strides, dtype, device, d_v, scales) is checked
-again and raises as it would on its first call."""
+that differs in anything they read (type, shape, strides, dtype, device, d_v, scales, compute)
+is checked again and raises as it would on its first call."""
 
 from unittest import mock
 
@@ -75,6 +75,7 @@ class TestCheckedSignatures(expecttest.TestCase):
             "num_splits' device": dict(schedule=(meta, splits.to("meta"))),
             "d_v": dict(d_v=600),
             "kv_scale": dict(kv_scale=torch.ones(1)),
+            "compute": dict(compute="fp8"),
         }
         msgs = []
         for name, change in changes.items():
@@ -97,7 +98,8 @@ metadata's dtype: schedule metadata must be int32 [num_parts, 8], got torch.int6
 num_splits' shape: num_splits must be int32 [batch + 1] = [3], got torch.int32 [2]; compute it with torch_mla.get_decode_schedule
 num_splits' device: schedule tensors must be on cpu, got cpu and meta
 d_v: d_v must be in (0, d_qk=576] (V is the first d_v columns of the cache), got 600
-kv_scale: kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass kv_scale=None""")
+kv_scale: kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass kv_scale=None
+compute: compute='fp8' (e4m3 Q and P on fp8 tensor cores) needs a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass compute='exact'""")
         out2, lse2 = torch_mla.mla_decode(**good)
         torch.testing.assert_close(out2, out, rtol=0, atol=0)
         torch.testing.assert_close(lse2, lse, rtol=0, atol=0)

@@ -120,17 +120,23 @@ def test_demo_bf16_measures_both_runs_against_fp32_and_the_verdict_follows(capsy
 def test_demo_fp8_cache_reports_agreement_with_the_bf16_cache_run(capsys):
     demo.main([*TINY, "--dtype", "bf16", "--kv-cache", "fp8"])
     out = capsys.readouterr().out
-    assert ("4/5 torch_mla (eager, MLACache in float8_e4m3fn, scales measured at the prefill), "
-            "teacher-forced on run 3's tokens; its decode runs reference: cpu tensors: the kernels "
-            "run on NVIDIA GPUs") in out, out
-    assert "5/5 fp32 copy of the same weights" in out
-    bpt = dict(re.findall(r"^\| (torch_mla \(eager(?:, fp8 cache)?\)) \| [0-9,]+ \| ([0-9,]+) \|",
-                          out, flags=re.M))
+    for k, mode in ((4, "exact"), (5, "fp8")):
+        assert (f"{k}/6 torch_mla (eager, MLACache in float8_e4m3fn, scales measured at the "
+                f"prefill, compute='{mode}'), teacher-forced on run 3's tokens; its decode runs "
+                "reference: cpu tensors: the kernels run on NVIDIA GPUs") in out, out
+    assert "6/6 fp32 copy of the same weights" in out
+    bpt = dict(re.findall(r"^\| (torch_mla \(eager(?:, fp8 cache, compute='\w+')?\)) \| [0-9,]+ "
+                          r"\| ([0-9,]+) \|", out, flags=re.M))
     assert int(bpt["torch_mla (eager)"].replace(",", "")) == 2 * 2 * (64 + 16)  # bf16, 2 layers
-    assert int(bpt["torch_mla (eager, fp8 cache)"].replace(",", "")) == 2 * (64 + 16)
+    for mode in ("exact", "fp8"):
+        got = bpt[f"torch_mla (eager, fp8 cache, compute='{mode}')"]
+        assert int(got.replace(",", "")) == 2 * (64 + 16)
     rows = re.findall(r"^\| (\d+|all 10) \| ([0-9.e-]+) \| ([0-9.e-]+) \| (\d+|\d+/30) \|$", out,
                       flags=re.M)
-    assert [r[0] for r in rows] == ["1", "2", "4", "8", "10", "all 10"], out
+    # One table per mode; on the CPU both run the reference (fp32 math), so they are equal.
+    assert [r[0] for r in rows] == ["1", "2", "4", "8", "10", "all 10"] * 2, out
+    assert rows[:6] == rows[6:]
+    rows = rows[:6]
     # Step 1 is the prefill: attention over the prompt's own latents, identical logits.
     assert rows[0][1:] == ("0", "0", "3")
     # Later steps: the storage error of e4m3 (measured 1.9-2.1e-2 relative here; e_store
@@ -138,10 +144,13 @@ def test_demo_fp8_cache_reports_agreement_with_the_bf16_cache_run(capsys):
     assert all(5e-3 < float(r[2]) < 0.1 for r in rows[1:]), out
     agree = int(rows[-1][3].split("/")[0])
     assert agree >= 24, out  # measured 30/30
-    m = re.search(r"^fp8 cache: top-1 agreement with the bfloat16 cache (\d+)/30 \(([0-9.]+)%\), "
-                  r"relative logit error ([0-9.e-]+) ", out, flags=re.M)
-    assert m and int(m[1]) == agree and float(m[2]) == pytest.approx(100 * agree / 30, abs=0.05)
-    assert float(m[3]) == float(rows[-1][2])
+    for mode in ("exact", "fp8"):
+        m = re.search(rf"^fp8 cache \(compute='{mode}'\): top-1 agreement with the bfloat16 "
+                      r"cache (\d+)/30 \(([0-9.]+)%\), relative logit error ([0-9.e-]+) ", out,
+                      flags=re.M)
+        assert m and int(m[1]) == agree
+        assert float(m[2]) == pytest.approx(100 * agree / 30, abs=0.05)
+        assert float(m[3]) == float(rows[-1][2])
 
 
 def test_demo_against_run_per_step_numbers():

@@ -158,6 +158,30 @@ def test_opcheck_fp8():
     torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args, test_utils=FP8_OPCHECKS)
 
 
+def test_compute_fp8_on_the_reference_path_is_exact_and_reaches_the_op():
+    """compute="fp8" permits e4m3 Q and P; the CPU reference keeps fp32 math, so the result is
+    exact mode's to the bit, through the eager call, the op and the vLLM name."""
+    from torch_mla.compat.flash_mla import flash_mla_with_kvcache_fp8
+
+    inp, cache, kv_scale = fp8_inputs([3, 70, 129], 2, 16)
+    args = (inp.q, cache, inp.block_table, inp.cache_seqlens)
+    exact = torch_mla.mla_decode(*args, causal=True, kv_scale=kv_scale)
+    fast = torch_mla.mla_decode(*args, causal=True, kv_scale=kv_scale, compute="fp8")
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 16)
+    op = torch.ops.torch_mla.mla_decode(*args, sched.metadata, sched.num_splits, SCALE, True,
+                                        512, kv_scale, None, "fp8")
+    compat = flash_mla_with_kvcache_fp8(*args, 512, sched.metadata, sched.num_splits,
+                                        causal=True, descale_k=kv_scale, compute="fp8")
+    for got in (fast, op, compat):
+        torch.testing.assert_close(got, exact, atol=0, rtol=0)
+    ref_out, _ = mla_decode_fp64(inp.q, dequantize_fp8(cache, kv_scale), inp.block_table,
+                                 inp.cache_seqlens, SCALE, True, 512)
+    torch.testing.assert_close(fast[0].double(), ref_out, atol=1e-3, rtol=1e-2)
+    torch.library.opcheck(torch.ops.torch_mla.mla_decode.default,
+                          (*args, sched.metadata, sched.num_splits, SCALE, True, 512, kv_scale,
+                           None, "fp8"), test_utils=FP8_OPCHECKS)
+
+
 def fp8_step(q, kv_c, k_pe, slots, kv_cache, block_table, cache_seqlens, kv_scale):
     sched = torch_mla.get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2])
     torch_mla.append_kv(kv_cache, kv_c, k_pe, slots, kv_scale=kv_scale)
@@ -279,6 +303,14 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertEqual(dispatch.decode_backend("cuda", FP8, cache_dtype=FP8),
                          ("reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"))
 
+    def test_fast_mode_is_the_sm90_kernel(self):
+        cache = torch.empty(1, 64, 1, 576, dtype=FP8)
+        name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
+                                            compute="fp8")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 tensor cores)""")
+        self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
+                      dispatch._run_sm90_fp8)
+
     def test_no_append_kernel_for_an_fp8_cache(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
                                       shape=(4, 64, 1, 576), data_ptr=lambda: 0)
@@ -313,6 +345,19 @@ class TestFp8Errors(expecttest.TestCase):
         self.assertExpectedInline(self.err(q=q8, q_scale=torch.ones(1, 2)), """q_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [1, 2]""")
         self.assertExpectedInline(self.err(q=inp.q.to(torch.int8)), """with a float8_e4m3fn kv_cache, q must be bfloat16, float16, float32 or float8_e4m3fn, got torch.int8""")
         self.assertExpectedInline(self.err(kv_cache=inp.kv_cache, q_scale=one, kv_scale=None), """q_scale is the scale of a float8_e4m3fn q; this q is torch.bfloat16: pass q_scale=None""")
+
+    def test_compute(self):
+        inp = make_decode_inputs([3, 70], 1, 16)
+        self.assertExpectedInline(self.err(compute="fast"), """compute must be 'exact' or 'fp8', got 'fast'""")
+        self.assertExpectedInline(self.err(compute="fp8", kv_cache=inp.kv_cache, kv_scale=None), """compute='fp8' (e4m3 Q and P on fp8 tensor cores) needs a float8_e4m3fn kv_cache; this kv_cache is torch.bfloat16: pass compute='exact'""")
+        from torch_mla.compat.flash_mla import flash_mla_with_kvcache_fp8, get_mla_metadata
+
+        meta, splits = get_mla_metadata(inp.cache_seqlens, 16, 1)
+        self.assertExpectedInline(self.err(fn=lambda q, kv_cache, block_table, cache_seqlens,
+                                           kv_scale: flash_mla_with_kvcache_fp8(
+                                               q, kv_cache, block_table, cache_seqlens, 512, meta,
+                                               splits, descale_k=kv_scale, compute="e4m3")),
+                                  """compute must be 'exact' or 'fp8', got 'e4m3'""")
 
     def test_append(self):
         def append(cache, scale):
@@ -414,24 +459,58 @@ def kernel_env(monkeypatch):
 
 @pytest.mark.cuda
 @sm90
+@pytest.mark.parametrize("compute", ["exact", "fp8"])
 @pytest.mark.parametrize("q_dtype", [torch.bfloat16, torch.float16, FP8])
-def test_sm90_fp8_kernel_converts_every_code_exactly(q_dtype, kernel_env):
+def test_sm90_fp8_kernel_converts_every_code_exactly(q_dtype, compute, kernel_env):
+    """Fast mode too: these rows quantize to e4m3 exactly and the one-hot P is exact in e4m3,
+    so this checks its V^T transpose and P layout at every row and column position."""
     from torch_mla.testing import make_fp8_code_case
 
     c = make_fp8_code_case(q_dtype, "cuda")
     assert dispatch.find_decode_kernel(c.q, c.kv_cache, 512) is dispatch._run_sm90_fp8
     out, lse = torch_mla.mla_decode(c.q, c.kv_cache, c.block_table, c.cache_seqlens,
-                                    softmax_scale=1.0, kv_scale=c.kv_scale, q_scale=c.q_scale)
+                                    softmax_scale=1.0, kv_scale=c.kv_scale, q_scale=c.q_scale,
+                                    compute=compute)
     assert out.dtype == (torch.bfloat16 if q_dtype == FP8 else q_dtype)
     bad = (out.float() != c.out).nonzero()
     assert bad.numel() == 0, f"{len(bad)} wrong values, first at {bad[:4].tolist()}"
-    torch.testing.assert_close(lse, torch.full_like(lse, c.lse), atol=1e-3, rtol=0)
+    torch.testing.assert_close(lse, torch.full_like(lse, c.lse), atol=1e-3, rtol=1e-6)
+
+
+def check_fast_mode(out, lse, q, q_scale, cache, kv_scale, latents, block_table, cache_seqlens,
+                    scale, causal):
+    """Fast mode (compute="fp8") against the fp32 reference over the same dequantized cache:
+    output error (relative norm) <= 2.5 x e_store (the error storing the latents in e4m3
+    already costs: the reference over them against the reference over the originals); lse
+    within what e4m3 rounding of Q can move a score by (2^-4 |q| max|k| scale, per row)."""
+    args = (block_table, cache_seqlens, scale, causal, 512)
+    ref_out, ref_lse = mla_decode_reference(q, cache, *args, kv_scale=kv_scale, q_scale=q_scale)
+    q16 = (q.float() * q_scale).to(torch.bfloat16) if q_scale is not None else q
+    orig_out, _ = mla_decode_reference(q16, latents, *args)
+
+    def rel(a, b):
+        return ((a.float() - b.float()).norm() / b.float().norm().clamp_min(1e-30)).item()
+
+    e_store = rel(ref_out, orig_out)
+    assert not out.isnan().any()
+    if ref_out.norm() == 0:
+        assert out.float().norm() == 0
+    else:
+        assert rel(out, ref_out) <= 2.5 * e_store, (rel(out, ref_out), e_store)
+    k_norm = dequantize_fp8(cache, kv_scale).float().nan_to_num(0).norm(dim=-1).amax()
+    bound = 2.0**-4 * (q.float() * (1 if q_scale is None else q_scale)).norm(dim=-1) \
+        .transpose(1, 2) * k_norm * scale
+    fin = torch.isfinite(ref_lse)
+    assert torch.equal(lse[~fin], ref_lse[~fin])  # rows that see no key: +inf
+    assert ((lse[fin] - ref_lse[fin]).abs() <= 1e-3 + bound[fin]).all()
+    return e_store
 
 
 def run_fp8_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, mult=1.0,
-                      h_kv=1, q_fp8=False):
+                      h_kv=1, q_fp8=False, compute="exact"):
     """The kernel against the fp32 reference over the same dequantized cache, within the bf16
-    kernel's tolerances (atol scaled with the data: the errors are relative to |V|)."""
+    kernel's tolerances (atol scaled with the data: the errors are relative to |V|); fast
+    mode within check_fast_mode's."""
     from test_kernel_sm90 import TOL
 
     inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, mult, device="cuda", h_kv=h_kv)
@@ -445,7 +524,12 @@ def run_fp8_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, 
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q, h_kv=h_kv)
     out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
                                     softmax_scale=scale, causal=causal, kv_scale=kv_scale,
-                                    q_scale=q_scale)
+                                    q_scale=q_scale, compute=compute)
+    if compute == "fp8":
+        latents = (inp.kv_cache.float() * mult).to(dtype)
+        check_fast_mode(out, lse, q, q_scale, cache, kv_scale, latents, inp.block_table,
+                        inp.cache_seqlens, scale, causal)
+        return
     ref_out, ref_lse = mla_decode_reference(q, cache, inp.block_table, inp.cache_seqlens, scale,
                                             causal, 512, kv_scale=kv_scale, q_scale=q_scale)
     assert not out.isnan().any()
@@ -455,53 +539,64 @@ def run_fp8_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, 
     torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
 
 
+COMPUTE = pytest.mark.parametrize("compute", ["exact", "fp8"])
+
+
 @pytest.mark.cuda
 @sm90
+@COMPUTE
 @pytest.mark.parametrize("h_q", [1, 3, 16, 63, 64, 128])
 @pytest.mark.parametrize("s_q,causal", [(1, False), (2, True), (4, True)])
-def test_sm90_fp8_heads_and_query_tokens(h_q, s_q, causal, kernel_env):
-    run_fp8_and_check([20, 140, 4096, 0, 1, 65], s_q, h_q, causal)
+def test_sm90_fp8_heads_and_query_tokens(h_q, s_q, causal, compute, kernel_env):
+    run_fp8_and_check([20, 140, 4096, 0, 1, 65], s_q, h_q, causal, compute=compute)
 
 
 @pytest.mark.cuda
 @sm90
+@COMPUTE
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 128, 129, 192, 193])
-def test_sm90_fp8_page_boundaries(L, kernel_env):
-    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 1, 64, False)
-    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 3, 32, True)
+def test_sm90_fp8_page_boundaries(L, compute, kernel_env):
+    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 1, 64, False, compute=compute)
+    run_fp8_and_check([L, L + 1, max(L - 1, 0)], 3, 32, True, compute=compute)
 
 
 @pytest.mark.cuda
 @sm90
+@COMPUTE
 @pytest.mark.parametrize("b", [1, 6, 128])
-def test_sm90_fp8_batches_varlen(b, kernel_env):
+def test_sm90_fp8_batches_varlen(b, compute, kernel_env):
     rng = random.Random(b)
     lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
     if b > 2:
         lens[rng.randrange(b)] = 0
-    run_fp8_and_check(lens, 2, 128, True)
-    run_fp8_and_check(lens, 1, 16, False)
+    run_fp8_and_check(lens, 2, 128, True, compute=compute)
+    run_fp8_and_check(lens, 1, 16, False, compute=compute)
 
 
 @pytest.mark.cuda
 @sm90
+@COMPUTE
 @pytest.mark.parametrize("mult", [1.0, 10.0, 20.0])  # randn / 10, randn, 2 randn
-def test_sm90_fp8_data_scales_fp16_and_fp8_q(mult, kernel_env):
-    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, mult=mult)
-    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, dtype=torch.float16, mult=mult)
-    run_fp8_and_check([20, 140, 4096, 0], 1, 128, False, mult=mult, q_fp8=True)
+def test_sm90_fp8_data_scales_fp16_and_fp8_q(mult, compute, kernel_env):
+    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, mult=mult, compute=compute)
+    run_fp8_and_check([20, 140, 4096, 0], 2, 64, True, dtype=torch.float16, mult=mult,
+                      compute=compute)
+    run_fp8_and_check([20, 140, 4096, 0], 1, 128, False, mult=mult, q_fp8=True,
+                      compute=compute)
 
 
 @pytest.mark.cuda
 @sm90
-def test_sm90_fp8_long_context_and_h_kv_heads(kernel_env):
-    run_fp8_and_check([32768, 5], 1, 128, False, scale=0.01)
-    run_fp8_and_check([20, 140, 0, 65], 2, 16, True, h_kv=4)
+@COMPUTE
+def test_sm90_fp8_long_context_and_h_kv_heads(compute, kernel_env):
+    run_fp8_and_check([32768, 5], 1, 128, False, scale=0.01, compute=compute)
+    run_fp8_and_check([20, 140, 0, 65], 2, 16, True, h_kv=4, compute=compute)
 
 
 @pytest.mark.cuda
 @sm90
-def test_sm90_fp8_graph_replays_with_new_lengths(kernel_env):
+@COMPUTE
+def test_sm90_fp8_graph_replays_with_new_lengths(compute, kernel_env):
     steps = [fp8_inputs(lens, 2, 64, device="cuda", max_blocks=6, num_blocks=14)
              for lens in ([70, 3, 300], [129, 64, 0], [5, 250, 190])]
     static = [steps[0][0].q.clone(), steps[0][1].clone(), steps[0][0].block_table.clone(),
@@ -510,7 +605,7 @@ def test_sm90_fp8_graph_replays_with_new_lengths(kernel_env):
     def step(q, cache, table, lens, kv_scale):
         sched = torch_mla.get_decode_schedule(lens, 2, 64)
         return torch_mla.mla_decode(q, cache, table, lens, sched, causal=True,
-                                    kv_scale=kv_scale)
+                                    kv_scale=kv_scale, compute=compute)
 
     torch_mla.set_value_checks(False)
     try:
@@ -528,9 +623,92 @@ def test_sm90_fp8_graph_replays_with_new_lengths(kernel_env):
                 dst.copy_(src)
             g.replay()
             torch.cuda.synchronize()
+            if compute == "fp8":
+                eager = step(*static)
+                assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+                check_fast_mode(out, lse, static[0], None, static[1], static[4],
+                                inp.kv_cache, *static[2:4], SCALE, True)
+                continue
             ref_out, ref_lse = mla_decode_reference(*static[:4], SCALE, True, 512,
                                                     kv_scale=static[4])
             torch.testing.assert_close(out.float(), ref_out.float(), atol=8e-4, rtol=2.01 / 128)
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     finally:
         torch_mla.set_value_checks(True)
+
+
+def wavefronts(addrs, nbytes):
+    """Shared-memory wavefronts of one warp-wide access of nbytes (8 or 16) per lane: the
+    hardware splits the warp into phases of 128 / nbytes lanes, and a phase takes as many
+    wavefronts as the most distinct 4-byte words any one of the 32 banks holds."""
+    per_phase = 128 // nbytes
+    total = 0
+    for p in range(0, 32, per_phase):
+        banks: dict[int, set] = {}
+        for a in addrs[p:p + per_phase]:
+            for w in range(a // 4, (a + nbytes) // 4):
+                banks.setdefault(w % 32, set()).add(w)
+        total += max(len(v) for v in banks.values())
+    return total
+
+
+def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
+    """Fast mode's layouts (sm90_decode.fp8_vt_unit / fp8_pv_key / fp8_p_fragment), simulated
+    byte by byte: the transposed V lands in the K-major 64-byte-swizzled layout with every byte
+    written once, P's register fragment (the scores' registers, unmoved) against it gives P V;
+    the transpose's shared-memory wavefronts are counted per warp."""
+    from torch_mla.cute_kernels.sm90_decode import (
+        fp8_p_fragment,
+        fp8_pv_key,
+        fp8_vt_unit,
+        sw64,
+    )
+
+    page = torch.randint(0, 256, (64, 576), dtype=torch.uint8)
+    page[page.view(FP8).float().isnan()] = 0  # (finite codes, for the product below)
+    buf = torch.zeros(9 * 4096, dtype=torch.uint8)
+    for t in range(9):
+        for r in range(64):
+            for col in range(0, 64, 16):
+                o = t * 4096 + sw64(r, col)
+                buf[o:o + 16] = page[r, 64 * t + col:64 * t + col + 16]
+    vt = [torch.full((256 * 64,), -1, dtype=torch.int16) for _ in range(2)]
+    load_waves = store_waves = 0
+    for half in range(2):
+        units = [fp8_vt_unit(w, half) for w in range(128)]
+        for loads, stores in units:
+            regs = [buf[o:o + 8] for o, _ in loads]
+            for o, _, src in stores:
+                assert (vt[half][o:o + 16] == -1).all()  # each byte once
+                vt[half][o:o + 16] = torch.stack([regs[n][b] for n, b in src]).to(torch.int16)
+        for warp_i in range(4):
+            lanes = units[32 * warp_i:32 * warp_i + 32]
+            load_waves += sum(wavefronts([u[0][s][0] for u in lanes], 8) for s in range(16))
+            store_waves += sum(wavefronts([u[1][e][0] for u in lanes], 16) for e in range(8))
+    for half in range(2):
+        for dl in range(256):
+            for k in range(0, 64, 16):
+                got = vt[half][sw64(dl, k):sw64(dl, k) + 16]
+                want = torch.tensor([page[fp8_pv_key(k + b), 256 * half + dl] for b in range(16)])
+                assert torch.equal(got, want.to(torch.int16)), (half, dl, k)
+    # Conflict-free: loads 2 phases x 16 per warp, stores 4 phases x 8, 8 warps.
+    assert (load_waves, store_waves) == (8 * 2 * 16, 8 * 4 * 8), (load_waves, store_waves)
+
+    # P: thread (warp w, lane) holds S[16 w + lane // 4 + 8 h, 8 j + 2 (lane % 4) + c] at
+    # accumulator index c + 2 h + 4 j; its e4m3 fragment is read in the A operand's order.
+    S = torch.rand(64, 64)
+    A = torch.full((64, 64), float("nan"))
+    for t in range(128):
+        r0, q = 16 * (t // 32) + (t % 32) // 4, t % 4
+        acc = {c + 2 * h + 4 * j: S[r0 + 8 * h, 8 * j + 2 * q + c]
+               for c in range(2) for h in range(2) for j in range(8)}
+        for kk in range(2):
+            for v in range(16):
+                i, h, u = v % 4, (v // 4) % 2, v // 8
+                A[r0 + 8 * h, 32 * kk + 16 * u + 4 * q + i] = acc[fp8_p_fragment(kk, v)]
+    V = page[:, :512].view(FP8).float()
+    Vt = torch.stack([torch.stack([vt[d // 256][sw64(d % 256, k)] for k in range(64)])
+                      for d in range(512)]).to(torch.uint8).view(FP8).float()  # (512, 64)
+    # (float64: the same products summed in another order; fp32 would cancel differently)
+    torch.testing.assert_close(A.double() @ Vt.double().T, S.double() @ V.double(), rtol=1e-9,
+                               atol=1e-9)

@@ -255,12 +255,17 @@ def test_off_stores_nothing(cache, monkeypatch, tmp_path):
 
 def test_precompile_variants_cover_the_dispatch():
     got = [(k, c) for k, c, _ in precompile.variants(["bf16", "fp16"], (False, True),
-                                                     ["step", "fp8_step", "decode", "combine"])]
+                                                     ["step", "fp8_step", "fp8_fast", "decode",
+                                                      "combine"])]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 step_sm90 {'dtype': 'bf16', 'causal': False}
 step_sm90 {'dtype': 'bf16', 'causal': True}
 step_sm90 {'dtype': 'bf16', 'causal': False, 'kv': 'e4m3'}
 step_sm90 {'dtype': 'bf16', 'causal': True, 'kv': 'e4m3'}
+step_sm90 {'dtype': 'bf16', 'causal': False, 'kv': 'e4m3', 'compute': 'fp8'}
+step_sm90 {'dtype': 'bf16', 'causal': True, 'kv': 'e4m3', 'compute': 'fp8'}
+step_sm90 {'dtype': 'bf16', 'causal': False, 'kv': 'e4m3', 'compute': 'fp8', 'q': 'e4m3'}
+step_sm90 {'dtype': 'bf16', 'causal': True, 'kv': 'e4m3', 'compute': 'fp8', 'q': 'e4m3'}
 decode_sm90 {'dtype': 'bf16', 'causal': False}
 decode_sm90 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
@@ -270,6 +275,8 @@ step_sm90 {'dtype': 'fp16', 'causal': False}
 step_sm90 {'dtype': 'fp16', 'causal': True}
 step_sm90 {'dtype': 'fp16', 'causal': False, 'kv': 'e4m3'}
 step_sm90 {'dtype': 'fp16', 'causal': True, 'kv': 'e4m3'}
+step_sm90 {'dtype': 'fp16', 'causal': False, 'kv': 'e4m3', 'compute': 'fp8'}
+step_sm90 {'dtype': 'fp16', 'causal': True, 'kv': 'e4m3', 'compute': 'fp8'}
 decode_sm90 {'dtype': 'fp16', 'causal': False}
 decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
@@ -314,8 +321,9 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6)  # schedule; per dtype: sm90 + portable steps, fp8
-    # steps, decode, combine, append_kv
+        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2  # schedule; per dtype: sm90 + portable
+    # steps, fp8 steps, decode, combine, append_kv; fast-mode fp8 steps (q in dtype: 2 per
+    # dtype; q e4m3: 2, bf16 only)
     assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
 
 

@@ -17,13 +17,16 @@ import glob, json, os, re, sys
 import cutlass, cutlass.cute as cute
 from torch_mla.ops.dispatch import compile_decode_step
 from torch_mla.cute_kernels.decode_step import MLADecodeStep
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90, MLADecodeSm90Fast
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
 causal = sys.argv[2] == "causal"
 kv_fp8 = sys.argv[3] == "fp8"  # a float8_e4m3fn cache (exact mode)
+if sys.argv[3].startswith("fast"):  # fast mode (compute="fp8"); "fastq8": an e4m3 q
+    decode = MLADecodeSm90Fast(dt, causal, q_fp8=sys.argv[3] == "fastq8")
+else:
+    decode = MLADecodeSm90(dt, causal, kv_fp8=kv_fp8)
 # What mla_decode runs: the decode kernel and the three combine variants behind one host call.
-compile_decode_step(cute, cutlass, MLADecodeStep(MLADecodeSm90(dt, causal, kv_fp8=kv_fp8), dt),
-                    dt)
+compile_decode_step(cute, cutlass, MLADecodeStep(decode, dt), dt)
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -37,7 +40,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "griddepcontrol.wait", "ld.global.v4", "ld.global.nc", "trap;",
                   r"call.uni \(retval0\), vprintf", "cvt.rn.f16x2.e4m3x2",
                   r"cvt.rn.bf16x2.f32 h\d, fu\d, fl\d;", "wgmma.mma_async.*bf16",
-                  "wgmma.mma_async.*f16.f16"]:
+                  "wgmma.mma_async.*f16.f16", "wgmma.mma_async.*e4m3.e4m3", "prmt.b32",
+                  "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.prefetch"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 assert entries == {"decode": 1, "combine": 3}, entries
 print(json.dumps(counts))
@@ -46,7 +50,9 @@ print(json.dumps(counts))
 
 @pytest.mark.parametrize("dtype,causal,cache", [("bf16", "causal", "same"),
                                                 ("fp16", "plain", "same"),
-                                                ("bf16", "causal", "fp8")])
+                                                ("bf16", "causal", "fp8"),
+                                                ("bf16", "causal", "fast"),
+                                                ("fp16", "plain", "fastq8")])
 def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -55,10 +61,25 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     dec = counts["decode"]
-    # 9 tiles x 4 k-steps of QK^T per warpgroup and page, 4 per P @ V: hundreds of wgmma.
-    assert dec["wgmma.mma_async"] >= 100, dec
-    assert dec["cp.async.bulk.tensor"] > 0 and dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
-    assert dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    # 9 tiles x 4 k-steps of QK^T per warpgroup and page, 4 per P @ V: hundreds of wgmma
+    # (fast mode: k32 steps, half as many).
+    assert dec["wgmma.mma_async"] >= (80 if cache.startswith("fast") else 100), dec
+    assert dec["cp.async.bulk.tensor"] > 0 and dec["ld.local"] == 0 and dec["st.local"] == 0, dec
+    if cache.startswith("fast"):
+        # Fast mode: every MMA on e4m3 operands (Q K^T 18 k32 steps a page, P V 2 per half);
+        # P to e4m3 by cvt (4 a word, 8 words per P); V^T by byte permutes (64 a transposed
+        # half); no stmatrix/ldmatrix (bytes go through plain shared stores); no prefetches
+        # (measured slower, off by default); Q by 16-byte global loads (none when q is e4m3:
+        # 9 a thread either way, 18 for 16-bit q).
+        assert dec["wgmma.mma_async.*e4m3.e4m3"] == dec["wgmma.mma_async"] >= 80, dec
+        assert dec["stmatrix"] == 0 and dec["ldmatrix"] == 0, dec
+        assert dec["prmt.b32"] > 0 and dec["prmt.b32"] % 64 == 0, dec
+        assert dec["cvt.rn.satfinite.e4m3x2.f32"] > 0 and dec["cp.async.bulk.prefetch"] == 0, dec
+        assert dec["ld.global.nc"] == (9 if cache == "fastq8" else 18), dec
+        assert dec["cvt.rn.f16x2.e4m3x2"] == 0, dec
+        assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
+        return
+    assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     # no function call: ptxas serialises every wgmma of a kernel that makes one (a printf in the
     # input checks made the decode 2.5x slower; they live in the combine instead)
     assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
@@ -358,11 +379,12 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert dec["mma.sync.aligned.m16n8k16.row.col.f32"] == 36 * steps + 32 * steps, dec
         assert dec["cp.async.cg.shared.global"] > 0 and dec["cp.async.wait_group"] == 1, dec
         assert dec["cp.async.commit_group"] >= 2, dec  # double-buffered (or deeper)
-        # ldmatrix per stage and warp: per k-step of Q K^T, Q and K (block_n / 2 keys: one .x2
-        # or .x4 per 16); per k-step of P V, P of the quad's two row groups and V^T of its 128
-        # output columns (2 chunks x 4 .x4.trans). (176 at 64x64 with warp pairs, now 148.)
-        k_loads = 36 * max(1, steps // 2)
-        assert dec["ldmatrix.sync.aligned"] == 36 + k_loads + 2 * steps + 2 * 4 * steps, dec
+        # ldmatrix per stage and warp: per k-step of Q K^T (18, half of them), Q of the quad's
+        # two row groups and K (block_n / 2 keys: one .x2 or .x4 per 16); per k-step of P V, P
+        # of the two row groups and V^T of its 128 output columns (2 chunks x 4 .x4.trans).
+        # (176 at 64x64 with warp pairs, 148 in quads, now 112.)
+        qk_loads = 18 * (2 + max(1, steps // 2))
+        assert dec["ldmatrix.sync.aligned"] == qk_loads + 2 * steps + 2 * 4 * steps, dec
         assert dec["ldmatrix.sync.aligned.m8n8.x4.trans"] == 2 * 4 * steps, dec
         assert dec["wgmma"] == dec["cp.async.bulk"] == dec["mbarrier"] == 0, dec
         assert dec["ld.local"] == dec["st.local"] == 0, dec
@@ -482,6 +504,145 @@ def test_portable_warp_views_address_their_buffers(tmp_path):
 64x32x3 P V reads P rows 16..31 as row group 1: 0 misplaced
 64x32x3 P V reads P rows 32..47 as row group 2: 0 misplaced
 64x32x3 P V reads P rows 48..63 as row group 3: 0 misplaced""")
+
+
+# Host-side CuTe DSL: the Q K^T sources of warp kh of a quad (the ldmatrix partitions moved by
+# k_half_view and q_views: k-step j of kh at column 256 kh + 16 j, row group 2 quad + m 16 m rows
+# down) against Q's and K's layouts at the element's coordinate; and the S exchange slots
+# (exchange_offsets): the sP slot is exactly the quad's rows of P's columns of its half, the K
+# slot lies in the rope columns (512..575) of keys that the quad's own threads load.
+PORTABLE_QK_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+from cutlass import Int32
+from cutlass.cute.nvgpu import cpasync, warp
+from torch_mla.cute_kernels.sm80_decode import (D_QK, Sm80DecodeConfig, exchange_offsets,
+                                                k_half_view, q_views, smem_layouts, tiled_mmas)
+
+@cute.jit
+def moved(view, coords, layout, d_row: Int32, d_col: Int32) -> Int32:
+    bad = Int32(0)
+    for i in cutlass.range(cute.size(view), unroll=1):
+        at = Int32(view.iterator.toint()) // 2 + Int32(cute.crd2idx(i, view.layout))
+        c = coords[i]
+        crd = (c[0] + d_row, c[1] + d_col)
+        if cutlass.const_expr(cute.rank(layout) == 3):  # K: stage 0
+            crd = (c[0] + d_row, c[1] + d_col, 0)
+        if at != Int32(cute.crd2idx(crd, layout)):
+            bad += 1
+    return bad
+
+@cute.jit
+def check(cfg: cutlass.Constexpr):
+    bm, bn, st = cfg.block_m, cfg.block_n, cfg.stages
+    q_layout, k_layout, p_layout = smem_layouts(cfg)
+    smem = cute.make_ptr(cutlass.BFloat16, 0, cute.AddressSpace.smem, assumed_align=1024)
+    sQ, sK = cute.make_tensor(smem, q_layout), cute.make_tensor(smem, k_layout)
+    cQ = cute.make_identity_tensor((bm, D_QK))
+    cK = cute.make_identity_tensor((bn, D_QK))
+    tiled_qk = tiled_mmas(cfg, cutlass.BFloat16)[0]
+    ldsm = cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), cutlass.BFloat16)
+    ld_Q = cute.make_tiled_copy_A(ldsm, tiled_qk)
+    ld_K = cute.make_tiled_copy_B(
+        cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if bn // 2 >= 16 else 2),
+                            cutlass.BFloat16), tiled_qk)
+    for quad in cutlass.range(bm // 32, unroll=1):
+        for kh in cutlass.range(2, unroll=1):
+            bad_q, bad_k = Int32(0), Int32(0)
+            for lane in cutlass.range(32, unroll=1):
+                thr = ld_Q.get_slice(2 * quad * 32 + lane)
+                views = q_views(k_half_view(thr.partition_S(sQ), bm, kh))
+                coords = thr.partition_S(cQ)
+                for m in cutlass.range_constexpr(2):
+                    for j in cutlass.range_constexpr(16):
+                        bad_q += moved(views[m][None, None, j], coords[None, None, j], q_layout,
+                                       16 * m, 256 * kh)
+                    for j in cutlass.range_constexpr(2):  # the rope k-steps, a runtime k
+                        k = 32 + 2 * kh + j
+                        bad_q += moved(q_views(thr.partition_S(sQ))[m][None, None, k],
+                                       coords[None, None, k], q_layout, 16 * m, 0)
+                thr = ld_K.get_slice(lane)
+                view = k_half_view(thr.partition_S(sK[None, None, 0]), bn, kh)
+                coords = thr.partition_S(cK)
+                for j in cutlass.range_constexpr(16):
+                    bad_k += moved(view[None, None, j], coords[None, None, j], k_layout, 0,
+                                   256 * kh)
+                for j in cutlass.range_constexpr(2):
+                    k = 32 + 2 * kh + j
+                    bad_k += moved(thr.partition_S(sK[None, None, 0])[None, None, k],
+                                   coords[None, None, k], k_layout, 0, 0)
+            cute.printf("%dx%dx%d quad %d k half %d: Q %d, K %d misplaced\n", bm, bn, st, quad,
+                        kh, bad_q, bad_k)
+    # The exchange slots (bytes), refilled buffer st - 1.
+    slot = 16 * (bn // 2) * 4
+    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
+    gcopy = cute.make_tiled_copy_tv(
+        g2s, cute.make_ordered_layout((cfg.num_threads // 8, 8), order=(1, 0)),
+        cute.make_layout((1, 8)))
+    for quad in cutlass.range(bm // 32, unroll=1):
+        for half in cutlass.range(2, unroll=1):
+            in_p, in_k = exchange_offsets(cfg, quad, half, st - 1)
+            in_slot_p, in_slot_k = Int32(0), Int32(0)
+            for r in cutlass.range(32, unroll=1):
+                for c in cutlass.range(bn // 2, unroll=1):
+                    b = 2 * Int32(cute.crd2idx((32 * quad + r, half * (bn // 2) + c), p_layout))
+                    if b >= in_p and b < in_p + slot:
+                        in_slot_p += 1
+            for t in cutlass.range(128 * quad, 128 * quad + 128, unroll=1):
+                coords = gcopy.get_slice(t).partition_S(cK)
+                for i in cutlass.range(cute.size(coords), unroll=1):
+                    if coords[i][1] >= 512:
+                        b = 2 * Int32(cute.crd2idx((coords[i][0], coords[i][1], st - 1), k_layout))
+                        if b >= in_k and b < in_k + slot:
+                            in_slot_k += 1
+            cute.printf("%dx%dx%d quad %d half %d: slots of %d B, in P's %d B, in the rope's %d B\n",
+                        bm, bn, st, quad, half, slot, 2 * in_slot_p, 2 * in_slot_k)
+
+for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3), (64, 32, 3)]:
+    check(Sm80DecodeConfig(*tiles))
+"""
+
+
+def test_portable_qk_views_and_exchange_slots(tmp_path):
+    """Each warp's Q K^T sources at its half of the k-steps (a runtime pointer offset of whole
+    swizzle atoms) address the right elements, and the S exchange slots cover only memory that
+    is dead when they are used (exchange_offsets says why)."""
+    script = tmp_path / "qk_views.py"  # the DSL compiles from source files only
+    script.write_text(PORTABLE_QK_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if "misplaced" in x or "slots" in x]
+    assert_expected_inline("\n".join(lines), """\
+64x64x2 quad 0 k half 0: Q 0, K 0 misplaced
+64x64x2 quad 0 k half 1: Q 0, K 0 misplaced
+64x64x2 quad 1 k half 0: Q 0, K 0 misplaced
+64x64x2 quad 1 k half 1: Q 0, K 0 misplaced
+64x64x2 quad 0 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
+64x64x2 quad 0 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
+64x64x2 quad 1 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
+64x64x2 quad 1 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
+64x32x2 quad 0 k half 0: Q 0, K 0 misplaced
+64x32x2 quad 0 k half 1: Q 0, K 0 misplaced
+64x32x2 quad 1 k half 0: Q 0, K 0 misplaced
+64x32x2 quad 1 k half 1: Q 0, K 0 misplaced
+64x32x2 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x2 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x2 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x2 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+32x16x3 quad 0 k half 0: Q 0, K 0 misplaced
+32x16x3 quad 0 k half 1: Q 0, K 0 misplaced
+32x16x3 quad 0 half 0: slots of 512 B, in P's 512 B, in the rope's 512 B
+32x16x3 quad 0 half 1: slots of 512 B, in P's 512 B, in the rope's 512 B
+64x32x3 quad 0 k half 0: Q 0, K 0 misplaced
+64x32x3 quad 0 k half 1: Q 0, K 0 misplaced
+64x32x3 quad 1 k half 0: Q 0, K 0 misplaced
+64x32x3 quad 1 k half 1: Q 0, K 0 misplaced
+64x32x3 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x3 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x3 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x3 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B""")
 
 
 def test_portable_tiles_fit_each_arch():

@@ -190,6 +190,30 @@ def test_fp8_cache_bytes_per_token_halve():
     assert "dtype=torch.float8_e4m3fn, 128 bytes/token" in repr(fp8)
 
 
+class TestCompute(expecttest.TestCase):
+    def test_compute_reaches_the_decode_and_is_validated(self):
+        """MLACache(compute=...) is what each layer's LatentStep carries to mla_decode; fast
+        mode belongs to an fp8 cache. (On the CPU both modes run the reference: equal logits.)"""
+        config = hf_model("v3_yarn").config
+        for compute in ("exact", "fp8"):
+            cache = MLACache(config, 2, 70, dtype=FP8, compute=compute)
+            cache.begin_layer(0, 2, 3)
+            step = cache.append_latents(0, torch.randn(2, 3, R), torch.randn(2, 3, DR),
+                                        num_heads=6)
+            assert step.compute == compute
+        with self.assertRaises(ValueError) as cm:
+            MLACache(config, 2, 70, dtype=torch.bfloat16, compute="fp8")
+        self.assertExpectedInline(str(cm.exception), """compute='fp8' is a float8_e4m3fn cache's fast mode; this cache is torch.bfloat16: pass compute='exact'""")
+        with self.assertRaises(ValueError) as cm:
+            MLACache(config, 2, 70, dtype=FP8, compute="e4m3")
+        self.assertExpectedInline(str(cm.exception), """compute must be 'exact' or 'fp8', got 'e4m3'""")
+        ours = swapped(hf_model("v3_yarn"))
+        ids, mask = left_padded_prompts(2, 9, pads=(0, 2))
+        runs = [generate(ours, ids, mask, MLACache(ours.config, 2, 9 + 6, dtype=FP8,
+                                                   compute=c), 6) for c in ("exact", "fp8")]
+        assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
+
+
 def test_fp8_cache_split_over_devices_keeps_each_layers_scale_there():
     # Layer 1 on the meta device stands for a second GPU (as in test_modules).
     ours = swapped(hf_model("v3_yarn"))

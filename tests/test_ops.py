@@ -25,7 +25,7 @@ def schema(name):
 class TestSchemas(expecttest.TestCase):
     def test_schemas(self):
         self.assertExpectedInline(schema("get_decode_schedule"), """torch_mla::get_decode_schedule(Tensor cache_seqlens, int num_parts) -> (Tensor, Tensor)""")
-        self.assertExpectedInline(schema("mla_decode"), """torch_mla::mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor sched_metadata, Tensor num_splits, float softmax_scale, bool causal, int d_v, Tensor? kv_scale=None, Tensor? q_scale=None) -> (Tensor, Tensor)""")
+        self.assertExpectedInline(schema("mla_decode"), """torch_mla::mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor sched_metadata, Tensor num_splits, float softmax_scale, bool causal, int d_v, Tensor? kv_scale=None, Tensor? q_scale=None, str compute="exact") -> (Tensor, Tensor)""")
         self.assertExpectedInline(schema("append_kv"), """torch_mla::append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, Tensor? kv_scale=None) -> ()""")
         self.assertExpectedInline(schema("_forward_only_grad"), """torch_mla::_forward_only_grad(Tensor grad, SymInt[] shape, ScalarType dtype, str op) -> Tensor""")
 

@@ -12,12 +12,13 @@ the greedy tokens agree. Then an fp32 copy of the same weights re-scores each ru
 each run's logits are measured against the exact result at every step (error, and whether its
 pick is fp32's): where two bf16 runs part, the numbers say which one is closer to fp32.
 
-``--kv-cache fp8`` adds a run on an FP8 latent cache (``MLACache(dtype=torch.float8_e4m3fn)``,
-its scales measured at the prefill), teacher-forced on the tokens of the run on the model-dtype
-cache so that both see the same prefix at every step, and reports how often its top-1 token
-agrees with that run's and how far its logits are, per step and overall. On H100/H200 its decode
-runs the SM90 kernel's exact mode (fp8 pages expanded to 16 bits on chip, 16-bit MMAs over the
-dequantized cache), elsewhere the reference.
+``--kv-cache fp8`` adds two runs on an FP8 latent cache (``MLACache(dtype=torch.float8_e4m3fn)``,
+its scales measured at the prefill), one per ``compute`` mode, each teacher-forced on the tokens of
+the run on the model-dtype cache so that all see the same prefix at every step, and reports how
+often each one's top-1 token agrees with that run's and how far its logits are, per step and
+overall. On H100/H200 their decode runs the SM90 kernel: exact mode (fp8 pages expanded to 16 bits
+on chip, 16-bit MMAs over the dequantized cache) and fast mode (Q, quantized per row, and P in
+e4m3 on the fp8 tensor cores); elsewhere the reference, for both.
 
 Needs transformers (``pip install -e ".[hf]"``).
 """
@@ -302,8 +303,8 @@ def build_parser(cuda: bool) -> argparse.ArgumentParser:
                     help="tokens generated per request (default: %(default)s)")
     ap.add_argument("--kv-cache", choices=["model", "fp8"], default="model",
                     help="model: the latent cache in the model's dtype; fp8: also run on a "
-                         "float8_e4m3fn latent cache (half the bytes) and compare it with the "
-                         "model-dtype run (default: %(default)s)")
+                         "float8_e4m3fn latent cache (half the bytes), in exact and in fast mode, "
+                         "and compare them with the model-dtype run (default: %(default)s)")
     ap.add_argument("--no-compile", action="store_true",
                     help="run the swapped model eagerly (no torch.compile, no CUDA graphs)")
     ap.add_argument("--seed", type=int, default=0,
@@ -360,7 +361,7 @@ def main(argv=None) -> None:
 
     # 1. transformers as shipped.
     fp8 = args.kv_cache == "fp8"
-    total = 5 if fp8 else 4
+    total = 6 if fp8 else 4
     print(f"1/{total} transformers as shipped (eager attention, DynamicCache)")
     with torch.no_grad():
         model.generate(ids[:, :8], max_new_tokens=2, do_sample=False)  # warm-up
@@ -412,21 +413,22 @@ def main(argv=None) -> None:
         torch.cuda.reset_peak_memory_stats(device)
     tok, ours_tps, _, steps = timed_generate(model, ids, n, "torch_mla", device, **kwargs)
     ours_peak = peak_over_weights(ref_steps + steps)
-    fp8_steps = []
-    if fp8:
+    fp8_runs = {}  # compute mode -> (tokens/s, per-step logits, peak memory, cache)
+    for k, mode in enumerate(("exact", "fp8") if fp8 else ()):
         fp8_backend, fp8_why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
                                               args.kv_lora_rank,
-                                              cache_dtype=torch.float8_e4m3fn)
-        print(f"4/{total} torch_mla ({label}, MLACache in float8_e4m3fn, scales measured at the "
-              f"prefill), teacher-forced on run 3's tokens; its decode runs {fp8_backend}: "
-              f"{fp8_why}")
-        cache8 = MLACache.for_model(model, b, s + n, dtype=torch.float8_e4m3fn)
-        kwargs8 = generate_options(cache8, "  fp8 cache", fp8_backend)
+                                              cache_dtype=torch.float8_e4m3fn, compute=mode)
+        print(f"{4 + k}/{total} torch_mla ({label}, MLACache in float8_e4m3fn, scales measured "
+              f"at the prefill, compute={mode!r}), teacher-forced on run 3's tokens; its decode "
+              f"runs {fp8_backend}: {fp8_why}")
+        cache8 = MLACache.for_model(model, b, s + n, dtype=torch.float8_e4m3fn, compute=mode)
+        kwargs8 = generate_options(cache8, f"  fp8 cache ({mode})", fp8_backend)
         if on_gpu:
             torch.cuda.reset_peak_memory_stats(device)
-        _, fp8_tps, _, fp8_steps = timed_generate(model, ids, n, "torch_mla fp8", device,
-                                                  force=tok[:, s:], **kwargs8)
-        fp8_peak = peak_over_weights(ref_steps + steps + fp8_steps)
+        _, fp8_tps, _, fp8_steps = timed_generate(model, ids, n, f"torch_mla fp8 {mode}",
+                                                  device, force=tok[:, s:], **kwargs8)
+        fp8_runs[mode] = (fp8_tps, fp8_steps, peak_over_weights(ref_steps + steps + fp8_steps),
+                          cache8)
 
     # 4. The exact result: the same weights in fp32 re-score each run's own tokens.
     print(f"{total}/{total} fp32 copy of the same weights, re-scoring both runs' tokens (the "
@@ -436,8 +438,8 @@ def main(argv=None) -> None:
     dtype_name = str(dtype).replace("torch.", "")
     acc = {"transformers": against_fp32(exact, ref, ref_steps),
            "torch_mla": against_fp32(exact, tok, steps)}
-    if fp8:
-        acc["fp8"] = against_fp32(exact, tok, fp8_steps)  # (its tokens are run 3's)
+    for mode, run in fp8_runs.items():
+        acc[f"fp8 {mode}"] = against_fp32(exact, tok, run[1])  # (its tokens are run 3's)
     del exact
 
     cmp = compare_greedy(ref[:, s:], top_scores(ref_steps), tok[:, s:], top_scores(steps))
@@ -447,8 +449,8 @@ def main(argv=None) -> None:
     print(f"| transformers (eager, DynamicCache) | {hf_tps:,.0f} | {hf_bpt:,.0f} | {hf_peak} |")
     print(f"| torch_mla ({label}) | {ours_tps:,.0f} | {cache.kv_bytes_per_token:,} | "
           f"{ours_peak} |")
-    if fp8:
-        print(f"| torch_mla ({label}, fp8 cache) | {fp8_tps:,.0f} | "
+    for mode, (fp8_tps, _, fp8_peak, cache8) in fp8_runs.items():
+        print(f"| torch_mla ({label}, fp8 cache, compute={mode!r}) | {fp8_tps:,.0f} | "
               f"{cache8.kv_bytes_per_token:,} | {fp8_peak} |")
     el = torch.empty((), dtype=dtype).element_size()
     expanded = args.heads * (args.nope_dim + args.rope_dim + args.v_dim) * el * args.layers
@@ -492,8 +494,8 @@ def main(argv=None) -> None:
               f"request's tokens part, transformers rates its own token and torch_mla's within "
               f"{cmp['tie_gap']:.3g} of each other ({cmp['outside_top']} partings outside its "
               f"top 8): {why}.")
-    if fp8:
-        report_fp8(steps, fp8_steps, acc, dtype_name, label, b, n, shown)
+    for mode, run in fp8_runs.items():
+        report_fp8(steps, run[1], acc, dtype_name, label, b, n, shown, mode)
     if not on_gpu:
         print("on a CPU both paths are plain PyTorch on a tiny model: the numbers show the "
               "plumbing, not the kernel; run it on an H100/H200 for the real comparison")
@@ -501,10 +503,12 @@ def main(argv=None) -> None:
 
 
 def report_fp8(steps, fp8_steps, acc, dtype_name: str, label: str, b: int, n: int,
-               shown: list[int]) -> None:
-    """The fp8-cache run against the model-dtype-cache run (same tokens: teacher-forced)."""
+               shown: list[int], mode: str) -> None:
+    """An fp8-cache run (compute=mode) against the model-dtype-cache run (same tokens:
+    teacher-forced)."""
     vs = against_run(steps, fp8_steps)
-    print(f"\nFP8 latent cache against the {dtype_name} cache (torch_mla {label}, the same "
+    print(f"\nFP8 latent cache, compute={mode!r}, against the {dtype_name} cache (torch_mla "
+          f"{label}, the same "
           f"tokens: each step's logits of the fp8 run minus the {dtype_name}-cache run's; top-1: "
           f"requests whose pick is the {dtype_name}-cache run's, of {b}):\n")
     print("| step | max error | relative error | top-1 agreement |")
@@ -513,14 +517,15 @@ def report_fp8(steps, fp8_steps, acc, dtype_name: str, label: str, b: int, n: in
         print(f"| {t} | {vs['max_err'][t - 1]:.3g} | {vs['rel_err'][t - 1]:.2g} | "
               f"{vs['top1'][t - 1]} |")
     print(f"| all {n} | {vs['max']:.3g} | {vs['rel']:.2g} | {vs['agree']}/{vs['picks']} |")
-    ours, f8 = acc["torch_mla"], acc["fp8"]
-    print(f"\nfp8 cache: top-1 agreement with the {dtype_name} cache {vs['agree']}/"
-          f"{vs['picks']} ({100 * vs['agree'] / vs['picks']:.1f}%), relative logit error "
-          f"{vs['rel']:.2g} (step 1 is the prefill, which attends over the prompt's unquantized "
-          f"latents); against fp32, mean logit error {f8['mean']:.3g} vs {ours['mean']:.3g} "
-          f"for the {dtype_name} cache, picks equal to fp32's {f8['agree']}/{f8['picks']} vs "
-          f"{ours['agree']}/{ours['picks']}. Storing the latents in e4m3 alone moves attention "
-          "by about 2-7e-2 (relative; tests/test_fp8.py).")
+    ours, f8 = acc["torch_mla"], acc[f"fp8 {mode}"]
+    print(f"\nfp8 cache (compute={mode!r}): top-1 agreement with the {dtype_name} cache "
+          f"{vs['agree']}/{vs['picks']} ({100 * vs['agree'] / vs['picks']:.1f}%), relative "
+          f"logit error {vs['rel']:.2g} (step 1 is the prefill, which attends over the "
+          f"prompt's unquantized latents); against fp32, mean logit error {f8['mean']:.3g} vs "
+          f"{ours['mean']:.3g} for the {dtype_name} cache, picks equal to fp32's "
+          f"{f8['agree']}/{f8['picks']} vs {ours['agree']}/{ours['picks']}. Storing the "
+          "latents in e4m3 alone moves attention by about 2-7e-2 (relative; "
+          "tests/test_fp8.py).")
 
 
 if __name__ == "__main__":

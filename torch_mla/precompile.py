@@ -1,13 +1,14 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,fp8_step,decode,combine,portable,schedule,
-                                              append_kv]
+                                   [--kernels step,fp8_step,fp8_fast,decode,combine,portable,
+                                              schedule,append_kv]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
 sm_90a): the decode step (the decode kernel and the combine behind one call: the SM90 kernel on
 sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m3fn cache
-(``fp8_step``: q and output in each dtype), the schedule kernel and append_kv in each cache dtype of
+(``fp8_step``: q and output in each dtype; ``fp8_fast``: its fast mode, compute="fp8", with q
+in each dtype and in float8_e4m3fn), the schedule kernel and append_kv in each cache dtype of
 ``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable
 decode step on sm_90a (``TORCH_MLA_PORTABLE=1``); decode and combine alone serve benchmarks.
 
@@ -35,8 +36,9 @@ from .ops import dispatch, kernel_cache
 
 # The arches torch_mla has kernels for: SM90's own, and the portable kernels'.
 ARCHS = tuple(dict.fromkeys((dispatch.SM90_ARCH, *dispatch.PORTABLE_ARCHS.values())))
-KERNELS = ("step", "fp8_step", "decode", "combine", "portable", "schedule", "append_kv")
-DEFAULT_KERNELS = ("step", "fp8_step", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "decode", "combine", "portable", "schedule",
+           "append_kv")
+DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "schedule", "append_kv")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
 COMBINE_WARPS_PER_ROW = scheduling.COMBINE_WARPS_PER_ROW
@@ -65,6 +67,15 @@ def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
             out += [("step_sm90", {"dtype": name, "causal": c, "kv": "e4m3"},
                      lambda dt=dt, c=c: dispatch._compiled_step("sm90", dt, c, arch, kv_fp8=True))
                     for c in causal]
+        if "fp8_fast" in kernels and native == "sm90":
+            # q in dtype (quantized in the kernel) and, for bf16 output, q in float8_e4m3fn.
+            for q8 in (False, True) if name == "bf16" else (False,):
+                extra = {"q": "e4m3"} if q8 else {}
+                out += [("step_sm90", {"dtype": name, "causal": c, "kv": "e4m3",
+                                       "compute": "fp8", **extra},
+                         lambda dt=dt, c=c, q8=q8: dispatch._compiled_step(
+                             "sm90", dt, c, arch, kv_fp8=True, compute="fp8", q_fp8=q8))
+                        for c in causal]
         for kind in decode:
             out += [(f"decode_{kind}", {"dtype": name, "causal": c},
                      lambda dt=dt, c=c, kind=kind: dispatch.compiled_decode(kind, dt, c, arch))

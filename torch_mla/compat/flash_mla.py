@@ -155,6 +155,7 @@ def flash_mla_with_kvcache_fp8(
     causal: bool = False,
     descale_q: Optional[torch.Tensor] = None,
     descale_k: Optional[torch.Tensor] = None,
+    compute: str = "exact",
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """vLLM's ``flash_mla_with_kvcache_fp8``: dense decode over an FP8 latent cache.
 
@@ -164,7 +165,8 @@ def flash_mla_with_kvcache_fp8(
         descale_k``; block_table int32 [batch, max_blocks]; cache_seqlens int32 [batch];
         head_dim_v: width of V; tile_scheduler_metadata, num_splits: from
         :func:`get_mla_metadata_dense_fp8`; descale_k, descale_q: float32 [1] (one per tensor):
-        :func:`torch_mla.mla_decode`'s ``kv_scale`` and ``q_scale``.
+        :func:`torch_mla.mla_decode`'s ``kv_scale`` and ``q_scale``; compute (not vLLM's):
+        :func:`torch_mla.mla_decode`'s, "fp8" for vLLM's e4m3 Q and P arithmetic.
 
     Returns:
         out [batch, s_q, h_q, head_dim_v] bf16 (q's dtype for a bf16/fp16 q); softmax_lse
@@ -173,4 +175,4 @@ def flash_mla_with_kvcache_fp8(
     return mla_decode(q, k_cache, block_table, cache_seqlens,
                       DecodeSchedule(tile_scheduler_metadata, num_splits),
                       softmax_scale=softmax_scale, causal=causal, d_v=head_dim_v,
-                      kv_scale=descale_k, q_scale=descale_q)
+                      kv_scale=descale_k, q_scale=descale_q, compute=compute)

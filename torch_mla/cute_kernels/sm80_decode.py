@@ -16,29 +16,40 @@ CTA: block_m query rows x all keys of the segment, taken block_n keys (a stage) 
 warps in quads, one quad per 32 query rows (block_m / 32 quads, 8 warps for block_m = 64).
 Output O (block_m x 512 fp32) is split by columns: warp `quarter` of a quad owns the quad's 32
 rows x output columns [128 quarter, 128 quarter + 128) (2 m16 tiles x 16 n8 tiles, 128 fp32
-registers a thread). S = Q K^T is split as a 2 x 2 grid: warp `quarter` scores row group
-quarter // 2 (16 rows) against keys [half * block_n / 2, ...) of each stage, half = quarter % 2
-(at block_n 64 that is as many ldmatrix per mma as 32 rows x block_n / 4 keys, and block_n 16
-leaves 8 keys a warp, one n8 tile). Per stage:
-    S = Q_rows K_half^T (36 k-steps over d = 576)   (ldmatrix Q and K, mma.sync)
+registers a thread). S = Q K^T is split over keys and k: warp `quarter` computes partial S of the
+quad's 32 rows (both row groups) against keys [half * block_n / 2, ...) of each stage (half =
+quarter % 2) over half of the 36 k-steps (kh = quarter // 2: 4 of the 8 64-column atoms of the
+latent and 2 k-steps of the rope atom); per k-step 2 Q + 2 K ldmatrix.x4 feed 8 mma at block_n
+64 (0.5 a mma; 0.75 when a warp scored 16 rows over all k). The warps of a pair (same keys,
+other kh) then add: warp kh keeps row group 2 quad + kh and hands the other's partial (16 x
+block_n / 2 fp32) to its partner through shared memory (exchange_offsets: P's rows of the quad,
+and the rope columns of the buffer being refilled, whose load waits until after the exchange).
+Per stage:
+    S partials = Q_quad K_half^T over k half kh (18 k-steps)   (ldmatrix Q and K, mma.sync)
+    partial of the other row group -> smem, quad barrier, + the partner's: S of row group rg
     mask keys past each row's horizon (boundary stages only)
     row max -> smem, quad barrier; the max of both halves for all 32 rows -> running max,
-        rescale O (every warp of the quad the same values), the sum of its own rows
+        rescale O (every warp of the quad the same values), the sum of its own rows;
+        the rope columns of the refilled stage start loading
     P = exp2(S * scale - max) -> smem (dtype), quad barrier
     O_quarter += P V[:, quarter]  (P of 32 rows from smem by ldmatrix, V by ldmatrix.trans, 64
         columns at a time: per k16 step 2 P + 8 V ldmatrix.x4 for 32 mma; a warp of a pair
         owning all 512 columns of 16 rows needed 1 P + 16 V)
 Each warp keeps the row sum of its own rows and keys; the two halves are added in the epilogue.
-Per 64-key stage and warp: 108 ldmatrix.x4 for S, 40 for P V (148; 176 with pairs).
+Per 64-key stage and warp: 72 ldmatrix.x4 for S, 40 for P V (112; 148 with S over all k, 176
+with pairs), and 2 KB of fp32 each way for the exchange.
 
 Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
 Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
 computed; one __syncthreads per stage both publishes the landed stage and retires the one
 about to be refilled. The block-table entry of the next stage is read a stage ahead. Rows of a
 stage past L are zero-filled instead of loaded (the cache may hold NaN there and 0 * NaN = NaN);
+a stage's rope columns (512..575) are issued later in the stage than the rest (see above), in
+the same commit group;
 their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
 s_q * h_q are zero-filled; a quad with none of them skips the math, and a 16-row group of them
-in a working quad skips its S and its P V mma.sync (predicated off).
+in a working quad skips its S and its P V mma.sync (predicated off); the S exchange still runs
+(on zeros).
 
 Tiles per arch (Sm80DecodeConfig.from_heuristic, from the shared memory a block may use; Q +
 stages + P):
@@ -46,8 +57,10 @@ stages + P):
     163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
 None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
-assume 64-row m-blocks, so such a grid takes more than one wave). Registers: ~250 a thread
-(O alone is 128), no spills (ptxas 13.0 on sm_80, sm_86 and sm_90a).
+assume 64-row m-blocks, so such a grid takes more than one wave). Registers (ptxas 13.0): 254
+(64x64x2, sm_90a), 228 (64x32x2, sm_80), 246 (32x16x3, sm_86), 233 (64x32x3); O alone is 128;
+no spills. The S exchange needs no shared memory of its own (227 KB leave 1 KB spare at
+64x64x2).
 
 Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
 L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
@@ -166,6 +179,40 @@ def warp_views(cfg: Sm80DecodeConfig, sK: cute.Tensor, sP: cute.Tensor, quarter)
     return sK_half, sP_half, sV
 
 
+def q_views(tSsQ: cute.Tensor):
+    """ldmatrix sources of Q for the second row group of a quad from those of the first: 16 rows
+    further is two whole swizzle atoms (1024 elements, above the swizzled bits), so one base
+    address serves both with an immediate offset."""
+    return [tSsQ, cute.make_tensor(tSsQ.iterator + 16 * 64, tSsQ.layout)]
+
+
+def k_half_view(t: cute.Tensor, rows: int, kh) -> cute.Tensor:
+    """A view of Q (rows = block_m) or K (rows = block_n), or a partition of one, 256 columns
+    (4 swizzle atoms) further for kh = 1: k-step j of warp kh is k-step 16 kh + j there."""
+    return cute.make_tensor(t.iterator + cute.assume(kh * 4 * rows * 64, divby=512), t.layout)
+
+
+def exchange_offsets(cfg: Sm80DecodeConfig, quad, half, refill):
+    """Byte offsets of the two slots through which the warps of pair (quad, key half `half`)
+    hand each other the partial S of the other's row group (16 rows x block_n / 2 fp32 =
+    32 block_n bytes each): the k-half-0 warp writes into sP at the first offset (the quad's rows
+    of P's columns `half`: P is written only after the quad's row max barrier, which follows the
+    reads), the k-half-1 warp into the K buffer `refill` at the second (the rope columns,
+    512..575, of keys that only this quad's threads load, and they load those columns only after
+    that barrier; the buffer's old stage is retired and nothing reads its rope columns until the
+    stage after next). Plain ints or runtime Int32 alike."""
+    bm, bn = cfg.block_m, cfg.block_n
+    slot = 16 * (bn // 2) * 4
+    in_p = 2 * (half * bm * (bn // 2) + quad * 32 * (bn // 2))
+    copy_rows = cfg.num_threads // 8  # keys per copy tile: thread t loads keys t // 8 + copy_rows n
+    if bn // copy_rows >= 2:  # the quad's keys come in 16-key (2 KB) chunks: one slot each
+        key, within = 16 * quad + copy_rows * half, 0
+    else:  # one 2 KB chunk holds both slots
+        key, within = 16 * quad, half * slot
+    in_k = 2 * (refill * bn * D_QK + (D_V // 64) * bn * 64 + key * 64) + within
+    return in_p, in_k
+
+
 def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
     """The tiled MMAs of Q K^T and P V: one warp per 16 rows. In Q K^T the warps of a pair
     each use the tiling for their own keys; in P V a warp takes the places of the warps of both
@@ -276,10 +323,11 @@ class MLADecodeSm80:
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
         warp_idx = cute.arch.make_warp_uniform(tidx // 32)
-        rg = warp_idx // 2  # S: rows [16 rg, 16 rg + 16) of the CTA tile
+        rg = warp_idx // 2  # S after the exchange: rows [16 rg, 16 rg + 16) of the CTA tile
         half = warp_idx % 2  # S: keys [half bn / 2, half bn / 2 + bn / 2) of a stage
         quad = warp_idx // 4  # O: rows [32 quad, 32 quad + 32), row groups 2 quad, 2 quad + 1
         quarter = warp_idx % 4  # O: columns [128 quarter, 128 quarter + 128)
+        kh = quarter // 2  # S partials: k-steps [18 kh, 18 kh + 18); keeps row group 2 quad + kh
         lane = tidx % 32
         mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA (Q K^T)
 
@@ -304,23 +352,36 @@ class MLADecodeSm80:
 
         sK_half, sP_half, sV = warp_views(self.cfg, sK, sP, quarter)
 
-        # S = Q K_half^T: this warp's keys of each stage.
+        # S = Q K_half^T: partials of the quad's two row groups (the thread stands in for lane
+        # `lane` of the warp of row group 2 quad + m, m = 0, 1) x this warp's keys, over its half
+        # of the k-steps; both share the K fragments.
         thr_qk = tiled_qk.get_slice(mma_tid)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36)
+        thr_q = tiled_qk.get_slice(2 * quad * 32 + lane)
+        tSrQ = [thr_q.make_fragment_A(thr_q.partition_A(sQ)) for _ in range(2)]  # (MMA, 1, 36)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK_half[None, None, 0]))
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn // 2)), Float32)
+        acc_S = [cute.make_rmem_tensor(thr_qk.partition_shape_C((bm, bn // 2)), Float32)
+                 for _ in range(2)]
         tScS = thr_qk.partition_C(cute.make_identity_tensor((bm, bn // 2)))
         ld_Q = cute.make_tiled_copy_A(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), dt), tiled_qk
-        ).get_slice(mma_tid)
+        ).get_slice(2 * quad * 32 + lane)
         ld_K = cute.make_tiled_copy_B(
             cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4 if bn // 2 >= 16 else 2), dt),
             tiled_qk,
         ).get_slice(mma_tid)
         tSsQ = ld_Q.partition_S(sQ)
-        tSrQ_v = ld_Q.retile(tSrQ)
+        # k-steps of this warp (kh = quarter // 2): [16 kh, 16 kh + 16), which is 4 swizzle
+        # atoms of columns further for kh = 1 (a pointer offset: the addresses stay one base +
+        # immediates, as with compile-time k), and 32 + 2 kh + {0, 1} of the rope atom (4
+        # addresses a thread at a runtime k).
+        tSsQ_lo = q_views(k_half_view(tSsQ, bm, kh))
+        tSsQ = q_views(tSsQ)
+        tSrQ_v = [ld_Q.retile(x) for x in tSrQ]
         tSsK = ld_K.partition_S(sK_half)  # (CPY, CPY_N, 36, stages)
+        tSsK_lo = k_half_view(tSsK, bn, kh)
         tSrK_v = ld_K.retile(tSrK)
+        sP_base = storage.sP.data_ptr().toint()
+        sK_base = storage.sK.data_ptr().toint()
 
         # P: this warp's keys of its row group (accumulator order) -> smem; the quad's two row
         # groups, all keys, back as A: the thread stands in for lane `lane` of the warp of row
@@ -362,7 +423,6 @@ class MLADecodeSm80:
         valid_rows = cutlass.min(rows - m_block * bm, bm)
         active = quad * 32 < valid_rows
         hi_on = quad * 32 + 16 < valid_rows
-        s_on = rg * 16 < valid_rows
         r_a = rg * 16 + lane // 4  # the two S rows this thread holds: r_a and r_a + 8
         g_a = m_block * bm + r_a
 
@@ -370,7 +430,8 @@ class MLADecodeSm80:
         # 16 m + 8 h at index 2 m + h (the same in every warp of the quad)
         m_run = cute.make_rmem_tensor(4, Float32)
         l_run = cute.make_rmem_tensor(2, Float32)  # this thread's sum over its keys, S rows
-        page_next = cute.make_rmem_tensor(1, Int32)  # block-table entry of the next stage
+        # block-table entries of the next stage [0] and of the one loading now [1]
+        page_next = cute.make_rmem_tensor(2, Int32)
 
         meta_row = mMeta[part, None]
         begin_req = meta_row[0]
@@ -420,17 +481,28 @@ class MLADecodeSm80:
                     cute.arch.sync_threads()
                     t_load = t + st - 1
                     if t_load < n_tiles:
+                        # The rope columns wait: this stage's S exchange uses them (below).
                         self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
-                                      tKcK, thr_g2s, gmem_copy)
+                                      tKcK, thr_g2s, gmem_copy, (0, D_V // 64))
+                        if not active:
+                            self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
+                                          tKsK, tKcK, thr_g2s, gmem_copy, (D_V // 64, 9))
+                        page_next[1] = page_next[0]
                         page_next[0] = self._page(mBlockTable, r, lo, hi, t_load + 1,
                                                   num_pages)
-                    cute.arch.cp_async_commit_group()
                     if active:
+                        x_p, x_k = exchange_offsets(self.cfg, quad, half, t_load % st)
                         self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
-                                    scale_log2, half, rg, quad, s_on, hi_on, lane, r_a, acc_S,
-                                    tScS, tSsQ, tSrQ, tSrQ_v, tSsK, tSrK, tSrK_v, st_P, tPsP,
-                                    ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O,
-                                    ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run)
+                                    scale_log2, half, kh, rg, quad, hi_on, lane, r_a, acc_S,
+                                    tScS, tSsQ, tSsQ_lo, tSrQ, tSrQ_v, tSsK, tSsK_lo, tSrK,
+                                    tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV,
+                                    tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax,
+                                    m_run, l_run,
+                                    sP_base + x_p, sK_base + x_k, t_load < n_tiles, mKV,
+                                    page_next[1], key_lo, t_load, L, tKsK, tKcK, thr_g2s,
+                                    gmem_copy)
+                    # One group a stage: its keys' columns 0..511 (above) and rope (in _stage).
+                    cute.arch.cp_async_commit_group()
                 if active:
                     self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, quad, quarter, lane,
                                    r_a, m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
@@ -463,19 +535,21 @@ class MLADecodeSm80:
 
     @cute.jit
     def _load_kv(self, mKV, page: Int32, key_lo: Int32, t: Int32, stage: Int32, L: Int32,
-                 tKsK, tKcK, thr_g2s, gmem_copy):
-        """Keys [key_lo + t bn, + bn) of the segment (inside page `page`) -> buffer `stage`
-        (cp.async, uncommitted). Keys at or past L are zero-filled, never read."""
+                 tKsK, tKcK, thr_g2s, gmem_copy, cols: cutlass.Constexpr = (0, 9)):
+        """Keys [key_lo + t bn, + bn) of the segment (inside page `page`), 64-column tiles
+        [cols[0], cols[1]) -> buffer `stage` (cp.async, uncommitted). Keys at or past L are
+        zero-filled, never read."""
         bn = self.cfg.block_n
         key0 = key_lo + t * bn
         gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE) // bn, 0))
         tKgK = thr_g2s.partition_S(gK)
         limit = L - key0
         for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
-            if tKcK[0, n, 0][0] < limit:
-                cute.copy(gmem_copy, tKgK[None, n, None], tKsK[None, n, None, stage])
-            else:
-                tKsK[None, n, None, stage].fill(0.0)
+            for c in cutlass.range_constexpr(cols[0], cols[1]):
+                if tKcK[0, n, 0][0] < limit:
+                    cute.copy(gmem_copy, tKgK[None, n, c], tKsK[None, n, c, stage])
+                else:
+                    tKsK[None, n, c, stage].fill(0.0)
 
     @cute.jit
     def _quad_barrier(self, quad: Int32):
@@ -484,27 +558,73 @@ class MLADecodeSm80:
 
     @cute.jit
     def _stage(self, stage: Int32, key0: Int32, border_a: Int32, border_b: Int32,
-               min_border: Int32, scale_log2: Float32, half: Int32, rg: Int32, quad: Int32,
-               s_on, hi_on, lane: Int32, r_a: Int32, acc_S, tScS, tSsQ, tSrQ, tSrQ_v, tSsK,
-               tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v,
-               acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run):
-        """One stage (block_n keys from key0) for this warp: S, softmax, O += P V."""
-        bn = self.cfg.block_n
-        # S accumulates in `chains` interleaved partial sums (k-steps round robin), so that
-        # each warp has 4 independent mma.sync chains even when its slice has 1-2 n8 tiles.
-        chains = max(1, 4 // (bn // 16))
-        parts = [acc_S] + [cute.make_fragment_like(acc_S) for _ in range(chains - 1)]
-        for p in cutlass.range_constexpr(chains):
-            parts[p].fill(0.0)
-        # A row group of padding rows scores 0, as its zero-filled Q rows would.
-        if s_on:
-            for k in cutlass.range_constexpr(K_STEPS):
-                cute.copy(ld_Q, tSsQ[None, None, k], tSrQ_v[None, None, k])
-                cute.copy(ld_K, tSsK[None, None, k, stage], tSrK_v[None, None, k])
-                acc = parts[k % chains]
-                cute.gemm(tiled_qk, acc, tSrQ[None, None, k], tSrK[None, None, k], acc)
-        for p in cutlass.range_constexpr(1, chains):
-            acc_S.store(acc_S.load() + parts[p].load())
+               min_border: Int32, scale_log2: Float32, half: Int32, kh: Int32, rg: Int32,
+               quad: Int32, hi_on, lane: Int32, r_a: Int32, acc_S, tScS, tSsQ, tSsQ_lo, tSrQ,
+               tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V,
+               tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
+               x_p: Int32, x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32,
+               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy):
+        """One stage (block_n keys from key0) for this warp: S, softmax, O += P V. x_p, x_k: the
+        shared-memory addresses of the S exchange slots (exchange_offsets); if `refill`, the
+        rope columns of stage t_load (page `page`) are loaded once the slots are read."""
+        bn, st = self.cfg.block_n, self.cfg.stages
+        half_k = K_STEPS // 2
+        # S partials of both row groups: 2 x bn / 16 n8 tiles; `chains` interleaved partial sums
+        # (k-steps round robin) give 4 independent mma.sync chains when there are fewer tiles.
+        chains = max(1, 4 // (bn // 8))
+        parts = [[acc_S[m]] + [cute.make_fragment_like(acc_S[m]) for _ in range(chains - 1)]
+                 for m in range(2)]
+        for m in cutlass.range_constexpr(2):
+            for p in cutlass.range_constexpr(chains):
+                parts[m][p].fill(0.0)
+        # A row group of padding rows (the second, if not hi_on) scores 0, as its zero-filled Q
+        # rows would; hi_on is warp-uniform and its branches small (predicated, as in _pv).
+        for j in cutlass.range_constexpr(half_k):
+            # See tSsQ_lo in kernel(). The two rope k-steps first: in the other order ptxas
+            # spilled a few registers at 64x64x2 (sm_90a).
+            src_K, src_Q, k = tSsK_lo, tSsQ_lo, j - 2
+            if const_expr(j < 2):
+                src_K, src_Q, k = tSsK, tSsQ, K_STEPS - 4 + 2 * kh + j
+            cute.copy(ld_K, src_K[None, None, k, stage], tSrK_v[None, None, j])
+            cute.copy(ld_Q, src_Q[0][None, None, k], tSrQ_v[0][None, None, j])
+            acc = parts[0][j % chains]
+            cute.gemm(tiled_qk, acc, tSrQ[0][None, None, j], tSrK[None, None, j], acc)
+            if hi_on:
+                cute.copy(ld_Q, src_Q[1][None, None, k], tSrQ_v[1][None, None, j])
+                acc = parts[1][j % chains]
+                cute.gemm(tiled_qk, acc, tSrQ[1][None, None, j], tSrK[None, None, j], acc)
+        for m in cutlass.range_constexpr(2):
+            for p in cutlass.range_constexpr(1, chains):
+                acc_S[m].store(acc_S[m].load() + parts[m][p].load())
+
+        # Exchange with the partner warp (quarter ^ 2: same keys, other k half): each keeps the
+        # row group rg = 2 quad + kh and hands over the other's partial. A slot is 16 rows x
+        # bn / 2 fp32 in the accumulator order, 4 consecutive values per lane (16-byte accesses
+        # of 8 lanes cover 32 banks).
+        n_val = cute.size(acc_S[0])
+        x_layout = cute.make_layout(((4, n_val // 4), 32), stride=((1, 128), 4))
+        a_mine, a_theirs = x_p, x_k
+        if kh == 1:
+            a_mine, a_theirs = x_k, x_p
+        x_mine = cute.make_tensor(
+            cute.make_ptr(Float32, a_mine, cute.AddressSpace.smem, assumed_align=16), x_layout)
+        x_theirs = cute.make_tensor(
+            cute.make_ptr(Float32, a_theirs, cute.AddressSpace.smem, assumed_align=16), x_layout)
+        flat = cute.make_layout(n_val)
+        s_own = cute.make_tensor(acc_S[0].iterator, flat)
+        s_other = cute.make_tensor(acc_S[1].iterator, flat)
+        if kh == 0:
+            cute.autovec_copy(s_other, x_mine[None, lane])
+        else:
+            cute.autovec_copy(s_own, x_mine[None, lane])
+        self._quad_barrier(quad)
+        rX = cute.make_rmem_tensor(n_val, Float32)
+        cute.autovec_copy(x_theirs[None, lane], rX)
+        if kh == 0:
+            s_own.store(s_own.load() + rX.load())
+        else:
+            s_own.store(s_other.load() + rX.load())
+        acc_S = acc_S[0]
 
         # Keys at or past a row's horizon (only stages that reach the nearest one).
         if key0 + bn > min_border:
@@ -516,6 +636,10 @@ class MLADecodeSm80:
             sMax[r_a, half] = m_loc[0]
             sMax[r_a + 8, half] = m_loc[1]
         self._quad_barrier(quad)
+        # The quad has read its exchange slots: the rope columns of the refilled stage may load.
+        if refill:
+            self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK, thr_g2s,
+                          gmem_copy, (D_V // 64, 9))
         m_use = [Float32(0.0)] * 4
         scale = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(4):  # O row 32 quad + lane // 4 + 16 m + 8 h, i = 2 m + h

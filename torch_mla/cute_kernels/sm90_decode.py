@@ -58,6 +58,8 @@ BLOCK_M = 64
 N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
 LOG2_E = math.log2(math.e)
+# Fast mode's P is 2^P_SHIFT times the probabilities (at most 256 of e4m3's 448).
+P_SHIFT = 8.0
 LN_2 = math.log(2.0)
 # Trace builds' stamp table (slots per CTA; see MLADecodeSm90._stamp).
 TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
@@ -156,6 +158,68 @@ def _e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, i
                     is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
+@dsl_user_op
+def _lds64(addr: Int32, *, loc=None, ip=None):
+    """Two 32-bit words from shared::cta address addr (8-byte aligned): one ld.shared.v2."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2), [Int32(addr).ir_value(loc=loc, ip=ip)],
+        "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def _sts(addr: Int32, words, *, loc=None, ip=None) -> None:
+    """One, two or four 32-bit words to shared::cta address addr (st.shared, .v2, .v4)."""
+    n = len(words)
+    vec = {1: "", 2: ".v2", 4: ".v4"}[n]
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    regs = regs if n == 1 else "{" + regs + "}"
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, *words)]
+    llvm.inline_asm(None, args, f"st.shared{vec}.b32 [$0], {regs};", ",".join(["r"] * (n + 1)),
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _ldg128(addr, *, loc=None, ip=None):
+    """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 4),
+        [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
+        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
+        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+
+
+@dsl_user_op
+def _e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four fp32 values -> one word of four e4m3 bytes (a in the lowest), rounded to nearest
+    and saturated at +-448 (cvt's upper half takes its first operand)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{ .reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def _unpack16x2(w: Int32, bf16: bool, *, loc=None, ip=None):
+    """A word of two bf16 (or fp16) values -> the two as fp32 (low half first)."""
+    body = ("{ .reg .b32 t;\nshl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xffff0000; }" if bf16 else
+            "{ .reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h; }")
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 2), [Int32(w).ir_value(loc=loc, ip=ip)], body,
+        "=f,=f,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
 def fp8_expand_schedule(n_tiles: int) -> list[tuple[str, int]]:
     """The in-place expansion of one page-buffer half of n_tiles 64-column tiles, as steps
     ("load", w), ("store", w) (wave w: 2 KB of fp8 = 16 bytes per thread of a warpgroup) and
@@ -197,6 +261,75 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
     return src, row_start + ((2 * q) ^ sw) * 16, row_start + ((2 * q + 1) ^ sw) * 16
 
 
+# ---- fast mode (compute="fp8"): layouts of e4m3 Q, P and V^T, modelled in Python ----------
+# Not yet used by the kernel (docs/kernel-notes.md, "FP8 fast mode: design and state"); the
+# tests check them byte by byte so that the device code can be written against them.
+
+
+def sw64(row, col):
+    """Byte offset of (row, col) in a K-major 8-bit tile with 64-byte rows and the 64-byte
+    swizzle (the DSL's K_SW64 atom for 8-bit types: S<2,4,3> o (8,64):(64,1)), which TMA and
+    wgmma both use: 16-byte chunk index (address bits 4-5) ^= row / 2 % 4 (bits 7-8)."""
+    return row * 64 + ((col // 16) ^ ((row >> 1) & 3)) * 16 + col % 16
+
+
+def fp8_pv_key(k):
+    """The key (0..63 of a page) that column k of fast mode's P and V^T holds.
+
+    The e4m3 wgmma's register A operand gives thread q (= lane % 4) of a quad the columns
+    4 q + [0, 4) and 16 + 4 q + [0, 4) of each 32-column step, while the fp32 scores S leave it
+    columns 8 j + 2 q + {0, 1}. Rather than exchange bytes between threads, P keeps S's
+    registers in order and V^T's columns are permuted to match: the sum over keys does not care
+    in which order they come, only that P and V^T agree."""
+    base, i = k - k % 16, k % 16
+    return base + 2 * (i // 4) + (i & 1) + 8 * ((i >> 1) & 1)
+
+
+def fp8_p_fragment(kk: int, v: int) -> int:
+    """Fast mode's P as a register A operand: value v (0..15) of k-step kk (0, 1; 32 keys each)
+    of a thread's e4m3 fragment is its fp32 score accumulator's value fp8_p_fragment(kk, v).
+    Fragment order (the DSL's tv_layout_A for e4m3, m64k32): v = i + 4 h + 8 u is row
+    r0 + 8 h, column 16 u + 4 q + i; accumulator order (tv_layout_C): idx = c + 2 h + 4 j is
+    row r0 + 8 h, key 8 j + 2 q + c. With fp8_pv_key the column holds key 32 kk + 16 u +
+    2 q + (i & 1) + 8 (i >> 1), i.e. j = 4 kk + 2 u + (i >> 1), c = i & 1: no data movement."""
+    i, h, u = v % 4, (v // 4) % 2, v // 8
+    return (i & 1) + 2 * h + 4 * (4 * kk + 2 * u + (i >> 1))
+
+
+def fp8_vt_unit(wtid: int, half: int):
+    """Thread wtid (0..127) of the warpgroup that owns V half `half` (d in [256 half,
+    256 half + 256)) transposes one 16-key x 8-d block of a page into V^T (256 d-rows x 64
+    key-bytes, K-major, sw64, keys in fp8_pv_key order). Returns (loads, stores):
+    loads: 16 (byte offset in the page's fp8 buffer (9 tiles of 64 keys x 64 bytes, sw64,
+    4 KB apart), key) for 8-byte ld.shared, in register order; stores: 8 (byte offset in the
+    V^T half, d, [16 (load index, byte in it)]) for 16-byte st.shared.
+
+    Lanes: c = lane % 4 is the key block (keys 16 c..16 c + 15); the 8-d group is
+    g = (lane / 4) ^ (4 (c / 2)) + 8 warp, so that a 16-lane phase of the loads reads both
+    32-byte halves of the rows of key blocks c and c + 2 (which share a bank window and a
+    swizzle phase). A lane takes its keys in the order s ^ (c % 2), so that key blocks c and
+    c + 1 sit in rows of different parity (the other 64 bytes of the bank window), and
+    stores its d's in the order e ^ (g % 2) (likewise): each swaps the inputs of one
+    byte-permute stage (a per-lane prmt selector), and both the loads and the stores are
+    conflict-free (the tests count the wavefronts)."""
+    lane, warp_i = wtid % 32, wtid // 32
+    c = lane % 4
+    g = ((lane // 4) ^ (4 * (c // 2))) + 8 * warp_i
+    d0 = 256 * half + 8 * g
+    loads = []
+    for s in range(16):
+        key = 16 * c + (s ^ (c % 2))
+        loads.append(((d0 // 64) * 4096 + sw64(key, d0 % 64), key))
+    load_of_key = {key: n for n, (_, key) in enumerate(loads)}
+    stores = []
+    for e in range(8):
+        dd = e ^ (g % 2)
+        row = 8 * g + dd
+        src = [(load_of_key[fp8_pv_key(16 * c + b)], dd) for b in range(16)]
+        stores.append((sw64(row, 16 * c), d0 + dd, src))
+    return loads, stores
+
+
 @cute.jit
 def fence_operand(t: cute.Tensor):
     """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
@@ -215,6 +348,12 @@ class MLADecodeSm90:
     """Split-KV MLA decode for SM90; see the module docstring for the algorithm."""
 
     num_threads = 256
+
+    # Fast mode (MLADecodeSm90Fast) sets these: e4m3 Q and P on the fp8 wgmma.
+    fast = False
+    q_fp8 = False
+    early_vt = False
+    prefetch = False
 
     def __init__(self, dtype, causal: bool, trace: bool = False, kv_fp8: bool = False):
         self.dtype = dtype
@@ -384,15 +523,30 @@ class MLADecodeSm90:
         self.d_tiled_pv_rs, self.d_tiled_pv_ss = tiled_pv_rs, tiled_pv_ss
         q_base = storage.sQ.data_ptr()
         k_base = storage.sK.data_ptr()
-        sQ = cute.make_tensor(cute.recast_ptr(q_base, sw), sQ_layout.outer)
-        sK = cute.make_tensor(cute.recast_ptr(k_base, sw), sK_layout.outer)
-        sP0 = cute.make_tensor(
-            cute.recast_ptr(storage.sP0.data_ptr(), sw), tile_layout.outer
-        )
-        # P1 shares its 8 KB with Q's RoPE tile, which both warpgroups hold in registers.
-        sP1 = cute.make_tensor(
-            cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
-        )
+        if const_expr(self.fast):
+            # Byte buffers: TMA moves the cache's bytes, the MMAs read them as e4m3.
+            f8 = cutlass.Float8E4M3FN
+            sQ = cute.make_tensor(cute.recast_ptr(q_base, sw, dtype=f8), sQ_layout.outer)
+            sK = cute.make_tensor(cute.recast_ptr(k_base, sw, dtype=f8), sK_layout.outer)
+            sK_tma = cute.make_tensor(cute.recast_ptr(k_base, sw), sK_layout.outer)
+            sP0 = cute.make_tensor(cute.recast_ptr(storage.sP0.data_ptr(), sw, dtype=f8),
+                                   tile_layout.outer)
+            sP1 = cute.make_tensor(cute.recast_ptr(storage.sP1.data_ptr(), sw, dtype=f8),
+                                   tile_layout.outer)
+            self.d_vt_base = storage.sVt.data_ptr().toint()
+            self.d_p_base = [storage.sP0.data_ptr().toint(), storage.sP1.data_ptr().toint()]
+            sQScale = storage.sQScale.get_tensor(cute.make_layout(BLOCK_M))
+        else:
+            sQ = cute.make_tensor(cute.recast_ptr(q_base, sw), sQ_layout.outer)
+            sK = cute.make_tensor(cute.recast_ptr(k_base, sw), sK_layout.outer)
+            sK_tma = sK
+            sP0 = cute.make_tensor(
+                cute.recast_ptr(storage.sP0.data_ptr(), sw), tile_layout.outer
+            )
+            # P1 shares its 8 KB with Q's RoPE tile, which both warpgroups hold in registers.
+            sP1 = cute.make_tensor(
+                cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
+            )
         sM = storage.sM.get_tensor(cute.make_layout(BLOCK_M))
         sScale0 = storage.sScale0.get_tensor(cute.make_layout(BLOCK_M))
         sScale1 = storage.sScale1.get_tensor(cute.make_layout(BLOCK_M))
@@ -401,7 +555,8 @@ class MLADecodeSm90:
         barQ = storage.barQ.data_ptr()
 
         if tidx == 0:
-            cpasync.prefetch_descriptor(tma_q)
+            if const_expr(not self.fast):
+                cpasync.prefetch_descriptor(tma_q)
             cpasync.prefetch_descriptor(tma_k)
             for i in cutlass.range_constexpr(2 * N_TILES):
                 cute.arch.mbarrier_init(barK + i, 1)
@@ -420,7 +575,7 @@ class MLADecodeSm90:
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
         gK_tiles = cute.local_tile(tma_mKV, (PAGE, 64), (0, None, None))  # (64, 64, 9, pages)
-        if const_expr(self.kv_fp8):
+        if const_expr(self.kv_fp8 and not self.fast):
             # Fp8 tile t of buffer s: 4 KB at byte s * 72 KB + half start + half size / 2 +
             # 4 KB (t - first tile of the half); one partition per half (tiles 0-3, 4-8).
             k8 = cute.recast_ptr(k_base, dtype=cutlass.Uint8)
@@ -435,19 +590,22 @@ class MLADecodeSm90:
                     cute.group_modes(sK8, 0, 2), cute.group_modes(gK_tiles, 0, 2),
                 )
                 tKsK.append(tKsK_h)
-            # Folded scales (see __call__): read once, no host synchronisation.
-            kv_scale = mKVScale[0]
-            q_scale = Float32(1.0)
-            if q_scaled != 0:
-                q_scale = mQScale[0]
-            scale_log2 = scale_log2 * kv_scale * q_scale
-            self.d_kv_scale = kv_scale
         else:
-            sK_tiles = cute.flat_divide(sK, (PAGE, 64))  # (64, 64, 1, 9, 2)
+            sK_tiles = cute.flat_divide(sK_tma, (PAGE, 64))  # (64, 64, 1, 9, 2)
             tKsK, tKgK = cpasync.tma_partition(
                 tma_k, 0, cute.make_layout(1),
                 cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
             )
+        q_scale = Float32(1.0)
+        if const_expr(self.kv_fp8):
+            # Folded scales (see __call__): read once, no host synchronisation.
+            kv_scale = mKVScale[0]
+            if q_scaled != 0:
+                q_scale = mQScale[0]
+            scale_log2 = scale_log2 * kv_scale
+            if const_expr(not self.fast):
+                scale_log2 = scale_log2 * q_scale
+            self.d_kv_scale = kv_scale
         self.d_k_base, self.d_wtid = k_base, wtid
 
         # MMA partitions (per warpgroup).
@@ -455,34 +613,51 @@ class MLADecodeSm90:
         thr_qk_rs = tiled_qk_rs.get_slice(wtid)
         thr_pv = tiled_pv_rs.get_slice(wtid)
         thr_pv_ss = tiled_pv_ss.get_slice(wtid)
-        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36)
+        tSrQ = thr_qk.make_fragment_A(thr_qk.partition_A(sQ))  # (MMA, 1, 36) (fast: 18)
         tSrK = thr_qk.make_fragment_B(thr_qk.partition_B(sK))  # (MMA, 1, 36, 2)
-        tSrK_rs = thr_qk_rs.make_fragment_B(thr_qk_rs.partition_B(sK))
-        rQ8 = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_shape_A((BLOCK_M, 64)))
         tOrP0s = thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP0))
         tOrP1s = thr_pv_ss.make_fragment_A(thr_pv_ss.partition_A(sP1))
-        # V halves: [buffer][half]
-        tOrV = [
-            [
-                thr_pv.make_fragment_B(thr_pv.partition_B(self._v_half(k_base, s, h)))
-                for h in range(2)
+        if const_expr(self.fast):
+            # Every Q K^T tile is shared-memory sourced; V is read as V^T (_transpose_v).
+            tSrK_rs = rQ8 = None
+            vt = storage.sVt.data_ptr()
+            tOrV = [
+                [
+                    thr_pv.make_fragment_B(thr_pv.partition_B(cute.make_tensor(
+                        cute.recast_ptr(vt + (2 * s + h) * HALF_V * PAGE, sw, dtype=f8),
+                        vhalf_layout.outer)))
+                    for h in range(2)
+                ]
+                for s in range(2)
             ]
-            for s in range(2)
-        ]
+        else:
+            tSrK_rs = thr_qk_rs.make_fragment_B(thr_qk_rs.partition_B(sK))
+            rQ8 = thr_qk_rs.make_fragment_A(thr_qk_rs.partition_shape_A((BLOCK_M, 64)))
+            # V halves: [buffer][half]
+            tOrV = [
+                [
+                    thr_pv.make_fragment_B(thr_pv.partition_B(self._v_half(k_base, s, h)))
+                    for h in range(2)
+                ]
+                for s in range(2)
+            ]
         acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_M, PAGE)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_M, HALF_V)), Float32)
         rP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_M, PAGE)))  # P as A operand
 
-        # P (registers, accumulator order) -> smem with stmatrix; Q's tile 8 -> registers.
-        st_P = cute.make_tiled_copy_C(
-            cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_ss
-        ).get_slice(wtid)
-        ld_Q8 = cute.make_tiled_copy_A(
-            cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_rs
-        ).get_slice(wtid)
-        sQ8 = cute.make_tensor(
-            cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
-        )
+        if const_expr(self.fast):
+            st_P = ld_Q8 = sQ8 = None  # P goes to smem by plain stores; Q stays in smem
+        else:
+            # P (registers, accumulator order) -> smem with stmatrix; Q's tile 8 -> registers.
+            st_P = cute.make_tiled_copy_C(
+                cute.make_copy_atom(warp.StMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_ss
+            ).get_slice(wtid)
+            ld_Q8 = cute.make_tiled_copy_A(
+                cute.make_copy_atom(warp.LdMatrix8x8x16bOp(False, 4), self.dtype), tiled_qk_rs
+            ).get_slice(wtid)
+            sQ8 = cute.make_tensor(
+                cute.recast_ptr(q_base + (N_TILES - 1) * 4096, sw), tile_layout.outer
+            )
 
         # Rows this thread holds in the accumulators: r0 and r0 + 8; columns 8 j + c0 + {0, 1}.
         r0 = warp_in_wg * 16 + (wtid % 32) // 4
@@ -553,15 +728,29 @@ class MLADecodeSm90:
                 min_border = self._row_border(L, m_block, 0)
                 ts = 1 + TRACE_PER_SEG * cutlass.min(seg[0], TRACE_SEGS - 1)
                 self._stamp(mTrace, cta, ts, tidx, 0)
-                cute.arch.mbarrier_wait(barQ, phase[2])
-                phase[2] = phase[2] ^ 1
+                if const_expr(self.fast):
+                    # Q -> e4m3 in smem, each row with its own scale (folded into that row's
+                    # softmax scale), while the first pages load.
+                    self._quantize_q(tma_mQ, r, m_block, tidx, q_base.toint(), sQScale, q_scale)
+                    cute.arch.fence_view_async_shared()
+                    cute.arch.sync_threads()
+                    row_l2 = [scale_log2 * sQScale[r0], scale_log2 * sQScale[r0 + 8]]
+                else:
+                    cute.arch.mbarrier_wait(barQ, phase[2])
+                    phase[2] = phase[2] ^ 1
+                    cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
+                    row_l2 = [scale_log2, scale_log2]
                 self._stamp(mTrace, cta, ts + 1, tidx, 0)
-                cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
 
                 if wg == 0:
                     cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
+                    if const_expr(self.early_vt):
+                        # Each warpgroup transposes the V^T half its next P V reads while that
+                        # page's Q K^T runs (see _wg0_pair).
+                        self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE), NB_WG0,
+                                          barK, phase, False)
                     warpgroup.wait_group(0)
                     fence_operand(acc_S)
                     self._stamp(mTrace, cta, ts + 2, tidx, 0)
@@ -572,7 +761,7 @@ class MLADecodeSm90:
                         st_P=st_P, sP0=sP0, sM=sM, sScale0=sScale0, sScale1=sScale1,
                         k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
                         tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
-                        scale_log2=scale_log2,
+                        scale_log2=row_l2,
                     )
                     # Pairs whose both blocks and the next block exist, then the last pair.
                     n_full = (n - 1) // 2
@@ -587,6 +776,9 @@ class MLADecodeSm90:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
+                        if const_expr(self.early_vt):
+                            self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE),
+                                              NB_WG1, barK, phase, False)
                         warpgroup.wait_group(0)
                         fence_operand(acc_S)
                     wg1 = partial(
@@ -596,7 +788,7 @@ class MLADecodeSm90:
                         st_P=st_P, sP0=sP0, sP1=sP1, sM=sM, sScale0=sScale0, sScale1=sScale1,
                         k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
                         tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
-                        scale_log2=scale_log2,
+                        scale_log2=row_l2,
                     )
                     # Pairs followed by a whole next pair, then the one or two last pairs.
                     n_full = cutlass.max(n - 2, 0) // 2
@@ -660,14 +852,19 @@ class MLADecodeSm90:
 
     @cute.jit
     def _load_q(self, tma_q, tma_mQ, sQ, barQ, r: Int32, m_block: Int32):
-        gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
-        tQsQ, tQgQ = cpasync.tma_partition(
-            tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2), cute.group_modes(gQ, 0, 2)
-        )
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(barQ, BLOCK_M * D_QK * self.dtype.width // 8)
-        # Each CTA reads its Q tile once: evict_first as for the cache pages.
-        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ, cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        # (Fast mode quantizes Q at each segment's start instead: _quantize_q.)
+        if const_expr(not self.fast):
+            gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1), cute.group_modes(sQ, 0, 2),
+                cute.group_modes(gQ, 0, 2)
+            )
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive_and_expect_tx(barQ,
+                                                        BLOCK_M * D_QK * self.dtype.width // 8)
+            # Each CTA reads its Q tile once: evict_first as for the cache pages.
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=barQ,
+                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
     @cute.jit
     def _load_tiles(self, tma_k, tKgK, tKsK, barK, page: Int32, s: cutlass.Constexpr[int],
@@ -675,7 +872,12 @@ class MLADecodeSm90:
         """One warp: TMA tiles [t_begin, t_end) of cache page `page` into buffer s."""
         for t in cutlass.range_constexpr(t_begin, t_end):
             bar = barK + s * N_TILES + t
-            if const_expr(self.kv_fp8):
+            if const_expr(self.fast):
+                with cute.arch.elect_one():
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64)
+                cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar,
+                          cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+            elif const_expr(self.kv_fp8):
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64)
                 dst = tKsK[0][None, 0, t, s] if t < 4 else tKsK[1][None, 0, t - 4, s]
@@ -696,31 +898,45 @@ class MLADecodeSm90:
         may be issued in several calls over parts of the tile order: fresh (the first part)
         starts S from zero, last flips buffer s's wait parity."""
         atom = cute.make_mma_atom(self.d_tiled_qk_ss.op)
-        atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
+        atom_rs = None
+        if const_expr(not self.fast):
+            atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
         if const_expr(fresh):
             fence_operand(acc_S)
-            fence_operand(rQ8)
+            if const_expr(not self.fast):
+                fence_operand(rQ8)
         first = fresh
         for t in cutlass.range_constexpr(len(order)):
             tile = order[t]
-            if const_expr(self.kv_fp8):
-                # Every call's order takes a buffer half's tiles together, starting at tile 0
-                # or 4: the half is expanded (waiting for all of its tiles) before its first.
-                if const_expr(tile == 0 or tile == 4):
-                    self._expand_half(barK, phase, s, 0 if tile == 0 else 1)
-            else:
+            if const_expr(self.fast):
+                # e4m3: k-steps of 32 columns, two a tile, all from shared memory.
                 cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
-            warpgroup.fence()
-            for kk in cutlass.range_constexpr(4):
-                k = tile * 4 + kk
-                if const_expr(tile == N_TILES - 1):
-                    atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
-                    cute.gemm(atom_rs, acc_S, rQ8[None, None, kk], tSrK_rs[None, None, k, s],
-                              acc_S)
-                else:
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(2):
                     atom.set(warpgroup.Field.ACCUMULATE, not first)
-                    cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, s], acc_S)
-                first = False
+                    cute.gemm(atom, acc_S, tSrQ[None, None, 2 * tile + kk],
+                              tSrK[None, None, 2 * tile + kk, s], acc_S)
+                    first = False
+            else:
+                if const_expr(self.kv_fp8):
+                    # Every call's order takes a buffer half's tiles together, starting at
+                    # tile 0 or 4: the half is expanded (waiting for all of its tiles) first.
+                    if const_expr(tile == 0 or tile == 4):
+                        self._expand_half(barK, phase, s, 0 if tile == 0 else 1)
+                else:
+                    cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+                warpgroup.fence()
+                for kk in cutlass.range_constexpr(4):
+                    k = tile * 4 + kk
+                    if const_expr(tile == N_TILES - 1):
+                        atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
+                        cute.gemm(atom_rs, acc_S, rQ8[None, None, kk],
+                                  tSrK_rs[None, None, k, s], acc_S)
+                    else:
+                        atom.set(warpgroup.Field.ACCUMULATE, not first)
+                        cute.gemm(atom, acc_S, tSrQ[None, None, k], tSrK[None, None, k, s],
+                                  acc_S)
+                    first = False
         warpgroup.commit_group()
         if const_expr(last):
             phase[s] = phase[s] ^ 1
@@ -757,7 +973,7 @@ class MLADecodeSm90:
         if const_expr(a_in_regs):
             fence_operand(tA)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(PAGE // 16):
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):  # k16 (k32 with e4m3)
             cute.gemm(atom, acc_O, tA[None, None, k], tB[None, None, k], acc_O)
         warpgroup.commit_group()
 
@@ -783,14 +999,20 @@ class MLADecodeSm90:
         return cute.arch.warp_reduction_max(m, threads_in_group=4)
 
     @cute.jit
-    def _exp_rows(self, acc_S, m_use, scale_log2: Float32, row_sum, row_scale):
-        """P = exp2(S * scale - m) in place; row_sum = row_sum * row_scale + sum(P)."""
+    def _exp_rows(self, acc_S, m_use, scale_log2, row_sum, row_scale):
+        """P = exp2(S * scale - m) in place (scale_log2: a row's scale per h); row_sum =
+        row_sum * row_scale + sum(P). Fast mode computes 2^P_SHIFT P: e4m3 then keeps the
+        small probabilities out of its subnormals; sums and O carry the same factor, and lse
+        takes it out (_epilogue)."""
         for h in cutlass.range_constexpr(2):
             s = Float32(0.0)
+            m_h = m_use[h]
+            if const_expr(self.fast):
+                m_h = m_h - P_SHIFT
             for j in cutlass.range_constexpr(PAGE // 8):
                 for c in cutlass.range_constexpr(2):
                     idx = c + 2 * h + 4 * j
-                    p = cute.math.exp2(acc_S[idx] * scale_log2 - m_use[h], fastmath=True)
+                    p = cute.math.exp2(acc_S[idx] * scale_log2[h] - m_h, fastmath=True)
                     acc_S[idx] = p
                     s += p
             row_sum[h] = row_sum[h] * row_scale[h] + s
@@ -818,6 +1040,147 @@ class MLADecodeSm90:
         cute.arch.fence_view_async_shared()
 
     @cute.jit
+    def _to_P8(self, acc_S, rP, row_scale):
+        """Fast mode: rP (e4m3, the P V MMA's register A operand) = acc_S * per-row scale,
+        converted in the scores' own register order (fp8_p_fragment): word h + 2 u + 4 kk
+        holds row r0 + 8 h, keys 8 j + c0 + {0, 1} for j = 4 kk + 2 u and 4 kk + 2 u + 1."""
+        rP32 = cute.recast_tensor(rP, Int32)
+        for kk in cutlass.range_constexpr(2):
+            for u in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    j = 4 * kk + 2 * u
+                    x = [acc_S[2 * h + 4 * j] * row_scale[h],
+                         acc_S[1 + 2 * h + 4 * j] * row_scale[h],
+                         acc_S[2 * h + 4 * (j + 1)] * row_scale[h],
+                         acc_S[1 + 2 * h + 4 * (j + 1)] * row_scale[h]]
+                    rP32[h + 2 * u + 4 * kk] = _e4m3x4(x[0], x[1], x[2], x[3])
+
+    @cute.jit
+    def _store_P8(self, rP, p_base: Int32, r0: Int32, q: Int32):
+        """Fast mode: this thread's P words (_to_P8) -> the 64 x 64 e4m3 tile at p_base (K-major,
+        sw64, columns in fp8_pv_key order, as the SS P V MMA reads it), then fenced for the
+        async proxy."""
+        rP32 = cute.recast_tensor(rP, Int32)
+        for kk in cutlass.range_constexpr(2):
+            for u in cutlass.range_constexpr(2):
+                for h in cutlass.range_constexpr(2):
+                    row = r0 + 8 * h
+                    chunk = ((row >> 1) & 3) ^ (2 * kk + u)
+                    _sts(p_base + row * 64 + chunk * 16 + 4 * q, [rP32[h + 2 * u + 4 * kk]])
+        cute.arch.fence_view_async_shared()
+
+    @cute.jit
+    def _page_valid(self, blk: Int32, nb_req: Int32, tail: Int32) -> Int32:
+        """Keys of block blk that exist: 64, or L % 64 in a request's last (partial) page."""
+        valid = Int32(PAGE)
+        if blk == nb_req - 1:
+            if tail != 0:
+                valid = tail
+        return valid
+
+    @cute.jit
+    def _transpose_v(self, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], valid: Int32,
+                     bar_id: cutlass.Constexpr[int], barK, phase, wait: cutlass.Constexpr[bool]):
+        """Fast mode: V half h (d in [256 h, 256 h + 256)) of the page in buffer s -> V^T
+        (256 d-rows x 64 key-bytes, K-major, sw64, keys in fp8_pv_key order), as fp8_vt_unit
+        models it: 16 keys x 8 d a thread, keys at or past `valid` zeroed (the cache may hold
+        NaN there). The warpgroup that reads this V^T half runs it; wait: first wait for the
+        half's tiles (the other warpgroup's buffer: this warpgroup's parity copy flips)."""
+        if const_expr(wait):
+            for t in cutlass.range_constexpr(4 * h, 4 * h + 4):
+                cute.arch.mbarrier_wait(barK + s * N_TILES + t, phase[s])
+            phase[s] = phase[s] ^ 1
+        wtid = self.d_wtid
+        lane = wtid % 32
+        c = lane % 4
+        c1 = c % 2
+        g = ((lane // 4) ^ (4 * (c // 2))) + 8 * (wtid // 32)
+        g1 = g % 2
+        col = (8 * g) % 64  # byte of the key row (tile 4 h + g / 8) this thread starts at
+        tile = self.d_k_base.toint() + s * PAGE * D_QK + (4 * h + g // 8) * (PAGE * 64)
+        lo = [None] * 16
+        hi = [None] * 16
+        for st in cutlass.range_constexpr(16):
+            key = 16 * c + (c1 ^ st)
+            w = _lds64(tile + key * 64 + (((col // 16) ^ ((key >> 1) & 3)) * 16) + col % 16)
+            ok = key < valid
+            lo[st] = cutlass.select_(ok, w[0], Int32(0))
+            hi[st] = cutlass.select_(ok, w[1], Int32(0))
+        # Stage 1 pairs keys (k, k + 1) byte by byte; a lane whose loads came key-swapped
+        # (c odd) swaps them back by its selector. Stage 2 joins keys k, k + 1 with k + 8,
+        # k + 9 (fp8_pv_key's order) for one d; a lane with g odd emits d's pairwise swapped,
+        # matching its store order e ^ g1.
+        selA0 = cutlass.select_(c1 == 0, Int32(0x5140), Int32(0x1504))
+        selA1 = cutlass.select_(c1 == 0, Int32(0x7362), Int32(0x3726))
+        selB0 = cutlass.select_(g1 == 0, Int32(0x5410), Int32(0x7632))
+        selB1 = cutlass.select_(g1 == 0, Int32(0x7632), Int32(0x5410))
+        vt = self.d_vt_base + (2 * s + h) * (HALF_V * PAGE)
+        # d 0-3 (the lo words) first, stored before d 4-7 are built: fewer live registers.
+        for half_w in cutlass.range_constexpr(2):
+            arr = lo if half_w == 0 else hi
+            out = [[None] * 4 for _ in range(4)]
+            for w4 in cutlass.range_constexpr(4):
+                t0 = Int32(cute.arch.prmt(arr[2 * w4], arr[2 * w4 + 1], selA0))
+                t1 = Int32(cute.arch.prmt(arr[2 * w4], arr[2 * w4 + 1], selA1))
+                u0 = Int32(cute.arch.prmt(arr[2 * w4 + 8], arr[2 * w4 + 9], selA0))
+                u1 = Int32(cute.arch.prmt(arr[2 * w4 + 8], arr[2 * w4 + 9], selA1))
+                out[0][w4] = Int32(cute.arch.prmt(t0, u0, selB0))
+                out[1][w4] = Int32(cute.arch.prmt(t0, u0, selB1))
+                out[2][w4] = Int32(cute.arch.prmt(t1, u1, selB0))
+                out[3][w4] = Int32(cute.arch.prmt(t1, u1, selB1))
+            for k in cutlass.range_constexpr(4):
+                row = 8 * g + (g1 ^ (4 * half_w + k))
+                _sts(vt + row * 64 + ((c ^ ((row >> 1) & 3)) * 16), out[k])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
+
+    @cute.jit
+    def _quantize_q(self, mQ, r: Int32, m_block: Int32, tidx: Int32, q_base: Int32, sQScale,
+                    q_scale: Float32):
+        """Fast mode: Q rows [64 m_block, +64) of request r -> e4m3 in smem (64 x 576, sw64
+        tiles of 64 columns, as the Q K^T MMA reads them) and each row's dequantization scale
+        -> sQScale. Four threads a row, 144 columns each. A 16-bit q is scaled per row by
+        448 / amax (rounded to nearest, saturating); an e4m3 q (q_fp8) is copied, its scale
+        q_scale. Rows past s_q * h_q are zero."""
+        row = tidx // 4
+        part = tidx % 4
+        g = m_block * BLOCK_M + row
+        ok = g < self.d_rows
+        src = (mQ.iterator + cute.crd2idx((r, cutlass.min(g, self.d_rows - 1), 144 * part),
+                                          mQ.layout)).toint()
+        words = []
+        scale = q_scale
+        if const_expr(self.q_fp8):
+            for i in cutlass.range_constexpr(9):
+                words += _ldg128(src + 16 * i)
+        else:
+            bf16 = self.dtype == cutlass.BFloat16
+            raw = []
+            for i in cutlass.range_constexpr(18):
+                raw += _ldg128(src + 16 * i)
+            amax = Float32(0.0)
+            for w in raw:
+                for v in _unpack16x2(w, bf16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
+            amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
+            inv = Float32(0.0)
+            if amax > 0.0:
+                inv = Float32(448.0) / amax
+            scale = amax * Float32(1.0 / 448.0)
+            for i in cutlass.range_constexpr(36):  # (unpacked again: fewer live registers)
+                a = _unpack16x2(raw[2 * i], bf16)
+                b = _unpack16x2(raw[2 * i + 1], bf16)
+                words.append(_e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
+        for i in cutlass.range_constexpr(9):
+            col = 144 * part + 16 * i
+            chunk = ((col % 64) // 16) ^ ((row >> 1) & 3)
+            _sts(q_base + (col // 64) * (BLOCK_M * 64) + row * 64 + chunk * 16,
+                 [cutlass.select_(ok, words[4 * i + k], Int32(0)) for k in range(4)])
+        if part == 0:
+            sQScale[row] = scale
+
+    @cute.jit
     def _zero_v_tail(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int],
                      valid: Int32, wtid: Int32, bar_id: cutlass.Constexpr[int]):
         """Zeroes keys [valid, 64) of V half h in buffer s (whole 128-byte rows, so the swizzle
@@ -836,13 +1199,14 @@ class MLADecodeSm90:
 
     @cute.jit
     def _softmax_stats(self, acc_S, sM, r0, scale_log2):
-        """Row max of this block (scaled, log2 domain), old and new running max."""
+        """Row max of this block (scaled, log2 domain; scale_log2 per h), old and new running
+        max."""
         m_old = [sM[r0], sM[r0 + 8]]
         m_new = [Float32(0.0), Float32(0.0)]
         m_use = [Float32(0.0), Float32(0.0)]
         scale = [Float32(0.0), Float32(0.0)]
         for h in cutlass.range_constexpr(2):
-            m_blk = self._row_max(acc_S, h) * scale_log2
+            m_blk = self._row_max(acc_S, h) * scale_log2[h]
             m_new[h] = cute.arch.fmax(m_old[h], m_blk)
             # A row that has seen no key yet keeps max -inf: subtract 0 instead (no NaN).
             m_use[h] = Float32(0.0) if m_new[h] == -Float32.inf else m_new[h]
@@ -868,6 +1232,9 @@ class MLADecodeSm90:
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
+        if const_expr(self.fast):
+            page4 = mBlockTable[r, cutlass.min(blk0 + 4, last)]
+            page5 = mBlockTable[r, cutlass.min(blk0 + 5, last)]
         tail = L % PAGE
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -879,32 +1246,66 @@ class MLADecodeSm90:
         self._scale_O(acc_O, scale0)
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale0)
         one = [Float32(1.0), Float32(1.0)]
-        self._to_P(acc_S, rP, one)
+        if const_expr(self.fast):
+            self._to_P8(acc_S, rP, one)
+        else:
+            self._to_P(acc_S, rP, one)
         cute.arch.barrier_arrive(barrier_id=NB_SCALE0, number_of_threads=256)
 
-        if blk0 == nb_req - 1:
-            if tail != 0:
-                self._zero_v_tail(k_base, 0, 0, tail, wtid, NB_WG0)
+        if const_expr(self.fast):
+            # V0L^T was built while this page's Q K^T ran (at the end of the last pair, or at
+            # the segment's start). Fast mode reads V from V^T, so a buffer half is refilled
+            # once it is transposed and its Q K^T is done, not after the P V that reads it: the
+            # next page has longer to land.
+            if const_expr(not self.early_vt):
+                self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK,
+                                  phase, False)
+            if const_expr(has2):
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
+                    # Half-size pages: two buffers hold too few bytes in flight for the HBM's
+                    # latency, so the pages of the pair after next go to L2 now (TMA prefetch).
+                    if const_expr(self.prefetch):
+                        with cute.arch.elect_one():
+                            if blk0 + 4 <= last:
+                                cute.prefetch(tma_k, tKgK[None, None, page4])
+                            if blk0 + 5 <= last:
+                                cute.prefetch(tma_k, tKgK[None, None, page5])
+        else:
+            if blk0 == nb_req - 1:
+                if tail != 0:
+                    self._zero_v_tail(k_base, 0, 0, tail, wtid, NB_WG0)
         self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[0][0], True)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
 
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
-        if const_expr(has2):
+        if const_expr(has2 and not self.fast):
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
-        self._to_P(acc_S, rP, scale1)
-        self._store_P(st_P, rP, sP0)
+        if const_expr(self.fast):
+            self._to_P8(acc_S, rP, scale1)
+            self._store_P8(rP, self.d_p_base[0], r0, wtid % 4)
+        else:
+            self._to_P(acc_S, rP, scale1)
+            self._store_P(st_P, rP, sP0)
         cute.arch.barrier_arrive(barrier_id=NB_P0, number_of_threads=256)
 
         self._scale_O(acc_O, scale1)
         for h in cutlass.range_constexpr(2):
             row_sum[h] = row_sum[h] * scale1[h]
         if const_expr(has1):
-            if blk0 + 1 == nb_req - 1:
-                if tail != 0:
-                    self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
+            if const_expr(self.fast):
+                self._transpose_v(1, 0, self._page_valid(blk0 + 1, nb_req, tail), NB_WG0, barK,
+                                  phase, True)
+                if blk0 + 3 <= last:
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
+            else:
+                if blk0 + 1 == nb_req - 1:
+                    if tail != 0:
+                        self._zero_v_tail(k_base, 1, 0, tail, wtid, NB_WG0)
             cute.arch.barrier(barrier_id=NB_P1_ISSUED, number_of_threads=256)
             self._pv(self.d_tiled_pv_ss, acc_O, tOrP1s, tOrV[1][0], False)
         if const_expr(has2):
@@ -913,11 +1314,17 @@ class MLADecodeSm90:
             # refills B1's left half; the other five tiles follow.
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3), True, False)
             warpgroup.wait_group(1)
-            if blk0 + 3 <= last:
-                if wtid < 32:
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
+            if const_expr(not self.fast):
+                if blk0 + 3 <= last:
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
+            if const_expr(self.early_vt):
+                # The next page's V0L^T, while its Q K^T runs (its tiles landed: the Q K^T
+                # waited for them; P0 @ V0L, the last reader of V0L^T, is done).
+                self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
+                                  phase, False)
             warpgroup.wait_group(0)
             fence_operand(acc_O)
             fence_operand(acc_S)
@@ -955,31 +1362,55 @@ class MLADecodeSm90:
 
         if const_expr(has1):
             one = [Float32(1.0), Float32(1.0)]
-            self._to_P(acc_S, rP, one)
-            self._store_P(st_P, rP, sP1)
-            if blk0 + 1 == nb_req - 1:
-                if tail != 0:
-                    self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
+            if const_expr(self.fast):
+                self._to_P8(acc_S, rP, one)
+                self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
+                # (V1R^T was built while this page's Q K^T ran, with early_vt.)
+                if const_expr(not self.early_vt):
+                    self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1,
+                                      barK, phase, False)
+                if const_expr(has3):
+                    if wtid < 32:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
+            else:
+                self._to_P(acc_S, rP, one)
+                self._store_P(st_P, rP, sP1)
+                if blk0 + 1 == nb_req - 1:
+                    if tail != 0:
+                        self._zero_v_tail(k_base, 1, 1, tail, wtid, NB_WG1)
             self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[1][1], True)
+        if const_expr(self.fast):
+            # B0's right half, while P1 @ V1R runs (WG0's Q K0^T waited for the tiles; this
+            # warpgroup waits too, on its own parity copy).
+            self._transpose_v(0, 1, self._page_valid(blk0, nb_req, tail), NB_WG1, barK, phase,
+                              True)
+            if blk0 + 2 <= last:
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
-        if blk0 == nb_req - 1:
-            if tail != 0:
-                self._zero_v_tail(k_base, 0, 1, tail, wtid, NB_WG1)
+        if const_expr(not self.fast):
+            if blk0 == nb_req - 1:
+                if tail != 0:
+                    self._zero_v_tail(k_base, 0, 1, tail, wtid, NB_WG1)
         # P0 @ V0R queues behind P1 @ V1R; B1's right half is refilled once the latter is done.
         self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[0][1], False)
         if const_expr(has1):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
-        if const_expr(has3):
+        if const_expr(has3 and not self.fast):
             warpgroup.wait_group(1)
             if wtid < 32:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
-        if blk0 + 2 <= last:
-            if wtid < 32:
-                self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
+        if const_expr(not self.fast):
+            if blk0 + 2 <= last:
+                if wtid < 32:
+                    self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
+            if const_expr(self.early_vt):
+                self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
+                                  phase, False)
             warpgroup.wait_group(0)
             fence_operand(acc_S)
 
@@ -1012,6 +1443,7 @@ class MLADecodeSm90:
         if const_expr(self.kv_fp8):
             inv = [inv[0] * self.d_kv_scale, inv[1] * self.d_kv_scale]  # V's scale
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
+        shift = Float32(P_SHIFT * int(self.fast))  # (see _exp_rows)
         if pieces > 1:
             self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
                                   m_block, valid_rows, r0, c0, wg, wtid, ts)
@@ -1027,12 +1459,13 @@ class MLADecodeSm90:
                         if pieces > 1:
                             lse2 = -Float32.inf
                             if total[h] > 0.0:
-                                lse2 = cute.math.log2(total[h], fastmath=False) + m
+                                lse2 = cute.math.log2(total[h], fastmath=False) + m - shift
                             mLSEacc[slot, row] = lse2
                         else:
                             lse = Float32.inf
                             if total[h] > 0.0:
-                                lse = (cute.math.log2(total[h], fastmath=False) + m) * LN_2
+                                lse = (cute.math.log2(total[h], fastmath=False) + m - shift
+                                       ) * LN_2
                             mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
 
     @cute.jit
@@ -1083,3 +1516,103 @@ class MLADecodeSm90:
             req[2] = mBlockTable[r, cutlass.min(lo + 1, last_col)]
         req[3] = mNumSplits[r]
         req[4] = mNumSplits[r + 1]
+
+
+class MLADecodeSm90Fast(MLADecodeSm90):
+    """Fast mode over a float8_e4m3fn cache (compute="fp8"): Q K^T and P V on the e4m3 wgmma.
+
+    Same schedule, seesaw, split-KV partials and combine as MLADecodeSm90; what differs:
+    - shared memory holds bytes: Q (64 x 576, quantized per row at each segment's start by
+      _quantize_q), the two page buffers as TMA leaves them (9 tiles of 64 keys x 64 bytes,
+      64-byte swizzle), V^T of each buffer (512 d-rows x 64 keys, written by _transpose_v:
+      e4m3 wgmma operands are K-major, and the cache holds V token-major), and P0, P1;
+    - P is 2^P_SHIFT x the probabilities, in e4m3, in the scores' register order; V^T's keys
+      are permuted to match (fp8_pv_key), so no byte moves between threads;
+    - the scores' scale is per row: softmax scale x kv_scale x the row's Q scale.
+    q_fp8: q is e4m3 (its bytes are copied; q_scale is every row's scale)."""
+
+    fast = True
+
+    def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False,
+                 early_vt: bool = True, prefetch: bool = False):
+        super().__init__(dtype, causal, trace=trace, kv_fp8=True)
+        self.q_fp8 = bool(q_fp8)
+        # Schedule choices (tools/ab_fast.py times them; H200, us at 128x8192 h_q 16 / 128,
+        # 64x2048 h_q 16): early_vt builds V0L^T / V1R^T of a page while its Q K^T runs instead
+        # of inside the pair (254.3 / 476.4 / 60.8 against 265.8 / 476.6 / 63.0); prefetch
+        # sends the pages of the pair after next to L2 with TMA prefetches (300.6 / 539.7 /
+        # 65.1 with early_vt: slower, off).
+        self.early_vt = bool(early_vt)
+        self.prefetch = bool(prefetch)
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, rows, 576): dtype, or uint8 (e4m3 bytes) when q_fp8
+        mKV: cute.Tensor,  # (num_blocks, 64, 576) uint8 (e4m3 bytes)
+        mBlockTable: cute.Tensor,
+        mSeqlens: cute.Tensor,
+        mMeta: cute.Tensor,
+        mNumSplits: cute.Tensor,
+        mO: cute.Tensor,
+        mLSE: cute.Tensor,
+        mOacc: cute.Tensor,
+        mLSEacc: cute.Tensor,
+        scale_log2: Float32,
+        stream,
+        mTrace: cute.Tensor = None,
+        mKVScale: cute.Tensor = None,
+        mQScale: cute.Tensor = None,
+        q_scaled=None,
+    ):
+        f8 = cutlass.Float8E4M3FN
+        kmode = warpgroup.OperandMajorMode.K
+        atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
+        self.swizzle = atom.inner
+        sQ_layout = cute.tile_to_shape(atom, (BLOCK_M, D_QK), order=(0, 1))
+        sK_layout = cute.tile_to_shape(atom, (PAGE, D_QK, 2), order=(0, 1, 2))
+        tile_layout = cute.tile_to_shape(atom, (64, 64), order=(0, 1))
+        vt_layout = cute.tile_to_shape(atom, (HALF_V, PAGE), order=(0, 1))
+        tiled_qk = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, PAGE))
+        tiled_pv_rs = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, HALF_V),
+            warpgroup.OperandSource.RMEM)
+        tiled_pv_ss = sm90_utils.make_trivial_tiled_mma(
+            f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, HALF_V))
+        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(
+            cpasync.CopyBulkTensorTileG2SOp(), mKV_t, tile_layout, (PAGE, 64))
+
+        @cute.struct
+        class SharedStorage:
+            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * D_QK], 1024]
+            # sK then sVt, adjacent: the epilogue stages fp32 O (132 KB) across both.
+            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * PAGE * D_QK], 1024]
+            sVt: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * D_V * PAGE], 1024]
+            sP0: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE], 1024]
+            sP1: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE], 1024]
+            sQScale: cute.struct.MemRange[Float32, BLOCK_M]
+            sM: cute.struct.MemRange[Float32, BLOCK_M]
+            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
+            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
+            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
+            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
+            barQ: cute.struct.MemRange[cutlass.Int64, 1]
+
+        self.shared_storage = SharedStorage
+        assert SharedStorage.size_in_bytes() <= 227 * 1024, SharedStorage.size_in_bytes()
+        num_parts = mMeta.shape[0]
+        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
+        # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
+        self.kernel(
+            tma_k, mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
+            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
+            sQ_layout, sK_layout, tile_layout, vt_layout,
+            tiled_qk, tiled_qk, tiled_pv_rs, tiled_pv_ss,
+        ).launch(
+            grid=[num_m_blocks, num_parts, 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )

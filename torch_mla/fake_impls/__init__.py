@@ -15,7 +15,8 @@ def _get_decode_schedule_fake(cache_seqlens, num_parts):
 
 @torch.library.register_fake("torch_mla::mla_decode")
 def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                     softmax_scale, causal, d_v, kv_scale=None, q_scale=None):
+                     softmax_scale, causal, d_v, kv_scale=None, q_scale=None,
+                     compute="exact"):
     b, s_q, h_q, _ = q.shape
     out = q.new_empty((b, s_q, h_q, d_v), dtype=decode_out_dtype(q.dtype))
     lse = q.new_empty((b, h_q, s_q), dtype=torch.float32)

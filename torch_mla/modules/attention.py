@@ -307,10 +307,10 @@ class MultiheadLatentAttention(nn.Module):
             out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
                                     step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
                                     causal=True, d_v=R)
-        else:  # an FP8 cache: q stays in the model's dtype (bf16/fp16 run the SM90 exact mode)
+        else:  # an FP8 cache: q stays in the model's dtype (bf16/fp16 run the SM90 kernel)
             out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
                                     step.schedule, softmax_scale=self.scaling, causal=True, d_v=R,
-                                    kv_scale=step.kv_scale)
+                                    kv_scale=step.kv_scale, compute=step.compute)
         return torch.einsum("bshr,hvr->bshv", out_lat.to(w.dtype), w_uv)
 
 

@@ -157,6 +157,7 @@ class LatentStep(NamedTuple):
     block_table: int32 [b, max_blocks]; cache_seqlens: int32 [b], lengths including this step.
     schedule: the decode schedule for these lengths (None at prefill).
     kv_scale: float32 [1], the dequantization scale of a float8_e4m3fn kv_cache; None otherwise.
+    compute: mla_decode's ``compute`` over a float8_e4m3fn kv_cache ("exact" or "fp8").
     """
 
     prefill: bool
@@ -165,6 +166,7 @@ class LatentStep(NamedTuple):
     cache_seqlens: torch.Tensor
     schedule: DecodeSchedule | None
     kv_scale: torch.Tensor | None = None
+    compute: str = "exact"
 
 
 def _warn_fp32_on_gpu(device: torch.device, dtype: torch.dtype) -> None:
@@ -275,6 +277,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
             a cache filled by :meth:`set_seqlens` instead needs its ``kv_scales`` filled too);
             or a given scale used as is: a float or a tensor of one element for every layer, or
             a list of them, one per layer. Latents past ``448 * scale`` are saturated to +-448.
+        compute: only with a float8_e4m3fn cache: :func:`torch_mla.mla_decode`'s ``compute``,
+            ``"exact"`` (default: 16-bit MMAs over the dequantized pages) or ``"fp8"`` (fast
+            mode: Q, quantized per row, and P in e4m3 on the fp8 tensor cores).
         block_table: optional int32 [max_batch_size, ceil(max_cache_len / 64)], a custom page
             assignment (pages must be distinct); default: request r owns its own run of pages.
         num_blocks: pages to allocate per layer (default: enough for the block table).
@@ -291,6 +296,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
         block_table: torch.Tensor | None = None,
         num_blocks: int | None = None,
         kv_scale: str | float | torch.Tensor | Sequence[float | torch.Tensor] | None = None,
+        compute: str = "exact",
     ):
         if max_batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got "
@@ -322,6 +328,12 @@ class MLACache(_RefusesReshaping, _CacheBase):
                           for dev in self.layer_devices]
         # float32 [1] per layer for a float8_e4m3fn cache, else None.
         self.kv_scales, self.auto_scale = self._scales(kv_scale, dtype)
+        if compute not in ("exact", "fp8"):
+            raise ValueError(f"compute must be 'exact' or 'fp8', got {compute!r}")
+        if compute == "fp8" and dtype != torch.float8_e4m3fn:
+            raise ValueError(f"compute='fp8' is a float8_e4m3fn cache's fast mode; this cache is "
+                             f"{dtype}: pass compute='exact'")
+        self.compute = compute
         # Per device: the block table and the lengths ([0]: layer 0's, where a step starts).
         self._tables = [block_table.to(device=dev, dtype=torch.int32).contiguous()
                         for dev in self._devices]
@@ -612,7 +624,8 @@ class MLACache(_RefusesReshaping, _CacheBase):
             append_kv(kv, kv_c, k_pe, slots, kv_scale=scale)
         if layer_idx == self.num_layers - 1:
             self._step = None  # the step is over; hold no tensor past it
-        return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched, scale)
+        return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched, scale,
+                          self.compute)
 
     def _store(self, b: int, s: int, key_valid: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The slots of this step's tokens (-1 for padding, which is not stored); advances the

@@ -117,6 +117,7 @@ def check_decode_args(
     causal: bool,
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    compute: str = "exact",
 ) -> None:
     """Validates the shapes, dtypes and devices of :func:`torch_mla.mla_decode`'s arguments;
     raises ValueError/TypeError. The values (lengths, used block-table entries) are checked
@@ -135,6 +136,7 @@ def check_decode_args(
         _fail(f"block_table must have shape [batch, max_blocks], got {_shape(block_table)}")
     b, s_q, h_q, d_qk = q.shape
     num_blocks, page, h_kv, d_kv = kv_cache.shape
+    check_compute(compute, kv_cache)
     if kv_cache.dtype == FP8 or q.dtype == FP8:
         _check_fp8_decode(q, kv_cache, kv_scale, q_scale)
     else:
@@ -192,11 +194,11 @@ _MAX_CHECKED_CALLS = 1024  # (batch sizes come and go while serving: forget them
 
 
 def check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_splits, d_v: int,
-                      causal: bool, kv_scale=None, q_scale=None) -> None:
+                      causal: bool, kv_scale=None, q_scale=None, compute: str = "exact") -> None:
     """:func:`check_decode_args` and :func:`check_schedule_args` of one mla_decode call, skipped
     when a call with the same signature passed them before: the type, shape, strides, dtype and
-    device of every tensor, d_v, causal and the scales' (type, shape, dtype, device) or None,
-    which is everything those checks read."""
+    device of every tensor, d_v, causal, compute and the scales' (type, shape, dtype, device) or
+    None, which is everything those checks read."""
     try:
         key = (type(q), q.shape, q.stride(), q.dtype, q.device,
                type(kv_cache), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
@@ -205,7 +207,7 @@ def check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_spl
                type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype,
                cache_seqlens.device,
                metadata.shape, metadata.dtype, metadata.device,
-               num_splits.shape, num_splits.dtype, num_splits.device, d_v, causal,
+               num_splits.shape, num_splits.dtype, num_splits.device, d_v, causal, compute,
                None if kv_scale is None else (type(kv_scale), kv_scale.shape, kv_scale.dtype,
                                               kv_scale.device),
                None if q_scale is None else (type(q_scale), q_scale.shape, q_scale.dtype,
@@ -214,12 +216,26 @@ def check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_spl
             return
     except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
         key = None
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale)
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale,
+                      compute)
     check_schedule_args(metadata, num_splits, q.shape[0], q.device)
     if key is not None:
         if len(_checked_calls) >= _MAX_CHECKED_CALLS:
             _checked_calls.clear()
         _checked_calls.add(key)
+
+
+COMPUTE_MODES = ("exact", "fp8")
+
+
+def check_compute(compute: str, kv_cache: torch.Tensor) -> None:
+    """compute: how an fp8 cache is computed with ("exact": 16-bit MMAs over the dequantized
+    pages; "fp8": e4m3 Q and P on fp8 MMAs); only "exact" means anything for a 16-bit cache."""
+    if compute not in COMPUTE_MODES:
+        _fail(f"compute must be 'exact' or 'fp8', got {compute!r}")
+    if compute == "fp8" and kv_cache.dtype != FP8:
+        _fail(f"compute='fp8' (e4m3 Q and P on fp8 tensor cores) needs a float8_e4m3fn "
+              f"kv_cache; this kv_cache is {kv_cache.dtype}: pass compute='exact'")
 
 
 def _check_fp8_decode(q, kv_cache, kv_scale, q_scale) -> None:

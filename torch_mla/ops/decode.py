@@ -19,7 +19,10 @@ from .schedule import DecodeSchedule, get_decode_schedule
 
 
 def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None):
+                softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None,
+                compute: str = "exact"):
+    # compute="fp8" permits e4m3 Q and P: the SM90 kernel's fast mode; the fp32 reference
+    # (CPU, other GPUs) is at least as accurate (decode_backend says which runs).
     kernel = find_decode_kernel(q, kv_cache, d_v)
     if kernel is not None:
         # The kernels check the lengths and the page ids they use themselves, at no cost and
@@ -28,7 +31,9 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                 softmax_scale, causal)
         if kv_scale is None:
             return kernel(*args)
-        return kernel(*args, kv_scale, q_scale)
+        if compute == "exact":
+            return kernel(*args, kv_scale, q_scale)
+        return kernel(*args, kv_scale, q_scale, compute)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
     args = (q, kv_cache, block_table, cache_seqlens, softmax_scale, causal, d_v)
@@ -38,11 +43,12 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
 
 
 def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                 softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None):
+                 softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None,
+                 compute: str = "exact"):
     check_decode_call(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits, d_v,
-                      causal, kv_scale, q_scale)
+                      causal, kv_scale, q_scale, compute)
     return _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
-                       softmax_scale, causal, d_v, kv_scale, q_scale)
+                       softmax_scale, causal, d_v, kv_scale, q_scale, compute)
 
 
 lib.impl("mla_decode", _decode_impl, "CompositeExplicitAutograd")
@@ -72,6 +78,7 @@ def mla_decode(
     d_v: int = 512,
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
+    compute: str = "exact",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Multi-head latent attention decode over a paged latent cache (FlashMLA's dense decode).
 
@@ -105,6 +112,13 @@ def mla_decode(
             per column block, can come later).
         q_scale: float32 [1], the dequantization scale of a float8_e4m3fn ``q`` (value =
             ``q.float() * q_scale``): required with one, refused otherwise.
+        compute: with a float8_e4m3fn cache, "exact" (default: the scores and P V in 16-bit
+            MMAs over the dequantized pages; the bf16 kernel's error on top of the cache's own)
+            or "fp8" ("fast mode": Q, quantized per row, and P in float8_e4m3fn on the fp8
+            tensor cores; allowed up to 2.5x the error the fp8 cache itself costs): the SM90
+            kernel (H100/H200); elsewhere the fp32 reference runs, which is at least as
+            accurate (:func:`torch_mla.ops.dispatch.decode_backend` says which runs). Refused
+            with a 16-bit cache.
 
     Returns:
         out: [batch, s_q, h_q, d_v] in q's dtype (bf16 for a float8_e4m3fn q).
@@ -128,14 +142,14 @@ def mla_decode(
     # the reference runs. (Traced by torch.compile, the tensors hold no values.)
     if schedule is None or compiling:  # (before the schedule reads cache_seqlens)
         check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale,
-                          q_scale)
+                          q_scale, compute)
         if schedule is None:
             schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
                                            h_kv=kv_cache.shape[2])
     metadata, num_splits = unpack_schedule(schedule)
     if not compiling:  # (eager: skipped for a signature checked before)
         check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_splits, d_v,
-                          causal, kv_scale, q_scale)
+                          causal, kv_scale, q_scale, compute)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     args = (q, kv_cache, block_table, cache_seqlens, metadata, num_splits,
@@ -145,5 +159,8 @@ def mla_decode(
     if compiling or (torch.is_grad_enabled() and (q.requires_grad or kv_cache.requires_grad)):
         if kv_scale is None and q_scale is None:  # (the bf16/fp16 graph stays as it was)
             return torch.ops.torch_mla.mla_decode(*args)
-        return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale)
-    return _decode_run(*args, kv_scale, q_scale)
+        if compute == "exact":  # (and so does the exact-mode graph)
+            return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale)
+        return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale,
+                                              compute=compute)
+    return _decode_run(*args, kv_scale, q_scale, compute)

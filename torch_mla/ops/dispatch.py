@@ -62,13 +62,15 @@ portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
                    d_v: int = D_V, page_size: int = PAGE_SIZE,
-                   cache_dtype: torch.dtype | None = None) -> tuple[str, str]:
+                   cache_dtype: torch.dtype | None = None,
+                   compute: str = "exact") -> tuple[str, str]:
     """Which implementation :func:`torch_mla.mla_decode` runs for inputs like these, and why.
 
     Args:
         device: where q and the cache live; dtype: q's (and the cache's) dtype;
         d_qk, d_v, page_size: the problem's widths and the cache's page size;
-        cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn).
+        cache_dtype: the cache's dtype where it differs from q's (float8_e4m3fn);
+        compute: mla_decode's (an fp8 cache's mode, "exact" or "fp8").
 
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200; with a
@@ -86,7 +88,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
     if _force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
     if torch.float8_e4m3fn in (dtype, cache_dtype):
-        return _fp8_backend(device, dtype, d_qk, d_v, page_size)
+        return _fp8_backend(device, dtype, d_qk, d_v, page_size, compute)
     if dtype not in (torch.bfloat16, torch.float16):
         return "reference", f"{dtype} inputs: the kernels take bfloat16 or float16"
     if (d_qk, d_v, page_size) != (D_QK, D_V, PAGE_SIZE):
@@ -115,9 +117,9 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
 
 
 def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
-                 page_size: int) -> tuple[str, str]:
-    """decode_backend for a float8_e4m3fn cache (q bf16/fp16/float8_e4m3fn): the SM90 kernel's
-    exact mode on compute capability 9.0, else the reference."""
+                 page_size: int, compute: str = "exact") -> tuple[str, str]:
+    """decode_backend for a float8_e4m3fn cache (q bf16/fp16/float8_e4m3fn): the SM90 kernel
+    (exact or fast mode, as compute says) on compute capability 9.0, else the reference."""
     deq = "the reference dequantizes the pages it reads to float32"
     if dtype not in (torch.bfloat16, torch.float16, torch.float8_e4m3fn):
         return "reference", (f"{dtype} q with a float8_e4m3fn cache: the FP8 kernel takes a "
@@ -131,8 +133,11 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
             f"compute capability {major}.{minor}")
         return "reference", (f"float8_e4m3fn cache on {why}: the only FP8 kernel is the SM90 "
                              f"one ({deq})")
-    return "sm90", ("compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, "
-                    "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)")
+    why = "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)"
+    if compute == "fp8":
+        why = ("fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 "
+               "tensor cores)")
+    return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"
 
 
 _warned: set[str] = set()
@@ -199,11 +204,12 @@ def _run_sm90(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax
 
 
 def _run_sm90_fp8(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale,
-                  causal, kv_scale, q_scale=None):
-    """The SM90 kernel over a float8_e4m3fn cache (exact mode). An e4m3 q becomes bf16 here
-    (exact; its scale folds into the kernel's softmax scale): out is bf16 then."""
+                  causal, kv_scale, q_scale=None, compute="exact"):
+    """The SM90 kernel over a float8_e4m3fn cache, exact mode or (compute="fp8") fast mode. In
+    exact mode an e4m3 q becomes bf16 here (exact; its scale folds into the kernel's softmax
+    scale); fast mode reads its bytes. out is bf16 for an e4m3 q."""
     return _run_split_kv("sm90", q, kv_cache, block_table, cache_seqlens, meta, num_splits,
-                         softmax_scale, causal, (kv_scale, q_scale))
+                         softmax_scale, causal, (kv_scale, q_scale), compute)
 
 
 def _run_sm80(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softmax_scale, causal):
@@ -217,10 +223,11 @@ def _run_sm100(q, kv_cache, block_table, cache_seqlens, meta, num_splits, softma
 
 
 def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_splits,
-                  softmax_scale, causal, scales=None):
+                  softmax_scale, causal, scales=None, compute="exact"):
     """The split-KV decode kernel of ``backend`` ("sm90", "sm100" or "sm80") and the combine,
     behind one host call; the host side (workspace, one launch per KV head, argument packing) is
-    the same for all. scales: (kv_scale, q_scale or None) with a float8_e4m3fn cache.
+    the same for all. scales: (kv_scale, q_scale or None) with a float8_e4m3fn cache; compute:
+    its mode ("exact" or "fp8").
 
     Runs on every eager decode call of every layer: each Python-level tensor op here costs
     ~1 us of host time (benchmarks/bench_host.py), so there are as few as the launch needs."""
@@ -230,26 +237,33 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
         # (device_map) calls its layers on cuda:1 while cuda:0 is current.
         with torch.cuda.device(q.device):
             return _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta,
-                                 num_splits, softmax_scale, causal, scales)
+                                 num_splits, softmax_scale, causal, scales, compute)
     b, s_q, h_q, _ = q.shape
     num_blocks, _, h_kv, _ = kv_cache.shape
     if kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
     # (A loaded step takes its defaulted trailing arguments explicitly: None without fp8.)
     extra = (None, None, None)
+    key = backend
+    out_dtype = q.dtype
     if scales is not None:
         kv_scale, q_scale = scales
+        key += "_fp8" if compute == "exact" else "_fp8_fast"
         if q.dtype == torch.float8_e4m3fn:
-            q = q.to(torch.bfloat16)  # exact; q_scale is applied in the kernel
+            out_dtype = torch.bfloat16
+            if compute == "exact":
+                q = q.to(torch.bfloat16)  # exact; q_scale is applied in the kernel
+            else:
+                q = q.view(torch.uint8)  # fast mode reads e4m3 q's bytes as they are
+                key += "_q8"
         # The kernel takes the cache's bytes (no fp8 type crosses DLPack).
         kv_cache = kv_cache.view(torch.uint8)
         extra = (kv_scale, kv_scale if q_scale is None else q_scale, int(q_scale is not None))
-        backend += "_fp8"
     # One launch per KV head, over query heads h_kv_idx * g .. (h_kv_idx + 1) * g - 1 and a
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = _STEPS[backend](q.dtype, bool(causal) and s_q > 1, index)
+    step = _STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
     variant = combine_variant(b, parts, rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
@@ -259,7 +273,7 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
     lseacc = q.new_empty(b + parts, rows, dtype=torch.float32)
     scale_log2 = softmax_scale * _LOG2E
     if h_kv == 1:
-        out = q.new_empty(b, rows, D_V)
+        out = q.new_empty(b, rows, D_V, dtype=out_dtype)
         lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
         if b > 0:
             # The cache is contiguous (checked): its one head's rows are a plain view. The
@@ -268,13 +282,13 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
                  cache_seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, variant,
                  *extra)
         return out.view(b, s_q, h_q, D_V), lse
-    out = q.new_empty(b, s_q, h_kv, g, D_V)
+    out = q.new_empty(b, s_q, h_kv, g, D_V, dtype=out_dtype)
     lse = q.new_empty(b, h_kv, g, s_q, dtype=torch.float32)
     qg = q.view(b, s_q, h_kv, g, D_QK)
     for k in range(h_kv):
         if b == 0:
             break
-        out_k = q.new_empty(b, rows, D_V)
+        out_k = q.new_empty(b, rows, D_V, dtype=out_dtype)
         lse_k = q.new_empty(b, g, s_q, dtype=torch.float32)
         step(_q_rows(qg[:, :, k], b, rows), kv_cache[:, :, k], block_table, cache_seqlens, meta,
              num_splits, out_k, lse_k, oacc, lseacc, scale_log2, variant, *extra)
@@ -339,21 +353,29 @@ def _compiled_decode_sm90(dtype: torch.dtype, causal: bool):
 
 @functools.lru_cache(maxsize=None)
 def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
-                   kv_fp8: bool = False, tiles: tuple[int, int, int] | None = None):
+                   kv_fp8: bool = False, tiles: tuple[int, int, int] | None = None,
+                   compute: str = "exact", q_fp8: bool = False):
     """A decode kernel and the combine behind one host call (what mla_decode runs), for arch:
     backend "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
     portable MLADecodeSm80, any arch from sm_80). kv_fp8 (sm90 only): over a float8_e4m3fn
     cache, with q (and out) in dtype. tiles: the portable kernel's (block_m, block_n, stages)
     instead of Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes
-    (tools/check_portable.py)."""
+    (tools/check_portable.py). compute="fp8" (with kv_fp8): fast mode (MLADecodeSm90Fast),
+    q_fp8: its q is float8_e4m3fn (passed as bytes; out is dtype)."""
     if kv_fp8 and backend != "sm90":
         raise ValueError(f"no float8_e4m3fn-cache kernel for backend {backend!r}")
+    if (compute == "fp8" and not kv_fp8) or (q_fp8 and compute != "fp8"):
+        raise ValueError(f"compute={compute!r}, q_fp8={q_fp8} needs kv_fp8 and fast mode")
 
     def build():
         cute, cutlass, cdt = _dsl(dtype)
         from ..cute_kernels.decode_step import MLADecodeStep
 
-        if backend == "sm90":
+        if backend == "sm90" and compute == "fp8":
+            from ..cute_kernels.sm90_decode import MLADecodeSm90Fast
+
+            decode = MLADecodeSm90Fast(cdt, causal, q_fp8=q_fp8)
+        elif backend == "sm90":
             from ..cute_kernels.sm90_decode import MLADecodeSm90
 
             decode = MLADecodeSm90(cdt, causal, kv_fp8=kv_fp8)
@@ -372,6 +394,10 @@ def _compiled_step(backend: str, dtype: torch.dtype, causal: bool, arch: str,
     config = {"dtype": _DTYPE_NAMES[dtype], "causal": causal}
     if kv_fp8:
         config["kv"] = "e4m3"  # (bf16/fp16-cache entries keep their names)
+    if compute == "fp8":
+        config["compute"] = "fp8"
+    if q_fp8:
+        config["q"] = "e4m3"
     if tiles:
         config["tiles"] = "x".join(map(str, tiles))
     return kernel_cache.load_or_build(f"step_{backend}", config, arch, build)
@@ -387,6 +413,10 @@ _STEPS = {
     "sm90": lambda dtype, causal, index: _compiled_step("sm90", dtype, causal, SM90_ARCH),
     "sm90_fp8": lambda dtype, causal, index: _compiled_step("sm90", dtype, causal, SM90_ARCH,
                                                             kv_fp8=True),
+    "sm90_fp8_fast": lambda dtype, causal, index: _compiled_step(
+        "sm90", dtype, causal, SM90_ARCH, kv_fp8=True, compute="fp8"),
+    "sm90_fp8_fast_q8": lambda dtype, causal, index: _compiled_step(
+        "sm90", dtype, causal, SM90_ARCH, kv_fp8=True, compute="fp8", q_fp8=True),
     "sm100": lambda dtype, causal, index: _compiled_step("sm100", dtype, causal, SM100_ARCH),
     "sm80": lambda dtype, causal, index: _compiled_step("sm80", dtype, causal,
                                                         device_arch(index)),
@@ -544,16 +574,17 @@ def _fake(cute, dtype, shape, stride, align=16):
     return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
 
 
-def _decode_fake_args(cute, cutlass, cdt, kv_fp8: bool = False) -> list:
+def _decode_fake_args(cute, cutlass, cdt, kv_fp8: bool = False, q_fp8: bool = False) -> list:
     """A decode kernel's arguments up to scale_log2, as fake tensors with symbolic sizes. With
     kv_fp8 the cache is float8_e4m3fn, passed as its bytes (uint8: the kernels only move and
-    convert them; DLPack needs no fp8 type)."""
+    convert them; DLPack needs no fp8 type); likewise q with q_fp8 (fast mode)."""
     i32, f32 = cutlass.Int32, cutlass.Float32
     b, rows, n_blocks, max_blocks, parts, slots = (cute.sym_int() for _ in range(6))
     h_q, s_q = cute.sym_int(), cute.sym_int()
     kdt, kdiv = (cutlass.Uint8, 16) if kv_fp8 else (cdt, 8)  # 16-byte aligned rows (TMA)
+    qdt, qdiv = (cutlass.Uint8, 16) if q_fp8 else (cdt, 8)
     return [
-        _fake(cute, cdt, (b, rows, D_QK), (cute.sym_int64(divisibility=8), D_QK, 1)),
+        _fake(cute, qdt, (b, rows, D_QK), (cute.sym_int64(divisibility=qdiv), D_QK, 1)),
         # Strides are runtime values: one KV head of a [num_blocks, 64, h_kv, 576] cache.
         _fake(cute, kdt, (n_blocks, PAGE_SIZE, D_QK),
               (cute.sym_int64(divisibility=kdiv), cute.sym_int64(divisibility=kdiv), 1)),
@@ -591,7 +622,7 @@ def compile_decode_step(cute, cutlass, step, cdt, arch: str = SM90_ARCH):
     A float8_e4m3fn-cache step (step.kv_fp8) takes three more arguments: kv_scale and q_scale
     (float32 [1] device tensors) and q_scaled (int: 1 when q_scale applies)."""
     kv_fp8 = getattr(step, "kv_fp8", False)
-    args = _decode_fake_args(cute, cutlass, cdt, kv_fp8)
+    args = _decode_fake_args(cute, cutlass, cdt, kv_fp8, getattr(step.decode, "q_fp8", False))
     args += [cutlass.Int32(0), cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)]
     if kv_fp8:
         args += [_fake(cute, cutlass.Float32, (1,), (1,), 4),

@@ -1,7 +1,8 @@
 """The ``torch_mla`` operator namespace and the schemas of its ops (pinned by tests/test_ops.py).
 
 ``kv_scale`` / ``q_scale`` are the float32 [1] scales of a float8_e4m3fn cache / q (None
-otherwise); optional with defaults at the end, so callers of the bf16/fp16 form are unchanged."""
+otherwise); ``compute`` is "exact" or "fp8" (an fp8 cache's mode, see mla_decode); optional with
+defaults at the end, so callers of the bf16/fp16 form are unchanged."""
 
 import torch
 
@@ -13,7 +14,7 @@ lib.define(
 lib.define(
     "mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, "
     "Tensor sched_metadata, Tensor num_splits, float softmax_scale, bool causal, int d_v, "
-    "Tensor? kv_scale=None, Tensor? q_scale=None) -> (Tensor, Tensor)"
+    "Tensor? kv_scale=None, Tensor? q_scale=None, str compute=\"exact\") -> (Tensor, Tensor)"
 )
 lib.define(
     "append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
