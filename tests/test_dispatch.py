@@ -379,3 +379,37 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
     torch.testing.assert_close(out, inp.q[..., :512] + heads, rtol=0, atol=0)
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compute", ["exact", "fp8"])
+def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
+    """The float8_e4m3fn paths of _run_split_kv (stand-in step, CPU tensors): the cache as its
+    bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
+    scales behind the combine variant."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    inp = make_decode_inputs([3, 70], 2, 4)
+    q8, kv8 = inp.q.to(torch.float8_e4m3fn), inp.kv_cache.to(torch.float8_e4m3fn)
+    kv_scale, q_scale = torch.full((1,), 0.5), torch.full((1,), 0.25)
+    meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 4)
+    seen = []
+
+    def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra):
+        seen.append((q3.dtype, tuple(q3.shape), kv.dtype, tuple(kv.shape), out3.dtype,
+                     tuple(out3.shape), extra[0] is kv_scale, extra[1] is q_scale, extra[2]))
+        q_bytes = q8.view(torch.uint8).view(2, 8, 576)
+        assert torch.equal(q3, q_bytes if compute == "fp8" else q8.to(torch.bfloat16).view(
+            2, 8, 576))
+        assert torch.equal(kv, kv8.view(torch.uint8).view(-1, 64, 576))
+        out3.fill_(1.0)
+        lse.fill_(2.0)
+
+    key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast_q8"
+    monkeypatch.setitem(dispatch._STEPS, key, lambda dtype, causal, index: step)
+    out, lse = dispatch._run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
+                                      0.5, False, kv_scale, q_scale, compute)
+    q_dtype = torch.uint8 if compute == "fp8" else torch.bfloat16
+    assert seen == [(q_dtype, (2, 8, 576), torch.uint8, (kv8.shape[0], 64, 576), torch.bfloat16,
+                     (2, 8, 512), True, True, 1)]
+    torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
+    torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
