@@ -1,6 +1,7 @@
 """Host time of one eager call of each op (CPU microseconds to issue it), beside FlashMLA's.
 
     python benchmarks/bench_host.py            # on a GPU; FlashMLA too when `flash_mla` imports
+    python benchmarks/bench_host.py --cpu-model [--profile]   # no GPU: the Python path alone
 
 A decode step at small batch is bounded by how fast the host issues kernels, not by the GPU. Here
 the GPU is first held busy (``torch.cuda._sleep``) so that nothing waits for it, then N calls are
@@ -11,7 +12,13 @@ the sleep is then drained. Value checks stay on (the defaults). Shapes: batch 4,
 
 from __future__ import annotations
 
+import argparse
+import contextlib
+import cProfile
+import os
+import pstats
 import statistics
+import sys
 import time
 
 import torch
@@ -37,6 +44,68 @@ def host_us(fn) -> float:
         times.append((time.perf_counter() - t0) / CALLS * 1e6)
         torch.cuda.synchronize()
     return statistics.median(times)
+
+
+_CUDA0 = torch.device("cuda", 0)
+
+
+@contextlib.contextmanager
+def cuda_model():
+    """CPU tensors take mla_decode's SM90 kernel path, up to the launch of its compiled step,
+    which is a no-op here: what remains is the Python host path (checks, dispatch, allocation,
+    argument packing). Not modelled: the TVM-FFI call itself (~7 us on the H200 host) and the
+    CUDA caching allocator (CPU allocations of the same sizes stand in)."""
+    from torch_mla.ops import dispatch
+
+    saved = (torch.Tensor.is_cuda, torch.cuda.current_device, dispatch.decode_backend,
+             dict(dispatch._STEPS), dict(dispatch._capability))
+    torch.Tensor.is_cuda = property(lambda self: True)
+    backend = dispatch.decode_backend
+    dispatch.decode_backend = lambda device, *args: backend(_CUDA0, *args)
+    # CPU tensors have device index None: "the current device" is None too, an H100/H200.
+    torch.cuda.current_device = lambda: None
+    dispatch._capability[None] = dispatch._capability[0] = (9, 0)
+    dispatch._STEPS["sm90"] = lambda dtype, causal, index: lambda *args: None
+    try:
+        yield
+    finally:
+        torch.Tensor.is_cuda, torch.cuda.current_device, dispatch.decode_backend = saved[:3]
+        dispatch._STEPS.clear()
+        dispatch._STEPS.update(saved[3])
+        dispatch._capability.clear()
+        dispatch._capability.update(saved[4])
+
+
+def cpu_model(profile: bool):
+    """Host us per eager mla_decode (schedule given), CPU tensors through the modelled SM90 path:
+    median over rounds of perf_counter_ns around CALLS calls."""
+    s_q, h_q = 1, 128
+    inp = make_decode_inputs([900, 1000, 1100, 1200], s_q, h_q, poison=False)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+
+    def fn():
+        return torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens,
+                                    sched)
+
+    with cuda_model():
+        for _ in range(200):
+            fn()
+        times = []
+        for _ in range(31):
+            t0 = time.perf_counter_ns()
+            for _ in range(100):
+                fn()
+            times.append((time.perf_counter_ns() - t0) / 100 / 1e3)
+        print(f"# CPU model, torch {torch.__version__}: mla_decode (schedule given), host us per "
+              f"call without the step's launch: median {statistics.median(times):.2f}, "
+              f"min {min(times):.2f} (31 rounds x 100 calls)")
+        if profile:
+            prof = cProfile.Profile()
+            prof.enable()
+            for _ in range(3000):
+                fn()
+            prof.disable()
+            pstats.Stats(prof).sort_stats("tottime").print_stats(25)
 
 
 def main():
@@ -77,4 +146,15 @@ def main():
 
 
 if __name__ == "__main__":
-    main()
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--cpu-model", action="store_true",
+                    help="no GPU: time mla_decode's Python host path with the launch a no-op")
+    ap.add_argument("--profile", action="store_true", help="with --cpu-model: cProfile it")
+    a = ap.parse_args()
+    if a.cpu_model and "MALLOC_MMAP_THRESHOLD_" not in os.environ:
+        # glibc maps and unmaps each allocation over 32 MB (the partials' workspace): ~15 us a
+        # call that the CUDA caching allocator does not pay. Keep them on the heap instead.
+        env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="4294967296",
+                   MALLOC_TRIM_THRESHOLD_="4294967296")
+        os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    cpu_model(a.profile) if a.cpu_model else main()

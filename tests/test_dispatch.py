@@ -11,8 +11,10 @@ import pytest
 import torch
 from expecttest import assert_expected_inline
 
+import torch_mla
 from torch_mla.ops import dispatch, selfcheck
 from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import make_decode_inputs
 
 
 @pytest.fixture
@@ -333,3 +335,81 @@ def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
     monkeypatch.setattr(dispatch, "_capturing", lambda: False)
     assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
     assert len(sm100.calls) == 3
+
+
+@pytest.mark.parametrize("h_kv, s_q, misaligned", [(1, 1, False), (1, 3, False), (2, 2, False),
+                                                   (1, 2, True)])
+def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misaligned):
+    """The host side of a kernel call (_run_split_kv) on CPU tensors, with a stand-in for the
+    compiled step (the launch needs a GPU): each KV head's query rows, cache rows, output rows and
+    workspace reach the step in the layouts the kernels were compiled for, and what the step
+    writes comes back as out [b, s_q, h_q, 512] and lse [b, h_q, s_q] in the right places."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    inp = make_decode_inputs([3, 70, 130], s_q, 4, h_kv=h_kv)
+    if misaligned:  # a contiguous q 2 bytes past a 16-byte boundary: the step gets a copy
+        inp.q = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype)[1:].view(inp.q.shape).copy_(
+            inp.q)
+    b, g = 3, 4 // h_kv
+    meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, 4, h_kv=h_kv)
+    layouts = set()
+
+    def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra):
+        rows, slots = s_q * g, b + meta.shape[0]
+        layouts.add((q3.shape == (b, rows, 576) and q3.stride()[1:] == (576, 1)
+                     and q3.data_ptr() % 16 == 0,
+                     kv.shape == (inp.kv_cache.shape[0], 64, 576) and kv.stride(-1) == 1,
+                     out3.shape == (b, rows, 512) and out3.is_contiguous(),
+                     lse.shape == (b, g, s_q) and lse.is_contiguous(),
+                     oacc.shape == (slots, rows, 512) and oacc.is_contiguous(),
+                     lseacc.shape == (slots, rows) and lseacc.is_contiguous(),
+                     table is inp.block_table and seqlens is inp.cache_seqlens,
+                     meta_ is meta and splits_ is splits, extra == (None, None, None),
+                     round(scale_log2, 6), variant))
+        # Stand-in results: a row's output is its query's first 512 columns plus the first
+        # cached row of request 0 in its KV head; its lse is its query's first entry.
+        out3.copy_(q3[..., :512] + kv[table[0, 0], 0, :512])
+        lse.copy_(q3[..., 0].view(b, s_q, g).transpose(1, 2))
+
+    monkeypatch.setitem(dispatch._STEPS, "sm90", lambda dtype, causal, index: step)
+    out, lse = dispatch._run_sm90(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, meta,
+                                  splits, 0.5, True)
+    variant = dispatch.combine_variant(b, meta.shape[0], s_q * g)
+    assert layouts == {(True,) * 9 + (round(0.5 * math.log2(math.e), 6), variant)}
+    heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
+    torch.testing.assert_close(out, inp.q[..., :512] + heads, rtol=0, atol=0)
+    torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compute", ["exact", "fp8"])
+def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
+    """The float8_e4m3fn paths of _run_split_kv (stand-in step, CPU tensors): the cache as its
+    bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
+    scales behind the combine variant."""
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    inp = make_decode_inputs([3, 70], 2, 4)
+    q8, kv8 = inp.q.to(torch.float8_e4m3fn), inp.kv_cache.to(torch.float8_e4m3fn)
+    kv_scale, q_scale = torch.full((1,), 0.5), torch.full((1,), 0.25)
+    meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 4)
+    seen = []
+
+    def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra):
+        seen.append((q3.dtype, tuple(q3.shape), kv.dtype, tuple(kv.shape), out3.dtype,
+                     tuple(out3.shape), extra[0] is kv_scale, extra[1] is q_scale, extra[2]))
+        q_bytes = q8.view(torch.uint8).view(2, 8, 576)
+        assert torch.equal(q3, q_bytes if compute == "fp8" else q8.to(torch.bfloat16).view(
+            2, 8, 576))
+        assert torch.equal(kv, kv8.view(torch.uint8).view(-1, 64, 576))
+        out3.fill_(1.0)
+        lse.fill_(2.0)
+
+    key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast_q8"
+    monkeypatch.setitem(dispatch._STEPS, key, lambda dtype, causal, index: step)
+    out, lse = dispatch._run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
+                                      0.5, False, kv_scale, q_scale, compute)
+    q_dtype = torch.uint8 if compute == "fp8" else torch.bfloat16
+    assert seen == [(q_dtype, (2, 8, 576), torch.uint8, (kv8.shape[0], 64, 576), torch.bfloat16,
+                     (2, 8, 512), True, True, 1)]
+    torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
+    torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))

@@ -186,6 +186,45 @@ def check_decode_args(
         _fail("block_table's last dimension must be contiguous (stride 1)")
 
 
+# Signatures of mla_decode calls that passed check_decode_call. An eager decode repeats a few of
+# them every step, and building one costs half of what the checks cost (bench_host.py
+# --cpu-model); a call that differs in anything the checks read is checked again.
+_checked_calls: set = set()
+_MAX_CHECKED_CALLS = 1024  # (batch sizes come and go while serving: forget them all then)
+
+
+def check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_splits, d_v: int,
+                      causal: bool, kv_scale=None, q_scale=None, compute: str = "exact") -> None:
+    """:func:`check_decode_args` and :func:`check_schedule_args` of one mla_decode call, skipped
+    when a call with the same signature passed them before: the type, shape, strides, dtype and
+    device of every tensor, d_v, causal, compute and the scales' (type, shape, dtype, device) or
+    None, which is everything those checks read."""
+    try:
+        key = (type(q), q.shape, q.stride(), q.dtype, q.device,
+               type(kv_cache), kv_cache.shape, kv_cache.stride(), kv_cache.dtype, kv_cache.device,
+               type(block_table), block_table.shape, block_table.stride(), block_table.dtype,
+               block_table.device,
+               type(cache_seqlens), cache_seqlens.shape, cache_seqlens.dtype,
+               cache_seqlens.device,
+               metadata.shape, metadata.dtype, metadata.device,
+               num_splits.shape, num_splits.dtype, num_splits.device, d_v, causal, compute,
+               None if kv_scale is None else (type(kv_scale), kv_scale.shape, kv_scale.dtype,
+                                              kv_scale.device),
+               None if q_scale is None else (type(q_scale), q_scale.shape, q_scale.dtype,
+                                             q_scale.device))
+        if key in _checked_calls:
+            return
+    except (AttributeError, TypeError):  # not tensors, or unhashable: the checks say what
+        key = None
+    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale,
+                      compute)
+    check_schedule_args(metadata, num_splits, q.shape[0], q.device)
+    if key is not None:
+        if len(_checked_calls) >= _MAX_CHECKED_CALLS:
+            _checked_calls.clear()
+        _checked_calls.add(key)
+
+
 COMPUTE_MODES = ("exact", "fp8")
 
 
@@ -280,9 +319,10 @@ def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch:
 
 def unpack_schedule(schedule) -> tuple[torch.Tensor, torch.Tensor]:
     """(metadata, num_splits) from a DecodeSchedule or a plain 2-tuple of tensors."""
-    if (isinstance(schedule, tuple) and len(schedule) == 2
-            and all(isinstance(t, torch.Tensor) for t in schedule)):
-        return schedule[0], schedule[1]
+    if isinstance(schedule, tuple) and len(schedule) == 2:
+        metadata, num_splits = schedule
+        if isinstance(metadata, torch.Tensor) and isinstance(num_splits, torch.Tensor):
+            return metadata, num_splits
     raise TypeError("schedule must be a torch_mla.DecodeSchedule (from get_decode_schedule) or a "
                     f"(metadata, num_splits) tuple of tensors, got {type(schedule).__name__}")
 

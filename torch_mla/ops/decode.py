@@ -8,8 +8,8 @@ import torch
 from ..reference import mla_decode_reference
 from .checks import (
     check_decode_args,
+    check_decode_call,
     check_decode_values,
-    check_schedule_args,
     checks_values,
     unpack_schedule,
 )
@@ -45,9 +45,8 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
 def _decode_impl(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
                  softmax_scale: float, causal: bool, d_v: int, kv_scale=None, q_scale=None,
                  compute: str = "exact"):
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale,
-                      compute)
-    check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
+    check_decode_call(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits, d_v,
+                      causal, kv_scale, q_scale, compute)
     return _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_splits,
                        softmax_scale, causal, d_v, kv_scale, q_scale, compute)
 
@@ -141,12 +140,16 @@ def mla_decode(
     compiling = torch.compiler.is_compiling()
     # Shapes and dtypes here; values where they are used (_decode_run): in the kernel, or before
     # the reference runs. (Traced by torch.compile, the tensors hold no values.)
-    check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale, q_scale,
-                      compute)
-    if schedule is None:
-        schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
-                                       h_kv=kv_cache.shape[2])
+    if schedule is None or compiling:  # (before the schedule reads cache_seqlens)
+        check_decode_args(q, kv_cache, block_table, cache_seqlens, d_v, causal, kv_scale,
+                          q_scale, compute)
+        if schedule is None:
+            schedule = get_decode_schedule(cache_seqlens, q.shape[1], q.shape[2],
+                                           h_kv=kv_cache.shape[2])
     metadata, num_splits = unpack_schedule(schedule)
+    if not compiling:  # (eager: skipped for a signature checked before)
+        check_decode_call(q, kv_cache, block_table, cache_seqlens, metadata, num_splits, d_v,
+                          causal, kv_scale, q_scale, compute)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     args = (q, kv_cache, block_table, cache_seqlens, metadata, num_splits,
@@ -160,5 +163,4 @@ def mla_decode(
             return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale)
         return torch.ops.torch_mla.mla_decode(*args, kv_scale=kv_scale, q_scale=q_scale,
                                               compute=compute)
-    check_schedule_args(metadata, num_splits, q.shape[0], q.device)
     return _decode_run(*args, kv_scale, q_scale, compute)

@@ -41,9 +41,23 @@ def gpu_arch(major: int, minor: int) -> str:
     return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
 
 
-def portable_forced() -> bool:
-    """TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing)."""
-    return os.environ.get("TORCH_MLA_PORTABLE") == "1"
+def _env_flag(name: str):
+    """A function telling whether the environment variable `name` is "1", read live at each
+    call. os.environ.get of an unset name costs ~1 us (a KeyError raised and caught inside the
+    mapping), and eager decode calls read two of them; the dict beneath os.environ answers in
+    ~0.05 us and is the live environment (os.environ[...] =, monkeypatch.setenv and
+    mock.patch.dict all write through to it)."""
+    data = getattr(os.environ, "_data", None)
+    if not isinstance(data, dict):
+        return lambda: os.environ.get(name) == "1"
+    key, one = os.environ.encodekey(name), os.environ.encodevalue("1")
+    return lambda: data.get(key) == one
+
+
+_force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
+_sm100_enabled = _env_flag("TORCH_MLA_SM100")
+# TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
+portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
@@ -67,10 +81,11 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         with ``TORCH_MLA_PORTABLE=1``) or ``"reference"`` (plain PyTorch, fp32 accumulate);
         reason is one sentence for a user.
     """
-    device = torch.device(device)
+    if not isinstance(device, torch.device):  # (a conversion costs ~0.3 us, every eager call)
+        device = torch.device(device)
     if device.type != "cuda":
         return "reference", f"{device.type} tensors: the kernels run on NVIDIA GPUs"
-    if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+    if _force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1 is set"
     if torch.float8_e4m3fn in (dtype, cache_dtype):
         return _fp8_backend(device, dtype, d_qk, d_v, page_size, compute)
@@ -85,8 +100,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
                              "(Ampere) or newer")
     if (major, minor) == (9, 0) and not portable_forced():
         return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
-    if (major, minor) == (10, 0) and os.environ.get("TORCH_MLA_SM100") == "1" \
-            and not portable_forced():
+    if (major, minor) == (10, 0) and _sm100_enabled() and not portable_forced():
         return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
                          "kernel (not yet run on a Blackwell GPU; checked against the "
                          "reference on first use)")
@@ -148,7 +162,7 @@ def find_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
         if failed is None:
             return run
         reason = failed
-    if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
+    if reason not in _warned and not _force_reference():
         _warned.add(reason)
         warnings.warn(f"torch_mla.mla_decode runs the slow plain-PyTorch reference on this GPU: "
                       f"{reason}", stacklevel=3)
@@ -213,15 +227,19 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
     """The split-KV decode kernel of ``backend`` ("sm90", "sm100" or "sm80") and the combine,
     behind one host call; the host side (workspace, one launch per KV head, argument packing) is
     the same for all. scales: (kv_scale, q_scale or None) with a float8_e4m3fn cache; compute:
-    its mode ("exact" or "fp8")."""
-    if q.device.index != torch.cuda.current_device():
+    its mode ("exact" or "fp8").
+
+    Runs on every eager decode call of every layer: each Python-level tensor op here costs
+    ~1 us of host time (benchmarks/bench_host.py), so there are as few as the launch needs."""
+    index = q.device.index
+    if index != torch.cuda.current_device():
         # Kernels launch on the current device's stream, and a model split over GPUs
         # (device_map) calls its layers on cuda:1 while cuda:0 is current.
         with torch.cuda.device(q.device):
             return _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta,
                                  num_splits, softmax_scale, causal, scales, compute)
     b, s_q, h_q, _ = q.shape
-    h_kv = kv_cache.shape[2]
+    num_blocks, _, h_kv, _ = kv_cache.shape
     if kv_cache.data_ptr() % 16:
         raise ValueError("kv_cache must be 16-byte aligned for the CUDA kernels (TMA, cp.async)")
     # (A loaded step takes its defaulted trailing arguments explicitly: None without fp8.)
@@ -245,48 +263,52 @@ def _run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_sp
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = _STEPS[key](out_dtype, bool(causal) and s_q > 1, q.device.index)
-    variant = combine_variant(b, meta.shape[0], rows)
+    step = _STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
+    parts = meta.shape[0]
+    variant = combine_variant(b, parts, rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
-    slots = b + meta.shape[0]
-    oacc = torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device)
-    lseacc = torch.empty(slots, rows, dtype=torch.float32, device=q.device)
-    scale_log2 = softmax_scale * math.log2(math.e)
+    # (new_empty with the sizes as separate arguments: of the ways to allocate, the one that
+    # costs least to parse, ~0.5 us below torch.empty(..., device=) per tensor.)
+    oacc = q.new_empty(b + parts, rows, D_V, dtype=torch.float32)
+    lseacc = q.new_empty(b + parts, rows, dtype=torch.float32)
+    scale_log2 = softmax_scale * _LOG2E
     if h_kv == 1:
-        out = torch.empty(b, s_q, h_q, D_V, dtype=out_dtype, device=q.device)
-        lse = torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device)
+        out = q.new_empty(b, rows, D_V, dtype=out_dtype)
+        lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
         if b > 0:
-            _launch(step, variant, q, kv_cache[:, :, 0], block_table, cache_seqlens, meta,
-                    num_splits, out, lse, oacc, lseacc, scale_log2, extra)
-        return out, lse
-    out = torch.empty(b, s_q, h_kv, g, D_V, dtype=out_dtype, device=q.device)
-    lse = torch.empty(b, h_kv, g, s_q, dtype=torch.float32, device=q.device)
+            # The cache is contiguous (checked): its one head's rows are a plain view. The
+            # combine also checks the lengths and the used page ids (combine.check_request).
+            step(_q_rows(q, b, rows), kv_cache.view(num_blocks, PAGE_SIZE, D_QK), block_table,
+                 cache_seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, variant,
+                 *extra)
+        return out.view(b, s_q, h_q, D_V), lse
+    out = q.new_empty(b, s_q, h_kv, g, D_V, dtype=out_dtype)
+    lse = q.new_empty(b, h_kv, g, s_q, dtype=torch.float32)
     qg = q.view(b, s_q, h_kv, g, D_QK)
     for k in range(h_kv):
         if b == 0:
             break
-        out_k = torch.empty(b, s_q, g, D_V, dtype=out_dtype, device=q.device)
-        lse_k = torch.empty(b, g, s_q, dtype=torch.float32, device=q.device)
-        _launch(step, variant, qg[:, :, k], kv_cache[:, :, k], block_table, cache_seqlens,
-                meta, num_splits, out_k, lse_k, oacc, lseacc, scale_log2, extra)
-        out[:, :, k] = out_k
+        out_k = q.new_empty(b, rows, D_V, dtype=out_dtype)
+        lse_k = q.new_empty(b, g, s_q, dtype=torch.float32)
+        step(_q_rows(qg[:, :, k], b, rows), kv_cache[:, :, k], block_table, cache_seqlens, meta,
+             num_splits, out_k, lse_k, oacc, lseacc, scale_log2, variant, *extra)
+        out[:, :, k] = out_k.view(b, s_q, g, D_V)
         lse[:, k] = lse_k
     return out.view(b, s_q, h_q, D_V), lse.view(b, h_q, s_q)
 
 
-def _launch(step, variant, q, kv, block_table, cache_seqlens, meta, num_splits, out, lse,
-            oacc, lseacc, scale_log2, extra=(None, None, None)):
-    """q [b, s_q, g, 576] (any strides), kv [num_blocks, 64, 576] (rows contiguous), out
-    [b, s_q, g, 512] and lse [b, g, s_q] contiguous: decode, then combine, in one host call
-    (cute_kernels/decode_step.py). extra: an fp8 step's (kv_scale, q_scale, q_scaled)."""
-    b, s_q, g, _ = q.shape
-    q3 = q.reshape(b, s_q * g, D_QK)
+_LOG2E = math.log2(math.e)
+
+
+def _q_rows(q, b, rows):
+    """q [b, s_q, g, 576] (any strides) as the kernels' [b, rows = s_q * g, 576] with 16-byte
+    aligned rows (TMA): a view where q allows one, else a copy."""
+    if q.is_contiguous() and not q.data_ptr() % 16:
+        return q.view(b, rows, D_QK)  # (the usual q: nothing more to look at)
+    q3 = q.reshape(b, rows, D_QK)
     if q3.stride(-1) != 1 or q3.stride(1) != D_QK or q3.data_ptr() % 16:
-        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()  # TMA: 16-byte rows
-    out3 = out.view(b, s_q * g, D_V)
-    # The combine also checks the lengths and the used page ids (combine.check_request).
-    step(q3, kv, block_table, cache_seqlens, meta, num_splits, out3, lse, oacc, lseacc,
-         scale_log2, variant, *extra)
+        q3 = q3.contiguous() if not q3.is_contiguous() else q3.clone()
+    return q3
 
 
 @functools.lru_cache(maxsize=None)
@@ -479,7 +501,7 @@ def _device_arch(device: torch.device) -> str | None:
 def find_schedule_kernel(device: torch.device):
     """The compiled schedule kernel for a CUDA device, else None (compute_schedule's torch ops:
     CPU tensors, TORCH_MLA_FORCE_REFERENCE=1, a GPU without a kernel arch)."""
-    if device.type != "cuda" or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+    if device.type != "cuda" or _force_reference():
         return None
     arch = _device_arch(device)
     return None if arch is None else _compiled_schedule(arch)
@@ -494,7 +516,7 @@ def find_append_kernel(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.T
     """The compiled append_kv kernel for these (validated) arguments, else None (the reference):
     a bf16/fp16 cache of 576-wide rows, 16-byte aligned, sources of one dtype (a float8_e4m3fn
     cache is quantized by the reference: no FP8 append kernel yet)."""
-    if not kv_cache.is_cuda or os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+    if not kv_cache.is_cuda or _force_reference():
         return None
     if kv_cache.dtype == torch.float8_e4m3fn:
         return None
