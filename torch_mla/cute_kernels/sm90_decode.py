@@ -33,6 +33,11 @@ Masking: keys at or past a row's horizon (L, or L - s_q + i + 1 for causal query
 past L in a request's last page are zeroed in shared memory before P V, since the cache may hold
 anything (NaN) there and 0 * NaN = NaN.
 
+Float8_e4m3fn cache: exact mode (kv_fp8=True) lands each page's bytes in its 16-bit buffer and
+expands them in place (the MMAs stay 16-bit); fast mode (MLADecodeSm90Fast, compute="fp8") keeps
+bytes in shared memory and runs both products on the e4m3 wgmma: Q quantized per row at each
+segment's start, V^T built per warpgroup half, P in e4m3 (see that class).
+
 Limits: d_qk = 576, d_v = 512, page 64, bf16/fp16, s_q * h_q any (rows padded to 64), one latent
 head per launch (a cache of h_kv heads runs one launch per head over a strided view of it).
 Compiled per (dtype, causal); batch, s_q, h_q, the cache size and its strides are runtime values.
