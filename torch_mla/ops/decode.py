@@ -31,8 +31,6 @@ def _decode_run(q, kv_cache, block_table, cache_seqlens, sched_metadata, num_spl
                 softmax_scale, causal)
         if kv_scale is None:
             return kernel(*args)
-        if compute == "exact":
-            return kernel(*args, kv_scale, q_scale)
         return kernel(*args, kv_scale, q_scale, compute)
     if checks_values(cache_seqlens):
         check_decode_values(kv_cache.shape[0], block_table, cache_seqlens)
