@@ -39,11 +39,22 @@ Each warp keeps the row sum of its own rows and keys; the two halves are added i
 Per 64-key stage and warp: 72 ldmatrix.x4 for S, 40 for P V (112; 148 with S over all k, 176
 with pairs), and 2 KB of fp32 each way for the exchange.
 
+Lag: where both quads of a CTA have rows (block_m 64, more than 32 rows), quad 1 runs the P V
+of stage t after the barrier that opens stage t + 1 and quad 0 before it, so that quad 1's P V
+(mma-bound) runs beside quad 0's Q K^T (ldmatrix-bound) and each quad's softmax and barriers
+beside the other's MMAs (in step, the two quads' warps on an SM sub-partition wait for the same
+resource). The buffer of stage t - 1 then refills only once quad 1's P V has read it: quad 1's
+threads issue their copies after it, quad 0's after their row max and a named barrier
+(LAG_BARRIER) that quad 1 arrives at after its P V. H200, same run (docs/kernel-notes.md):
+128x8192 h_q 64 522.8 -> 510.3 us, h_q 128 977.6 -> 943.5, s_q 2 causal 1906.6 -> 1730.6.
+
 Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
 Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
 computed; one __syncthreads per stage both publishes the landed stage and retires the one
-about to be refilled. The block-table entry of the next stage is read a stage ahead. Rows of a
-stage past L are zero-filled instead of loaded (the cache may hold NaN there and 0 * NaN = NaN);
+about to be refilled (but for a late quad's P V, above). Turn t of the loop opens with the P V
+of stage t - 1; a last turn holds only the last stage's. The block-table entry of the next
+stage is read a stage ahead. Rows of a stage past L are zero-filled instead of loaded (the
+cache may hold NaN there and 0 * NaN = NaN);
 a stage's rope columns (512..575) are issued later in the stage than the rest (see above), in
 the same commit group;
 their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
@@ -90,6 +101,7 @@ K_STEPS = D_QK // 16  # mma k-steps of Q K^T
 QUARTER_V = D_V // 4  # output columns per warp
 V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
 LN_2 = 0.6931471805599453
+LAG_BARRIER = 3  # named barrier: the late quad released a buffer (ids 1, 2: the quads)
 
 _SMEM_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
                "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_110": 232448,
@@ -228,10 +240,13 @@ def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
 class MLADecodeSm80:
     """Split-KV MLA decode on SM80-class instructions; see the module docstring."""
 
-    def __init__(self, dtype, causal: bool, config: Sm80DecodeConfig, use_pdl: bool = False):
+    def __init__(self, dtype, causal: bool, config: Sm80DecodeConfig, use_pdl: bool = False,
+                 lag: bool = True):
         self.dtype = dtype
         self.causal = bool(causal)
         self.cfg = config
+        # lag: with two working quads, quad 1 runs P V half a stage late (module docstring).
+        self.lag = bool(lag) and config.block_m == 64
         # use_pdl (sm_90 and later): let the combine kernel (launched with programmatic
         # dependent launch) start early; it waits for this grid before reading the partials.
         self.use_pdl = bool(use_pdl)
@@ -423,6 +438,13 @@ class MLADecodeSm80:
         valid_rows = cutlass.min(rows - m_block * bm, bm)
         active = quad * 32 < valid_rows
         hi_on = quad * 32 + 16 < valid_rows
+        # Both quads working: quad 1 lags (its P V of stage t runs at the start of stage t + 1)
+        late = False
+        early = False
+        if const_expr(self.lag):
+            lagging = cutlass.select_(valid_rows > 32, 1, 0)
+            late = lagging * quad == 1
+            early = lagging * (1 - quad) == 1
         r_a = rg * 16 + lane // 4  # the two S rows this thread holds: r_a and r_a + 8
         g_a = m_block * bm + r_a
 
@@ -475,22 +497,42 @@ class MLADecodeSm80:
                 m_run.fill(-Float32.inf)
                 l_run.fill(0.0)
 
-                for t in cutlass.range(n_tiles, unroll=1):
-                    cute.arch.cp_async_wait_group(st - 2)
-                    # Stage t landed for every thread, and stage t - 1 (refilled next) is free.
-                    cute.arch.sync_threads()
+                # P V of stage t - 1 opens turn t (turn n_tiles has only that). A late quad
+                # passes the stage barrier before it, every other quad after it.
+                for t in cutlass.range(n_tiles + 1, unroll=1):
+                    if late:
+                        cute.arch.cp_async_wait_group(st - 2)
+                        cute.arch.sync_threads()
+                    if active and t > 0:
+                        self._pv((t - 1) % st, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV,
+                                 tOrV_v, acc_O, tiled_pv)
+                    if not late:
+                        cute.arch.cp_async_wait_group(st - 2)
+                        # Stage t landed for every thread, and stage t - 1 (refilled next) is
+                        # free but for a late quad's P V.
+                        cute.arch.sync_threads()
                     t_load = t + st - 1
+                    if const_expr(self.lag):
+                        if late:
+                            # Its P V of stage t - 1 is done: P may take this stage's S
+                            # exchange, and that stage's buffer may refill.
+                            self._quad_barrier(quad)
+                            if t_load < n_tiles:
+                                cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
+                                                         number_of_threads=2 * 128)
                     if t_load < n_tiles:
                         # The rope columns wait: this stage's S exchange uses them (below).
-                        self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
-                                      tKcK, thr_g2s, gmem_copy, (0, D_V // 64))
+                        # (An early quad loads its rows after the late one's P V, in _stage.)
+                        if not early:
+                            self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
+                                          tKsK, tKcK, thr_g2s, gmem_copy, (0, D_V // 64))
                         if not active:
                             self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
                                           tKsK, tKcK, thr_g2s, gmem_copy, (D_V // 64, 9))
                         page_next[1] = page_next[0]
                         page_next[0] = self._page(mBlockTable, r, lo, hi, t_load + 1,
                                                   num_pages)
-                    if active:
+                    if active and t < n_tiles:
                         x_p, x_k = exchange_offsets(self.cfg, quad, half, t_load % st)
                         self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
                                     scale_log2, half, kh, rg, quad, hi_on, lane, r_a, acc_S,
@@ -500,7 +542,7 @@ class MLADecodeSm80:
                                     m_run, l_run,
                                     sP_base + x_p, sK_base + x_k, t_load < n_tiles, mKV,
                                     page_next[1], key_lo, t_load, L, tKsK, tKcK, thr_g2s,
-                                    gmem_copy)
+                                    gmem_copy, early, late)
                     # One group a stage: its keys' columns 0..511 (above) and rope (in _stage).
                     cute.arch.cp_async_commit_group()
                 if active:
@@ -563,10 +605,12 @@ class MLADecodeSm80:
                tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V,
                tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
                x_p: Int32, x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32,
-               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy):
+               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy, early, late):
         """One stage (block_n keys from key0) for this warp: S, softmax, O += P V. x_p, x_k: the
         shared-memory addresses of the S exchange slots (exchange_offsets); if `refill`, the
-        rope columns of stage t_load (page `page`) are loaded once the slots are read."""
+        rope columns of stage t_load (page `page`) are loaded once the slots are read (an
+        early quad's other columns too, once the late quad has released the buffer). A late
+        quad leaves P V to the next stage (kernel())."""
         bn, st = self.cfg.block_n, self.cfg.stages
         half_k = K_STEPS // 2
         # S partials of both row groups: 2 x bn / 16 n8 tiles; `chains` interleaved partial sums
@@ -638,6 +682,11 @@ class MLADecodeSm80:
         self._quad_barrier(quad)
         # The quad has read its exchange slots: the rope columns of the refilled stage may load.
         if refill:
+            if const_expr(self.lag):
+                if early:
+                    cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=2 * 128)
+                    self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK,
+                                  thr_g2s, gmem_copy, (0, D_V // 64))
             self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK, thr_g2s,
                           gmem_copy, (D_V // 64, 9))
         m_use = [Float32(0.0)] * 4
@@ -669,8 +718,6 @@ class MLADecodeSm80:
         rP.store(acc_S.load().to(self.dtype))
         cute.copy(st_P, st_P.retile(rP), tPsP)
         self._quad_barrier(quad)
-        self._pv(stage, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v, acc_O,
-                 tiled_pv)
 
     @cute.jit
     def _pv(self, stage: Int32, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV, tOrV_v,
