@@ -183,7 +183,8 @@ for arch in sys.argv[3].split(","):
                   "cp.async.commit_group", "cp.async.wait_group", "ldmatrix.sync.aligned",
                   "ldmatrix.sync.aligned.m8n8.x4.trans", "ld.local", "st.local", "wgmma",
                   "cp.async.bulk", "mbarrier", "griddepcontrol.launch_dependents",
-                  "griddepcontrol.wait", "barrier.arrive", "bar.arrive"]:
+                  "griddepcontrol.wait", "barrier.arrive", "bar.arrive", "bar.sync",
+                  "barrier.sync"]:
             c[k] = len(re.findall(re.escape(k), ptx))
     out[arch] = counts
 print(json.dumps(out))
@@ -382,7 +383,13 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         lag = dec["block_m"] == 64
         assert dec["cp.async.cg.shared.global"] > 0, dec
         assert dec["cp.async.wait_group"] == (2 if lag else 1), dec
-        assert dec["barrier.arrive"] + dec["bar.arrive"] == int(lag), dec
+        # Arrivals: the late quad's (lag), a quad's at the other's rope barrier, and a quad
+        # without rows standing in there (sm80_decode.py, _stage).
+        assert dec["barrier.arrive"] + dec["bar.arrive"] == (3 if lag else 0), dec
+        # One aligned barrier (bar.sync: every thread of the CTA at that instruction), the
+        # segment's first; the others are barrier.sync without .aligned, since warps meet there
+        # from different places (the stage barrier's two sites, the quads' own barriers).
+        assert dec["bar.sync"] == 1 and dec["barrier.sync"] > 0, dec
         assert dec["cp.async.commit_group"] >= 2, dec  # double-buffered (or deeper)
         # ldmatrix per stage and warp: per k-step of Q K^T (18, half of them), Q of the quad's
         # two row groups and K (block_n / 2 keys: one .x2 or .x4 per 16); per k-step of P V, P
@@ -515,11 +522,12 @@ def test_portable_warp_views_address_their_buffers(tmp_path):
 # k_half_view and q_views: k-step j of kh at column 256 kh + 16 j, row group 2 quad + m 16 m rows
 # down) against Q's and K's layouts at the element's coordinate; and the S exchange slots
 # (exchange_offsets): the sP slot is exactly the quad's rows of P's columns of its half, the K
-# slot lies in the rope columns (512..575) of keys that the quad's own threads load.
+# slot lies wholly in the rope columns (512..575) of the stage's buffer, and the four K slots of
+# a CTA tile them (starts 0, 1, 2, 3 slots in).
 PORTABLE_QK_SCRIPT = r"""
 import cutlass, cutlass.cute as cute
 from cutlass import Int32
-from cutlass.cute.nvgpu import cpasync, warp
+from cutlass.cute.nvgpu import warp
 from torch_mla.cute_kernels.sm80_decode import (D_QK, Sm80DecodeConfig, exchange_offsets,
                                                 k_half_view, q_views, smem_layouts, tiled_mmas)
 
@@ -577,12 +585,11 @@ def check(cfg: cutlass.Constexpr):
                                    coords[None, None, k], k_layout, 0, 0)
             cute.printf("%dx%dx%d quad %d k half %d: Q %d, K %d misplaced\n", bm, bn, st, quad,
                         kh, bad_q, bad_k)
-    # The exchange slots (bytes), refilled buffer st - 1.
+    # The exchange slots (bytes) of stage buffer st - 1: the k-half-0 warp's in the quad's rows
+    # of P's columns `half`, the k-half-1 warp's in that buffer's rope columns, where the slots
+    # of the CTA's pairs must not overlap (each prints where its slot starts there).
     slot = 16 * (bn // 2) * 4
-    g2s = cute.make_copy_atom(cpasync.CopyG2SOp(), cutlass.BFloat16, num_bits_per_copy=128)
-    gcopy = cute.make_tiled_copy_tv(
-        g2s, cute.make_ordered_layout((cfg.num_threads // 8, 8), order=(1, 0)),
-        cute.make_layout((1, 8)))
+    rope0 = 2 * Int32(cute.crd2idx((0, 512, st - 1), k_layout))
     for quad in cutlass.range(bm // 32, unroll=1):
         for half in cutlass.range(2, unroll=1):
             in_p, in_k = exchange_offsets(cfg, quad, half, st - 1)
@@ -592,15 +599,14 @@ def check(cfg: cutlass.Constexpr):
                     b = 2 * Int32(cute.crd2idx((32 * quad + r, half * (bn // 2) + c), p_layout))
                     if b >= in_p and b < in_p + slot:
                         in_slot_p += 1
-            for t in cutlass.range(128 * quad, 128 * quad + 128, unroll=1):
-                coords = gcopy.get_slice(t).partition_S(cK)
-                for i in cutlass.range(cute.size(coords), unroll=1):
-                    if coords[i][1] >= 512:
-                        b = 2 * Int32(cute.crd2idx((coords[i][0], coords[i][1], st - 1), k_layout))
-                        if b >= in_k and b < in_k + slot:
-                            in_slot_k += 1
-            cute.printf("%dx%dx%d quad %d half %d: slots of %d B, in P's %d B, in the rope's %d B\n",
-                        bm, bn, st, quad, half, slot, 2 * in_slot_p, 2 * in_slot_k)
+            for key in cutlass.range(bn, unroll=1):
+                for c in cutlass.range(512, 576, unroll=1):
+                    b = 2 * Int32(cute.crd2idx((key, c, st - 1), k_layout))
+                    if b >= in_k and b < in_k + slot:
+                        in_slot_k += 1
+            cute.printf("%dx%dx%d quad %d half %d: slots of %d B, in P's %d B, in the rope's %d B "
+                        "from +%d\n", bm, bn, st, quad, half, slot, 2 * in_slot_p,
+                        2 * in_slot_k, in_k - rope0)
 
 for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3), (64, 32, 3)]:
     check(Sm80DecodeConfig(*tiles))
@@ -624,30 +630,30 @@ def test_portable_qk_views_and_exchange_slots(tmp_path):
 64x64x2 quad 0 k half 1: Q 0, K 0 misplaced
 64x64x2 quad 1 k half 0: Q 0, K 0 misplaced
 64x64x2 quad 1 k half 1: Q 0, K 0 misplaced
-64x64x2 quad 0 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
-64x64x2 quad 0 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
-64x64x2 quad 1 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
-64x64x2 quad 1 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B
+64x64x2 quad 0 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B from +0
+64x64x2 quad 0 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B from +2048
+64x64x2 quad 1 half 0: slots of 2048 B, in P's 2048 B, in the rope's 2048 B from +4096
+64x64x2 quad 1 half 1: slots of 2048 B, in P's 2048 B, in the rope's 2048 B from +6144
 64x32x2 quad 0 k half 0: Q 0, K 0 misplaced
 64x32x2 quad 0 k half 1: Q 0, K 0 misplaced
 64x32x2 quad 1 k half 0: Q 0, K 0 misplaced
 64x32x2 quad 1 k half 1: Q 0, K 0 misplaced
-64x32x2 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x2 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x2 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x2 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
+64x32x2 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +0
+64x32x2 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +1024
+64x32x2 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +2048
+64x32x2 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +3072
 32x16x3 quad 0 k half 0: Q 0, K 0 misplaced
 32x16x3 quad 0 k half 1: Q 0, K 0 misplaced
-32x16x3 quad 0 half 0: slots of 512 B, in P's 512 B, in the rope's 512 B
-32x16x3 quad 0 half 1: slots of 512 B, in P's 512 B, in the rope's 512 B
+32x16x3 quad 0 half 0: slots of 512 B, in P's 512 B, in the rope's 512 B from +0
+32x16x3 quad 0 half 1: slots of 512 B, in P's 512 B, in the rope's 512 B from +512
 64x32x3 quad 0 k half 0: Q 0, K 0 misplaced
 64x32x3 quad 0 k half 1: Q 0, K 0 misplaced
 64x32x3 quad 1 k half 0: Q 0, K 0 misplaced
 64x32x3 quad 1 k half 1: Q 0, K 0 misplaced
-64x32x3 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x3 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x3 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B
-64x32x3 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B""")
+64x32x3 quad 0 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +0
+64x32x3 quad 0 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +1024
+64x32x3 quad 1 half 0: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +2048
+64x32x3 quad 1 half 1: slots of 1024 B, in P's 1024 B, in the rope's 1024 B from +3072""")
 
 
 def test_portable_tiles_fit_each_arch():

@@ -23,14 +23,14 @@ latent and 2 k-steps of the rope atom); per k-step 2 Q + 2 K ldmatrix.x4 feed 8 
 64 (0.5 a mma; 0.75 when a warp scored 16 rows over all k). The warps of a pair (same keys,
 other kh) then add: warp kh keeps row group 2 quad + kh and hands the other's partial (16 x
 block_n / 2 fp32) to its partner through shared memory (exchange_offsets: P's rows of the quad,
-and the rope columns of the buffer being refilled, whose load waits until after the exchange).
+and the rope columns of the stage being scored, once every warp has done its rope k-steps: the
+rope barriers, below).
 Per stage:
     S partials = Q_quad K_half^T over k half kh (18 k-steps)   (ldmatrix Q and K, mma.sync)
     partial of the other row group -> smem, quad barrier, + the partner's: S of row group rg
     mask keys past each row's horizon (boundary stages only)
     row max -> smem, quad barrier; the max of both halves for all 32 rows -> running max,
-        rescale O (every warp of the quad the same values), the sum of its own rows;
-        the rope columns of the refilled stage start loading
+        rescale O (every warp of the quad the same values), the sum of its own rows
     P = exp2(S * scale - max) -> smem (dtype), quad barrier
     O_quarter += P V[:, quarter]  (P of 32 rows from smem by ldmatrix, V by ldmatrix.trans, 64
         columns at a time: per k16 step 2 P + 8 V ldmatrix.x4 for 32 mma; a warp of a pair
@@ -44,9 +44,19 @@ of stage t after the barrier that opens stage t + 1 and quad 0 before it, so tha
 (mma-bound) runs beside quad 0's Q K^T (ldmatrix-bound) and each quad's softmax and barriers
 beside the other's MMAs (in step, the two quads' warps on an SM sub-partition wait for the same
 resource). The buffer of stage t - 1 then refills only once quad 1's P V has read it: quad 1's
-threads issue their copies after it, quad 0's after their row max and a named barrier
-(LAG_BARRIER) that quad 1 arrives at after its P V. H200, same run (docs/kernel-notes.md):
-128x8192 h_q 64 522.8 -> 510.3 us, h_q 128 977.6 -> 943.5, s_q 2 causal 1906.6 -> 1730.6.
+threads issue their copies of columns 0..511 after it, quad 0's after their S exchange and a
+named barrier (LAG_BARRIER) that quad 1 arrives at after its P V; the rope columns (512..575),
+which P V does not read, every thread issues at the turn's start. H200, same run
+(docs/kernel-notes.md): 128x8192 h_q 64 522.8 -> 510.3 us, h_q 128 977.6 -> 943.5, s_q 2
+causal 1906.6 -> 1730.6.
+
+Rope barriers (block_m 64): the S exchange's k-half-1 slots overlay the rope columns of the
+stage being scored, so a quad writes them only once every warp of the CTA has done its rope
+k-steps: each warp arrives at the other quad's rope barrier (ROPE_BARRIER + other quad) after
+those k-steps and waits at its own before the exchange; a quad without rows arrives and waits
+in their place. Barriers whose warps meet from different instructions (the stage barrier's
+two sites, the quads' and the lag's and the rope's) are barrier.sync / barrier.arrive without
+.aligned (bar_sync, bar_arrive); only the segment's first __syncthreads is aligned.
 
 Pipeline: `stages` shared-memory buffers of block_n keys x 576 (a stage is part of one page).
 Stage t + stages - 1 is loaded (cp.async, one commit group per stage) while stage t is
@@ -54,11 +64,10 @@ computed; one __syncthreads per stage both publishes the landed stage and retire
 about to be refilled (but for a late quad's P V, above). Turn t of the loop opens with the P V
 of stage t - 1; a last turn holds only the last stage's. The block-table entry of the next
 stage is read a stage ahead. Rows of a stage past L are zero-filled instead of loaded (the
-cache may hold NaN there and 0 * NaN = NaN);
-a stage's rope columns (512..575) are issued later in the stage than the rest (see above), in
-the same commit group;
-their scores are masked. Q (block_m x 576) loads with the segment's first stage; query rows past
-s_q * h_q are zero-filled; a quad with none of them skips the math, and a 16-row group of them
+cache may hold NaN there and 0 * NaN = NaN); their scores are masked. An early quad's copies of
+columns 0..511 are issued later in the turn than the rest (see Lag), in the same commit group.
+Q (block_m x 576) loads with the segment's first stage; query rows past s_q * h_q are
+zero-filled; a quad with none of them skips the math, and a 16-row group of them
 in a working quad skips its S and its P V mma.sync (predicated off); the S exchange still runs
 (on zeros).
 
@@ -67,11 +76,12 @@ stages + P):
     227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 64, 2 stages: 72 + 144 + 8 KB
     163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
-None of them is measured yet. block_m 32 doubles the m-blocks of the grid (the schedule's parts
-assume 64-row m-blocks, so such a grid takes more than one wave). Registers (ptxas 13.0): 254
-(64x64x2, sm_90a), 228 (64x32x2, sm_80), 246 (32x16x3, sm_86), 233 (64x32x3); O alone is 128;
-no spills. The S exchange needs no shared memory of its own (227 KB leave 1 KB spare at
-64x64x2).
+Only the first has run (on the H200, forced); the others are compile-checked. block_m 32
+doubles the m-blocks of the grid (the schedule's parts assume 64-row m-blocks, so such a grid
+takes more than one wave). Registers (ptxas 13.0): 255
+(64x64x2, sm_90a, with 8 bytes of spill: two loop-invariant words stored once and reloaded 5
+times a turn), 247 (32x16x3, sm_86, no spill); O alone is 128. The PTX has no local memory. The
+S exchange needs no shared memory of its own (227 KB leave 1 KB spare at 64x64x2).
 
 Masking and empty rows as sm90_decode.py: keys at or past a row's horizon (L, or
 L - s_q + i + 1 for causal query token i) get -inf; a row that sees no key has sum 0: output 0,
@@ -90,6 +100,7 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp
 
 from . import softmax
@@ -102,6 +113,7 @@ QUARTER_V = D_V // 4  # output columns per warp
 V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
 LN_2 = 0.6931471805599453
 LAG_BARRIER = 3  # named barrier: the late quad released a buffer (ids 1, 2: the quads)
+ROPE_BARRIER = 4  # 4 + quad: all reads of the rope columns that quad's exchange slots overlay
 
 _SMEM_BYTES = {"sm_80": 166912, "sm_86": 101376, "sm_87": 166912, "sm_89": 101376,
                "sm_90": 232448, "sm_100": 232448, "sm_103": 232448, "sm_110": 232448,
@@ -204,25 +216,36 @@ def k_half_view(t: cute.Tensor, rows: int, kh) -> cute.Tensor:
     return cute.make_tensor(t.iterator + cute.assume(kh * 4 * rows * 64, divby=512), t.layout)
 
 
-def exchange_offsets(cfg: Sm80DecodeConfig, quad, half, refill):
+def exchange_offsets(cfg: Sm80DecodeConfig, quad, half, stage):
     """Byte offsets of the two slots through which the warps of pair (quad, key half `half`)
     hand each other the partial S of the other's row group (16 rows x block_n / 2 fp32 =
     32 block_n bytes each): the k-half-0 warp writes into sP at the first offset (the quad's rows
     of P's columns `half`: P is written only after the quad's row max barrier, which follows the
-    reads), the k-half-1 warp into the K buffer `refill` at the second (the rope columns,
-    512..575, of keys that only this quad's threads load, and they load those columns only after
-    that barrier; the buffer's old stage is retired and nothing reads its rope columns until the
-    stage after next). Plain ints or runtime Int32 alike."""
+    reads), the k-half-1 warp into the K buffer `stage` at the second: the rope columns
+    (512..575) of block_n / 4 keys of the stage being scored, once every warp that reads them
+    has done its rope k-steps (the rope barriers, MLADecodeSm80._stage; P V reads columns
+    0..511 only, and the buffer refills after the next stage barrier). The four slots of a CTA
+    fill the stage's rope columns. Plain ints or runtime Int32 alike."""
     bm, bn = cfg.block_m, cfg.block_n
-    slot = 16 * (bn // 2) * 4
     in_p = 2 * (half * bm * (bn // 2) + quad * 32 * (bn // 2))
-    copy_rows = cfg.num_threads // 8  # keys per copy tile: thread t loads keys t // 8 + copy_rows n
-    if bn // copy_rows >= 2:  # the quad's keys come in 16-key (2 KB) chunks: one slot each
-        key, within = 16 * quad + copy_rows * half, 0
-    else:  # one 2 KB chunk holds both slots
-        key, within = 16 * quad, half * slot
-    in_k = 2 * (refill * bn * D_QK + (D_V // 64) * bn * 64 + key * 64) + within
+    key = (2 * quad + half) * (bn // 4)  # a slot is bn / 4 keys x 64 rope columns x 2 bytes
+    in_k = 2 * (stage * bn * D_QK + (D_V // 64) * bn * 64 + key * 64)
     return in_p, in_k
+
+
+def bar_sync(barrier_id, number_of_threads):
+    """barrier.cta.sync without .aligned: the warps that meet there may come from different
+    instructions (the stage barrier's two sites, a quad waiting where the other arrives). An
+    aligned bar.sync asks every thread of the CTA to execute that very instruction; synccheck
+    reports the stage barrier's two sites as divergence when they are aligned."""
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(),
+                          thread_count=Int32(number_of_threads).ir_value(), aligned=False)
+
+
+def bar_arrive(barrier_id, number_of_threads):
+    """barrier.cta.arrive without .aligned (see bar_sync)."""
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=number_of_threads,
+                             aligned=False)
 
 
 def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
@@ -502,7 +525,7 @@ class MLADecodeSm80:
                 for t in cutlass.range(n_tiles + 1, unroll=1):
                     if late:
                         cute.arch.cp_async_wait_group(st - 2)
-                        cute.arch.sync_threads()
+                        bar_sync(0, self.num_threads)
                     if active and t > 0:
                         self._pv((t - 1) % st, hi_on, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV, tOrV,
                                  tOrV_v, acc_O, tiled_pv)
@@ -510,7 +533,7 @@ class MLADecodeSm80:
                         cute.arch.cp_async_wait_group(st - 2)
                         # Stage t landed for every thread, and stage t - 1 (refilled next) is
                         # free but for a late quad's P V.
-                        cute.arch.sync_threads()
+                        bar_sync(0, self.num_threads)
                     t_load = t + st - 1
                     if const_expr(self.lag):
                         if late:
@@ -518,22 +541,20 @@ class MLADecodeSm80:
                             # exchange, and that stage's buffer may refill.
                             self._quad_barrier(quad)
                             if t_load < n_tiles:
-                                cute.arch.barrier_arrive(barrier_id=LAG_BARRIER,
-                                                         number_of_threads=2 * 128)
+                                bar_arrive(LAG_BARRIER, 2 * 128)
                     if t_load < n_tiles:
-                        # The rope columns wait: this stage's S exchange uses them (below).
-                        # (An early quad loads its rows after the late one's P V, in _stage.)
+                        # (An early quad loads columns 0..511 of its rows after the late one's
+                        # P V, in _stage; the rope columns P V does not read.)
+                        self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
+                                      tKcK, thr_g2s, gmem_copy, (D_V // 64, 9))
                         if not early:
                             self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
                                           tKsK, tKcK, thr_g2s, gmem_copy, (0, D_V // 64))
-                        if not active:
-                            self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
-                                          tKsK, tKcK, thr_g2s, gmem_copy, (D_V // 64, 9))
                         page_next[1] = page_next[0]
                         page_next[0] = self._page(mBlockTable, r, lo, hi, t_load + 1,
                                                   num_pages)
                     if active and t < n_tiles:
-                        x_p, x_k = exchange_offsets(self.cfg, quad, half, t_load % st)
+                        x_p, x_k = exchange_offsets(self.cfg, quad, half, t % st)
                         self._stage(t % st, key_lo + t * bn, border_a, border_b, min_border,
                                     scale_log2, half, kh, rg, quad, hi_on, lane, r_a, acc_S,
                                     tScS, tSsQ, tSsQ_lo, tSrQ, tSrQ_v, tSsK, tSsK_lo, tSrK,
@@ -542,8 +563,13 @@ class MLADecodeSm80:
                                     m_run, l_run,
                                     sP_base + x_p, sK_base + x_k, t_load < n_tiles, mKV,
                                     page_next[1], key_lo, t_load, L, tKsK, tKcK, thr_g2s,
-                                    gmem_copy, early, late)
-                    # One group a stage: its keys' columns 0..511 (above) and rope (in _stage).
+                                    gmem_copy, early)
+                    if const_expr(self.cfg.block_m == 64):
+                        if not active and t < n_tiles:
+                            # Quad 1 without rows stands in at the rope barriers (_stage).
+                            bar_arrive(ROPE_BARRIER, self.num_threads)
+                            bar_sync(ROPE_BARRIER + 1, self.num_threads)
+                    # One group a stage (an early quad's columns 0..511 issued in _stage).
                     cute.arch.cp_async_commit_group()
                 if active:
                     self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, quad, quarter, lane,
@@ -596,7 +622,7 @@ class MLADecodeSm80:
     @cute.jit
     def _quad_barrier(self, quad: Int32):
         # The four warps of quad `quad` (ids 1..2; 0 is __syncthreads).
-        cute.arch.barrier(barrier_id=1 + quad, number_of_threads=128)
+        bar_sync(1 + quad, 128)
 
     @cute.jit
     def _stage(self, stage: Int32, key0: Int32, border_a: Int32, border_b: Int32,
@@ -605,14 +631,21 @@ class MLADecodeSm80:
                tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V,
                tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
                x_p: Int32, x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32,
-               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy, early, late):
-        """One stage (block_n keys from key0) for this warp: S, softmax, O += P V. x_p, x_k: the
-        shared-memory addresses of the S exchange slots (exchange_offsets); if `refill`, the
-        rope columns of stage t_load (page `page`) are loaded once the slots are read (an
-        early quad's other columns too, once the late quad has released the buffer). A late
-        quad leaves P V to the next stage (kernel())."""
+               L: Int32, tKsK, tKcK, thr_g2s, gmem_copy, early):
+        """One stage (block_n keys from key0) for this warp: S and softmax, up to P in shared
+        memory (its P V opens the next turn, kernel()). x_p, x_k: the shared-memory addresses
+        of the S exchange slots (exchange_offsets). If `refill` and `early`, columns 0..511 of
+        stage t_load (page `page`) are loaded once the late quad has released the buffer."""
         bn, st = self.cfg.block_n, self.cfg.stages
         half_k = K_STEPS // 2
+        # Rope barrier of a quad: its warps wait there before the exchange, the other quad's
+        # arrive once they have read the stage's rope columns (a quad without rows too,
+        # kernel()). Every warp of the quad waits, not only the k-half-1 ones that write there
+        # (a wait in a kh branch became a predicated BAR.SYNC). compute-sanitizer's racecheck
+        # reports this arrive -> wait pair as WAR hazards: it loses an arrive's ordering once the
+        # arriving warp passes another barrier (its quad's) before its own wait, which
+        # tools/racecheck_probe.py shows on a 4-warp kernel (docs/kernel-notes.md).
+        n_rope = self.num_threads
         # S partials of both row groups: 2 x bn / 16 n8 tiles; `chains` interleaved partial sums
         # (k-steps round robin) give 4 independent mma.sync chains when there are fewer tiles.
         chains = max(1, 4 // (bn // 8))
@@ -637,6 +670,11 @@ class MLADecodeSm80:
                 cute.copy(ld_Q, src_Q[1][None, None, k], tSrQ_v[1][None, None, j])
                 acc = parts[1][j % chains]
                 cute.gemm(tiled_qk, acc, tSrQ[1][None, None, j], tSrK[None, None, j], acc)
+            if const_expr(j == 1):
+                # This warp has read its rope columns of the stage: the k-half-1 warps may
+                # overwrite them with their exchange slots once all such reads are done.
+                if const_expr(self.cfg.block_m == 64):
+                    bar_arrive(ROPE_BARRIER + 1 - quad, n_rope)
         for m in cutlass.range_constexpr(2):
             for p in cutlass.range_constexpr(1, chains):
                 acc_S[m].store(acc_S[m].load() + parts[m][p].load())
@@ -657,6 +695,8 @@ class MLADecodeSm80:
         flat = cute.make_layout(n_val)
         s_own = cute.make_tensor(acc_S[0].iterator, flat)
         s_other = cute.make_tensor(acc_S[1].iterator, flat)
+        # The quad's own rope reads are done too (each warp did its rope k-steps first).
+        bar_sync(ROPE_BARRIER + quad, n_rope)
         if kh == 0:
             cute.autovec_copy(s_other, x_mine[None, lane])
         else:
@@ -669,6 +709,13 @@ class MLADecodeSm80:
         else:
             s_own.store(s_other.load() + rX.load())
         acc_S = acc_S[0]
+        if const_expr(self.lag):
+            if refill:
+                if early:
+                    # The late quad's P V has read this buffer: columns 0..511 may refill.
+                    bar_sync(LAG_BARRIER, 2 * 128)
+                    self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK,
+                                  thr_g2s, gmem_copy, (0, D_V // 64))
 
         # Keys at or past a row's horizon (only stages that reach the nearest one).
         if key0 + bn > min_border:
@@ -680,15 +727,6 @@ class MLADecodeSm80:
             sMax[r_a, half] = m_loc[0]
             sMax[r_a + 8, half] = m_loc[1]
         self._quad_barrier(quad)
-        # The quad has read its exchange slots: the rope columns of the refilled stage may load.
-        if refill:
-            if const_expr(self.lag):
-                if early:
-                    cute.arch.barrier(barrier_id=LAG_BARRIER, number_of_threads=2 * 128)
-                    self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK,
-                                  thr_g2s, gmem_copy, (0, D_V // 64))
-            self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK, thr_g2s,
-                          gmem_copy, (D_V // 64, 9))
         m_use = [Float32(0.0)] * 4
         scale = [Float32(0.0)] * 4
         for i in cutlass.range_constexpr(4):  # O row 32 quad + lane // 4 + 16 m + 8 h, i = 2 m + h
