@@ -116,6 +116,8 @@ def main():
     k_pe = torch.randn(b, 64, dtype=torch.bfloat16, device="cuda")
     slots = torch_mla.slot_mapping(inp.block_table, inp.cache_seqlens - 1, 1)
     cache = inp.kv_cache.clone()
+    cache8 = torch.zeros(cache.shape, dtype=torch.float8_e4m3fn, device="cuda")
+    kv_scale = torch.full((1,), 0.01, device="cuda")
     rows = [
         ("get_decode_schedule", lambda: torch_mla.get_decode_schedule(inp.cache_seqlens, s_q,
                                                                       h_q)),
@@ -124,6 +126,8 @@ def main():
         ("mla_decode (schedule inside)", lambda: torch_mla.mla_decode(
             inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)),
         ("append_kv", lambda: torch_mla.append_kv(cache, kv_c, k_pe, slots)),
+        ("append_kv (float8_e4m3fn cache)", lambda: torch_mla.append_kv(
+            cache8, kv_c, k_pe, slots, kv_scale=kv_scale)),
         ("slot_mapping", lambda: torch_mla.slot_mapping(inp.block_table, inp.cache_seqlens, 1)),
     ]
     try:

@@ -311,13 +311,25 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
                       dispatch._run_sm90_fp8)
 
-    def test_no_append_kernel_for_an_fp8_cache(self):
+    def test_append_kernel_for_an_fp8_cache_from_sm89(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
                                       shape=(4, 64, 1, 576), data_ptr=lambda: 0)
         src = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 512))
         pe = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 64))
         slots = types.SimpleNamespace(dtype=torch.int64, shape=(3,))
-        self.assertIsNone(dispatch.find_append_kernel(cache, src, pe, slots))
+        self.mp.setattr(dispatch, "_compiled_append_kv", lambda *a: a)
+        got = {}
+        for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
+            self.mp.setattr(dispatch, "_device_arch",
+                            lambda device, cap=cap: dispatch.PORTABLE_ARCHS[cap])
+            got[cap] = dispatch.find_append_kernel(cache, src, pe, slots)
+        self.assertExpectedInline("\n".join(f"{c}: {k}" for c, k in got.items()), """\
+(8, 0): None
+(8, 6): None
+(8, 9): ('sm_89', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
+(9, 0): ('sm_90a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
+(10, 0): ('sm_100a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
+(12, 0): ('sm_120a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)""")
 
 
 class TestFp8Errors(expecttest.TestCase):

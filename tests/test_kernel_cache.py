@@ -304,7 +304,8 @@ decode_sm80 {'dtype': 'fp16', 'causal': False}""")
 
 def test_precompile_variants_of_the_small_kernels():
     """schedule and append_kv for any arch (the decode kernels only for sm_90a); append_kv in
-    every combination its dispatch compiles (dispatch.find_append_kernel)."""
+    every combination its dispatch compiles (dispatch.find_append_kernel): over a
+    float8_e4m3fn cache from sm_89 up."""
     got = [(k, c) for k, c, _ in precompile.variants(["bf16"], (False,), list(precompile.KERNELS),
                                                      "sm_80")]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
@@ -321,9 +322,14 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2  # schedule; per dtype: sm90 + portable
-    # steps, fp8 steps, decode, combine, append_kv; fast-mode fp8 steps (q in dtype: 2 per
-    # dtype; q e4m3: 2, bf16 only)
+        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
+    # portable steps, fp8 steps, decode, combine, append_kv; fast-mode fp8 steps (q in dtype: 2
+    # per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
+    fp8_append = {arch: sorted((c["source"], c["slot"]) for k, c, _ in precompile.variants(
+        ["bf16"], (False,), ["append_kv"], arch) if c["cache"] == "e4m3")
+        for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")}
+    assert {a: len(v) for a, v in fp8_append.items()} == {
+        "sm_80": 0, "sm_86": 0, "sm_89": 6, "sm_90a": 6, "sm_100a": 6, "sm_120a": 6}
     assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
 
 

@@ -136,12 +136,14 @@ SMALL_SCRIPT = r"""
 import glob, json, os, re
 import cutlass, cutlass.cute as cute
 from torch_mla.ops.dispatch import compile_append_kv, compile_schedule
-from torch_mla.cute_kernels.append_kv import AppendKV
+from torch_mla.cute_kernels.append_kv import AppendKV, AppendKVFp8
 from torch_mla.cute_kernels.schedule import DecodeSchedule
 compile_schedule(cute, cutlass, DecodeSchedule(), "sm_90a")
 compile_schedule(cute, cutlass, DecodeSchedule(), "sm_80")
 compile_append_kv(cute, cutlass, AppendKV(cutlass.BFloat16, cutlass.Float32), cutlass.Int64)
 compile_append_kv(cute, cutlass, AppendKV(cutlass.Float16, cutlass.Float16), cutlass.Int32)
+compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.BFloat16), cutlass.Int64)
+compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.Float32), cutlass.Int32, "sm_89")
 out = []
 for f in sorted(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))):
     lines = open(f).read().splitlines()
@@ -150,12 +152,15 @@ for f in sorted(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")
     printf_args = all("vprintf" in lines[min([c for c in calls if c > i], default=0)]
                       for i, l in enumerate(lines) if "st.local" in l)
     text = "\n".join(lines)
-    out.append({"kernel": "schedule" if "DecodeSchedule" in f else "append_kv",
+    kernel = ("schedule" if "DecodeSchedule" in f else
+              "append_kv_fp8" if "AppendKVFp8" in f else "append_kv")
+    out.append({"kernel": kernel,
                 "target": re.search(r"\.target (\S+)", text)[1],
                 "printf_args_only": printf_args,
                 **{k: len(re.findall(re.escape(k), text)) for k in
                    ["ld.local", "st.local", "call.uni (retval0), vprintf", "trap;", "bar.sync",
-                    "shfl.sync", "st.global.v4", "ld.global.v4", "cvt.rn.bf16x2.f32"]}})
+                    "shfl.sync", "st.global.v4", "ld.global.v4", "cvt.rn.bf16x2.f32",
+                    "st.global.v2.b32", "div.rn.f32", "cvt.rn.satfinite.e4m3x2.f32"]}})
 print(json.dumps(out))
 """
 
@@ -192,8 +197,9 @@ print(json.dumps(out))
 
 
 def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
-    """The one-launch schedule (sm_90a and sm_80) and append_kv: no local memory but printf's
-    argument buffer, the value checks' printf + trap, 16-byte cache stores."""
+    """The one-launch schedule (sm_90a and sm_80) and append_kv (over an e4m3 cache too, sm_90a
+    and sm_89): no local memory but printf's argument buffer, the value checks' printf + trap,
+    16-byte cache stores (8-byte ones of e4m3: x / kv_scale by div.rn, then a saturating cvt)."""
     env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
     env.pop("CUTE_DSL_ARCH", None)
     res = subprocess.run([sys.executable, "-c", SMALL_SCRIPT], env=env, capture_output=True,
@@ -201,16 +207,19 @@ def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     ptx = json.loads(res.stdout.strip().splitlines()[-1])
     assert sorted((p["kernel"], p["target"]) for p in ptx) == [
-        ("append_kv", "sm_90a"), ("append_kv", "sm_90a"), ("schedule", "sm_80"),
-        ("schedule", "sm_90a")], ptx
+        ("append_kv", "sm_90a"), ("append_kv", "sm_90a"), ("append_kv_fp8", "sm_89"),
+        ("append_kv_fp8", "sm_90a"), ("schedule", "sm_80"), ("schedule", "sm_90a")], ptx
     for p in ptx:
         assert p["ld.local"] == 0 and p["printf_args_only"], p
         assert p["trap;"] == p["call.uni (retval0), vprintf"] > 0, p  # each message, then trap
         if p["kernel"] == "schedule":
             # block scans: warp shuffles and a few barriers, one CTA
             assert p["shfl.sync"] > 0 and p["bar.sync"] >= 3, p
-        else:
+        elif p["kernel"] == "append_kv":
             assert p["st.global.v4"] == 2, p  # kv_c and k_pe vectors: 16-byte stores
+        else:  # kv_c and k_pe: 8 values each, divided, converted in pairs, one 8-byte store
+            assert (p["st.global.v2.b32"], p["div.rn.f32"],
+                    p["cvt.rn.satfinite.e4m3x2.f32"], p["st.global.v4"]) == (2, 16, 8, 0), p
     fp32_src = [p for p in ptx if p["kernel"] == "append_kv" and p["cvt.rn.bf16x2.f32"]]
     assert len(fp32_src) == 1 and fp32_src[0]["ld.global.v4"] == 4, ptx  # 32-byte source vectors
 

@@ -131,13 +131,44 @@ def append_case(T, num_blocks, cache_dtype, src_dtype, slot_dtype, rng, padding=
     return cache, kv_c, k_pe, slots
 
 
-def assert_append_matches(cache, kv_c, k_pe, slots):
+def assert_append_matches(cache, kv_c, k_pe, slots, kv_scale=None):
     ref = cache.clone()
-    append_kv_reference(ref, kv_c, k_pe, slots)
-    torch_mla.append_kv(cache, kv_c, k_pe, slots)
+    append_kv_reference(ref, kv_c, k_pe, slots, kv_scale)
+    torch_mla.append_kv(cache, kv_c, k_pe, slots, kv_scale=kv_scale)
     torch.cuda.synchronize()
-    # Bit-identical, NaN where the cache held NaN (rows no token writes).
-    torch.testing.assert_close(cache, ref, atol=0, rtol=0, equal_nan=True)
+    assert_same_cache(cache, ref)
+
+
+def assert_same_cache(cache, ref):
+    """Bit-identical, NaN where the cache held NaN (rows no token writes); e4m3 bytes compared
+    as bytes (a NaN's sign aside)."""
+    if cache.dtype != torch.float8_e4m3fn:
+        torch.testing.assert_close(cache, ref, atol=0, rtol=0, equal_nan=True)
+        return
+    nan, nan_ref = cache.float().isnan(), ref.float().isnan()
+    assert torch.equal(nan, nan_ref)
+    bad = (cache.view(torch.uint8) != ref.view(torch.uint8)) & ~nan
+    assert not bad.any(), (cache.float()[bad][:8], ref.float()[bad][:8])
+
+
+def fp8_append_case(T, num_blocks, src_dtype, slot_dtype, rng):
+    """append_case over an e4m3 cache, with a scale that saturates k_pe's largest values and
+    sources that hold e4m3 rounding ties, zeros of both signs, subnormals, NaN and +-inf."""
+    cache, kv_c, k_pe, slots = append_case(T, num_blocks, torch.float8_e4m3fn, src_dtype,
+                                           slot_dtype, rng)
+    kv_scale = torch.tensor([rng.choice([0.25, 0.0137, 1.7e-3, 3.0])], device="cuda")
+    table = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    table = table[table.isfinite()].sort().values.cuda()
+    ties = (table[1:] + table[:-1]) / 2  # midpoints: round to the even neighbour
+    special = torch.cat([ties, -ties, torch.tensor(
+        [0.0, -0.0, 2.0**-9, -(2.0**-10), 1e-12, 447.9, 448.0, 464.0, 465.0, 1e6, -1e6,
+         float("nan"), float("inf"), -float("inf")], device="cuda")]) * kv_scale
+    # At random places of kv_c (a 16-bit source keeps the ties it can represent).
+    idx = torch.randperm(kv_c.numel(), device="cuda")[:min(special.numel(), kv_c.numel())]
+    kv_c[idx // 512, idx % 512] = special[:idx.numel()].to(src_dtype)
+    # k_pe / kv_scale ~ 300 randn: past +-448 (saturated) in about 13% of its values.
+    k_pe = (k_pe.float() * (kv_scale * 3)).to(src_dtype)
+    return cache, kv_c, k_pe, slots, kv_scale
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.bfloat16, torch.float16])
@@ -149,6 +180,43 @@ def test_append_kv_kernel_matches_reference(cache_dtype, src_dtype, slot_dtype):
         case = append_case(T, T // 64 + 3, cache_dtype, src_dtype, slot_dtype, rng)
         assert dispatch.find_append_kernel(*case) is not None
         assert_append_matches(*case)
+
+
+@pytest.mark.parametrize("src_dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("slot_dtype", [torch.int32, torch.int64])
+def test_append_kv_fp8_kernel_matches_reference(src_dtype, slot_dtype):
+    """The e4m3 cache: the kernel's bytes equal the reference's quantization (x / kv_scale,
+    saturated, rounded to nearest even) everywhere, ties and specials included."""
+    rng = random.Random(str(("fp8", src_dtype, slot_dtype)))
+    for T in (1, 2, 3, 63, 64, 65, 257, 2048, 2049, 5000):
+        case = fp8_append_case(T, T // 64 + 3, src_dtype, slot_dtype, rng)
+        assert dispatch.find_append_kernel(*case[:4]) is not None
+        assert_append_matches(*case)
+
+
+def test_append_kv_fp8_is_one_kernel_and_replays_in_a_cuda_graph():
+    rng = random.Random(5)
+    cache, kv_c, k_pe, slots, kv_scale = fp8_append_case(48, 4, torch.bfloat16, torch.int64, rng)
+    scratch = cache.clone()
+    torch_mla.append_kv(scratch, kv_c, k_pe, slots, kv_scale=kv_scale)
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        torch_mla.append_kv(scratch, kv_c, k_pe, slots, kv_scale=kv_scale)
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert len(names) == 1 and "AppendKV" in names[0], names
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        torch_mla.append_kv(cache, kv_c, k_pe, slots, kv_scale=kv_scale)
+    for _ in range(4):
+        new = fp8_append_case(48, 4, torch.bfloat16, torch.int64, rng)
+        for dst, src in zip((cache, kv_c, k_pe, slots, kv_scale), new):
+            dst.copy_(src)
+        expect = cache.clone()
+        append_kv_reference(expect, kv_c, k_pe, slots, kv_scale)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_same_cache(cache, expect)
 
 
 def test_append_kv_all_padding_and_misaligned_sources():

@@ -1,7 +1,7 @@
 """Does compute-sanitizer's racecheck follow a named barrier's arrive -> wait ordering? (H100/H200)
 
     compute-sanitizer --tool racecheck --racecheck-report hazard \
-        python tools/racecheck_probe.py MODE
+        python tools/racecheck_probe.py MODE [ldmatrix]
 
 Two groups of 2 warps; in each of 4 rounds every thread reads a word that the other group then
 overwrites. A reader arrives at the writer's barrier (4 + 1 - g, 128 threads) once it has read;
@@ -9,26 +9,42 @@ a writer waits at its own (4 + g) before it writes. By the PTX memory model the 
 the read before the write, so every mode but 0 is race-free and prints the same values:
     0: no arrive or wait (a true WAR race: the control);
     1: arrive, then wait at once;
-    2: the reading group waits long after the other group has written;
-    3: as 2, and the reading group also meets at its own barrier (1 + g, 64 threads) between
-       its arrive and its wait, as the portable kernel's quads do (sm80_decode.py, rope
-       barriers).
-H200, compute-sanitizer of CUDA 13 (2026-12-01): mode 0 reports 2048 hazards, modes 1 and 2
-none, mode 3 512 (WAR: the arrive-ordered read and write). So racecheck loses an arrive's
-ordering once the arriving thread passes another barrier before its own wait: its reports on
-the portable kernel's rope-barrier pair are of that kind (docs/kernel-notes.md)."""
+    2: group 1 spins between its arrive and its wait (group 0 writes meanwhile);
+    3: group 0 spins there instead, so group 1 has arrived and passed its own wait long before
+       group 0 writes;
+    4: as 3, and group 1 also meets at a barrier of its own (2, 64 threads) between its arrive
+       and its wait;
+    5: as 4, twice: what the portable kernel's late quad may do between its arrive at the other
+       quad's rope barrier and that quad's exchange store (sm80_decode.py, _stage).
+With ``ldmatrix`` the reads are ldmatrix.x1 (lane l of a warp gets the same word as its plain
+load would), the instruction the portable kernel reads its K tiles with.
+The measured counts are in docs/kernel-notes.md (portable kernel, rope barriers)."""
 
 import sys
 
 import cutlass
 import cutlass.cute as cute
 import torch
-from cutlass import Float32
+from cutlass import Float32, Int32
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.runtime import from_dlpack
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from torch_mla.cute_kernels.sm80_decode import bar_arrive, bar_sync
 
 MODE = int(sys.argv[1])
+LDMATRIX = sys.argv[2:] == ["ldmatrix"]
+
+
+@dsl_user_op
+def ldmatrix_x1(addr: Int32, *, loc=None, ip=None) -> Float32:
+    """ldmatrix.x1: lanes 0-7 give the 8 row addresses (16 bytes each) of one 8x8 b16 tile;
+    lane l gets word l % 4 of row l / 4, i.e. word l of the 128 bytes when rows are contiguous."""
+    w = llvm.inline_asm(T.i32(), [Int32(addr).ir_value(loc=loc, ip=ip)],
+                        "ldmatrix.sync.aligned.m8n8.x1.shared.b16 {$0}, [$1];", "=r,r",
+                        has_side_effects=True, is_align_stack=False,
+                        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return Float32(llvm.bitcast(T.f32(), w, loc=loc, ip=ip))
 
 
 @cute.kernel
@@ -40,25 +56,25 @@ def probe(out: cute.Tensor):
     g = tid // 64
     acc = Float32(0.0)
     for it in cutlass.range(4, unroll=1):
-        acc += s[(tid + 64) % 128]  # a word the other group overwrites below
-        if cutlass.const_expr(MODE == 1):
+        if cutlass.const_expr(LDMATRIX):  # word (tid + 64) % 128 too (lane l: the warp's l)
+            base = s.iterator.toint() + ((tid // 32 * 32 + 64) % 128) * 4
+            acc += ldmatrix_x1(base + (tid % 8) * 16)
+        else:
+            acc += s[(tid + 64) % 128]  # a word the other group overwrites below
+        if cutlass.const_expr(MODE >= 1):
             bar_arrive(4 + 1 - g, 128)
-            bar_sync(4 + g, 128)
-        if cutlass.const_expr(MODE >= 2):
+            # The group that spins (modes 2..5): 1, the reader of group 0's words, in mode 2,
+            # else 0, the writer of group 1's.
+            if cutlass.const_expr(MODE >= 2):
+                if g == (1 if MODE == 2 else 0):
+                    spin = Float32(1.0)
+                    for _ in cutlass.range(200000, unroll=1):  # the other group goes on
+                        spin = spin * Float32(1.0000001)
+                    acc += spin - spin
             if g == 1:
-                bar_arrive(4, 128)
-                spin = Float32(1.0)
-                for _ in cutlass.range(200000, unroll=1):  # the other group writes meanwhile
-                    spin = spin * Float32(1.0000001)
-                acc += spin - spin
-                if cutlass.const_expr(MODE == 3):
+                for _ in cutlass.range_constexpr(max(MODE - 3, 0)):  # modes 4, 5: 1, 2 x
                     bar_sync(2, 64)
-                bar_sync(5, 128)
-            else:
-                bar_arrive(5, 128)
-                if cutlass.const_expr(MODE == 3):
-                    bar_sync(1, 64)
-                bar_sync(4, 128)
+            bar_sync(4 + g, 128)
         s[tid] = Float32(it)
         bar_sync(0, 128)
     out[tid] = acc
@@ -75,4 +91,4 @@ if __name__ == "__main__":
     torch.cuda.synchronize()
     # every mode: thread t sums the other group's words: its initial value, then rounds 0..2
     want = torch.tensor([(t + 64) % 128 + 0 + 1 + 2 for t in range(128)], dtype=torch.float32)
-    print(f"mode {MODE}: values {'as expected' if torch.equal(o.cpu(), want) else 'WRONG'}")
+    print(f"mode {MODE}{' ldmatrix' if LDMATRIX else ''}: values {'as expected' if torch.equal(o.cpu(), want) else 'WRONG'}")

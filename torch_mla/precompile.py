@@ -9,8 +9,9 @@ sm_90a): the decode step (the decode kernel and the combine behind one call: the
 sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m3fn cache
 (``fp8_step``: q and output in each dtype; ``fp8_fast``: its fast mode, compute="fp8", with q
 in each dtype and in float8_e4m3fn), the schedule kernel and append_kv in each cache dtype of
-``--dtypes`` for bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable
-decode step on sm_90a (``TORCH_MLA_PORTABLE=1``); decode and combine alone serve benchmarks.
+``--dtypes`` (and, from SM89 up, float8_e4m3fn) for bf16/fp16/fp32 sources and int32/int64
+slots. ``portable`` adds the portable decode step on sm_90a (``TORCH_MLA_PORTABLE=1``);
+decode and combine alone serve benchmarks.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
@@ -85,10 +86,16 @@ def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
                      lambda dt=dt, w=w: dispatch._compiled_combine(dt, w, arch))
                     for w in COMBINE_WARPS_PER_ROW]
         if "append_kv" in kernels:
-            out += [("append_kv", {"cache": name, "source": src, "slot": slot},
-                     lambda dt=dt, s=sdt, i=idt: dispatch._compiled_append_kv(arch, dt, s, i))
-                    for src, sdt in APPEND_SOURCES.items() for slot, idt in APPEND_SLOTS.items()]
+            out += _append_variants(name, dt, arch)
+    if "append_kv" in kernels and arch in dispatch.FP8_APPEND_ARCHS:
+        out += _append_variants("e4m3", torch.float8_e4m3fn, arch)
     return out
+
+
+def _append_variants(name: str, dt: torch.dtype, arch: str) -> list[tuple]:
+    return [("append_kv", {"cache": name, "source": src, "slot": slot},
+             lambda s=sdt, i=idt: dispatch._compiled_append_kv(arch, dt, s, i))
+            for src, sdt in APPEND_SOURCES.items() for slot, idt in APPEND_SLOTS.items()]
 
 
 def default_arch() -> str:

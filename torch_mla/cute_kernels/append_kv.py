@@ -15,21 +15,27 @@ Checks (runtime flags; each failure prints its message and traps, see device_err
      CTAs: about as long as the copy itself (2048 x 1152 bytes). The host asks for it up to
      that size and checks longer (prefill-sized) slot arrays with torch ops (ops/cache.py).
 
-Limits: d_v = 512 and d_rope = 64 (a 576-wide cache row), cache bf16/fp16 with one latent head,
-sources bf16/fp16/fp32 with contiguous, 16-byte aligned rows, slots int32/int64. No
-arch-specific instruction: sm_80 and later.
+A float8_e4m3fn cache (AppendKVFp8; passed as its bytes, uint8) takes the same threads: each
+converts its 8 values to fp32, divides them by kv_scale (div.rn, as the reference's
+``x.float() / kv_scale``), rounds them to e4m3 with saturation at +-448 (cvt.rn.satfinite,
+the reference's clamp then round to nearest even; NaN stays NaN) and stores 8 bytes.
+
+Limits: d_v = 512 and d_rope = 64 (a 576-wide cache row), cache bf16/fp16 (any SM80+) or
+float8_e4m3fn (SM89+: the e4m3 cvt) with one latent head, sources bf16/fp16/fp32 with
+contiguous, 16-byte aligned rows, slots int32/int64.
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Int32, Int64, const_expr
+from cutlass import Float32, Int32, Int64, const_expr
 
 from .device_error import fail
+from .sm90_decode import _e4m3x4
 
 D_V, D_ROPE = 512, 64
-VEC = 8  # elements per 16-byte vector of the cache dtype
+VEC = 8  # elements a thread writes: 16 bytes of bf16/fp16, 8 of e4m3
 VECS = (D_V + D_ROPE) // VEC  # 72 per cache row
 TOKENS_PER_CTA = 4
 REPEAT_BATCH = 8  # earlier slots loaded at once by the repeat check
@@ -38,6 +44,8 @@ REPEAT_BATCH = 8  # earlier slots loaded at once by the repeat check
 class AppendKV:
     """Compiled per (cache dtype, source dtype, slot dtype); the token count and the cache size
     are runtime values."""
+
+    fp8 = False
 
     def __init__(self, cache_dtype, source_dtype):
         self.cache_dtype = cache_dtype
@@ -54,13 +62,17 @@ class AppendKV:
         check_repeats: Int32,  # nonzero: a slot >= 0 written twice fails
         stream,
     ):
+        self.launch(mCache, mKvC, mKPe, mSlots, check_range, check_repeats, None, stream)
+
+    @cute.jit
+    def launch(self, mCache, mKvC, mKPe, mSlots, check_range, check_repeats, mScale, stream):
         T = mSlots.shape[0]
-        self.kernel(mCache, mKvC, mKPe, mSlots, check_range, check_repeats).launch(
+        self.kernel(mCache, mKvC, mKPe, mSlots, check_range, check_repeats, mScale).launch(
             grid=[(T + TOKENS_PER_CTA - 1) // TOKENS_PER_CTA, 1, 1],
             block=[TOKENS_PER_CTA * VECS, 1, 1], stream=stream)
 
     @cute.kernel
-    def kernel(self, mCache, mKvC, mKPe, mSlots, check_range, check_repeats):
+    def kernel(self, mCache, mKvC, mKPe, mSlots, check_range, check_repeats, mScale):
         tidx, _, _ = cute.arch.thread_idx()
         bidx, _, _ = cute.arch.block_idx()
         t = bidx * TOKENS_PER_CTA + tidx // VECS
@@ -88,13 +100,47 @@ class AppendKV:
                 row = Int32(slot % mCache.shape[1])
                 dst = cute.local_tile(mCache[page, row, 0, None], (VEC,), (v,))
                 if v < D_V // VEC:
-                    self.copy(cute.local_tile(mKvC[t, None], (VEC,), (v,)), dst)
+                    self.copy(cute.local_tile(mKvC[t, None], (VEC,), (v,)), dst, mScale)
                 else:
-                    self.copy(cute.local_tile(mKPe[t, None], (VEC,), (v - D_V // VEC,)), dst)
+                    self.copy(cute.local_tile(mKPe[t, None], (VEC,), (v - D_V // VEC,)), dst,
+                              mScale)
 
     @cute.jit
-    def copy(self, src: cute.Tensor, dst: cute.Tensor):
+    def copy(self, src: cute.Tensor, dst: cute.Tensor, mScale):
         x = src.load()
-        if const_expr(self.source_dtype != self.cache_dtype):
-            x = x.to(self.cache_dtype)
-        dst.store(x)
+        if const_expr(mScale is not None):
+            # e4m3 bytes: x / kv_scale, rounded and saturated, as two words (8-byte store).
+            y = cute.make_rmem_tensor(VEC, Float32)
+            y.store(x.to(Float32))
+            scale = mScale[0]
+            w = cute.make_rmem_tensor(VEC // 4, Int32)
+            for i in cutlass.range_constexpr(VEC // 4):
+                w[i] = _e4m3x4(*[y[4 * i + k] / scale for k in range(4)])
+            cute.autovec_copy(w, cute.recast_tensor(dst, Int32))
+        else:
+            if const_expr(self.source_dtype != self.cache_dtype):
+                x = x.to(self.cache_dtype)
+            dst.store(x)
+
+
+class AppendKVFp8(AppendKV):
+    """A float8_e4m3fn cache, passed as uint8 bytes, with its float32 [1] kv_scale."""
+
+    fp8 = True
+
+    def __init__(self, source_dtype):
+        super().__init__(cutlass.Uint8, source_dtype)
+
+    @cute.jit
+    def __call__(
+        self,
+        mCache: cute.Tensor,  # (num_blocks, 64, 1, 576) uint8 (the e4m3 bytes)
+        mKvC: cute.Tensor,
+        mKPe: cute.Tensor,
+        mSlots: cute.Tensor,
+        check_range: Int32,
+        check_repeats: Int32,
+        mScale: cute.Tensor,  # (1,) float32: cache value = e4m3 * kv_scale
+        stream,
+    ):
+        self.launch(mCache, mKvC, mKPe, mSlots, check_range, check_repeats, mScale, stream)

@@ -19,7 +19,6 @@ REPEAT_CHECK_MAX_TOKENS = 2048
 def _append_impl(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
     check_append_args(kv_cache, kv_c, k_pe, slot_mapping, values=False, kv_scale=kv_scale)
     T = slot_mapping.shape[0]
-    # (None for a float8_e4m3fn cache: the kernel writes bf16/fp16 only.)
     kernel = find_append_kernel(kv_cache, kv_c, k_pe, slot_mapping) if T else None
     if kernel is None:
         if T and checks.checks_values(slot_mapping):
@@ -35,8 +34,12 @@ def _append_impl(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
         checks.check_slot_repeats(slot_mapping)
     if slot_mapping.stride(0) != 1:
         slot_mapping = slot_mapping.contiguous()
-    kernel(_plain(kv_cache), _rows_16b(_plain(kv_c)), _rows_16b(_plain(k_pe)), slot_mapping,
-           int(on), int(in_kernel))
+    cache, srcs = _plain(kv_cache), (_rows_16b(_plain(kv_c)), _rows_16b(_plain(k_pe)))
+    if kv_scale is None:
+        kernel(cache, *srcs, slot_mapping, int(on), int(in_kernel))
+    else:  # the e4m3 bytes (DLPack has no fp8 type)
+        kernel(cache.view(torch.uint8), *srcs, slot_mapping, int(on), int(in_kernel),
+               kv_scale if kv_scale.dim() == 1 else kv_scale.reshape(1))
 
 
 def _plain(x: torch.Tensor) -> torch.Tensor:
@@ -109,8 +112,9 @@ def append_kv(
             it so the largest latent magnitude maps near 448, e.g. ``amax / 448`` measured over
             a prefill's latents. One scale per cache tensor for now.
 
-    On a GPU from SM80 up with a bf16/fp16 cache and 576-wide rows (512 + 64), one kernel launch;
-    a float8_e4m3fn cache takes the reference (torch ops, on any device).
+    One kernel launch on a GPU from SM80 up with a bf16/fp16 cache of 576-wide rows (512 + 64),
+    and from SM89 up with a float8_e4m3fn one (bit-identical to the reference's quantization);
+    otherwise (a CPU, an older GPU, other widths) the reference's torch ops.
     """
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and any(
             isinstance(t, torch.Tensor) and t.requires_grad for t in (kv_cache, kv_c, k_pe))):

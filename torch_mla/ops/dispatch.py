@@ -491,6 +491,10 @@ PORTABLE_ARCHS = {cap: gpu_arch(*cap) for cap in [(8, 0), (8, 6), (8, 7), (8, 9)
                                                    (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)]}
 
 
+# Arches with the e4m3 cvt (cvt.rn.satfinite.e4m3x2.f32, SM89 and later): append_kv's fp8 kernel.
+FP8_APPEND_ARCHS = frozenset(a for cap, a in PORTABLE_ARCHS.items() if cap >= (8, 9))
+
+
 @functools.lru_cache(maxsize=None)
 def _device_arch(device: torch.device) -> str | None:
     """The arch the small kernels are compiled for on this CUDA device, or None (older than
@@ -514,18 +518,18 @@ _SLOT_NAMES = {torch.int32: "int32", torch.int64: "int64"}
 def find_append_kernel(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
                        slot_mapping: torch.Tensor):
     """The compiled append_kv kernel for these (validated) arguments, else None (the reference):
-    a bf16/fp16 cache of 576-wide rows, 16-byte aligned, sources of one dtype (a float8_e4m3fn
-    cache is quantized by the reference: no FP8 append kernel yet)."""
+    a bf16/fp16 cache (any SM80+ GPU) or a float8_e4m3fn one (SM89+: the e4m3 conversion) of
+    576-wide rows, 16-byte aligned, sources of one dtype. The fp8 kernel takes the cache as its
+    bytes (``kv_cache.view(torch.uint8)``) and kv_scale after the two check flags."""
     if not kv_cache.is_cuda or _force_reference():
         return None
-    if kv_cache.dtype == torch.float8_e4m3fn:
-        return None
-    if (kv_cache.dtype not in _DTYPE_NAMES or kv_c.dtype not in _APPEND_SOURCES
+    fp8 = kv_cache.dtype == torch.float8_e4m3fn
+    if ((not fp8 and kv_cache.dtype not in _DTYPE_NAMES) or kv_c.dtype not in _APPEND_SOURCES
             or k_pe.dtype != kv_c.dtype or kv_c.shape[1] != D_V or k_pe.shape[1] != D_QK - D_V
             or kv_cache.data_ptr() % 16):
         return None
     arch = _device_arch(kv_cache.device)
-    if arch is None:
+    if arch is None or (fp8 and arch not in FP8_APPEND_ARCHS):
         return None
     return _compiled_append_kv(arch, kv_cache.dtype, kv_c.dtype, slot_mapping.dtype)
 
@@ -558,13 +562,14 @@ def _compiled_append_kv(arch: str, cache_dtype: torch.dtype, source_dtype: torch
         import cutlass
         import cutlass.cute as cute
 
-        from ..cute_kernels.append_kv import AppendKV
+        from ..cute_kernels.append_kv import AppendKV, AppendKVFp8
 
-        return compile_append_kv(cute, cutlass, AppendKV(_dsl_type(cache_dtype),
-                                                         _dsl_type(source_dtype)),
-                                 _dsl_type(slot_dtype), arch)
+        src = _dsl_type(source_dtype)
+        kernel = (AppendKVFp8(src) if cache_dtype == torch.float8_e4m3fn
+                  else AppendKV(_dsl_type(cache_dtype), src))
+        return compile_append_kv(cute, cutlass, kernel, _dsl_type(slot_dtype), arch)
 
-    names = {torch.float32: "fp32", **_DTYPE_NAMES}
+    names = {torch.float32: "fp32", torch.float8_e4m3fn: "e4m3", **_DTYPE_NAMES}
     config = {"cache": names[cache_dtype], "source": names[source_dtype],
               "slot": _SLOT_NAMES[slot_dtype]}
     return kernel_cache.load_or_build("append_kv", config, arch, build)
@@ -664,18 +669,22 @@ def compile_schedule(cute, cutlass, kernel, arch: str = SM90_ARCH):
 def compile_append_kv(cute, cutlass, kernel, slot_dtype, arch: str = SM90_ARCH):
     """The append kernel: (kv_cache [num_blocks, 64, 1, 576], kv_c [T, 512], k_pe [T, 64] (row
     strides multiples of 8 elements, 16-byte aligned), slot_mapping [T], check_range int,
-    check_repeats int, stream)."""
+    check_repeats int, [AppendKVFp8: kv_scale float32 [1],] stream). An fp8 cache comes as its
+    bytes (uint8)."""
     T = cute.sym_int()
     src = kernel.source_dtype
+    cache_div = 16 if kernel.fp8 else 8  # 16-byte aligned rows either way
     args = [
         # Page stride int64: a cache past 2^31 elements (4 GB in bf16) is addressed right.
         _fake(cute, kernel.cache_dtype, (cute.sym_int(), PAGE_SIZE, 1, D_QK),
-              (cute.sym_int64(divisibility=8), D_QK, D_QK, 1)),
+              (cute.sym_int64(divisibility=cache_div), D_QK, D_QK, 1)),
         _fake(cute, src, (T, D_V), (cute.sym_int64(divisibility=8), 1)),
         _fake(cute, src, (T, D_QK - D_V), (cute.sym_int64(divisibility=8), 1)),
         _fake(cute, slot_dtype, (T,), (1,), slot_dtype.width // 8),
         cutlass.Int32(1),
         cutlass.Int32(1),
-        cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True),
     ]
+    if kernel.fp8:
+        args.append(_fake(cute, cutlass.Float32, (1,), (1,), 4))
+    args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
