@@ -642,9 +642,9 @@ class MLADecodeSm80:
         # arrive once they have read the stage's rope columns (a quad without rows too,
         # kernel()). Every warp of the quad waits, not only the k-half-1 ones that write there
         # (a wait in a kh branch became a predicated BAR.SYNC). compute-sanitizer's racecheck
-        # reports this arrive -> wait pair as WAR hazards: it loses an arrive's ordering once the
-        # arriving warp passes another barrier (its quad's) before its own wait, which
-        # tools/racecheck_probe.py shows on a 4-warp kernel (docs/kernel-notes.md).
+        # reports WAR hazards on this arrive -> wait pair (a rope ldmatrix before the arrive, an
+        # exchange store after the wait), which the PTX model orders; tools/racecheck_probe.py
+        # does not reproduce them in any variant tried (docs/kernel-notes.md, session 7).
         n_rope = self.num_threads
         # S partials of both row groups: 2 x bn / 16 n8 tiles; `chains` interleaved partial sums
         # (k-steps round robin) give 4 independent mma.sync chains when there are fewer tiles.
