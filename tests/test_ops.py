@@ -167,6 +167,10 @@ def test_schedule_covers_every_block_once():
     from torch_mla.scheduling import compute_schedule, walk_schedule
 
     cases = [(torch.tensor([1], dtype=torch.int32), 66)]  # parts inside the overhead units
+    # Equal requests: whole requests per part (whole_request_cuts), with empty ones between.
+    for b, parts in ((128, 66), (64, 66), (70, 132), (5, 2)):
+        lens = torch.full((b,), 4097, dtype=torch.int32)
+        cases += [(lens, parts), (lens * (torch.arange(b) % 3 != 1), parts)]
     for _ in range(50):
         b = int(torch.randint(1, 40, ()))
         lens = torch.randint(0, 5000, (b,), dtype=torch.int32)
@@ -210,6 +214,29 @@ def test_schedule_balances_parts():
         load[p] += hi - lo
     # Every part gets blocks, and none more than its share of the stream, ceil(T / P) units.
     assert min(load) > 0 and max(load) <= -(-total // 132), (min(load), max(load))
+
+
+def test_schedule_takes_whole_requests_when_that_costs_little():
+    from torch_mla.scheduling import WHOLE_MAX_BATCH, compute_schedule, walk_schedule
+
+    def loads(lens, parts):
+        meta, splits = compute_schedule(lens, parts)
+        load = [0] * parts
+        for p, _r, lo, hi, _slot in walk_schedule(meta, splits, lens):
+            load[p] += hi - lo
+        return splits, max(load)
+
+    # 128 requests of 65 pages (70 units) on 66 parts: whole requests put 2 on a part (140
+    # units) against the uniform cut's 136, so nothing is split.
+    splits, top = loads(torch.full((128,), 4097, dtype=torch.int32), 66)
+    assert torch.equal(splits, torch.arange(129, dtype=torch.int32)) and top == 2 * 65
+    # 96 of them: whole requests would give 140 units against 102: the uniform cut, splits.
+    splits, top = loads(torch.full((96,), 4097, dtype=torch.int32), 66)
+    assert int(splits[-1]) > 96 and top <= -(-96 * 70 // 66)
+    # Past the kernel's one chunk of requests: always the uniform cut.
+    b = WHOLE_MAX_BATCH + 1
+    splits, _ = loads(torch.full((b,), 64 * 130, dtype=torch.int32), b // 2)
+    assert int(splits[-1]) > b
 
 
 def test_compat_flash_mla_both_forms():

@@ -60,6 +60,17 @@ def test_schedule_kernel_matches_torch(b):
             assert_schedule_equal(lens, parts, *schedule_kernel(lens.cuda(), parts))
 
 
+@pytest.mark.parametrize("b, parts", [(1, 66), (5, 2), (64, 66), (96, 66), (128, 66),
+                                      (128, 132), (300, 257), (1024, 66), (1025, 66)])
+def test_schedule_kernel_whole_requests_match_torch(b, parts):
+    # Equal lengths (with and without empty requests between) make whole-request schedules
+    # (scheduling.whole_request_cuts) for most of these, the uniform cut for the others.
+    for L in (1, 64, 4097, 8192):
+        lens = torch.full((b,), L, dtype=torch.int32)
+        for x in (lens, lens * (torch.arange(b) % 5 != 2)):
+            assert_schedule_equal(x, parts, *schedule_kernel(x.cuda(), parts))
+
+
 def test_schedule_kernel_with_checks_off_clamps_negative_lengths():
     # compute_schedule counts a negative length as 0; with the checks off the kernel agrees.
     lens = torch.tensor([5, -3, 700, -(2**31), 64], dtype=torch.int32)

@@ -6,7 +6,9 @@ h_kv > 1 heads runs one launch per head, each over the same schedule). Each requ
 of ``OVERHEAD_BLOCKS`` (the cost of starting a request: loading Q, writing its output), and the
 stream is cut into ``num_parts`` pieces of equal size (within one block). A part walks its piece
 request by request; a request cut across parts is computed as partial results that the combine
-step merges.
+step merges. When cutting only at request boundaries costs little (the heaviest part at most
+``OVERHEAD_BLOCKS`` units heavier: a batch of many equal requests), no request is split
+(:func:`whole_request_cuts`).
 
 Everything here is a handful of tensor ops with static shapes and no host synchronisation, so the
 schedule can be computed once per decode step, shared by every layer, and captured in a CUDA graph.
@@ -32,6 +34,9 @@ METADATA_WIDTH = 8
 # up to 5 blocks lighter than one that begins inside a request; the heaviest part is the same
 # or one block above the best contiguous cut on the anchor rows (docs/kernel-notes.md).
 OVERHEAD_BLOCKS = 5
+# Batches up to this size may get a schedule of whole requests (whole_request_cuts): the
+# schedule kernel's one chunk of requests (cute_kernels/schedule.py CHUNK).
+WHOLE_MAX_BATCH = 1024
 
 
 def num_m_blocks(s_q: int, h_q: int) -> int:
@@ -126,9 +131,49 @@ def compute_schedule(
     meta[:, 2] = torch.where(nonempty, end_req, b - 1).to(torch.int32)
     meta[:, 3] = torch.where(nonempty, end_blk, 0).to(torch.int32)
     meta[:, 4] = torch.where(nonempty, begin_split, 0).to(torch.int32)
+    # Whole requests instead, when that costs little (see whole_request_cuts): chosen on the
+    # device (no host sync), so both schedules are computed and one is selected.
+    snap, use_snap = whole_request_cuts(end, units, total, num_parts)
+    sa, sz = snap[:-1], snap[1:]
+    s_nonempty = sa < sz
+    s_begin = torch.searchsorted(end, sa, right=True).clamp(max=b - 1)
+    s_end = torch.searchsorted(end, (sz - 1).clamp(min=0), right=True).clamp(max=b - 1)
+    whole = torch.stack([torch.where(s_nonempty, s_begin, b),
+                         torch.zeros_like(s_begin),
+                         torch.where(s_nonempty, s_end, b - 1),
+                         torch.where(s_nonempty, nb[s_end], 0),
+                         torch.zeros_like(s_begin)], 1).to(torch.int32)
+    meta[:, :5] = torch.where(use_snap, whole, meta[:, :5])
+    nsplit = torch.where(use_snap, (nb > 0).to(nsplit.dtype), nsplit)
     num_splits = torch.zeros(b + 1, dtype=torch.int32, device=dev)
     num_splits[1:] = torch.cumsum(nsplit, 0).to(torch.int32)
     return meta, num_splits
+
+
+def whole_request_cuts(end: torch.Tensor, units: torch.Tensor, total: torch.Tensor,
+                       num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The schedule that splits no request, and whether to use it (a 0-dim bool tensor).
+
+    Each of the uniform cut positions p T / P (p = 0..P) moves to the nearer boundary of the
+    request holding it (the lower one on a tie): parts take whole requests. That is chosen when
+    its largest part is at most ``OVERHEAD_BLOCKS`` units above the uniform cut's, ceil(T / P),
+    and the batch fits the schedule kernel's one chunk (``WHOLE_MAX_BATCH``). A split request
+    costs more than the closed form charges: each of its pieces writes fp32 partial results
+    that the combine reads back (H200, 64 or 128 requests of 4097 keys, h_q 128: 154.3 ->
+    139.8 us and 284.5 -> 270.8 us with whole requests, docs/kernel-notes.md).
+
+    Returns ``(cuts int64 [num_parts + 1], use)``: part p takes stream positions
+    [cuts[p], cuts[p + 1])."""
+    b = end.shape[0]
+    x = torch.arange(num_parts + 1, device=end.device, dtype=torch.int64) * total // num_parts
+    k = torch.searchsorted(end, x, right=True)  # the request holding x (b where x = T)
+    kc = k.clamp(max=b - 1)
+    hi = torch.where(k < b, end[kc], total)
+    lo = torch.where(k < b, hi - units[kc], total)
+    cuts = torch.where(x - lo <= hi - x, lo, hi)
+    largest = (cuts[1:] - cuts[:-1]).max()
+    use = (largest <= (total + num_parts - 1) // num_parts + OVERHEAD_BLOCKS) & (total > 0)
+    return cuts, use & (b <= WHOLE_MAX_BATCH)
 
 
 def walk_schedule(meta: torch.Tensor, num_splits: torch.Tensor, cache_seqlens: torch.Tensor):

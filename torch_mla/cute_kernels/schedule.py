@@ -13,6 +13,12 @@ the inclusive prefix sum of units, T = end_{b-1}, P parts, t = max(T, 1)):
           scanned likewise into num_splits. Then every part p whose first (a = pT / P) or last
           (z - 1 = (p + 1)T / P - 1) stream position falls in the chunk finds its request by a
           binary search over the chunk's end_r and writes its begin or end columns.
+  whole   with one chunk (b <= 1024), after the units scan, unless the largest request (a max
+          taken in pass 1) alone exceeds the bound below: each part's cuts snapped to the
+          nearer request boundary (binary searches over end_r), the heaviest snapped part by a
+          CTA-wide max; when it is at most OVERHEAD_BLOCKS above ceil(T / P) every request
+          counts one piece and each part writes its whole requests instead
+          (scheduling.whole_request_cuts).
   rank    compute_schedule's cumulative count of non-empty parts has a closed form, so no third
           scan: part q is empty iff floor((q + 1)T / P) = floor(qT / P); when T <= P the sizes
           are 0 or 1 and the count up to p telescopes to floor((p + 1)T / P), when T >= P every
@@ -95,25 +101,32 @@ class DecodeSchedule:
         P = mMeta.shape[0]
         P64 = Int64(P)
         sEnd = cute.make_tensor(cute.arch.alloc_smem(Int64, CHUNK, 16), cute.make_layout(CHUNK))
-        # Three sets of warp totals: the reduction, the units scan, the splits scan.
-        sWarp = cute.make_tensor(cute.arch.alloc_smem(Int64, 3 * WARPS, 16),
-                                 cute.make_layout((WARPS, 3)))
+        # Four sets of warp totals: the reduction, the units scan, the splits scan, the largest
+        # request.
+        sWarp = cute.make_tensor(cute.arch.alloc_smem(Int64, 4 * WARPS, 16),
+                                 cute.make_layout((WARPS, 4)))
 
-        # Pass 1: T.
+        # Pass 1: T and the largest request's units.
         acc = Int64(0)
+        top = Int64(0)
         for i in cutlass.range(tidx, b, THREADS, unroll=4):
             L = mSeqlens[i]
             if (check != 0) & (L < 0):
                 fail("torch_mla.get_decode_schedule: cache_seqlens[%d] = %d, but lengths must "
                      "be >= 0", i, L)
-            acc += self.units(L)
+            u = self.units(L)
+            acc += u
+            top = cutlass.max(top, u)
         acc = cute.arch.warp_reduction_sum(acc)
+        top = cute.arch.warp_reduction_max(top)
         if lane == 0:
             sWarp[warp, 0] = acc
+            sWarp[warp, 3] = top
         cute.arch.sync_threads()
         T = Int64(0)
         for w in cutlass.range_constexpr(WARPS):
             T += sWarp[w, 0]
+            top = cutlass.max(top, sWarp[w, 3])
         t = cutlass.max(T, Int64(1))
         # The largest numerator below is (T + 6) P + T (module docstring).
         small = (T + OVERHEAD_BLOCKS + 1) * P64 + T < 2**31
@@ -121,6 +134,7 @@ class DecodeSchedule:
         by_t = (t, cute.FastDivmodDivisorV2(Int32(cutlass.select_(small, t, Int64(1)))), small)
 
         # Pass 2: chunk by chunk.
+        whole = Int32(0)  # 1: parts take whole requests (a one-chunk batch)
         carry_units = Int64(0)  # end_r of the last request before the chunk
         carry_splits = Int32(0)
         for c0 in cutlass.range(0, b, CHUNK, unroll=1):
@@ -146,6 +160,28 @@ class DecodeSchedule:
                      - self.first_rank(start, T, P, by_P, by_t) + 1)
                 nsplit.append(cutlass.select_(units[k] > 0, n, Int32(0)))
                 start = start + units[k]
+            # Whole requests per part when that costs little (scheduling.whole_request_cuts):
+            # sEnd published, then the heaviest part of the snapped cut, CTA-wide. Skipped
+            # (uniform over the CTA) when the largest request alone is already too heavy.
+            limit = self.div(T + P64 - 1, by_P) + OVERHEAD_BLOCKS
+            if (b <= CHUNK) & (T > 0) & (top <= limit):
+                cute.arch.sync_threads()
+                largest = Int64(0)
+                for p in cutlass.range(tidx, P, THREADS, unroll=1):
+                    a = self.snap(sEnd, self.div(Int64(p) * T, by_P), T)
+                    largest = cutlass.max(largest,
+                                          self.snap(sEnd, self.div((Int64(p) + 1) * T, by_P), T)
+                                          - a)
+                largest = cute.arch.warp_reduction_max(largest)
+                if lane == 0:
+                    sWarp[warp, 0] = largest  # (T's partial sums there were read before)
+                cute.arch.sync_threads()
+                for w in cutlass.range_constexpr(WARPS):
+                    largest = cutlass.max(largest, sWarp[w, 0])
+                if largest <= limit:
+                    whole = Int32(1)
+            for k in cutlass.range_constexpr(ITEMS):  # whole requests: one piece each
+                nsplit[k] = cutlass.select_(whole != 0, Int32(units[k] > 0), nsplit[k])
             own_splits = nsplit[0]
             for k in cutlass.range_constexpr(1, ITEMS):
                 own_splits = own_splits + nsplit[k]
@@ -156,33 +192,51 @@ class DecodeSchedule:
                 done = done + nsplit[k]
                 if i0 + k < b:
                     mNumSplits[i0 + k + 1] = done
-            # (block_scan's barrier also published sEnd.)
+            # (block_scan's barriers also published sEnd.)
             lo = carry_units
             hi = carry_units + chunk_units
-            for p in cutlass.range(tidx, P, THREADS, unroll=1):
-                a = self.div(Int64(p) * T, by_P)
-                z = self.div((Int64(p) + 1) * T, by_P)
-                if a < z:
-                    if (lo <= a) & (a < hi):
-                        j = self.upper_bound(sEnd, a)
-                        end = sEnd[j]
-                        begin = self.request_start(sEnd, j, lo)
-                        nb = end - begin - OVERHEAD_BLOCKS
-                        blk = cutlass.min(cutlass.max(a - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
-                        # rank(p) = min(p, z - 1)
-                        split = cutlass.max(Int32(cutlass.min(Int64(p), z - 1))
-                                            - self.first_rank(begin, T, P, by_P, by_t), 0)
-                        mMeta[p, 0] = c0 + j
-                        mMeta[p, 1] = Int32(blk)
-                        mMeta[p, 4] = Int32(split)
-                    if (lo <= z - 1) & (z - 1 < hi):
-                        j = self.upper_bound(sEnd, z - 1)
-                        end = sEnd[j]
-                        begin = self.request_start(sEnd, j, lo)
-                        nb = end - begin - OVERHEAD_BLOCKS
-                        blk = cutlass.min(cutlass.max(z - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
-                        mMeta[p, 2] = c0 + j
-                        mMeta[p, 3] = Int32(blk)
+            if whole != 0:  # (one chunk: stream positions are sEnd's own)
+                for p in cutlass.range(tidx, P, THREADS, unroll=1):
+                    a = self.snap(sEnd, self.div(Int64(p) * T, by_P), T)
+                    z = self.snap(sEnd, self.div((Int64(p) + 1) * T, by_P), T)
+                    first, last, last_nb = b, cutlass.max(b - 1, 0), Int32(0)
+                    if a < z:
+                        first = self.upper_bound(sEnd, a)
+                        last = self.upper_bound(sEnd, z - 1)
+                        last_nb = Int32(sEnd[last] - self.request_start(sEnd, last, Int64(0))
+                                        - OVERHEAD_BLOCKS)
+                    mMeta[p, 0] = first
+                    mMeta[p, 1] = 0
+                    mMeta[p, 2] = last
+                    mMeta[p, 3] = last_nb
+                    mMeta[p, 4] = 0
+            else:
+                for p in cutlass.range(tidx, P, THREADS, unroll=1):
+                    a = self.div(Int64(p) * T, by_P)
+                    z = self.div((Int64(p) + 1) * T, by_P)
+                    if a < z:
+                        if (lo <= a) & (a < hi):
+                            j = self.upper_bound(sEnd, a)
+                            end = sEnd[j]
+                            begin = self.request_start(sEnd, j, lo)
+                            nb = end - begin - OVERHEAD_BLOCKS
+                            blk = cutlass.min(
+                                cutlass.max(a - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
+                            # rank(p) = min(p, z - 1)
+                            split = cutlass.max(Int32(cutlass.min(Int64(p), z - 1))
+                                                - self.first_rank(begin, T, P, by_P, by_t), 0)
+                            mMeta[p, 0] = c0 + j
+                            mMeta[p, 1] = Int32(blk)
+                            mMeta[p, 4] = Int32(split)
+                        if (lo <= z - 1) & (z - 1 < hi):
+                            j = self.upper_bound(sEnd, z - 1)
+                            end = sEnd[j]
+                            begin = self.request_start(sEnd, j, lo)
+                            nb = end - begin - OVERHEAD_BLOCKS
+                            blk = cutlass.min(
+                                cutlass.max(z - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
+                            mMeta[p, 2] = c0 + j
+                            mMeta[p, 3] = Int32(blk)
             carry_units = hi
             carry_splits = carry_splits + chunk_splits
             cute.arch.sync_threads()  # sEnd and sWarp are rewritten by the next chunk
@@ -190,7 +244,8 @@ class DecodeSchedule:
         if tidx == 0:
             mNumSplits[0] = 0
         for p in cutlass.range(tidx, P, THREADS, unroll=1):
-            if self.div(Int64(p) * T, by_P) == self.div((Int64(p) + 1) * T, by_P):
+            empty = self.div(Int64(p) * T, by_P) == self.div((Int64(p) + 1) * T, by_P)
+            if (whole == 0) & empty:
                 mMeta[p, 0] = b
                 mMeta[p, 1] = 0
                 mMeta[p, 2] = cutlass.max(b - 1, 0)
@@ -234,6 +289,18 @@ class DecodeSchedule:
         t = by_t[0]
         first_part = self.div((start + OVERHEAD_BLOCKS + 1) * Int64(P) + t - 1, by_t) - 1
         return self.rank(self.clamp_part(first_part, P), T, by_P)
+
+    @cute.jit
+    def snap(self, sEnd, x, T):
+        """The boundary of the request holding stream position x nearer to x (the lower on a
+        tie), T for x >= T; one chunk (stream positions are sEnd's)."""
+        r = T
+        if x < T:
+            j = self.upper_bound(sEnd, x)
+            hi = sEnd[j]
+            lo = self.request_start(sEnd, j, Int64(0))
+            r = cutlass.select_(x - lo <= hi - x, lo, hi)
+        return r
 
     @cute.jit
     def upper_bound(self, sEnd, x):
