@@ -133,21 +133,24 @@ def floor_rows(inp, sched, x):
                                               f"{dispatch.device_arch(x.device.index)}")
     y = torch.zeros(32, device=x.device)
     step_args = {}
-    run = dispatch._STEPS["sm90"]
+    saved = dict(dispatch._STEPS)
 
-    def capture(dtype, causal, index):
-        step = run(dtype, causal, index)
+    def capture(run):
+        def get(dtype, causal, index):
+            step = run(dtype, causal, index)
 
-        def call(*args):
-            step_args["step"] = (step, args)
-            return step(*args)
-        return call
+            def call(*args):
+                step_args["step"] = (step, args)
+                return step(*args)
+            return call
+        return get
 
-    dispatch._STEPS["sm90"] = capture
+    # Whichever step this GPU runs (the SM90 one on an H100/H200, the portable one elsewhere).
+    dispatch._STEPS.update({key: capture(run) for key, run in saved.items()})
     try:
         torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
     finally:
-        dispatch._STEPS["sm90"] = run
+        dispatch._STEPS.update(saved)
     step, args = step_args["step"]
     return [("one CuTe DSL kernel launch (an empty kernel, TVM-FFI)", lambda: empty(y)),
             ("mla_decode's compiled step alone (2 launches, arguments prepared)",
