@@ -6,6 +6,8 @@
                                                              # bf16 vs fp8 latent cache
     torchrun --nproc-per-node 2 benchmarks/bench_e2e.py --tp 2 --systems torch_mla
                                                              # tensor parallel over 2 GPUs
+    python benchmarks/bench_e2e.py --systems torch_mla --profile --timeline out/
+                                                             # where each step's time goes
 
 Tensor parallel (``--tp N``, under ``torchrun --nproc-per-node N``, one GPU per rank): the same
 model, sharded with transformers' tensor parallelism (its plan for the MLPs, torch_mla's
@@ -176,14 +178,28 @@ def time_steps(step, token_ids, steps, device):
     return (time.perf_counter() - t0) / steps * 1e3, first
 
 
-def profile_steps(step, ids, b: int, steps: int = 5, top: int = 25) -> None:
-    """Prints (stderr) where the GPU time of `steps` replayed steps goes, kernel by kernel."""
+def profile_steps(step, ids, b: int, steps: int = 5, top: int = 25,
+                  timeline: str | None = None) -> None:
+    """Prints (stderr) where the GPU time of `steps` replayed steps goes, kernel by kernel. With
+    ``timeline`` (a file path), also writes the last step's kernels in launch order: start (us
+    from the step's first kernel), duration (us) and name, one a line, then the step's span."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             step(ids)
         torch.cuda.synchronize()
+    if timeline:
+        kernels = sorted((e for e in prof.events()
+                          if e.device_type == torch.autograd.DeviceType.CUDA),
+                         key=lambda e: e.time_range.start)
+        last = kernels[len(kernels) - len(kernels) // steps:]
+        t0 = last[0].time_range.start
+        with open(timeline, "w") as f:
+            for e in last:
+                f.write(f"{e.time_range.start - t0:9.1f} {e.time_range.elapsed_us():8.2f}  "
+                        f"{e.name}\n")
+            f.write(f"# span {last[-1].time_range.end - t0:.1f} us, {len(last)} kernels\n")
     events = [e for e in prof.key_averages() if e.device_time_total > 0]
     events.sort(key=lambda e: -e.device_time_total)
     total = sum(e.device_time_total for e in events)
@@ -228,7 +244,11 @@ def run_system(system, model, b, args, dims, dtype, device):
     with torch.no_grad():
         ms, logits = time_steps(step, token_ids, args.steps, device)
         if args.profile and system.startswith("torch_mla") and device.type == "cuda":
-            profile_steps(step, token_ids[-1], b)
+            timeline = None
+            if args.timeline:
+                os.makedirs(args.timeline, exist_ok=True)
+                timeline = os.path.join(args.timeline, f"{system}_b{b}.txt")
+            profile_steps(step, token_ids[-1], b, timeline=timeline)
     if system != "hf":
         graphs = counters["stats"]["unique_graphs"]
         note = f"{graphs} graph{'s' if graphs != 1 else ''}"
@@ -303,6 +323,9 @@ def main(argv=None) -> None:
     ap.add_argument("--out", default=None, help="also write the table (markdown) to this file")
     ap.add_argument("--profile", action="store_true",
                     help="print where torch_mla's step spends its GPU time, kernel by kernel")
+    ap.add_argument("--timeline", default=None, metavar="DIR",
+                    help="with --profile: also write one step's kernels in launch order (start, "
+                         "duration, name) to DIR/<system>_b<batch>.txt")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks; run under torchrun --nproc-per-node TP")
     args = ap.parse_args(argv)

@@ -23,6 +23,12 @@ def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, nu
     return out, lse
 
 
+@torch.library.register_fake("torch_mla::_absorb_query")
+def _absorb_query_fake(q_nope, q_pe, w_uk):
+    b, h, s, _ = q_nope.shape
+    return q_nope.new_empty((b, s, h, w_uk.shape[2] + q_pe.shape[3]))
+
+
 @torch.library.register_fake("torch_mla::append_kv")
 def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None):
     return None

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import mla_decode
+from ..ops.absorb import absorb_query
 from .cache import LatentStep, MLACache
 from .rope import (
     MLARotaryEmbedding,
@@ -301,8 +302,7 @@ class MultiheadLatentAttention(nn.Module):
         H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = local(self.kv_b_proj.weight).view(H, dn + dv, R)
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
-        q_lat = torch.einsum("bhsn,hnr->bshr", q_nope, w_uk)
-        q = torch.cat([q_lat, q_pe.transpose(1, 2).to(q_lat.dtype)], dim=-1)
+        q = absorb_query(q_nope, q_pe, w_uk)  # [b, s, H, R + dr]
         if step.kv_scale is None:
             out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
                                     step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
