@@ -102,8 +102,9 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
            if n.op == "call_function" and "torch_mla" in str(n.target)]
     # The schedule is computed once per step and shared by the layers.
     assert ops == ["torch_mla.get_decode_schedule"] + ["torch_mla.append_kv",
-                                                       "torch_mla._absorb_query",
-                                                       "torch_mla.mla_decode"] * 2
+                                                       "torch_mla._head_matmul",
+                                                       "torch_mla.mla_decode",
+                                                       "torch_mla._head_matmul"] * 2
 
 
 def test_compiled_generate_matches_transformers_and_stops_at_the_same_limit_as_eager():

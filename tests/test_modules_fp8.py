@@ -275,8 +275,9 @@ def test_fp8_compiled_decode_step_is_one_graph_across_prefills_and_matches_eager
     ops = [str(n.target) for n in graphs[0].graph.nodes
            if n.op == "call_function" and "torch_mla" in str(n.target)]
     assert ops == ["torch_mla.get_decode_schedule"] + ["torch_mla.append_kv",
-                                                       "torch_mla._absorb_query",
-                                                       "torch_mla.mla_decode"] * 2
+                                                       "torch_mla._head_matmul",
+                                                       "torch_mla.mla_decode",
+                                                       "torch_mla._head_matmul"] * 2
 
 
 @pytest.mark.cuda

@@ -27,7 +27,7 @@ class TestSchemas(expecttest.TestCase):
         self.assertExpectedInline(schema("get_decode_schedule"), """torch_mla::get_decode_schedule(Tensor cache_seqlens, int num_parts) -> (Tensor, Tensor)""")
         self.assertExpectedInline(schema("mla_decode"), """torch_mla::mla_decode(Tensor q, Tensor kv_cache, Tensor block_table, Tensor cache_seqlens, Tensor sched_metadata, Tensor num_splits, float softmax_scale, bool causal, int d_v, Tensor? kv_scale=None, Tensor? q_scale=None, str compute="exact") -> (Tensor, Tensor)""")
         self.assertExpectedInline(schema("append_kv"), """torch_mla::append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, Tensor? kv_scale=None) -> ()""")
-        self.assertExpectedInline(schema("_absorb_query"), """torch_mla::_absorb_query(Tensor q_nope, Tensor q_pe, Tensor w_uk) -> Tensor""")
+        self.assertExpectedInline(schema("_head_matmul"), """torch_mla::_head_matmul(Tensor x, Tensor w, Tensor? tail=None) -> Tensor""")
         self.assertExpectedInline(schema("_forward_only_grad"), """torch_mla::_forward_only_grad(Tensor grad, SymInt[] shape, ScalarType dtype, str op) -> Tensor""")
 
 
@@ -54,66 +54,74 @@ def test_opcheck_append():
 
 
 def absorb_inputs(b, s, h, dtype, device="cpu"):
-    """q_nope / q_pe as the modules slice them out of q_b_proj's output, and w_uk out of a
-    [h, 128 + 128, 512] kv_b_proj weight."""
+    """The modules' two per-head matmuls: (q_nope, w_uk, q_pe) as they slice them out of
+    q_b_proj's output and a [h, 128 + 128, 512] kv_b_proj weight, token-major; and (out_lat,
+    w_uv) for the output (mla_decode's [b, s, h, 512] against W_UV transposed)."""
     q = torch.randn(b, s, h * 192, dtype=dtype, device=device)
-    q_nope, q_pe = q.view(b, s, h, 192).transpose(1, 2).split([128, 64], dim=-1)
+    q_nope, q_pe = q.view(b, s, h, 192).split([128, 64], dim=-1)
     w = torch.randn(h, 256, 512, dtype=dtype, device=device) / 16
-    return q_nope, q_pe, w[:, :128]
+    out_lat = torch.randn(b, s, h, 512, dtype=dtype, device=device)
+    return (q_nope, w[:, :128], q_pe), (out_lat, w[:, 128:].transpose(1, 2))
 
 
-def test_opcheck_absorb_query():
-    torch.library.opcheck(torch.ops.torch_mla._absorb_query.default,
-                          absorb_inputs(2, 3, 4, torch.float32))
+def test_opcheck_head_matmul():
+    query, output = absorb_inputs(2, 3, 4, torch.float32)
+    torch.library.opcheck(torch.ops.torch_mla._head_matmul.default, query)
+    torch.library.opcheck(torch.ops.torch_mla._head_matmul.default, output)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("b, s", [(1, 1), (3, 1), (2, 3), (0, 1)])
-def test_absorb_query_is_the_einsum_and_the_concatenation(b, s, dtype):
-    """[q_nope W_UK | q_pe] per head, for the strided q_nope of the modules and for a q_nope
-    whose strides need a copy; q_pe's columns bit for bit, the matmul's to rounding."""
-    from torch_mla.ops.absorb import absorb_query
+def test_head_matmul_is_the_einsum(b, s, dtype):
+    """Per head x @ w, token-major, with the tail's columns behind it bit for bit: for the
+    strided inputs of the modules and for inputs whose strides need a copy."""
+    from torch_mla.ops.absorb import head_matmul
 
-    q_nope, q_pe, w_uk = absorb_inputs(b, s, 4, dtype)
-    ref = torch.cat([torch.einsum("bhsn,hnr->bshr", q_nope.double(), w_uk.double()),
-                     q_pe.transpose(1, 2).double()], dim=-1)
+    query, output = absorb_inputs(b, s, 4, dtype)
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    for nope in (q_nope, q_nope.transpose(2, 3).contiguous().transpose(2, 3)):
-        q = absorb_query(nope, q_pe, w_uk)
-        assert q.shape == (b, s, 4, 576) and q.dtype == dtype and q.is_contiguous()
-        assert torch.equal(q[..., 512:], q_pe.transpose(1, 2))
-        torch.testing.assert_close(q.double(), ref, **tol)
+    for x, w, *tail in (query, output):
+        n = w.shape[2]
+        ref = torch.einsum("bshk,hkn->bshn", x.double(), w.double())
+        for xx in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):
+            out = head_matmul(xx, w, *tail)
+            width = n + (tail[0].shape[3] if tail else 0)
+            assert out.shape == (b, s, 4, width) and out.dtype == dtype and out.is_contiguous()
+            if tail:
+                assert torch.equal(out[..., n:], tail[0])
+            torch.testing.assert_close(out[..., :n].double(), ref, **tol)
 
 
 @pytest.mark.cuda
 @pytest.mark.parametrize("b, s", [(1, 1), (128, 1), (32, 2)])
-def test_absorb_query_on_the_gpu(b, s):
-    """cuBLAS writes the matmul's columns through the strided view (no copy of them: besides
-    cuBLAS's kernels the call launches one kernel, q_pe's copy) and they match the einsum's."""
-    from torch_mla.ops.absorb import absorb_query
+def test_head_matmul_on_the_gpu(b, s):
+    """cuBLAS writes the products through the strided view (no copy of them: besides cuBLAS's
+    kernels a call launches only the tail's copy) and they match the einsum's."""
+    from torch_mla.ops.absorb import head_matmul
 
-    q_nope, q_pe, w_uk = absorb_inputs(b, s, 128, torch.bfloat16, "cuda")
-    ref = torch.einsum("bhsn,hnr->bshr", q_nope.float(), w_uk.float())
-    absorb_query(q_nope, q_pe, w_uk)  # (cuBLAS's handle and workspace)
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        q = absorb_query(q_nope, q_pe, w_uk)
-        torch.cuda.synchronize()
-    kernels = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
     blas = ("gemm", "nvjet", "cutlass", "splitkreduce", "cublas")
-    others = [k for k in kernels if not any(n in k.lower() for n in blas)]
-    assert len(others) == 1 and len(kernels) >= 2, kernels
-    assert torch.equal(q[..., 512:], q_pe.transpose(1, 2))
-    torch.testing.assert_close(q[..., :512].float(), ref, atol=2e-2, rtol=1e-2)
+    for x, w, *tail in absorb_inputs(b, s, 128, torch.bfloat16, "cuda"):
+        ref = torch.einsum("bshk,hkn->bshn", x.float(), w.float())
+        head_matmul(x, w, *tail)  # (cuBLAS's handle and workspace)
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            out = head_matmul(x, w, *tail)
+            torch.cuda.synchronize()
+        kernels = [e.name for e in prof.events()
+                   if e.device_type == torch.autograd.DeviceType.CUDA]
+        others = [k for k in kernels if not any(n in k.lower() for n in blas)]
+        assert len(others) == len(tail) and len(kernels) > len(tail), kernels
+        if tail:
+            assert torch.equal(out[..., 512:], tail[0])
+        torch.testing.assert_close(out[..., :w.shape[2]].float(), ref, atol=2e-2, rtol=1e-2)
 
 
-def test_absorb_query_refuses_mismatched_shapes():
-    from torch_mla.ops.absorb import absorb_query
+def test_head_matmul_refuses_mismatched_shapes():
+    from torch_mla.ops.absorb import head_matmul
 
-    q_nope, q_pe, w_uk = absorb_inputs(2, 1, 4, torch.float32)
-    with pytest.raises(ValueError, match="_absorb_query: q_nope"):
-        absorb_query(q_nope, q_pe, w_uk[:2])
-    with pytest.raises(ValueError, match="_absorb_query: q_nope"):
-        absorb_query(q_nope, q_pe[:1], w_uk)
+    (q_nope, w_uk, q_pe), _ = absorb_inputs(2, 1, 4, torch.float32)
+    with pytest.raises(ValueError, match="_head_matmul: x"):
+        head_matmul(q_nope, w_uk[:2], q_pe)
+    with pytest.raises(ValueError, match="_head_matmul: x"):
+        head_matmul(q_nope, w_uk, q_pe[:1])
 
 
 def test_opcheck_with_inputs_requiring_grad():
@@ -126,9 +134,9 @@ def test_opcheck_with_inputs_requiring_grad():
     args = (cache, torch.randn(5, 512, requires_grad=True), torch.randn(5, 64),
             torch.tensor([3, 70, 200, 64, 1]))
     torch.library.opcheck(torch.ops.torch_mla.append_kv.default, args, test_utils=utils)
-    q_nope, q_pe, w_uk = absorb_inputs(2, 1, 4, torch.float32)
-    torch.library.opcheck(torch.ops.torch_mla._absorb_query.default,
-                          (q_nope.detach().requires_grad_(), q_pe, w_uk), test_utils=utils)
+    (q_nope, w_uk, q_pe), _ = absorb_inputs(2, 1, 4, torch.float32)
+    torch.library.opcheck(torch.ops.torch_mla._head_matmul.default,
+                          (q_nope.detach().requires_grad_(), w_uk, q_pe), test_utils=utils)
 
 
 def test_mla_decode_api_matches_fp64():
@@ -561,19 +569,19 @@ class TestForwardOnly(expecttest.TestCase):
             cache.float().nan_to_num().sum().backward()
         self.assertExpectedInline(str(cm.exception), """torch_mla.append_kv is forward-only (inference): it has no backward, so no gradient can flow through it. Run it under torch.no_grad() or torch.inference_mode(), or detach its inputs; to train, use an attention with a backward (the model's own).""")
 
-    def test_absorb_query(self):
-        from torch_mla.ops.absorb import absorb_query
+    def test_head_matmul(self):
+        from torch_mla.ops.absorb import head_matmul
 
-        q_nope, q_pe, w_uk = absorb_inputs(2, 1, 4, torch.float32)
+        (q_nope, w_uk, q_pe), _ = absorb_inputs(2, 1, 4, torch.float32)
         w_uk.requires_grad_()
         with warnings.catch_warnings():
             warnings.simplefilter("error")
-            q = absorb_query(q_nope, q_pe, w_uk)
+            q = head_matmul(q_nope, w_uk, q_pe)
         assert q.requires_grad
-        assert torch.equal(q.detach(), absorb_query(q_nope, q_pe, w_uk.detach()))
+        assert torch.equal(q.detach(), head_matmul(q_nope, w_uk.detach(), q_pe))
         with self.assertRaises(RuntimeError) as cm:
             q.sum().backward()
-        assert "torch_mla._absorb_query is forward-only" in str(cm.exception)
+        assert "torch_mla._head_matmul is forward-only" in str(cm.exception)
 
     def test_decode_over_a_cache_written_with_grad(self):
         # The gradient path through the cache must not vanish silently either.

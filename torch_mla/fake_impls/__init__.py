@@ -23,10 +23,10 @@ def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, nu
     return out, lse
 
 
-@torch.library.register_fake("torch_mla::_absorb_query")
-def _absorb_query_fake(q_nope, q_pe, w_uk):
-    b, h, s, _ = q_nope.shape
-    return q_nope.new_empty((b, s, h, w_uk.shape[2] + q_pe.shape[3]))
+@torch.library.register_fake("torch_mla::_head_matmul")
+def _head_matmul_fake(x, w, tail=None):
+    b, s, h, _ = x.shape
+    return x.new_empty((b, s, h, w.shape[2] + (0 if tail is None else tail.shape[3])))
 
 
 @torch.library.register_fake("torch_mla::append_kv")

@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ..ops import mla_decode
-from ..ops.absorb import absorb_query
+from ..ops.absorb import head_matmul
 from .cache import LatentStep, MLACache
 from .rope import (
     MLARotaryEmbedding,
@@ -302,7 +302,8 @@ class MultiheadLatentAttention(nn.Module):
         H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = local(self.kv_b_proj.weight).view(H, dn + dv, R)
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
-        q = absorb_query(q_nope, q_pe, w_uk)  # [b, s, H, R + dr]
+        # [q_nope W_UK | q_pe] per head, token-major: [b, s, H, R + dr], mla_decode's q.
+        q = head_matmul(q_nope.transpose(1, 2), w_uk, q_pe.transpose(1, 2))
         if step.kv_scale is None:
             out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
                                     step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
@@ -311,7 +312,7 @@ class MultiheadLatentAttention(nn.Module):
             out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
                                     step.schedule, softmax_scale=self.scaling, causal=True, d_v=R,
                                     kv_scale=step.kv_scale, compute=step.compute)
-        return torch.einsum("bshr,hvr->bshv", out_lat.to(w.dtype), w_uv)
+        return head_matmul(out_lat.to(w.dtype), w_uv.transpose(1, 2))  # [b, s, H, dv]
 
 
 def _warn_foreign_cache(cache) -> None:

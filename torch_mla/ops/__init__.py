@@ -1,7 +1,7 @@
 """The torch.library boundary: op schemas, validation, dispatch to kernel or reference."""
 
 from .. import fake_impls  # noqa: F401  (registers the fake implementations)
-from . import absorb  # noqa: F401  (the modules' absorbed query)
+from . import absorb  # noqa: F401  (the modules' absorbed projections)
 from .cache import append_kv
 from .checks import set_value_checks
 from .decode import mla_decode

@@ -1,12 +1,14 @@
-"""``torch_mla::_absorb_query``: the query of absorbed MLA, ``[q_nope W_UK | q_pe]`` per head,
-in the layout mla_decode reads, with the matmul writing its columns in place.
+"""``torch_mla::_head_matmul``: one matrix product per head, written token-major, the absorbed
+MLA layer's two batched matmuls (the query's ``q_nope W_UK``, the output's ``o W_UV``).
 
-Written as an einsum and a concatenation, the query costs a copy of the whole [b, s, h, 576]
-buffer after the matmul: under torch.compile the batched matmul is an extern kernel whose
-output inductor cannot place inside the concatenation, so a kernel copies it (13 us a layer at
-batch 128 on the H200, 38 MB moved). Here the batched matmul (one matrix per head) writes into
-the query's first kv_lora_rank columns through a strided view, which cuBLAS takes as is (its
-leading dimension h * 576, the batch stride 576), and only q_pe is copied behind them.
+A batched matmul over the heads puts its result head-major, [h, tokens, n], and the layer needs
+it token-major, [tokens, h, n] (the query as mla_decode reads it, the output as o_proj reads it).
+Written as an einsum, that costs a copy under torch.compile: the matmul is an extern kernel that
+inductor neither lets write into a concatenation nor in a permuted layout, so a kernel rewrites
+the result (the query at batch 128 on the H200: 13 us a layer, the whole [b, 1, 128, 576]
+buffer). Here the matmul writes token-major through a strided view of the output (cuBLAS with
+leading dimension h * width and batch stride width; ATen's bmm takes such an ``out`` as it is),
+and the query's q_pe columns are copied behind the product (``tail``).
 """
 
 from __future__ import annotations
@@ -16,54 +18,57 @@ import torch
 from .library import forward_only_grads, grad_like, lib
 
 
-def _absorb_query_impl(q_nope: torch.Tensor, q_pe: torch.Tensor,
-                       w_uk: torch.Tensor) -> torch.Tensor:
-    b, h, s, d_nope = q_nope.shape
-    rank = w_uk.shape[2]
-    if (q_pe.dim() != 4 or tuple(q_pe.shape[:3]) != (b, h, s)
-            or tuple(w_uk.shape[:2]) != (h, d_nope)):
-        raise ValueError(f"_absorb_query: q_nope [b, h, s, d_nope], q_pe [b, h, s, d_rope] and "
-                         f"w_uk [h, d_nope, rank], got {list(q_nope.shape)}, "
-                         f"{list(q_pe.shape)} and {list(w_uk.shape)}")
-    q = q_nope.new_empty(b, s, h, rank + q_pe.shape[3])
-    # [h, b * s, d_nope] @ [h, d_nope, rank] into q's [h, b * s, rank] columns: a view of
-    # q_nope where its strides allow (the q_b_proj output's), else a copy.
-    lat = q.view(b * s, h, q.shape[3])[..., :rank].transpose(0, 1)
-    torch.bmm(q_nope.transpose(0, 1).reshape(h, b * s, d_nope), w_uk, out=lat)
-    q[..., rank:].copy_(q_pe.transpose(1, 2))
-    return q
+def _head_matmul_impl(x: torch.Tensor, w: torch.Tensor,
+                      tail: torch.Tensor | None = None) -> torch.Tensor:
+    b, s, h, k = x.shape
+    n = w.shape[2]
+    width = n + (0 if tail is None else tail.shape[3])
+    if tuple(w.shape[:2]) != (h, k) or (tail is not None and (
+            tail.dim() != 4 or tuple(tail.shape[:3]) != (b, s, h))):
+        raise ValueError(f"_head_matmul: x [b, s, h, k], w [h, k, n] and tail None or "
+                         f"[b, s, h, t], got {list(x.shape)}, {list(w.shape)} and "
+                         f"{None if tail is None else list(tail.shape)}")
+    out = x.new_empty(b, s, h, width)
+    # [h, b * s, k] @ [h, k, n] into out's [h, b * s, n] columns: a view of x where its strides
+    # allow (q_b_proj's output, mla_decode's), else a copy.
+    torch.bmm(x.reshape(b * s, h, k).transpose(0, 1), w,
+              out=out.view(b * s, h, width)[..., :n].transpose(0, 1))
+    if tail is not None:
+        out[..., n:].copy_(tail)
+    return out
 
 
-lib.impl("_absorb_query", _absorb_query_impl, "CompositeExplicitAutograd")
+lib.impl("_head_matmul", _head_matmul_impl, "CompositeExplicitAutograd")
 
 
 def _setup_context(ctx, inputs, output):
     ctx.like = grad_like(inputs)
 
 
-def _backward(ctx, grad_q):
-    return forward_only_grads(grad_q, ctx.like, "_absorb_query")
+def _backward(ctx, grad_out):
+    return forward_only_grads(grad_out, ctx.like, "_head_matmul")
 
 
-torch.library.register_autograd("torch_mla::_absorb_query", _backward,
+torch.library.register_autograd("torch_mla::_head_matmul", _backward,
                                 setup_context=_setup_context, lib=lib)
 
 
-def absorb_query(q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor) -> torch.Tensor:
-    """The absorbed MLA query: ``[q_nope[:, i] @ w_uk[i] | q_pe[:, i]]`` for each head i.
+def head_matmul(x: torch.Tensor, w: torch.Tensor,
+                tail: torch.Tensor | None = None) -> torch.Tensor:
+    """``[x[:, :, i] @ w[i] | tail[:, :, i]]`` for each head i, laid out token-major.
 
     Args:
-        q_nope: [b, h, s, d_nope] (any strides), the query's no-RoPE part.
-        q_pe: [b, h, s, d_rope], its rotated RoPE part (cast to q_nope's dtype).
-        w_uk: [h, d_nope, rank], the key up-projection absorbed into the query (the first
-            d_nope rows of each head's block of kv_b_proj's weight), in q_nope's dtype.
+        x: [b, s, h, k] (any strides).
+        w: [h, k, n] (any strides), in x's dtype.
+        tail: None, or [b, s, h, t]: columns appended after each head's product (cast to x's
+            dtype), bit for bit.
 
     Returns:
-        [b, s, h, rank + d_rope] in q_nope's dtype, contiguous: what mla_decode takes as q.
+        [b, s, h, n + t] in x's dtype, contiguous.
 
     Forward-only (inference), as mla_decode: a backward through it raises.
     """
     if torch.compiler.is_compiling() or (torch.is_grad_enabled() and (
-            q_nope.requires_grad or q_pe.requires_grad or w_uk.requires_grad)):
-        return torch.ops.torch_mla._absorb_query(q_nope, q_pe, w_uk)
-    return _absorb_query_impl(q_nope, q_pe, w_uk)  # (eager: no dispatcher overhead)
+            x.requires_grad or w.requires_grad or (tail is not None and tail.requires_grad))):
+        return torch.ops.torch_mla._head_matmul(x, w, tail)
+    return _head_matmul_impl(x, w, tail)  # (eager: no dispatcher overhead)

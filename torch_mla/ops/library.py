@@ -20,8 +20,8 @@ lib.define(
     "append_kv(Tensor(a!) kv_cache, Tensor kv_c, Tensor k_pe, Tensor slot_mapping, "
     "Tensor? kv_scale=None) -> ()"
 )
-# The absorbed MLA query [q_nope W_UK | q_pe] (ops/absorb.py; used by the modules).
-lib.define("_absorb_query(Tensor q_nope, Tensor q_pe, Tensor w_uk) -> Tensor")
+# One matmul per head, written token-major (ops/absorb.py; the modules' absorbed projections).
+lib.define("_head_matmul(Tensor x, Tensor w, Tensor? tail=None) -> Tensor")
 # The "gradient" of a forward-only op: raises when it runs. An op rather than a raise in the
 # backward formula, so that torch.compile can trace the backward of a forward that saw inputs
 # requiring grad (the forward must keep working) and the error comes when backward really runs.
