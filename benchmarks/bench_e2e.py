@@ -189,10 +189,10 @@ def profile_steps(step, ids, b: int, steps: int = 5, top: int = 25,
         for _ in range(steps):
             step(ids)
         torch.cuda.synchronize()
-    if timeline:
-        kernels = sorted((e for e in prof.events()
-                          if e.device_type == torch.autograd.DeviceType.CUDA),
-                         key=lambda e: e.time_range.start)
+    kernels = [] if not timeline else sorted(
+        (e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA),
+        key=lambda e: e.time_range.start)
+    if len(kernels) >= steps:
         last = kernels[len(kernels) - len(kernels) // steps:]
         t0 = last[0].time_range.start
         with open(timeline, "w") as f:
@@ -247,7 +247,8 @@ def run_system(system, model, b, args, dims, dtype, device):
             timeline = None
             if args.timeline:
                 os.makedirs(args.timeline, exist_ok=True)
-                timeline = os.path.join(args.timeline, f"{system}_b{b}.txt")
+                rank = f"_rank{os.environ['RANK']}" if args.tp > 1 else ""
+                timeline = os.path.join(args.timeline, f"{system}_b{b}{rank}.txt")
             profile_steps(step, token_ids[-1], b, timeline=timeline)
     if system != "hf":
         graphs = counters["stats"]["unique_graphs"]
@@ -325,7 +326,7 @@ def main(argv=None) -> None:
                     help="print where torch_mla's step spends its GPU time, kernel by kernel")
     ap.add_argument("--timeline", default=None, metavar="DIR",
                     help="with --profile: also write one step's kernels in launch order (start, "
-                         "duration, name) to DIR/<system>_b<batch>.txt")
+                         "duration, name) to DIR/<system>_b<batch>.txt (_rank<r> added with --tp)")
     ap.add_argument("--tp", type=int, default=1,
                     help="tensor-parallel ranks; run under torchrun --nproc-per-node TP")
     args = ap.parse_args(argv)

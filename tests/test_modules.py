@@ -162,6 +162,38 @@ def left_padded_prompts(b, s, pads):
 # --- RoPE ------------------------------------------------------------------------------------------
 
 
+def _rope_as_concatenation(x, cos, sin, interleave):
+    """apply_rope's former form, transformers' arithmetic written as one concatenation."""
+    half = x.shape[-1] // 2
+    x1, x2 = (x[..., 0::2], x[..., 1::2]) if interleave else (x[..., :half], x[..., half:])
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).to(x.dtype)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+@pytest.mark.parametrize("interleave", [True, False])
+def test_rope_is_the_concatenated_form_bit_for_bit(interleave, device):
+    """apply_rope computes each element as the concatenated form does, eager and compiled (on a
+    GPU: Triton), for every dtype pair a model passes: the same bits for finite inputs, signed
+    zeros and large values (a NaN's sign bit may differ: [-x2 | x1] negates first)."""
+    torch._dynamo.reset()
+    ours = torch.compile(apply_rope, fullgraph=True, dynamic=False)
+    theirs = torch.compile(_rope_as_concatenation, fullgraph=True, dynamic=False)
+    for x_dtype, a_dtype in [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                             (torch.float16, torch.float16), (torch.float32, torch.float32)]:
+        x = (torch.randn(3, 16, 5, 192, device=device) * 30).to(x_dtype)[..., 128:]
+        x[0, 0, 0, :4] = torch.tensor([0.0, -0.0, 6e4, -6e4])
+        angles = torch.rand(3, 1, 5, 32, device=device) * 4096
+        cos, sin = angles.cos().to(a_dtype), angles.sin().to(a_dtype)
+        # Eager against eager, compiled against compiled (inductor keeps products in float32
+        # where eager rounds them to x's dtype: both forms alike).
+        for got, want in [(apply_rope(x, cos, sin, interleave),
+                           _rope_as_concatenation(x, cos, sin, interleave)),
+                          (ours(x, cos, sin, interleave), theirs(x, cos, sin, interleave))]:
+            assert got.dtype == want.dtype == x_dtype
+            bits = torch.int16 if x_dtype != torch.float32 else torch.int32
+            assert torch.equal(got.view(bits), want.view(bits)), (x_dtype, a_dtype)
+
+
 @pytest.mark.parametrize("kind", ["v3", "v3_yarn", "v2"])
 def test_rope_and_softmax_scale_match_transformers(kind):
     hf = hf_model(kind)

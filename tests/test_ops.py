@@ -70,24 +70,26 @@ def test_opcheck_head_matmul():
     torch.library.opcheck(torch.ops.torch_mla._head_matmul.default, output)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("b, s", [(1, 1), (3, 1), (2, 3), (0, 1)])
 def test_head_matmul_is_the_einsum(b, s, dtype):
-    """Per head x @ w, token-major, with the tail's columns behind it bit for bit: for the
-    strided inputs of the modules and for inputs whose strides need a copy."""
+    """Per head x @ w, token-major, with the tail's columns behind it (cast to x's dtype, as
+    .to() casts): for the strided inputs of the modules, for an x that reshape must copy
+    ([b, h, s, k] storage seen as [b, s, h, k]) and for a float32 tail."""
     from torch_mla.ops.absorb import head_matmul
 
     query, output = absorb_inputs(b, s, 4, dtype)
     tol = dict(atol=1e-4, rtol=1e-5) if dtype == torch.float32 else dict(atol=2e-2, rtol=1e-2)
-    for x, w, *tail in (query, output):
+    for x, w, *tail in (query, output, (*query[:2], query[2].float() * 3)):
         n = w.shape[2]
         ref = torch.einsum("bshk,hkn->bshn", x.double(), w.double())
-        for xx in (x, x.transpose(2, 3).contiguous().transpose(2, 3)):
+        head_major = x.transpose(1, 2).contiguous().transpose(1, 2)
+        for xx in (x, head_major):
             out = head_matmul(xx, w, *tail)
             width = n + (tail[0].shape[3] if tail else 0)
             assert out.shape == (b, s, 4, width) and out.dtype == dtype and out.is_contiguous()
             if tail:
-                assert torch.equal(out[..., n:], tail[0])
+                assert torch.equal(out[..., n:], tail[0].to(dtype))
             torch.testing.assert_close(out[..., :n].double(), ref, **tol)
 
 
