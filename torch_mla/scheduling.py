@@ -107,11 +107,11 @@ def compute_schedule(
     # Part p takes stream positions [p T / P, (p + 1) T / P) (rounded down): sizes differ by at
     # most one unit, and every part gets work when T >= P (with ceil(T / P) units per part, the
     # last ~P / 2 parts could be left empty: 6 of 132 at 64 x 2048, h_q 16).
-    pidx = torch.arange(num_parts, device=dev, dtype=torch.int64)
-    a = pidx * total // num_parts
-    z = (pidx + 1) * total // num_parts
+    cut = torch.arange(num_parts + 1, device=dev, dtype=torch.int64) * total // num_parts
+    a, z = cut[:-1], cut[1:]
     nonempty = a < z
-    begin_req = torch.searchsorted(end, a, right=True)
+    cut_req = torch.searchsorted(end, cut, right=True)  # the request holding each cut (b at T)
+    begin_req = cut_req[:-1]
     end_req = torch.searchsorted(end, (z - 1).clamp(min=0), right=True)
     bi = begin_req.clamp(max=b - 1)
     ei = end_req.clamp(max=b - 1)
@@ -133,7 +133,7 @@ def compute_schedule(
     meta[:, 4] = torch.where(nonempty, begin_split, 0).to(torch.int32)
     # Whole requests instead, when that costs little (see whole_request_cuts): chosen on the
     # device (no host sync), so both schedules are computed and one is selected.
-    snap, use_snap = whole_request_cuts(end, units, total, num_parts)
+    snap, use_snap = whole_request_cuts(cut, cut_req, end, units, total)
     sa, sz = snap[:-1], snap[1:]
     s_nonempty = sa < sz
     s_begin = torch.searchsorted(end, sa, right=True).clamp(max=b - 1)
@@ -150,27 +150,27 @@ def compute_schedule(
     return meta, num_splits
 
 
-def whole_request_cuts(end: torch.Tensor, units: torch.Tensor, total: torch.Tensor,
-                       num_parts: int) -> tuple[torch.Tensor, torch.Tensor]:
+def whole_request_cuts(cut: torch.Tensor, cut_req: torch.Tensor, end: torch.Tensor,
+                       units: torch.Tensor,
+                       total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule that splits no request, and whether to use it (a 0-dim bool tensor).
 
-    Each of the uniform cut positions p T / P (p = 0..P) moves to the nearer boundary of the
-    request holding it (the lower one on a tie): parts take whole requests. That is chosen when
-    its largest part is at most ``OVERHEAD_BLOCKS`` units above the uniform cut's, ceil(T / P),
-    and the batch fits the schedule kernel's one chunk (``WHOLE_MAX_BATCH``). A split request
-    costs more than the closed form charges: each of its pieces writes fp32 partial results
-    that the combine reads back (H200, 64 or 128 requests of 4097 keys, h_q 128: 154.3 ->
-    139.8 us and 284.5 -> 270.8 us with whole requests, docs/kernel-notes.md).
+    Each of the uniform cut positions ``cut`` (p T / P, p = 0..P; ``cut_req``: the request
+    holding each, b for T) moves to the nearer boundary of that request (the lower one on a
+    tie): parts take whole requests. That is chosen when its largest part is at most
+    ``OVERHEAD_BLOCKS`` units above the uniform cut's, ceil(T / P), and the batch fits the
+    schedule kernel's one chunk (``WHOLE_MAX_BATCH``). A split request costs more than the
+    closed form charges: each of its pieces writes fp32 partial results that the combine reads
+    back (H200, 64 or 128 requests of 4097 keys, h_q 128: 154.3 -> 139.8 us and 284.5 -> 270.8
+    us with whole requests, docs/kernel-notes.md).
 
     Returns ``(cuts int64 [num_parts + 1], use)``: part p takes stream positions
     [cuts[p], cuts[p + 1])."""
-    b = end.shape[0]
-    x = torch.arange(num_parts + 1, device=end.device, dtype=torch.int64) * total // num_parts
-    k = torch.searchsorted(end, x, right=True)  # the request holding x (b where x = T)
-    kc = k.clamp(max=b - 1)
-    hi = torch.where(k < b, end[kc], total)
-    lo = torch.where(k < b, hi - units[kc], total)
-    cuts = torch.where(x - lo <= hi - x, lo, hi)
+    b, num_parts = end.shape[0], cut.shape[0] - 1
+    kc = cut_req.clamp(max=b - 1)
+    hi = torch.where(cut_req < b, end[kc], total)
+    lo = torch.where(cut_req < b, hi - units[kc], total)
+    cuts = torch.where(cut - lo <= hi - cut, lo, hi)
     largest = (cuts[1:] - cuts[:-1]).max()
     use = (largest <= (total + num_parts - 1) // num_parts + OVERHEAD_BLOCKS) & (total > 0)
     return cuts, use & (b <= WHOLE_MAX_BATCH)
