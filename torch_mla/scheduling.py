@@ -26,14 +26,14 @@ import dataclasses
 
 import torch
 
-PAGE_SIZE = 64
-BLOCK_M = 64  # query rows (s_q * h_q) per CTA tile
-METADATA_WIDTH = 8
-# FlashMLA's metadata kernel charges 5 blocks per segment (a sequential greedy fill); this
-# closed form charges them per request start, so a part that begins at a request start is
-# up to 5 blocks lighter than one that begins inside a request; the heaviest part is the same
-# or one block above the best contiguous cut on the anchor rows (docs/kernel-notes.md).
-OVERHEAD_BLOCKS = 5
+from .constants import (  # noqa: F401  (the names this module has always offered)
+    BLOCK_M,
+    COMBINE_WARPS_PER_ROW,
+    METADATA_WIDTH,
+    OVERHEAD_BLOCKS,
+    PAGE_SIZE,
+)
+
 # Batches up to this size may get a schedule of whole requests (whole_request_cuts): the
 # schedule kernel's one chunk of requests (cute_kernels/schedule.py CHUNK).
 WHOLE_MAX_BATCH = 1024
@@ -57,9 +57,6 @@ class DecodeSplitConfig:
         # KV heads run one launch after another (torch_mla/ops/dispatch.py), each a full wave
         # over its s_q * h_q // h_kv query rows.
         return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q // h_kv)))
-
-
-COMBINE_WARPS_PER_ROW = (1, 4, 16)  # every value CombineConfig.from_heuristic returns
 
 
 @dataclasses.dataclass(frozen=True)

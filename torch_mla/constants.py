@@ -1,0 +1,32 @@
+"""The numbers of the MLA decode contract, defined once: the ops, the reference, the schedule
+and every kernel import them from here (no module spells them again).
+
+Pure Python (no torch, no DSL import), so kernel modules and host code can both use it.
+"""
+
+import math
+
+# DeepSeek's latent: 512 compressed KV values and 64 RoPE key values a token, cached together.
+D_V = 512  # value width (the compressed latent); the output's width
+D_ROPE = 64  # the RoPE part of the key
+D_QK = D_V + D_ROPE  # 576: query / key width
+PAGE_SIZE = 64  # tokens a cache page (block) holds
+BLOCK_M = 64  # query rows (s_q * h_q) a decode CTA tile holds
+
+# The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
+META_BEGIN_REQ = 0  # first request of the part
+META_BEGIN_BLK = 1  # its first key block
+META_END_REQ = 2  # last request of the part (inclusive)
+META_END_BLK = 3  # the block after its last one, in the last request (exclusive)
+META_BEGIN_SPLIT = 4  # piece index of the part's first segment within its request
+METADATA_WIDTH = 8  # columns 5-7 reserved (0)
+
+# FlashMLA's metadata kernel charges 5 blocks per segment (a sequential greedy fill); the closed
+# form in scheduling.py charges them per request start (see there).
+OVERHEAD_BLOCKS = 5
+# The combine kernel's warps-per-row variants (scheduling.CombineConfig picks one of them; the
+# decode step compiles all of them and takes the index at run time).
+COMBINE_WARPS_PER_ROW = (1, 4, 16)
+
+LOG2_E = math.log2(math.e)
+LN_2 = math.log(2.0)
