@@ -22,11 +22,13 @@ def runnable_blocks() -> list[str]:
     return re.findall(re.escape(MARKER) + r"\n```python\n(.*?)\n```", text, flags=re.S)
 
 
+def test_readme_has_the_api_and_hugging_face_blocks():
+    assert len(runnable_blocks()) == 2, "expected the API and the Hugging Face block marked runnable"
+
+
 def test_readme_api_example_runs_as_written_and_is_right(capsys):
-    blocks = runnable_blocks()
-    assert len(blocks) == 1, f"expected the API block to be marked runnable, found {len(blocks)}"
     ns: dict = {}
-    exec(compile(blocks[0], "README.md:API", "exec"), ns)
+    exec(compile(runnable_blocks()[0], "README.md:API", "exec"), ns)
     assert capsys.readouterr().out == ("[36, 448]\n"
                                        "torch.Size([2, 1, 16, 512]) torch.float32 "
                                        "torch.Size([2, 16, 1])\n")
@@ -40,6 +42,30 @@ def test_readme_api_example_runs_as_written_and_is_right(capsys):
                                        ns["cache_seqlens"], 576**-0.5, True, 512)
     torch.testing.assert_close(ns["out"].cpu().double(), ref_out, atol=2e-2, rtol=2e-2)
     torch.testing.assert_close(ns["lse"].cpu().double(), ref_lse, atol=1e-3, rtol=1e-3)
+
+
+def test_readme_hugging_face_example_gives_transformers_tokens(capsys):
+    transformers = pytest.importorskip("transformers")
+    from torch_mla.modules import MultiheadLatentAttention
+
+    ns: dict = {}
+    exec(compile(runnable_blocks()[1], "README.md:Hugging Face", "exec"), ns)
+    model, ids, tokens, cache = ns["model"], ns["ids"], ns["tokens"], ns["cache"]
+    attns = [m for m in model.modules() if hasattr(m, "kv_b_proj")]
+    assert attns and all(isinstance(m, MultiheadLatentAttention) for m in attns)
+    # The decode steps ran on the MLACache: 8 prompt tokens + 7 decoded ones cached a request
+    # (the last token is sampled, not yet fed back).
+    assert cache.cache_seqlens.tolist() == [15, 15]
+    # transformers' own generate on an unswapped model with the swapped one's state dict (the
+    # keys are the same): the tokens the example printed, decided independently of its run.
+    hf = transformers.AutoModelForCausalLM.from_config(ns["config"]).eval()
+    hf.load_state_dict(model.state_dict())
+    with torch.no_grad():
+        ref = hf.generate(ids, max_new_tokens=8, do_sample=False)
+    assert ref.shape == (2, 16)
+    assert torch.equal(tokens, ref)
+    assert capsys.readouterr().out == (f"{ref[:, 8:].tolist()}\n"
+                                       "same tokens as transformers: True\n")
 
 
 def test_slot_mapping_hand_computed():
