@@ -1,6 +1,6 @@
 """GPU check of the one-launch schedule and append_kv kernels: values, errors, and time.
 
-    python tools/check_small_kernels.py [--cases 400] [--log PATH] [--quick]
+    python -m tools.check_small_kernels [--cases 400] [--log PATH] [--quick]
 
 1. values: the schedule kernel against compute_schedule (torch ops on the CPU: bit-identical
    metadata and num_splits, outputs poisoned first so an unwritten cell shows), append_kv
@@ -32,13 +32,12 @@ from functools import partial
 
 import torch
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+import torch_mla
+from torch_mla.reference import append_kv_reference
+from torch_mla.scheduling import compute_schedule
+from torch_mla.testing import append_kernel, load_flash_mla, schedule_kernel
 
-import torch_mla  # noqa: E402
-from torch_mla.ops import dispatch  # noqa: E402
-from torch_mla.reference import append_kv_reference  # noqa: E402
-from torch_mla.scheduling import compute_schedule  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 POISON = -0x5A5A5A5A
 _log = []
@@ -63,7 +62,7 @@ def random_lengths(b, rng):
 
 
 def check_schedule(cases, rng):
-    kernel = dispatch.find_schedule_kernel(torch.device("cuda"))
+    kernel = schedule_kernel(torch.device("cuda"))
     if kernel is None:
         say("schedule: NO KERNEL on this GPU")
         return 0, 1
@@ -135,7 +134,7 @@ def check_append(cases, rng):
         T = rng.choice([1, 2, 3, 31, 64, 65, 128, 257, 1000, 2048, 2049, rng.randrange(1, 6000)])
         args = (rng.choice(caches), rng.choice(sources), rng.choice([torch.int32, torch.int64]))
         case = append_case(T, T // 64 + rng.randrange(1, 5), *args, rng)
-        if dispatch.find_append_kernel(*case) is None:
+        if append_kernel(*case) is None:
             bad += 1
             say(f"  append_kv: NO KERNEL for {args}")
             continue
@@ -306,10 +305,8 @@ def old_append(cache, kv_c, k_pe, slots, kv_scale=None):
 def timing(n):
     say("\nget_decode_schedule (s_q 1, h_q 128: 2 m-blocks; lengths ~U[1, 8192])")
     results = {}
-    try:
-        from flash_mla import get_mla_metadata as flash_metadata
-    except Exception:
-        flash_metadata = None
+    flash_mla = load_flash_mla()
+    flash_metadata = None if flash_mla is None else flash_mla.get_mla_metadata
     for b in (1, 32, 128, 1024):
         lens = torch.randint(1, 8192, (b,), dtype=torch.int32, device="cuda")
         parts = torch_mla.get_decode_schedule(lens, 1, 128).metadata.shape[0]
