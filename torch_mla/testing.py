@@ -387,23 +387,6 @@ def runs_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int = D_V) -> bool
     return find_decode_kernel(q, kv_cache, d_v) is not None
 
 
-def schedule_kernel(device: torch.device):
-    """The compiled schedule kernel get_decode_schedule launches on ``device``, or None:
-    ``kernel(cache_seqlens, metadata, num_splits, check)`` writes int32 metadata
-    [num_parts, 8] and num_splits [b + 1] (check 1: trap on a negative length)."""
-    from .ops.dispatch import find_schedule_kernel
-
-    return find_schedule_kernel(device)
-
-
-def append_kernel(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                  slot_mapping: torch.Tensor):
-    """The compiled kernel append_kv launches for these arguments, or None (the torch ops)."""
-    from .ops.dispatch import find_append_kernel
-
-    return find_append_kernel(kv_cache, kv_c, k_pe, slot_mapping)
-
-
 @contextlib.contextmanager
 def portable_kernel(tiles: tuple[int, int, int] | None = None, on: bool = True):
     """Within it, mla_decode runs the portable (SM80-class) kernel (TORCH_MLA_PORTABLE=1), built
