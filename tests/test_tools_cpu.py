@@ -89,6 +89,8 @@ def test_compare_finds_one_flipped_bit_a_nan_pattern_and_a_missing_case(recordin
     i = int(flat.isnan().nonzero()[0])
     flat.view(torch.int16)[i] ^= 1  # another NaN: same value class, other bits
     del cases["schedule varlen"]
+    cases["decode kv=bf16 q=bf16 causal=0 hkv2"]["backend"] = "?"  # unknown: not a difference
+    cases["decode kv=fp16 q=fp16 causal=0 edges"]["backend"] = "sm90"
     path = tmp_path / "b.pt"
     torch.save(data, path)
     assert rec.main(["compare", str(recording), str(path)]) == 1
@@ -101,7 +103,8 @@ def test_compare_finds_one_flipped_bit_a_nan_pattern_and_a_missing_case(recordin
     assert "cache: 1 of" in lines["append_kv cache=bf16 src=bf16 strided"]
     assert lines["schedule varlen"].endswith("MISSING in B")
     assert lines["decode kv=bf16 q=bf16 causal=0 hkv2"].endswith("same")
-    assert "3 differ, 1 missing: NOT IDENTICAL" in lines["summary"]
+    assert lines["decode kv=fp16 q=fp16 causal=0 edges"].endswith("DIFFERS: backend reference vs sm90")
+    assert "4 differ, 1 missing: NOT IDENTICAL" in lines["summary"]
 
 
 def test_full_case_set_covers_the_issue_grid():
