@@ -15,10 +15,14 @@ import os
 import random
 from collections.abc import Callable
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-from .constants import D_QK, D_V, PAGE_SIZE
+from .constants import D_QK, D_V, LOG2_E, PAGE_SIZE
+
+if TYPE_CHECKING:
+    from .ops.schedule import DecodeSchedule
 
 POISON_BLOCK_ID = 2**30  # an id far past any cache: reading it faults or returns garbage
 
@@ -295,9 +299,9 @@ def parse_config(text: str) -> tuple[int, int, int, int]:
 
 
 def graph_time_us(fn: Callable[[], object]) -> float:
-    """Microseconds per call of ``fn`` (CUDA work without host arguments), the anchors' method:
-    one call to compile and warm up, one on a side stream, then a CUDA graph of one call
-    replayed under triton.testing.do_bench(warmup=50, rep=300), median."""
+    """Microseconds per call of ``fn`` (no arguments; it launches GPU work), the anchors'
+    method: one call to compile and warm up, one on a side stream, then a CUDA graph of one
+    call replayed under triton.testing.do_bench(warmup=50, rep=300), median."""
     import triton.testing
 
     fn()  # compile and warm up outside the capture
@@ -343,7 +347,7 @@ def flash_mla_decode(flash_mla: ModuleType, inp: DecodeInputs,
 # Internal names of torch_mla the tools use: imported here only --------------------------------
 
 
-def kernel_args(inp: DecodeInputs, sched) -> tuple:
+def kernel_args(inp: DecodeInputs, sched: DecodeSchedule) -> tuple:
     """The SM90 decode kernel's arguments for ``inp`` and schedule ``sched`` (as
     torch_mla/ops/dispatch.py passes them), with fresh output and workspace buffers: (q
     [b, rows, 576], kv [pages, 64, 576], block_table, seqlens, metadata, num_splits, out
@@ -359,10 +363,10 @@ def kernel_args(inp: DecodeInputs, sched) -> tuple:
             torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device),
             torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device),
             torch.empty(slots, rows, dtype=torch.float32, device=q.device),
-            D_QK**-0.5 * math.log2(math.e))
+            D_QK**-0.5 * LOG2_E)
 
 
-def breakdown_us(inp: DecodeInputs, sched, causal: bool) -> tuple[float, float]:
+def breakdown_us(inp: DecodeInputs, sched: DecodeSchedule, causal: bool) -> tuple[float, float]:
     """(SM90 decode kernel alone, combine kernel alone) in us, each captured and replayed on its
     own (:func:`graph_time_us`); bf16/fp16 ``inp`` on an H100/H200."""
     from .ops import dispatch
