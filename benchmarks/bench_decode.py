@@ -12,7 +12,8 @@ triton.testing.do_bench(warmup=50, rep=300, return_mode="median"). With mean len
     bytes = b * (s_q * h_q * 576 * 2 + Lm * 576 * 2 + s_q * h_q * 512 * 2)
 Ceilings (same H200): 4246 GB/s device-to-device copy, 679 TFLOP/s bf16 matmul. FlashMLA's figures
 (deepseek-ai/FlashMLA 9241ae3, measured the same way on the same machine) are built in; FlashMLA
-is also timed side by side when `flash_mla` is importable.
+is also timed side by side when `flash_mla` is importable (on the GPU machine: the build of
+shared/anchors/flashmla-sm90 on PYTHONPATH; torch_mla.testing.load_flash_mla).
 """
 
 from __future__ import annotations
@@ -24,85 +25,21 @@ import torch
 
 import torch_mla
 from torch_mla.reference import mla_decode_reference
-from torch_mla.testing import make_anchor_inputs
+from torch_mla.testing import (
+    ANCHORS,
+    QUICK_ANCHORS,
+    breakdown_us,
+    flash_mla_decode,
+    graph_time_us,
+    kernel_args,  # noqa: F401  (re-exported for tools/trace_decode.py until it imports testing)
+    load_flash_mla,
+    make_anchor_inputs,
+    parse_config,
+    quantize_per_tensor,
+)
 
 COPY_GBPS = 4246.0
 MATMUL_TFLOPS = 679.0
-
-# (b, s_q, s_k, h_q, causal): FlashMLA us on the H200 (shared/anchors/h200-flashmla.json).
-ANCHORS = {
-    (128, 1, 4096, 128, False): 271.4,
-    (128, 1, 8192, 128, False): 521.7,
-    (128, 1, 16384, 128, False): 1034.3,
-    (128, 1, 32768, 128, False): 2068.9,
-    (128, 2, 4096, 128, True): 498.8,
-    (128, 2, 8192, 128, True): 1017.6,
-    (128, 2, 16384, 128, True): 2002.1,
-    (128, 2, 32768, 128, True): 4121.3,
-    (128, 1, 8192, 16, False): 326.1,
-    (128, 1, 8192, 32, False): 330.9,
-    (128, 1, 8192, 64, False): 343.0,
-    (1, 1, 4096, 128, False): 31.3,
-    (8, 1, 4096, 128, False): 39.0,
-    (32, 1, 4096, 128, False): 77.7,
-    (64, 1, 2048, 16, False): 58.9,
-}
-QUICK = [(128, 1, 8192, 128, False), (128, 2, 8192, 128, True), (128, 1, 8192, 16, False),
-         (1, 1, 4096, 128, False), (64, 1, 2048, 16, False)]
-
-
-def graph_time_us(fn) -> float:
-    import triton.testing
-
-    fn()  # compile and warm up outside the capture
-    torch.cuda.synchronize()
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        fn()
-    torch.cuda.synchronize()
-    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
-
-
-def kernel_args(inp, sched):
-    """The decode kernel's arguments for these inputs (as ops/dispatch.py passes them), with
-    fresh output and workspace buffers: (q, kv, block_table, seqlens, metadata, num_splits, out,
-    lse, out_acc, lse_acc, scale_log2)."""
-    import math
-
-    q = inp.q
-    b, s_q, h_q, _ = q.shape
-    rows = s_q * h_q
-    slots = b + sched.metadata.shape[0]
-    return (q.reshape(b, rows, 576), inp.kv_cache.view(-1, 64, 576), inp.block_table,
-            inp.cache_seqlens, sched.metadata, sched.num_splits,
-            torch.empty(b, rows, 512, dtype=q.dtype, device=q.device),
-            torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device),
-            torch.empty(slots, rows, 512, dtype=torch.float32, device=q.device),
-            torch.empty(slots, rows, dtype=torch.float32, device=q.device),
-            576**-0.5 * math.log2(math.e))
-
-
-def breakdown_us(inp, sched, causal):
-    """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
-    from torch_mla.ops import dispatch
-
-    b, s_q, h_q = inp.q.shape[:3]
-    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
-    combine = dispatch._compiled_combine(
-        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q))
-    args = kernel_args(inp, sched)
-    num_splits, out3, lse, oacc, lseacc = args[5:10]
-    t_dec = graph_time_us(lambda: decode(*args, None))  # None: no trace table
-    table, lens = args[2], args[3]
-    t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse, table, lens,
-                                           args[1].shape[0]))
-    return t_dec, t_comb
-
 
 def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool = False):
     """fp8: torch_mla runs over the cache quantized to float8_e4m3fn (one scale, amax / 448;
@@ -111,10 +48,7 @@ def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool 
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     cache, kw = inp.kv_cache, {}
     if fp8:
-        from torch_mla.reference import quantize_fp8
-
-        kw["kv_scale"] = (cache.float().abs().amax() / 448).reshape(1)
-        cache = quantize_fp8(cache, kw["kv_scale"])
+        cache, kw["kv_scale"] = quantize_per_tensor(cache)
     args = (inp.q, cache, inp.block_table, inp.cache_seqlens, sched)
     err = float("nan")
     if check:
@@ -126,10 +60,7 @@ def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool 
     us = graph_time_us(lambda: torch_mla.mla_decode(*args, causal=causal, **kw))
     fm_us = float("nan")
     if flash_mla is not None:
-        meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-        fm_us = graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
-            inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, 512, meta, splits,
-            causal=causal))
+        fm_us = graph_time_us(flash_mla_decode(flash_mla, inp, causal))
     lm = inp.cache_seqlens.float().mean().item()
     flop = b * h_q * s_q * (2 * 576 * lm + 2 * 512 * lm)
     nbytes = b * (s_q * h_q * 576 * 2 + lm * 576 * (1 if fp8 else 2) + s_q * h_q * 512 * 2)
@@ -147,19 +78,15 @@ def main(argv=None):
     ap.add_argument("configs", nargs="*", metavar="B,S_Q,S_K,H_Q",
                     help="configurations to time instead of the anchor table")
     args = ap.parse_args(argv)
-    try:
-        import flash_mla  # noqa: F401
-    except ImportError:
-        flash_mla = None
+    flash_mla = load_flash_mla()
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
           + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
           "| FlashMLA us (anchor) | FlashMLA / ours (same run; else the anchor's) | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-    configs = QUICK if args.quick else list(ANCHORS)
+    configs = QUICK_ANCHORS if args.quick else list(ANCHORS)
     if args.configs:
-        configs = [(*dims, dims[1] > 1) for dims in
-                   (tuple(int(x) for x in c.split(",")) for c in args.configs)]
+        configs = [(*dims, dims[1] > 1) for dims in map(parse_config, args.configs)]
     for cfg in configs:
         b, s_q, s_k, h_q, causal = cfg
         check = not args.no_check and b * s_k <= 128 * 8192

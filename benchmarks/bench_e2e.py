@@ -57,14 +57,10 @@ import os
 import sys
 import time
 import traceback
-from pathlib import Path
 
 import torch
 
-# The checkout this script is in, before any installed torch_mla (an editable install may point at
-# another checkout): the benchmark measures the code next to it.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from torch_mla.demo import V3_SHAPE, build_model, deepseek_config  # noqa: E402
+from torch_mla.demo import V3_SHAPE, build_model, deepseek_config
 
 COPY_GBPS = 4246.0
 MATMUL_TFLOPS = 679.0  # the H200's bf16 dense matmul ceiling (shared/anchors/README.md)

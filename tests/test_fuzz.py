@@ -66,5 +66,5 @@ def test_broken_decode_is_caught(tmp_path, monkeypatch, capsys, breakage, sympto
     printed = capsys.readouterr().out.splitlines()
     k = failed[0].split()[1]
     assert printed[0] == failed[0]
-    assert printed[1] == (f"  repro: python tools/fuzz_decode.py --device cpu --seed 7 --max-b 4 --max-len 320 "
+    assert printed[1] == (f"  repro: python -m tools.fuzz_decode --device cpu --seed 7 --max-b 4 --max-len 320 "
                           f"--max-tokens 1024 --max-h-kv 1 --schedule random --only {k}")

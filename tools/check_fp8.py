@@ -2,9 +2,9 @@
 (compute="fp8"), on this GPU: exact conversion, correctness grid with e_store, then speed
 against bf16 and FlashMLA.
 
-    python tools/check_fp8.py --quick     # trimmed grid + benchmarks' QUICK rows (~3 min)
-    python tools/check_fp8.py             # full grid + every anchor row
-    python tools/check_fp8.py --no-bench / --no-grid / --compute exact|fp8 (default both)
+    python -m tools.check_fp8 --quick     # trimmed grid + benchmarks' QUICK rows (~3 min)
+    python -m tools.check_fp8             # full grid + every anchor row
+    python -m tools.check_fp8 --no-bench / --no-grid / --compute exact|fp8 (default both)
 
 (0) Conversion: testing.make_fp8_code_case (every e4m3 code but NaN, at every row and column
 position, one-hot softmax) with q bf16, fp16 and e4m3 + q_scale: the output must equal V *
@@ -36,26 +36,24 @@ import os
 import subprocess
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's torch_mla, not an installed one
-sys.path.insert(0, str(ROOT / "benchmarks"))
-sys.path.insert(0, str(ROOT / "tools"))
-import torch_mla  # noqa: E402
-from torch_mla.ops import dispatch, kernel_cache  # noqa: E402
-from torch_mla.reference import (  # noqa: E402
-    dequantize_fp8,
-    mla_decode_reference,
-    quantize_fp8,
-)
-from torch_mla.testing import (  # noqa: E402
+import torch_mla
+from tools.check_portable import grid
+from torch_mla.reference import dequantize_fp8, mla_decode_reference, quantize_fp8
+from torch_mla.testing import (
+    ANCHORS,
+    QUICK_ANCHORS,
     capture_graph,
+    decode_errors,
+    flash_mla_decode,
+    graph_time_us,
+    load_flash_mla,
     make_anchor_inputs,
     make_decode_inputs,
     make_fp8_code_case,
+    quantize_per_tensor,
 )
 
 FP8 = torch.float8_e4m3fn
@@ -75,20 +73,13 @@ def quantize_q_rows(q: torch.Tensor) -> torch.Tensor:
 
 
 def precompile_in_parallel() -> None:
-    """Compiles the decode steps this script runs in parallel processes into the disk cache
-    (each variant compiles for ~20-30 s; this process then loads them)."""
-    if kernel_cache.cache_dir(dispatch.SM90_ARCH) is None:
-        return
-    variants = [(dt, c, f8, "exact", False) for dt in ("bfloat16", "float16")
-                for c in (False, True) for f8 in (True, False) if f8 or dt == "bfloat16"]
-    variants += [(dt, c, True, "fp8", q8) for dt in ("bfloat16", "float16")
-                 for c in (False, True) for q8 in (False, True) if dt == "bfloat16" or not q8]
-    code = ("import sys, torch; sys.path.insert(0, {root!r}); from torch_mla.ops import dispatch;"
-            " dispatch._compiled_step('sm90', getattr(torch, {dt!r}), {c}, dispatch.SM90_ARCH,"
-            " kv_fp8={f8}, compute={mode!r}, q_fp8={q8})")
-    procs = [subprocess.Popen([sys.executable, "-c", code.format(root=str(ROOT), dt=dt, c=c,
-                                                                  f8=f8, mode=mode, q8=q8)])
-             for dt, c, f8, mode, q8 in variants]
+    """Compiles the decode steps this script runs into the disk cache, one process per
+    (kernel, dtype, causal) of ``python -m torch_mla.precompile`` (a variant compiles for ~20-30
+    s; this process then loads them)."""
+    procs = [subprocess.Popen([sys.executable, "-m", "torch_mla.precompile", "--arch", "sm_90a",
+                               "--kernels", kernel, "--dtypes", dtype, "--causal", causal])
+             for kernel in ("step", "fp8_step", "fp8_fast") for dtype in ("bf16", "fp16")
+             for causal in ("false", "true")]
     for p in procs:
         p.wait()
 
@@ -118,8 +109,6 @@ def rel(a, b) -> float:
 def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv, mult, q_fp8=False, mode="exact"):
     """(out err / tol, lse err / tol, NaN?, e_store, (fast mode) Q-rounding error, out rel
     error) of one fp8 case."""
-    from check_portable import errors
-
     inp = make_decode_inputs(lens, s_q, h_q, dtype=torch.float32, device="cuda", h_kv=h_kv)
     q = (inp.q * mult).to(dtype)
     latents = (inp.kv_cache * mult).to(dtype)  # the "original" 16-bit latents
@@ -140,8 +129,8 @@ def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv, mult, q_fp8=False, mode
                                        scale, causal, 512)
     e_store = rel(ref_out, orig_out)
     if mode == "exact":
-        ratio, lse_ratio, nan = errors(out.float() / mult, lse, ref_out.float() / mult, ref_lse,
-                                       torch.bfloat16 if q_fp8 else dtype)
+        ratio, lse_ratio, nan = decode_errors(out.float() / mult, lse, ref_out.float() / mult,
+                                              ref_lse, torch.bfloat16 if q_fp8 else dtype)
         return ratio, lse_ratio, nan, e_store, float("nan"), rel(out, ref_out)
     # Fast mode: relative to what storing in e4m3 already costs (rows that see no key: 0).
     e_out = rel(out, ref_out)
@@ -170,8 +159,6 @@ def graph_case(mode="exact"):
     lengths, pages, queries and kv_scale): (worst err / tol, worst lse err / tol, NaN?). Fast
     mode: its out must also equal the eager call's bit for bit, and stay within 2.5 e_store
     of the reference (here randn / 10 data: e_store >= 1e-2, so err / tol uses 2.5e-2)."""
-    from check_portable import errors
-
     steps = []
     for lens in ([70, 3, 300], [129, 64, 0], [5, 250, 190]):
         inp = make_decode_inputs(lens, 2, 64, device="cuda", max_blocks=6, num_blocks=14)
@@ -196,7 +183,7 @@ def graph_case(mode="exact"):
             torch.cuda.synchronize()
             ref = mla_decode_reference(*static[:4], 576**-0.5, True, 512, kv_scale=static[4])
             if mode == "exact":
-                e = errors(out, lse, *ref, torch.bfloat16)
+                e = decode_errors(out, lse, *ref, torch.bfloat16)
             else:
                 eager, _ = step(*static)
                 fin = torch.isfinite(ref[1])
@@ -213,8 +200,6 @@ def check_grid(quick: bool, modes) -> int:
 
 
 def check_grid_mode(quick: bool, mode: str) -> int:
-    from check_portable import grid
-
     print(f"\n## (1) correctness grid, {mode} mode: fp8 cache vs the fp32 reference over the "
           "dequantized cache" + ("" if mode == "exact" else
                                  " (err / tol: out rel err / (2.5 e_store))"))
@@ -272,13 +257,12 @@ def check_grid_mode(quick: bool, mode: str) -> int:
     return failed
 
 
-def bench_row(cfg, flash_mla, graph_time_us, modes):
+def bench_row(cfg, flash_mla, modes):
     """({mode: (fp8 us, relative error vs the reference)}, bf16 us, FlashMLA bf16 us or NaN) of
     an anchor row; the fp8 cache is the bf16 one quantized per tensor."""
     b, s_q, s_k, h_q, causal = cfg
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
-    kv_scale = (inp.kv_cache.float().abs().amax() / 448).reshape(1)
-    cache8 = quantize_fp8(inp.kv_cache, kv_scale)
+    cache8, kv_scale = quantize_per_tensor(inp.kv_cache)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     rest = (inp.block_table, inp.cache_seqlens, sched)
     ref = None
@@ -295,29 +279,21 @@ def bench_row(cfg, flash_mla, graph_time_us, modes):
                                           causal=causal))
     tfm = float("nan")
     if flash_mla is not None:
-        meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, s_q * h_q, 1)
-        tfm = graph_time_us(functools.partial(
-            flash_mla.flash_mla_with_kvcache, inp.q, inp.kv_cache, inp.block_table,
-            inp.cache_seqlens, 512, meta, splits, causal=causal))
+        tfm = graph_time_us(flash_mla_decode(flash_mla, inp, causal))
     return res, t16, tfm
 
 
 def bench(quick: bool, modes) -> int:
-    from bench_decode import ANCHORS, QUICK, graph_time_us
-
-    try:
-        import flash_mla
-    except ImportError:
-        flash_mla = None
+    flash_mla = load_flash_mla()
     print(f"\n## (2) speed, {torch.cuda.get_device_name()}: us per call (decode + combine, CUDA "
           "graph replay); ratio = fp8 / bf16")
     cols = " | ".join(f"fp8 {m} us | {m} / bf16 | bar | {m} rel err" for m in modes)
     print(f"| b | s_q | s_k | h_q | causal | bf16 us | FlashMLA bf16 us | {cols} |")
     print("|---|---|---|---|---|---|---|" + "---|---|---|---|" * len(modes))
     missed = 0
-    for cfg in (QUICK if quick else list(ANCHORS)):
+    for cfg in (QUICK_ANCHORS if quick else list(ANCHORS)):
         b, s_q, s_k, h_q, causal = cfg
-        res, t16, tfm = bench_row(cfg, flash_mla, graph_time_us, modes)
+        res, t16, tfm = bench_row(cfg, flash_mla, modes)
         torch.cuda.empty_cache()  # the next row's cache may be several GB
         cells = []
         for mode in modes:

@@ -1,7 +1,7 @@
 """Checks torch_mla's Hugging Face module on several GPUs; prints each check, exits 1 on a failure.
 
-    python tools/check_multi_gpu.py                       # a machine with 2 (or more) GPUs
-    python tools/check_multi_gpu.py --device cpu --only tp    # the tensor-parallel part on CPU
+    python -m tools.check_multi_gpu                       # a machine with 2 (or more) GPUs
+    python -m tools.check_multi_gpu --device cpu --only tp    # the tensor-parallel part on CPU
                                                           # ranks (gloo), as tests/ runs it
 
 One command, one process: it runs the checks that need one process itself and launches the
@@ -40,7 +40,6 @@ from pathlib import Path
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 
 VOCAB = 256
 COMMON = dict(
@@ -372,7 +371,8 @@ def tp_worker(args) -> int:
 
 def run_tp(args, say) -> bool:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={args.world}", __file__, "--tp-worker", "--device", args.device]
+           f"--nproc-per-node={args.world}", "-m", "tools.check_multi_gpu", "--tp-worker",
+           "--device", args.device]
     say(f"$ {' '.join(cmd)}")
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True,
                           env=dict(os.environ, OMP_NUM_THREADS="1"))

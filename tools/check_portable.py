@@ -1,9 +1,9 @@
 """The portable (SM80-class) decode kernel on this GPU: correctness grid, then speed vs SM90.
 
-    python tools/check_portable.py                      # grid + every anchor row (H200: ~5 min)
-    python tools/check_portable.py --quick              # trimmed grid + benchmarks' QUICK rows
-    python tools/check_portable.py --tiles 64,64,2 --tiles 32,16,3   # also these tile shapes
-    python tools/check_portable.py --no-bench / --no-grid
+    python -m tools.check_portable                      # grid + every anchor row (H200: ~5 min)
+    python -m tools.check_portable --quick              # trimmed grid + benchmarks' QUICK rows
+    python -m tools.check_portable --tiles 64,64,2 --tiles 32,16,3   # also these tile shapes
+    python -m tools.check_portable --no-bench / --no-grid
 
 Grid: the cases of tests/test_kernel_sm90.py (heads x query tokens x causal, varlen batches,
 page edges, fp16, long context with a small scale) plus s_q = 8, h_kv = 4 and a CUDA-graph
@@ -24,53 +24,31 @@ Exit status 1 when a grid case fails.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
-import os
 import random
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))  # this checkout's torch_mla, not an installed one
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import torch_mla  # noqa: E402
-from torch_mla.ops import dispatch  # noqa: E402
-from torch_mla.reference import mla_decode_reference  # noqa: E402
-from torch_mla.testing import capture_graph, make_anchor_inputs, make_decode_inputs  # noqa: E402
+import torch_mla
+from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import (
+    ANCHORS,
+    QUICK_ANCHORS,
+    capture_graph,
+    decode_errors,
+    graph_time_us,
+    make_anchor_inputs,
+    make_decode_inputs,
+    portable_kernel,
+)
 
-TOL = {torch.bfloat16: (8e-4, 2.01 / 128), torch.float16: (4e-4, 3e-3)}  # as the tests
-LSE_TOL = (1e-4, 1e-4)
 # shared/anchors/README.md, Triton split-KV decode (vLLM-style) on the H200, us.
 TRITON_US = {(128, 1, 4096, 128): 2124, (128, 1, 8192, 128): 4095, (128, 1, 16384, 128): 7645,
              (128, 1, 32768, 128): 14977, (128, 1, 8192, 16): 620, (128, 1, 8192, 32): 1084,
              (128, 1, 8192, 64): 2042, (1, 1, 4096, 128): 56, (8, 1, 4096, 128): 177,
              (32, 1, 4096, 128): 521, (64, 1, 2048, 16): 121}
-
-
-@contextlib.contextmanager
-def portable(tiles=None, on=True):
-    """mla_decode runs the portable kernel (with these tiles), or the default kernel (on=False)."""
-    old_env = os.environ.get("TORCH_MLA_PORTABLE")
-    old = dispatch._STEPS["sm80"]
-    if on:
-        os.environ["TORCH_MLA_PORTABLE"] = "1"
-    else:
-        os.environ.pop("TORCH_MLA_PORTABLE", None)
-    if tiles:
-        dispatch._STEPS["sm80"] = lambda dtype, causal, index: dispatch._compiled_step(
-            "sm80", dtype, causal, dispatch.device_arch(index), tiles=tiles)
-    try:
-        yield
-    finally:
-        dispatch._STEPS["sm80"] = old
-        if old_env is None:
-            os.environ.pop("TORCH_MLA_PORTABLE", None)
-        else:
-            os.environ["TORCH_MLA_PORTABLE"] = old_env
 
 
 def grid(quick: bool):
@@ -103,19 +81,6 @@ def grid(quick: bool):
            4)
 
 
-def errors(out, lse, ref_out, ref_lse, dtype):
-    """(worst |out - ref| / tolerance, worst lse error (inf where +inf does not match), NaN?)."""
-    atol, rtol = TOL[dtype]
-    o, r = out.float(), ref_out.float()
-    ratio = ((o - r).abs() / (atol + rtol * r.abs())).max().item() if o.numel() else 0.0
-    fin = torch.isfinite(ref_lse)
-    lse_ok = torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], ref_lse[~fin])
-    lse_err = (lse[fin] - ref_lse[fin]).abs().max().item() if fin.any() else 0.0
-    lse_ratio = lse_err / (LSE_TOL[0] + LSE_TOL[1] * ref_lse[fin].abs().max().item()) \
-        if fin.any() else 0.0
-    return ratio, (lse_ratio if lse_ok else float("inf")), bool(out.isnan().any())
-
-
 def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv):
     inp = make_decode_inputs(lens, s_q, h_q, dtype=dtype, device="cuda", h_kv=h_kv)
     scale = scale or 576**-0.5
@@ -123,7 +88,7 @@ def run_case(lens, s_q, h_q, causal, dtype, scale, h_kv):
                                     softmax_scale=scale, causal=causal)
     ref_out, ref_lse = mla_decode_reference(inp.q, inp.kv_cache, inp.block_table,
                                             inp.cache_seqlens, scale, causal, 512)
-    return errors(out, lse, ref_out, ref_lse, dtype)
+    return decode_errors(out, lse, ref_out, ref_lse, dtype)
 
 
 def graph_case():
@@ -148,7 +113,7 @@ def graph_case():
             g.replay()
             torch.cuda.synchronize()
             ref = mla_decode_reference(*static, 576**-0.5, True, 512)
-            e = errors(out, lse, *ref, torch.bfloat16)
+            e = decode_errors(out, lse, *ref, torch.bfloat16)
             worst = (max(worst[0], e[0]), max(worst[1], e[1]), worst[2] or e[2])
         return worst
     finally:
@@ -157,13 +122,13 @@ def graph_case():
 
 def check_grid(quick: bool, tiles) -> int:
     name = "x".join(map(str, tiles)) if tiles else "default tiles"
-    print(f"\n## correctness, portable kernel, {name} "
-          f"(arch {dispatch.device_arch(torch.cuda.current_device())})")
+    major, minor = torch.cuda.get_device_capability()
+    print(f"\n## correctness, portable kernel, {name} (compute capability {major}.{minor})")
     groups: dict[str, list] = {}
     failed = 0
     cases = list(grid(quick)) + [("graph replay", "s_q=2 h_q=64 causal, 3 replays", None, 2, 64,
                                   True, torch.bfloat16, None, 1)]
-    with portable(tiles):
+    with portable_kernel(tiles):
         for group, label, lens, s_q, h_q, causal, dtype, scale, h_kv in cases:
             try:
                 if lens is None:
@@ -191,8 +156,6 @@ def check_grid(quick: bool, tiles) -> int:
 
 
 def bench(quick: bool, tiles_list) -> None:
-    from bench_decode import ANCHORS, QUICK, graph_time_us
-
     sm90 = torch.cuda.get_device_capability() == (9, 0)
     names = ["default" if t is None else "x".join(map(str, t)) for t in tiles_list]
     print(f"\n## speed, {torch.cuda.get_device_name()}: us per call (decode + combine, CUDA "
@@ -202,7 +165,7 @@ def bench(quick: bool, tiles_list) -> None:
     print(head)
     print("|" + "---|" * (head.count("|") - 1))
     # (--quick adds the anchor row nearest its target: 128 x 8192, h_q 64)
-    for cfg in (QUICK + [(128, 1, 8192, 64, False)] if quick else list(ANCHORS)):
+    for cfg in (QUICK_ANCHORS + [(128, 1, 8192, 64, False)] if quick else list(ANCHORS)):
         b, s_q, s_k, h_q, causal = cfg
         inp = make_anchor_inputs(b, s_q, h_q, s_k)
         sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
@@ -210,11 +173,11 @@ def bench(quick: bool, tiles_list) -> None:
                                  inp.cache_seqlens, sched, causal=causal)
         base = float("nan")
         if sm90:
-            with portable(on=False):
+            with portable_kernel(on=False):
                 base = graph_time_us(call)
         cells = []
         for t in tiles_list:
-            with portable(t):
+            with portable_kernel(t):
                 us = graph_time_us(call)
             cells.append(f"{us:.1f} | {base / us:.2f}")
         target = 0.4 if h_q * s_q > 64 else 0.7

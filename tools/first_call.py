@@ -1,8 +1,8 @@
 """Time the first decode call of a fresh process (GPU): the kernels come from the disk cache
 when it holds them (TORCH_MLA_CACHE_DIR, torch_mla/ops/kernel_cache.py), else they compile.
 
-    TORCH_MLA_CACHE_DIR=/tmp/tmc python tools/first_call.py     # cold: compiles and stores
-    TORCH_MLA_CACHE_DIR=/tmp/tmc python tools/first_call.py     # warm: loads
+    TORCH_MLA_CACHE_DIR=/tmp/tmc python -m tools.first_call     # cold: compiles and stores
+    TORCH_MLA_CACHE_DIR=/tmp/tmc python -m tools.first_call     # warm: loads
 
 Prints the import times, the first call (schedule + decode + combine, synchronised), a second
 call, the error against the fp32 reference, and whether the DSL was imported at all.

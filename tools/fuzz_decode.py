@@ -2,7 +2,7 @@
 
 On a GPU, mla_decode (the SM90 kernel on an H100/H200) is checked against the plain-PyTorch
 reference (torch_mla.reference.mla_decode_reference, fp32 accumulate). On the CPU, mla_decode *is*
-the reference, so it is checked against a float64 computation done here, one request at a time.
+the reference, so it is checked against a float64 computation (torch_mla.testing.mla_decode_fp64).
 
 Each case draws, from the seed and its index alone: dtype (bf16, fp16), batch, query tokens (1-8,
 causal or not), query and KV heads (h_q a multiple of h_kv; query head h reads KV head
@@ -13,10 +13,10 @@ in every unused block-table entry. A case passes when out and lse are within the
 tolerances of the kernel tests (tests/test_kernel_sm90.py), query rows that see no key give
 out == 0 and lse == +inf exactly, and nothing is NaN.
 
-    python tools/fuzz_decode.py --cases 2000 --seed 0 --log fuzz.log                    # H200
+    python -m tools.fuzz_decode --cases 2000 --seed 0 --log fuzz.log                    # H200
     PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck --error-exitcode 1 \\
-        python tools/fuzz_decode.py --small --cases 200 --seed 0 --log memcheck.log  # memcheck
-    python tools/fuzz_decode.py --device cpu --cases 20                                   # CPU
+        python -m tools.fuzz_decode --small --cases 200 --seed 0 --log memcheck.log  # memcheck
+    python -m tools.fuzz_decode --device cpu --cases 20                                   # CPU
 
 Without the caching allocator every tensor is its own allocation, so memcheck also sees a read
 that lands in a neighbouring tensor. ``--max-h-kv 8`` adds h_kv > 1 (default 1).
@@ -33,23 +33,21 @@ import random
 import shlex
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-# The checkout this file is in, not whichever torch_mla is installed.
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-import torch_mla  # noqa: E402
-from torch_mla.ops.dispatch import find_decode_kernel  # noqa: E402
-from torch_mla.reference import mla_decode_reference  # noqa: E402
-from torch_mla.testing import PAGE_SIZE, make_decode_inputs  # noqa: E402
+import torch_mla
+from torch_mla.constants import D_QK, D_V, PAGE_SIZE
+from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import (
+    DECODE_TOL,
+    LSE_TOL,
+    make_decode_inputs,
+    mla_decode_fp64,
+    runs_kernel,
+)
 
-D_QK, D_V = 576, 512
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-# As in tests/test_kernel_sm90.py: the kernel rounds P to the input dtype before P @ V (as
-# FlashMLA does); FlashMLA's own test allows |err| <= 8e-4 + 2/128 |ref| in bf16. LSE is fp32.
-TOL = {torch.bfloat16: (8e-4, 2.01 / 128), torch.float16: (4e-4, 3e-3)}
-LSE_TOL = (1e-4, 1e-4)
 # Rows the reference handles per call: its scores are [chunk, s_q * h_q, keys] fp32, 2 GiB at
 # s_q * h_q = 1024 and 64k keys; each call gets a block table cut to its chunk's longest request.
 REF_CHUNK = 8
@@ -174,31 +172,9 @@ def reference_chunked(inp, scale: float, causal: bool, lens: tuple[int, ...]):
     return torch.cat(outs), torch.cat(lses)
 
 
-def decode_fp64(q, kv_cache, block_table, cache_seqlens, scale: float, causal: bool, d_v: int):
-    """Independent float64 MLA decode (as tests/oracle.py), with h_kv latent heads: query head h
-    reads KV head h // (h_q // h_kv). Returns out [b, s_q, h_q, d_v], lse [b, h_q, s_q]."""
-    b, s_q, h_q, d_qk = q.shape
-    h_kv = kv_cache.shape[2]
-    heads = torch.arange(h_q) // (h_q // h_kv)
-    out = torch.zeros(b, s_q, h_q, d_v, dtype=torch.float64)
-    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
-    for r in range(b):
-        L = int(cache_seqlens[r])
-        ids = block_table[r, : -(-L // PAGE_SIZE)].long()
-        keys = kv_cache[ids].double().reshape(-1, h_kv, d_qk)[:L, heads]  # (L, h_q, d_qk)
-        for i in range(s_q):
-            n = max(L - s_q + i + 1, 0) if causal else L
-            if n == 0:
-                continue
-            s = torch.einsum("hd,nhd->hn", q[r, i].double(), keys[:n]) * scale
-            lse[r, :, i] = torch.logsumexp(s, dim=-1)
-            out[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), keys[:n, :, :d_v])
-    return out, lse
-
-
 def compare(out, lse, ref_out, ref_lse, dtype) -> dict:
     """Errors of (out, lse) against the reference; one host read."""
-    atol, rtol = TOL[dtype]
+    atol, rtol = DECODE_TOL[dtype]
     o, r = out.float(), ref_out.float()
     err = (o - r).abs()
     empty = torch.isposinf(ref_lse).transpose(1, 2)[..., None]  # [b, s_q, h_q, 1]
@@ -240,12 +216,12 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, di
     results = {name: torch_mla.mla_decode(*args, sched, softmax_scale=scale, causal=case.causal,
                                           d_v=D_V) for name, sched in scheds.items()}
     if device.type == "cpu":
-        ref_out, ref_lse = decode_fp64(*args, scale, case.causal, D_V)
+        ref_out, ref_lse = mla_decode_fp64(*args, scale, case.causal, D_V)
     else:
         ref_out, ref_lse = reference_chunked(inp, scale, case.causal, case.lens)
     dtype = DTYPES[case.dtype]
     ok, parts, worst = True, [], {}
-    if device.type == "cuda" and find_decode_kernel(inp.q, inp.kv_cache, D_V) is None:
+    if device.type == "cuda" and not runs_kernel(inp.q, inp.kv_cache, D_V):
         parts.append("path=reference")  # on the GPU: the reference checked against itself
     for name, (out, lse) in results.items():
         m = compare(out, lse, ref_out, ref_lse, dtype)
@@ -268,7 +244,7 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, di
 def kernel_path(device: torch.device) -> bool:
     q = torch.empty(1, 1, 1, D_QK, dtype=torch.bfloat16, device=device)
     kv = torch.empty(1, PAGE_SIZE, 1, D_QK, dtype=torch.bfloat16, device=device)
-    return find_decode_kernel(q, kv, D_V) is not None
+    return runs_kernel(q, kv, D_V)
 
 
 def parse_args(argv):
@@ -303,7 +279,7 @@ def parse_args(argv):
 
 def repro(args, index: int) -> str:
     return shlex.join([
-        "python", "tools/fuzz_decode.py", "--device", args.device, "--seed", str(args.seed),
+        "python", "-m", "tools.fuzz_decode", "--device", args.device, "--seed", str(args.seed),
         "--max-b", str(args.max_b), "--max-len", str(args.max_len),
         "--max-tokens", str(args.max_tokens), "--max-h-kv", str(args.max_h_kv),
         "--schedule", args.schedule, "--only", str(index)])

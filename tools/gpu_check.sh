@@ -1,25 +1,101 @@
 #!/usr/bin/env bash
-# One device call: smoke test, GPU tests, benchmark. Logs go to $OUT (when set).
-# Usage (after `source .devpkgs/b/setup.sh`): bash tools/gpu_check.sh [smoke|tests|bench|portable|all]
-# (portable: the portable kernel's grid and speed, tools/check_portable.py; extra args pass on)
+# The H200 check of a change, in one device call: full logs in $OUT, a summary printed last.
+#
+#   source .devpkgs/b/setup.sh && bash tools/gpu_check.sh [STAGE ...]    # default: all stages
+#
+# Stages, in this order (each one's failure leaves the later ones running):
+#   precompile  every kernel variant of this tree, and of .baseline/ when present, into the disk
+#               cache: one `python -m torch_mla.precompile` per (kernels, dtype, causal), all in
+#               parallel (timed; the record stage then loads instead of compiling)
+#   record      tools/record_outputs.py on this tree and on .baseline/, then compare: every
+#               variant's outputs bit for bit (exit 1 of compare: something differs)
+#   bench       benchmarks/bench_decode.py, FlashMLA timed beside it when .peers/ holds it
+#   tests       python -m pytest -m cuda -q
+# Roughly 1.5 + 1.5 + 3 + 5 min on an H200 (a device call may run 10 min: give the stages over
+# two calls if needed; the disk cache stays while the machine is warm).
+#
+# Carried along (git-ignored: list them in .git/info/exclude), beside .devpkgs/b:
+#   .baseline/torch_mla   the old tree's package:  mkdir -p .baseline &&
+#                         cp -r /work/baseline/torch_mla .baseline/   (~0.6 MB)
+#   .peers/flashmla-sm90  FlashMLA, shared/anchors/flashmla-sm90/README.md (13 MB)
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ROOT=$(pwd)
 export PYTHONUNBUFFERED=1
-what=${1:-all}
+stages=${*:-precompile record bench tests}
+summary=()
+
+# run NAME TIMEOUT CMD...: CMD's output to $OUT/NAME.log (and its tail here), its status and
+# time to the summary.
+run() {
+  local name=$1 limit=$2; shift 2
+  local t0=$SECONDS
+  echo "== $name: $*"
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  tail -n 15 "$OUT/$name.log"
+  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$OUT/$name.log")")
+  return $rc
+}
+
+# precompile_tree NAME DIR: every variant the record stage runs, of the torch_mla in DIR (run
+# from DIR: `python -m` puts the working directory first on sys.path), one process per
+# (kernels, dtype, causal), all at once; output in $OUT/NAME.log, status and time in summary.
+precompile_tree() {
+  local name=$1 dir=$2 log="$OUT/$1.log" pids=() t0=$SECONDS k d c p rc=0
+  : > "$log"
+  for k in step fp8_step fp8_fast portable; do
+    for d in bf16 fp16; do
+      for c in false true; do
+        (cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" timeout 400 python -m torch_mla.precompile \
+           --arch sm_90a --kernels "$k" --dtypes "$d" --causal "$c") >> "$log" 2>&1 &
+        pids+=($!)
+      done
+    done
+  done
+  for d in bf16 fp16; do
+    (cd "$dir" && PYTHONPATH="$dir:$PYTHONPATH" timeout 400 python -m torch_mla.precompile \
+       --arch sm_90a --kernels schedule,append_kv --dtypes "$d") >> "$log" 2>&1 &
+    pids+=($!)
+  done
+  for p in "${pids[@]}"; do wait "$p" || rc=1; done
+  echo "$name: $(grep -c -E '^(built|cached)' "$log") variants built or cached, rc=$rc"
+  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$log")")
+}
+
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-if [[ $what == smoke || $what == all ]]; then
-  timeout 300 python tools/smoke_sm90.py 2>&1 | tee "$OUT/smoke.log"
-  rc=${PIPESTATUS[0]}; echo "smoke rc=$rc"
-  [[ $rc != 0 ]] && exit $rc
-fi
-if [[ $what == tests || $what == all ]]; then
-  timeout 600 python -m pytest -x -q -p no:logging tests/test_kernel_sm90.py tests/test_compile.py \
-    2>&1 | tee "$OUT/tests.log" | tail -25
-fi
-if [[ $what == bench || $what == all ]]; then
-  timeout 600 python benchmarks/bench_decode.py "${@:2}" 2>&1 | tee "$OUT/bench.log"
-fi
-if [[ $what == portable ]]; then
-  timeout 600 python tools/check_portable.py "${@:2}" 2>&1 | tee "$OUT/portable.log"
-  exit ${PIPESTATUS[0]}
-fi
+have_old=0; [[ -d .baseline/torch_mla ]] && have_old=1
+if [[ -d .peers/flashmla-sm90 ]]; then export PYTHONPATH="$ROOT/.peers/flashmla-sm90:$PYTHONPATH"; fi
+python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
+
+for stage in $stages; do
+  case $stage in
+    precompile)  # (the two trees one after the other: each already fills the 16 cores)
+      precompile_tree precompile_new "$ROOT"
+      (( have_old )) && precompile_tree precompile_old "$ROOT/.baseline"
+      ;;
+    record)
+      run record_new 300 python tools/record_outputs.py record "$OUT/outputs_new.pt"
+      if (( have_old )); then
+        run record_old 300 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" \
+          python tools/record_outputs.py record "$OUT/outputs_old.pt"
+        run compare 120 python tools/record_outputs.py compare "$OUT/outputs_old.pt" \
+          "$OUT/outputs_new.pt"
+      else
+        summary+=("compare          skipped: no .baseline/torch_mla")
+      fi
+      ;;
+    bench)
+      python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
+      run bench 420 python benchmarks/bench_decode.py
+      ;;
+    tests)
+      run tests 540 python -m pytest -m cuda -q -p no:cacheprovider tests
+      ;;
+    *) echo "unknown stage $stage (precompile, record, bench, tests)"; summary+=("$stage unknown");;
+  esac
+done
+
+echo; echo "== summary ($OUT)"
+printf '%s\n' "${summary[@]}"
+grep -h '^summary:' "$OUT/compare.log" 2>/dev/null

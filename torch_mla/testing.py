@@ -1,14 +1,29 @@
-"""Input builders shared by the tests and the benchmarks."""
+"""What the tests, the benchmarks and the tools share: input builders, tolerances, an
+independent float64 oracle, CUDA-graph timing and the FlashMLA peer.
+
+Importable without a GPU, the DSL or triton (those are imported inside the functions that need
+them). The few internal names of torch_mla that the tools need (single compiled kernels, the
+portable kernel with other tiles) are imported here only, in the functions of the last section.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
+import os
 import random
+from collections.abc import Callable
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import torch
 
-PAGE_SIZE = 64
+from .constants import D_QK, D_V, LOG2_E, PAGE_SIZE
+
+if TYPE_CHECKING:
+    from .ops.schedule import DecodeSchedule
+
 POISON_BLOCK_ID = 2**30  # an id far past any cache: reading it faults or returns garbage
 
 
@@ -83,6 +98,29 @@ def make_decode_inputs(
         block_table=table.to(device),
         cache_seqlens=torch.tensor(seqlens, dtype=torch.int32, device=device),
     )
+
+
+# The anchor workload's configurations (b, s_q, s_k, h_q, causal): FlashMLA's us on the H200
+# (shared/anchors/h200-flashmla.json, deepseek-ai/FlashMLA 9241ae3); QUICK_ANCHORS: a few.
+ANCHORS = {
+    (128, 1, 4096, 128, False): 271.4,
+    (128, 1, 8192, 128, False): 521.7,
+    (128, 1, 16384, 128, False): 1034.3,
+    (128, 1, 32768, 128, False): 2068.9,
+    (128, 2, 4096, 128, True): 498.8,
+    (128, 2, 8192, 128, True): 1017.6,
+    (128, 2, 16384, 128, True): 2002.1,
+    (128, 2, 32768, 128, True): 4121.3,
+    (128, 1, 8192, 16, False): 326.1,
+    (128, 1, 8192, 32, False): 330.9,
+    (128, 1, 8192, 64, False): 343.0,
+    (1, 1, 4096, 128, False): 31.3,
+    (8, 1, 4096, 128, False): 39.0,
+    (32, 1, 4096, 128, False): 77.7,
+    (64, 1, 2048, 16, False): 58.9,
+}
+QUICK_ANCHORS = [(128, 1, 8192, 128, False), (128, 2, 8192, 128, True),
+                 (128, 1, 8192, 16, False), (1, 1, 4096, 128, False), (64, 1, 2048, 16, False)]
 
 
 def anchor_seqlens(b: int, s_k: int, s_q: int) -> list[int]:
@@ -182,3 +220,214 @@ def capture_graph(fn, static: list[torch.Tensor]):
     with torch.cuda.graph(graph):
         outputs = fn(*static)
     return graph, outputs
+
+
+# Tolerances of a 16-bit decode against the fp32 reference (tests/test_kernel_sm90.py): the
+# kernels round P to the input dtype before P @ V (as FlashMLA does); FlashMLA's own test allows
+# |err| <= 8e-4 + 2/128 |ref| in bf16. LSE is fp32. Pairs (atol, rtol).
+DECODE_TOL = {torch.bfloat16: (8e-4, 2.01 / 128), torch.float16: (4e-4, 3e-3)}
+LSE_TOL = (1e-4, 1e-4)
+
+
+def decode_errors(out: torch.Tensor, lse: torch.Tensor, ref_out: torch.Tensor,
+                  ref_lse: torch.Tensor, dtype: torch.dtype) -> tuple[float, float, bool]:
+    """How far a decode is from the reference, as fractions of :data:`DECODE_TOL` and
+    :data:`LSE_TOL` (<= 1 passes): (worst |out - ref| / tol, worst lse error / tol (inf where
+    the non-finite entries differ), any NaN in out). out/ref_out [b, s_q, h_q, d_v], lse/ref_lse
+    float32 [b, h_q, s_q]."""
+    atol, rtol = DECODE_TOL[dtype]
+    o, r = out.float(), ref_out.float()
+    ratio = ((o - r).abs() / (atol + rtol * r.abs())).max().item() if o.numel() else 0.0
+    fin = torch.isfinite(ref_lse)
+    lse_ok = torch.equal(torch.isfinite(lse), fin) and torch.equal(lse[~fin], ref_lse[~fin])
+    lse_ratio = 0.0
+    if fin.any():
+        lse_err = (lse[fin] - ref_lse[fin]).abs().max().item()
+        lse_ratio = lse_err / (LSE_TOL[0] + LSE_TOL[1] * ref_lse[fin].abs().max().item())
+    return ratio, (lse_ratio if lse_ok else float("inf")), bool(out.isnan().any())
+
+
+def mla_decode_fp64(q: torch.Tensor, kv_cache: torch.Tensor, block_table: torch.Tensor,
+                    cache_seqlens: torch.Tensor, softmax_scale: float, causal: bool,
+                    d_v: int = D_V) -> tuple[torch.Tensor, torch.Tensor]:
+    """An independent float64 MLA decode, one request at a time (no code shared with
+    torch_mla.reference). q [b, s_q, h_q, d_qk], kv_cache [num_blocks, 64, h_kv, d_qk] (any
+    float dtype; only the pages a request uses are read), block_table int32 [b, max_blocks],
+    cache_seqlens int32 [b]. Query heads ``k * h_q // h_kv .. (k + 1) * h_q // h_kv - 1`` read
+    KV head k (FlashMLA's grouping). Returns float64 out [b, s_q, h_q, d_v] and lse
+    [b, h_q, s_q] (+inf and a zero row where a query token sees no key)."""
+    b, s_q, h_q, d_qk = q.shape
+    h_kv = kv_cache.shape[2]
+    heads = torch.arange(h_q) // (h_q // h_kv)
+    out = torch.zeros(b, s_q, h_q, d_v, dtype=torch.float64)
+    lse = torch.full((b, h_q, s_q), math.inf, dtype=torch.float64)
+    q = q.detach().cpu().double()
+    for r in range(b):
+        L = int(cache_seqlens[r])
+        ids = block_table[r, : -(-L // PAGE_SIZE)].long().cpu()
+        pages = kv_cache[ids.to(kv_cache.device)].detach().cpu().double()
+        keys = pages.reshape(-1, h_kv, d_qk)[:L, heads]  # (L, h_q, d_qk)
+        for i in range(s_q):
+            n = max(L - s_q + i + 1, 0) if causal else L
+            if n == 0:
+                continue
+            s = torch.einsum("hd,nhd->hn", q[r, i], keys[:n]) * softmax_scale
+            lse[r, :, i] = torch.logsumexp(s, dim=-1)
+            out[r, i] = torch.einsum("hn,nhd->hd", torch.softmax(s, dim=-1), keys[:n, :, :d_v])
+    return out, lse
+
+
+def quantize_per_tensor(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (any shape, 16/32-bit; NaN poison kept as NaN codes) in float8_e4m3fn with one scale,
+    amax / 448 over its finite values, as the benchmarks quantize a cache: (codes, float32 [1]
+    kv_scale on x's device)."""
+    from .reference import quantize_fp8
+
+    scale = (x.float().nan_to_num(0).abs().amax() / 448).reshape(1)
+    return quantize_fp8(x, scale), scale
+
+
+def parse_config(text: str) -> tuple[int, int, int, int]:
+    """"B,S_Q,S_K,H_Q" (the tools' and benchmarks' configuration argument) as four ints."""
+    dims = tuple(int(x) for x in text.split(","))
+    if len(dims) != 4:
+        raise ValueError(f"{text!r}: expected B,S_Q,S_K,H_Q")
+    return dims
+
+
+# Timing ------------------------------------------------------------------------------------
+
+
+def graph_time_us(fn: Callable[[], object]) -> float:
+    """Microseconds per call of ``fn`` (no arguments; it launches GPU work), the anchors'
+    method: one call to compile and warm up, one on a side stream, then a CUDA graph of one
+    call replayed under triton.testing.do_bench(warmup=50, rep=300), median."""
+    import triton.testing
+
+    fn()  # compile and warm up outside the capture
+    torch.cuda.synchronize()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    torch.cuda.synchronize()
+    return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
+
+
+# The FlashMLA peer -------------------------------------------------------------------------
+
+
+def load_flash_mla() -> ModuleType | None:
+    """FlashMLA's ``flash_mla`` package when it imports, else None. It is never a dependency:
+    on the GPU machine a build of it is put on PYTHONPATH (shared/anchors/flashmla-sm90)."""
+    try:
+        import flash_mla
+    except (ImportError, OSError):  # (OSError: an extension built for another torch)
+        return None
+    return flash_mla
+
+
+def flash_mla_decode(flash_mla: ModuleType, inp: DecodeInputs,
+                     causal: bool) -> Callable[[], tuple[torch.Tensor, torch.Tensor]]:
+    """FlashMLA's decode of ``inp`` (bf16/fp16, d_v 512) as a call without arguments, for
+    timing beside mla_decode. Its metadata object is filled by the first call and reused by the
+    later ones (same lengths), so make the first call before a CUDA-graph capture
+    (:func:`graph_time_us` does)."""
+    meta, splits = flash_mla.get_mla_metadata(inp.cache_seqlens, inp.q.shape[1] * inp.q.shape[2],
+                                              1)
+    return lambda: flash_mla.flash_mla_with_kvcache(
+        inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, D_V, meta, splits,
+        causal=causal)
+
+
+# Internal names of torch_mla the tools use: imported here only --------------------------------
+
+
+def kernel_args(inp: DecodeInputs, sched: DecodeSchedule) -> tuple:
+    """The SM90 decode kernel's arguments for ``inp`` and schedule ``sched`` (as
+    torch_mla/ops/dispatch.py passes them), with fresh output and workspace buffers: (q
+    [b, rows, 576], kv [pages, 64, 576], block_table, seqlens, metadata, num_splits, out
+    [b, rows, 512], lse [b, h_q, s_q], out_acc [slots, rows, 512] fp32, lse_acc [slots, rows]
+    fp32, scale_log2)."""
+    q = inp.q
+    b, s_q, h_q, _ = q.shape
+    rows = s_q * h_q
+    slots = b + sched.metadata.shape[0]
+    return (q.reshape(b, rows, D_QK), inp.kv_cache.view(-1, PAGE_SIZE, D_QK), inp.block_table,
+            inp.cache_seqlens, sched.metadata, sched.num_splits,
+            torch.empty(b, rows, D_V, dtype=q.dtype, device=q.device),
+            torch.empty(b, h_q, s_q, dtype=torch.float32, device=q.device),
+            torch.empty(slots, rows, D_V, dtype=torch.float32, device=q.device),
+            torch.empty(slots, rows, dtype=torch.float32, device=q.device),
+            D_QK**-0.5 * LOG2_E)
+
+
+def breakdown_us(inp: DecodeInputs, sched: DecodeSchedule, causal: bool) -> tuple[float, float]:
+    """(SM90 decode kernel alone, combine kernel alone) in us, each captured and replayed on its
+    own (:func:`graph_time_us`); bf16/fp16 ``inp`` on an H100/H200."""
+    from .ops import dispatch
+
+    b, s_q, h_q = inp.q.shape[:3]
+    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
+    combine = dispatch._compiled_combine(
+        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q))
+    args = kernel_args(inp, sched)
+    num_splits, out3, lse, oacc, lseacc = args[5:10]
+    t_dec = graph_time_us(lambda: decode(*args, None))  # None: no trace table
+    table, lens = args[2], args[3]
+    t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse, table, lens,
+                                           args[1].shape[0]))
+    return t_dec, t_comb
+
+
+def runs_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int = D_V) -> bool:
+    """Whether mla_decode runs a CuTe DSL kernel for inputs like these (else the reference)."""
+    from .ops.dispatch import find_decode_kernel
+
+    return find_decode_kernel(q, kv_cache, d_v) is not None
+
+
+@contextlib.contextmanager
+def portable_kernel(tiles: tuple[int, int, int] | None = None, on: bool = True):
+    """Within it, mla_decode runs the portable (SM80-class) kernel (TORCH_MLA_PORTABLE=1), built
+    with ``tiles`` = (block_m, block_n, stages) when given (its heuristic's otherwise); with
+    ``on=False`` the default kernel instead. The environment and the step are restored after."""
+    from .ops import dispatch
+
+    old_env = os.environ.get("TORCH_MLA_PORTABLE")
+    old = dispatch._STEPS["sm80"]
+    if on:
+        os.environ["TORCH_MLA_PORTABLE"] = "1"
+    else:
+        os.environ.pop("TORCH_MLA_PORTABLE", None)
+    if tiles:
+        dispatch._STEPS["sm80"] = lambda dtype, causal, index: dispatch._compiled_step(
+            "sm80", dtype, causal, dispatch.device_arch(index), tiles=tiles)
+    try:
+        yield
+    finally:
+        dispatch._STEPS["sm80"] = old
+        if old_env is None:
+            os.environ.pop("TORCH_MLA_PORTABLE", None)
+        else:
+            os.environ["TORCH_MLA_PORTABLE"] = old_env
+
+
+@contextlib.contextmanager
+def combine_warps(warps_per_row: int):
+    """Within it, mla_decode's combine merges each row with ``warps_per_row`` warps (one of
+    constants.COMBINE_WARPS_PER_ROW) whatever CombineConfig's heuristic would choose."""
+    from .constants import COMBINE_WARPS_PER_ROW
+    from .ops import dispatch
+
+    old = dispatch.combine_variant
+    index = COMBINE_WARPS_PER_ROW.index(warps_per_row)
+    dispatch.combine_variant = lambda batch, num_parts, rows: index
+    try:
+        yield
+    finally:
+        dispatch.combine_variant = old
