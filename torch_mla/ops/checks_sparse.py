@@ -112,6 +112,14 @@ def check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v: 
                   f"{t.stride(-1)}")
 
 
+def check_topk_length_values(topk_length: torch.Tensor, topk: int) -> None:
+    """0 <= topk_length[r] <= topk for every request r."""
+    L = topk_length
+    _require((L < 0) | (L > topk), SPARSE_DEVICE_MESSAGES["topk_length"],
+             lambda r: f"topk_length[{r}] = {int(L[r])}, but it must be in [0, topk = {topk}] "
+                       "(topk: the last dim of indices)")
+
+
 def check_sparse_decode_values(num_blocks: int, indices: torch.Tensor,
                                topk_length: torch.Tensor | None) -> None:
     """0 <= topk_length[r] <= topk, and every entry of indices at a position below its request's
@@ -121,11 +129,8 @@ def check_sparse_decode_values(num_blocks: int, indices: torch.Tensor,
     cap = num_blocks * PAGE_SIZE
     used = torch.ones(b, 1, topk, dtype=torch.bool, device=indices.device)
     if topk_length is not None:
-        L = topk_length
-        _require((L < 0) | (L > topk), SPARSE_DEVICE_MESSAGES["topk_length"],
-                 lambda r: f"topk_length[{r}] = {int(L[r])}, but it must be in [0, topk = {topk}] "
-                           "(topk: the last dim of indices)")
-        used = torch.arange(topk, device=L.device)[None, None, :] < L[:, None, None]
+        check_topk_length_values(topk_length, topk)
+        used = torch.arange(topk, device=indices.device)[None, None, :] < topk_length[:, None, None]
 
     def bad_slot(r, i, k):
         where = "" if topk_length is None else f" (below topk_length[{r}] = {int(topk_length[r])})"

@@ -16,6 +16,7 @@ from .checks_sparse import (
     check_fp8_ds_mla_append_args,
     check_sparse_decode_args,
     check_sparse_decode_values,
+    check_topk_length_values,
 )
 from .library import forward_only_grads, grad_like, lib
 from .schedule import DecodeSchedule, get_decode_schedule
@@ -86,7 +87,8 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
     Args:
         indices: int32 [batch, s_q, topk] (only its shape and device are read).
         h_q: query heads.
-        topk_length: int32 [batch] or None (every request then counts topk entries).
+        topk_length: int32 [batch] or None (every request then counts topk entries); its
+            values are checked (0 <= topk_length[r] <= topk) as mla_decode_sparse checks them.
         num_sms: as in get_decode_schedule.
 
     Returns:
@@ -97,6 +99,9 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
     lengths = topk_length
     if lengths is None:
         lengths = torch.full((b,), topk, dtype=torch.int32, device=indices.device)
+    elif not torch.compiler.is_compiling() and checks_values(lengths):
+        # (before the schedule reads them, whose message would call them cache_seqlens)
+        check_topk_length_values(lengths, topk)
     return get_decode_schedule(lengths, s_q, h_q, num_sms)
 
 
