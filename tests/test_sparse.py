@@ -126,16 +126,16 @@ def used_slots(indices, topk_length, num_slots):
     return named
 
 
-def make_cache(num_blocks, fmt, named, dtype=torch.bfloat16):
+def make_cache(num_blocks, fmt, named, page=PAGE):
     """(kv_cache, kv_scale) of format fmt ("bf16", "fp16", "fp32", "fp8", "fp8_ds_mla") with
     random latents in the slots `named` marks and NaN (poison bytes) in all the others."""
-    lat = torch.randn(num_blocks * PAGE, 576) / 4
-    lat[:, :512] *= torch.rand(num_blocks * PAGE, 1) * 4  # tiles of differing ranges
+    lat = torch.randn(num_blocks * page, 576) / 4
+    lat[:, :512] *= torch.rand(num_blocks * page, 1) * 4  # tiles of differing ranges
     kv_scale = None
     if fmt == "fp8_ds_mla":
         rows = quantize_fp8_ds_mla(lat[:, :512], lat[:, 512:])
         rows[~named] = NAN_BYTE
-        return rows.view(num_blocks, PAGE, 1, 656), None
+        return rows.view(num_blocks, page, 1, 656), None
     if fmt == "fp8":
         kv_scale = torch.tensor([lat.abs().max() / 448])
         flat = (lat / kv_scale).to(torch.float8_e4m3fn)
@@ -143,7 +143,7 @@ def make_cache(num_blocks, fmt, named, dtype=torch.bfloat16):
     else:
         flat = lat.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
         flat[~named] = math.nan
-    return flat.view(num_blocks, PAGE, 1, 576), kv_scale
+    return flat.view(num_blocks, page, 1, 576), kv_scale
 
 
 def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, kv_scale=None,
@@ -251,6 +251,18 @@ def test_topk_length_zero_and_partial():
     head, head_lse = torch_mla.mla_decode_sparse(q[1:2], cache, idx[1:2, :, :17].contiguous())
     torch.testing.assert_close(out[1:2], head, atol=0, rtol=0)
     torch.testing.assert_close(lse[1:2], head_lse, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("page", [2, 61])
+def test_any_page_size(page):
+    # FlashMLA's sparse decode takes any page size (its tests use 2, 61, 69 and 576 as well as
+    # 64): slot s is row s % page_size of page s // page_size.
+    num_blocks = 300 // page + 1
+    lens = torch.tensor([128, 50], dtype=torch.int32)
+    idx = poisoned_indices(2, 2, 128, num_blocks * page, lens)
+    for fmt in ("bf16", "fp8_ds_mla"):
+        cache, _ = make_cache(num_blocks, fmt, used_slots(idx, lens, num_blocks * page), page)
+        check_against_fp64(torch.randn(2, 2, 16, 576).bfloat16(), cache, idx, lens)
 
 
 def test_page_padded_strided_inputs():
@@ -547,9 +559,9 @@ class TestSparseErrors(expecttest.TestCase):
         e = self.err
         self.assertExpectedInline(e(q=q.to(torch.int8)), """q must be bfloat16, float16 or float32, got torch.int8""")
         self.assertExpectedInline(e(q=q[:, 0]), """q must have shape [batch, s_q, h_q, d_qk], got [2, 16, 576]""")
-        self.assertExpectedInline(e(kv_cache=cache.half()), """kv_cache must be q's dtype (torch.bfloat16), float8_e4m3fn (with kv_scale) or uint8 [num_blocks, 64, 1, 656] (DeepSeek-V3.2's FP8 layout), got torch.float16""")
-        self.assertExpectedInline(e(kv_cache=cache.view(4, 64, 2, 288)), """kv_cache must have shape [num_blocks, 64, 1, width] (pages of 64 tokens, one latent head), got [4, 64, 2, 288]""")
-        self.assertExpectedInline(e(kv_cache=ds[..., :576]), """a uint8 kv_cache is DeepSeek-V3.2's FP8 layout, 656 bytes a token: shape [num_blocks, 64, 1, 656], got [4, 64, 1, 576]""")
+        self.assertExpectedInline(e(kv_cache=cache.half()), """kv_cache must be q's dtype (torch.bfloat16), float8_e4m3fn (with kv_scale) or uint8 [num_blocks, page_size, 1, 656] (DeepSeek-V3.2's FP8 layout), got torch.float16""")
+        self.assertExpectedInline(e(kv_cache=cache.view(4, 64, 2, 288)), """kv_cache must have shape [num_blocks, page_size, 1, width] (one latent head; page_size 64 in torch_mla's caches), got [4, 64, 2, 288]""")
+        self.assertExpectedInline(e(kv_cache=ds[..., :576]), """a uint8 kv_cache is DeepSeek-V3.2's FP8 layout, 656 bytes a token: shape [num_blocks, page_size, 1, 656], got [4, 64, 1, 576]""")
         self.assertExpectedInline(e(q=q[..., :512], kv_cache=ds), """the 656-byte FP8 cache holds 512 + 64 = 576 values a token; q's head dim must be 576, got 512""")
         self.assertExpectedInline(e(kv_cache=ds, kv_scale=torch.ones(1)), """the 656-byte FP8 cache carries its own scales (one per 128 values in every row): pass kv_scale=None""")
         self.assertExpectedInline(e(kv_cache=cache.to(torch.float8_e4m3fn)), """kv_cache is float8_e4m3fn: pass kv_scale=, a float32 tensor of shape [1] (value = kv_cache.float() * kv_scale)""")
@@ -575,8 +587,8 @@ class TestSparseErrors(expecttest.TestCase):
             return bad
 
         e = self.err
-        self.assertExpectedInline(e(indices=at(1, 3, 4 * 64), topk_length=full), """indices[1, 0, 3] = 256 (below topk_length[1] = 64) is not a cache slot: slots are page * 64 + row, in [0, num_blocks x 64 = 256), or -1 for no token""")
-        self.assertExpectedInline(e(indices=at(0, 0, -2), topk_length=None), """indices[0, 0, 0] = -2 is not a cache slot: slots are page * 64 + row, in [0, num_blocks x 64 = 256), or -1 for no token""")
+        self.assertExpectedInline(e(indices=at(1, 3, 4 * 64), topk_length=full), """indices[1, 0, 3] = 256 (below topk_length[1] = 64) is not a cache slot: slots are page * page_size + row, in [0, num_blocks x page_size = 256), or -1 for no token""")
+        self.assertExpectedInline(e(indices=at(0, 0, -2), topk_length=None), """indices[0, 0, 0] = -2 is not a cache slot: slots are page * page_size + row, in [0, num_blocks x page_size = 256), or -1 for no token""")
         self.assertExpectedInline(e(topk_length=torch.tensor([3, 65], dtype=torch.int32)), """topk_length[1] = 65, but it must be in [0, topk = 64] (topk: the last dim of indices)""")
         self.assertExpectedInline(e(topk_length=torch.tensor([-1, 5], dtype=torch.int32)), """topk_length[0] = -1, but it must be in [0, topk = 64] (topk: the last dim of indices)""")
         # Past topk_length an entry is never read: anything goes.

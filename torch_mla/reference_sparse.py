@@ -7,7 +7,7 @@ a query token's gathered keys, invalid entries masked to -inf and their keys zer
 product, so garbage (even NaN) in slots no valid entry names cannot leak.
 
 The FP8 cache of DeepSeek-V3.2 ("fp8_ds_mla"), one row of 656 bytes a token, uint8
-[num_blocks, 64, 1, 656]:
+[num_blocks, page_size, 1, 656] (page_size 64 in torch_mla's caches):
 
     bytes   0 .. 511   512 float8_e4m3fn values: the latent (the "NoPE" part), quantized
     bytes 512 .. 527   4 float32 scales, little-endian: scale t covers values 128 t .. 128 t + 127
@@ -27,7 +27,6 @@ from .constants import (
     FP8_DS_MLA_SCALES_AT,
     FP8_NUM_TILES,
     FP8_TILE,
-    PAGE_SIZE,
 )
 from .reference import FP8, FP8_MAX, dequantize_fp8
 
@@ -83,11 +82,14 @@ def dequantize_fp8_ds_mla(rows: torch.Tensor) -> torch.Tensor:
 def gather_slots(kv_cache: torch.Tensor, slots: torch.Tensor,
                  kv_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [..., d_qk]: the latents of cache slots ``slots`` (int64 [...], each in
-    [0, num_blocks * 64); slot s is page ``s // 64``, row ``s % 64``), dequantized.
+    [0, num_blocks * page_size); slot s is page ``s // page_size``, row ``s % page_size``),
+    dequantized.
 
-    kv_cache: [num_blocks, 64, 1, d_qk] bf16/fp16/fp32, or float8_e4m3fn with its float32 [1]
-    ``kv_scale``, or uint8 [num_blocks, 64, 1, 656] (the 656-byte layout). Any page stride."""
-    rows = kv_cache[slots // PAGE_SIZE, slots % PAGE_SIZE, 0]
+    kv_cache: [num_blocks, page_size, 1, d_qk] bf16/fp16/fp32, or float8_e4m3fn with its float32
+    [1] ``kv_scale``, or uint8 [num_blocks, page_size, 1, 656] (the 656-byte layout). Any
+    strides."""
+    page_size = kv_cache.shape[1]
+    rows = kv_cache[slots // page_size, slots % page_size, 0]
     if kv_cache.dtype == torch.uint8:
         return dequantize_fp8_ds_mla(rows)
     if kv_scale is not None:
@@ -111,7 +113,7 @@ def mla_decode_sparse_reference(
 
     q [b, s_q, h_q, d_qk]; kv_cache one of :func:`gather_slots`'s formats (h_kv = 1); indices
     int32 [b, s_q, topk]. Entry k of query token (r, i) counts when ``k < topk_length[r]`` and
-    its slot is in [0, num_blocks * 64) (-1: no token; anything else out of range is skipped
+    its slot is in [0, num_blocks * page_size) (-1: no token; anything else out of range is skipped
     too, so nothing is read outside the cache even with the value checks off), once per
     occurrence (a slot named twice weighs twice, as in FlashMLA's reference). attn_sink float32
     [h_q] adds ``exp(sink_h)`` to head h's softmax denominator: the output is scaled by
@@ -125,7 +127,7 @@ def mla_decode_sparse_reference(
     """
     b, s_q, h_q, d_qk = q.shape
     topk = indices.shape[2]
-    num_slots = kv_cache.shape[0] * PAGE_SIZE
+    num_slots = kv_cache.shape[0] * kv_cache.shape[1]
     n = b * s_q
     out = torch.empty(n, h_q, d_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(n, h_q, dtype=torch.float32, device=q.device)

@@ -22,8 +22,8 @@ from .checks import (
 )
 
 SPARSE_DEVICE_MESSAGES = {
-    "indices": "torch_mla.mla_decode_sparse: indices holds a slot >= num_blocks x "
-               f"{PAGE_SIZE} or < -1 at a position below topk_length; {_CPU_HINT}",
+    "indices": "torch_mla.mla_decode_sparse: indices holds a slot >= num_blocks x page_size "
+               f"or < -1 at a position below topk_length; {_CPU_HINT}",
     "topk_length": "torch_mla.mla_decode_sparse: topk_length holds a length < 0 or > topk; "
                    + _CPU_HINT,
 }
@@ -54,15 +54,15 @@ def check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v: 
     b, s_q, h_q, d_qk = q.shape
     if s_q < 1 or h_q < 1:
         _fail(f"q must have s_q >= 1 and h_q >= 1, got s_q={s_q}, h_q={h_q}")
-    if kv_cache.dim() != 4 or kv_cache.shape[1] != PAGE_SIZE or kv_cache.shape[2] != 1:
-        _fail(f"kv_cache must have shape [num_blocks, {PAGE_SIZE}, 1, width] (pages of 64 "
-              f"tokens, one latent head), got {_shape(kv_cache)}")
+    if kv_cache.dim() != 4 or kv_cache.shape[1] < 1 or kv_cache.shape[2] != 1:
+        _fail(f"kv_cache must have shape [num_blocks, page_size, 1, width] (one latent head; "
+              f"page_size {PAGE_SIZE} in torch_mla's caches), got {_shape(kv_cache)}")
     width = kv_cache.shape[3]
     fmt = cache_format(kv_cache)
     if fmt == "fp8_ds_mla":
         if width != FP8_DS_MLA_BYTES:
             _fail(f"a uint8 kv_cache is DeepSeek-V3.2's FP8 layout, {FP8_DS_MLA_BYTES} bytes a "
-                  f"token: shape [num_blocks, {PAGE_SIZE}, 1, {FP8_DS_MLA_BYTES}], got "
+                  f"token: shape [num_blocks, page_size, 1, {FP8_DS_MLA_BYTES}], got "
                   f"{_shape(kv_cache)}")
         if d_qk != D_QK:
             _fail(f"the {FP8_DS_MLA_BYTES}-byte FP8 cache holds {D_V} + {D_ROPE} = {D_QK} values "
@@ -75,7 +75,7 @@ def check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v: 
             check_scale("kv_scale", kv_scale, kv_cache, "kv_cache")
         elif kv_cache.dtype != q.dtype:
             _fail(f"kv_cache must be q's dtype ({q.dtype}), float8_e4m3fn (with kv_scale) or "
-                  f"uint8 [num_blocks, {PAGE_SIZE}, 1, {FP8_DS_MLA_BYTES}] (DeepSeek-V3.2's FP8 "
+                  f"uint8 [num_blocks, page_size, 1, {FP8_DS_MLA_BYTES}] (DeepSeek-V3.2's FP8 "
                   f"layout), got {kv_cache.dtype}")
         elif kv_scale is not None:
             _fail(f"kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is "
@@ -120,13 +120,13 @@ def check_topk_length_values(topk_length: torch.Tensor, topk: int) -> None:
                        "(topk: the last dim of indices)")
 
 
-def check_sparse_decode_values(num_blocks: int, indices: torch.Tensor,
+def check_sparse_decode_values(num_slots: int, indices: torch.Tensor,
                                topk_length: torch.Tensor | None) -> None:
     """0 <= topk_length[r] <= topk, and every entry of indices at a position below its request's
-    topk_length (all of them without one) is -1 or a slot in [0, num_blocks * 64); entries past
-    topk_length are never read and may hold anything."""
+    topk_length (all of them without one) is -1 or a slot in [0, num_slots = num_blocks *
+    page_size); entries past topk_length are never read and may hold anything."""
     b, s_q, topk = indices.shape
-    cap = num_blocks * PAGE_SIZE
+    cap = num_slots
     used = torch.ones(b, 1, topk, dtype=torch.bool, device=indices.device)
     if topk_length is not None:
         check_topk_length_values(topk_length, topk)
@@ -135,8 +135,8 @@ def check_sparse_decode_values(num_blocks: int, indices: torch.Tensor,
     def bad_slot(r, i, k):
         where = "" if topk_length is None else f" (below topk_length[{r}] = {int(topk_length[r])})"
         return (f"indices[{r}, {i}, {k}] = {int(indices[r, i, k])}{where} is not a cache slot: "
-                f"slots are page * {PAGE_SIZE} + row, in [0, num_blocks x {PAGE_SIZE} = {cap}), "
-                "or -1 for no token")
+                f"slots are page * page_size + row, in [0, num_blocks x page_size = {cap}), or "
+                "-1 for no token")
 
     _require(used & ((indices < -1) | (indices >= cap)), SPARSE_DEVICE_MESSAGES["indices"],
              bad_slot)

@@ -49,7 +49,7 @@ def _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, nu
         return kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
                       softmax_scale, d_v, kv_scale)
     if checks_values(indices):
-        check_sparse_decode_values(kv_cache.shape[0], indices, topk_length)
+        check_sparse_decode_values(kv_cache.shape[0] * kv_cache.shape[1], indices, topk_length)
     return mla_decode_sparse_reference(q, kv_cache, indices, topk_length, attn_sink,
                                        softmax_scale, d_v, kv_scale)
 
@@ -126,7 +126,9 @@ def mla_decode_sparse(
 
     Args:
         q: [batch, s_q, h_q, d_qk], bf16/fp16/fp32, last dim contiguous.
-        kv_cache: [num_blocks, 64, 1, width], last dim contiguous, any page stride; one of
+        kv_cache: [num_blocks, page_size, 1, width], last dim contiguous, any strides
+            otherwise (page_size 64 in torch_mla's caches; FlashMLA's sparse decode takes any);
+            one of
             * q's dtype, width d_qk;
             * float8_e4m3fn, width d_qk, with ``kv_scale`` (row stands for
               ``row.float() * kv_scale``, as mla_decode's FP8 cache);
@@ -136,8 +138,8 @@ def mla_decode_sparse(
               bytes 528-655 the 64 RoPE values in bf16 (not quantized); the token's key is
               ``[e4m3 * scale | rope]``. :func:`torch_mla.append_kv` writes it.
         indices: int32 [batch, s_q, topk], last dim contiguous: entry k of query token i of
-            request r is a cache slot, ``page * 64 + row`` (the convention of FlashMLA and
-            vLLM), or -1 for no token. A slot named twice counts twice (its key enters the
+            request r is a cache slot, ``page * page_size + row`` (the convention of FlashMLA
+            and vLLM), or -1 for no token. A slot named twice counts twice (its key enters the
             softmax once per occurrence, as in FlashMLA's reference).
         topk_length: int32 [batch] or None: request r uses only its entries at positions
             ``< topk_length[r]``, 0 <= topk_length[r] <= topk; the later entries are never read
@@ -158,7 +160,7 @@ def mla_decode_sparse(
         used entries (without the sink). A query token with no used entry (all -1, or
         topk_length 0) gets out = 0 and lse = +inf.
 
-    Used entries must be -1 or slots in [0, num_blocks * 64): checked on CPU tensors with a
+    Used entries must be -1 or slots in [0, num_blocks * page_size): checked on CPU tensors with a
     ValueError naming the entry, on other devices by device-side asserts (see
     :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
 
