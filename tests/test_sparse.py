@@ -634,7 +634,8 @@ def test_gpu_reference_equals_cpu_reference(fmt):
 
 
 @pytest.mark.cuda
-def test_gpu_warns_once_that_the_kernel_is_not_built():
+def test_gpu_warns_once_that_the_kernel_is_not_built(monkeypatch):
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)  # (which silences it)
     q, cache, idx = [t.cuda() for t in op_args(b=1, s_q=1, h_q=8, topk=64)[:3]]
     sparse_ops._warned.clear()
     with pytest.warns(UserWarning, match="sparse decode kernel is not built yet"):
