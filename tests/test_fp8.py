@@ -382,7 +382,7 @@ class TestFp8Errors(expecttest.TestCase):
         self.assertExpectedInline(append(fp8, None), """kv_cache is float8_e4m3fn: pass kv_scale=, a float32 tensor of shape [1] (value = kv_cache.float() * kv_scale)""")
         self.assertExpectedInline(append(fp8, torch.ones(64)), """kv_scale must hold one scale (shape [1]): one scale per tensor only for now, got shape [64]""")
         self.assertExpectedInline(append(torch.zeros(2, 64, 1, 576), torch.ones(1)), """kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is torch.float32: pass kv_scale=None""")
-        self.assertExpectedInline(append(fp8.view(torch.uint8), None), """kv_cache must be bfloat16, float16, float32 or float8_e4m3fn, got torch.uint8""")
+        self.assertExpectedInline(append(fp8.view(torch.uint8), None), """a uint8 kv_cache is DeepSeek-V3.2's FP8 layout: shape [num_blocks, 64, 1, 656], got [2, 64, 1, 576]""")
 
 
 def test_fp8_cache_with_q_requiring_grad_is_forward_only():

@@ -18,3 +18,7 @@ from .ops.cache import slot_mapping
 __all__ = ["DecodeSchedule", "append_kv", "compat", "get_decode_schedule", "mla_decode",
            "set_value_checks", "slot_mapping"]
 __version__ = "0.1.0"
+
+from .ops.sparse import get_sparse_decode_schedule, mla_decode_sparse  # noqa: E402
+
+__all__ += ["get_sparse_decode_schedule", "mla_decode_sparse"]

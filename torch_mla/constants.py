@@ -30,3 +30,12 @@ COMBINE_WARPS_PER_ROW = (1, 4, 16)
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)
+
+# DeepSeek-V3.2's FP8 cache for sparse decode (FlashMLA's "V32_FP8Sparse", vLLM's fp8_ds_mla),
+# one 656-byte row a token: D_V e4m3 values, a float32 scale per FP8_TILE of them, then the D_ROPE
+# RoPE values in bf16 (not quantized). reference_sparse.py documents the bytes.
+FP8_TILE = 128  # values one scale covers
+FP8_NUM_TILES = D_V // FP8_TILE  # 4
+FP8_DS_MLA_SCALES_AT = D_V  # byte offset of the scales (512)
+FP8_DS_MLA_ROPE_AT = FP8_DS_MLA_SCALES_AT + 4 * FP8_NUM_TILES  # byte offset of the RoPE part (528)
+FP8_DS_MLA_BYTES = FP8_DS_MLA_ROPE_AT + 2 * D_ROPE  # 656

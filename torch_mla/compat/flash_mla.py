@@ -11,10 +11,12 @@ Both of FlashMLA's forms are accepted:
   :class:`FlashMLASchedMeta` that the first ``flash_mla_with_kvcache`` call fills in and later
   calls reuse (valid while the shapes and ``cache_seqlens`` values stay the same).
 
-Dense decode only: FlashMLA's sparse modes (``indices``, its 656-byte FP8 sparse cache) raise
-NotImplementedError. The dense FP8 cache that vLLM's fork of FlashMLA decodes (float8_e4m3fn
-``[num_blocks, 64, h_kv, 576]``, one ``descale_k`` and one ``descale_q`` per tensor) is served by
-:func:`get_mla_metadata_dense_fp8` and :func:`flash_mla_with_kvcache_fp8`, vLLM's names.
+Sparse decode (``indices=``, FlashMLA's ``is_fp8_kvcache=True`` 656-byte cache, ``topk_length``,
+``attn_sink``) routes to :func:`torch_mla.mla_decode_sparse` (see :func:`flash_mla_with_kvcache`);
+the ``extra_*`` arguments (DeepSeek's MODEL1 layout) raise NotImplementedError. The dense FP8
+cache that vLLM's fork of FlashMLA decodes (float8_e4m3fn ``[num_blocks, 64, h_kv, 576]``, one
+``descale_k`` and one ``descale_q`` per tensor) is served by :func:`get_mla_metadata_dense_fp8`
+and :func:`flash_mla_with_kvcache_fp8`, vLLM's names.
 """
 
 from __future__ import annotations
@@ -58,7 +60,9 @@ def get_mla_metadata(
     on the device; the same schedule as ``torch_mla.get_decode_schedule(cache_seqlens, s_q, h_q,
     h_kv=h_kv)``. With no arguments: returns ``(FlashMLASchedMeta(), None)``.
     """
-    if is_fp8_kvcache or topk is not None:
+    if topk is not None:  # sparse: the object form, as FlashMLA's get_mla_metadata returns now
+        return FlashMLASchedMeta(), None
+    if is_fp8_kvcache:
         raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
                                   "sparse FP8 cache, no topk); a dense float8_e4m3fn cache: "
                                   "get_mla_metadata_dense_fp8")
@@ -87,9 +91,14 @@ def flash_mla_with_kvcache(
     causal: bool = False,
     is_fp8_kvcache: bool = False,
     indices: Optional[torch.Tensor] = None,
+    attn_sink: Optional[torch.Tensor] = None,
+    extra_k_cache: Optional[torch.Tensor] = None,
+    extra_indices_in_kvcache: Optional[torch.Tensor] = None,
+    topk_length: Optional[torch.Tensor] = None,
+    extra_topk_length: Optional[torch.Tensor] = None,
     **unsupported,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """FlashMLA's ``flash_mla_with_kvcache`` (dense decode).
+    """FlashMLA's ``flash_mla_with_kvcache``: dense decode, or sparse decode with ``indices``.
 
     Forward-only (inference), as :func:`torch_mla.mla_decode`.
 
@@ -100,14 +109,34 @@ def flash_mla_with_kvcache(
         head_dim_v: width of V (the first head_dim_v columns of the cache);
         tile_scheduler_metadata, num_splits: from :func:`get_mla_metadata` (either form).
 
+    Sparse decode (``indices`` given; FlashMLA's argument names and meaning): ``indices`` int32
+    [batch, s_q, topk] of cache slots (page * 64 + row, -1 for none); with
+    ``is_fp8_kvcache=True`` k_cache is DeepSeek-V3.2's 656-byte FP8 layout, uint8 or
+    float8_e4m3fn [num_blocks, 64, 1, 656] (else a bf16/fp16 cache in q's dtype, which FlashMLA
+    does not take); ``topk_length`` int32 [batch]; ``attn_sink`` float32 [h_q] (scales the output
+    by exp(lse) / (exp(lse) + exp(sink)), not the lse); block_table and cache_seqlens are not
+    read; causal must be False. tile_scheduler_metadata: a :class:`FlashMLASchedMeta` (filled in
+    by the first call; reuse it while the shapes and topk_length's values stay the same) or
+    tensors from :func:`torch_mla.get_sparse_decode_schedule`. See
+    :func:`torch_mla.mla_decode_sparse`.
+
     Returns:
         out [batch, s_q, h_q, head_dim_v] in q's dtype; softmax_lse float32 [batch, h_q, s_q].
     """
-    if is_fp8_kvcache or indices is not None:
-        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
-                                  "sparse FP8 cache, no indices); a dense float8_e4m3fn cache: "
-                                  "flash_mla_with_kvcache_fp8")
-    extra = [k for k, v in unsupported.items() if v is not None]
+    if indices is not None:
+        return _sparse_decode(q, k_cache, head_dim_v, tile_scheduler_metadata, num_splits,
+                              softmax_scale, causal, is_fp8_kvcache, indices, attn_sink,
+                              topk_length, dict(unsupported, extra_k_cache=extra_k_cache,
+                                                extra_indices_in_kvcache=extra_indices_in_kvcache,
+                                                extra_topk_length=extra_topk_length))
+    if is_fp8_kvcache:
+        raise NotImplementedError("is_fp8_kvcache=True without indices: FlashMLA's FP8 cache is "
+                                  "its sparse one (pass indices=); torch_mla's dense decode only "
+                                  "takes a float8_e4m3fn cache through flash_mla_with_kvcache_fp8")
+    extra = [k for k, v in dict(unsupported, attn_sink=attn_sink, extra_k_cache=extra_k_cache,
+                                extra_indices_in_kvcache=extra_indices_in_kvcache,
+                                topk_length=topk_length,
+                                extra_topk_length=extra_topk_length).items() if v is not None]
     if extra:
         raise NotImplementedError(f"unsupported FlashMLA arguments: {', '.join(sorted(extra))}")
     if isinstance(tile_scheduler_metadata, FlashMLASchedMeta):
@@ -176,3 +205,41 @@ def flash_mla_with_kvcache_fp8(
                       DecodeSchedule(tile_scheduler_metadata, num_splits),
                       softmax_scale=softmax_scale, causal=causal, d_v=head_dim_v,
                       kv_scale=descale_k, q_scale=descale_q, compute=compute)
+
+
+def _sparse_decode(q, k_cache, head_dim_v, sched, num_splits, softmax_scale, causal,
+                   is_fp8_kvcache, indices, attn_sink, topk_length, extra):
+    """flash_mla_with_kvcache with indices: FlashMLA's sparse decode, on mla_decode_sparse."""
+    from ..ops.sparse import get_sparse_decode_schedule, mla_decode_sparse
+
+    extra = sorted(k for k, v in extra.items() if v is not None)
+    if extra:
+        raise NotImplementedError(f"unsupported FlashMLA sparse arguments: {', '.join(extra)}")
+    if causal:
+        raise ValueError("causal must be False with indices (sparse attention): the indices say "
+                         "which tokens each query token sees")
+    if is_fp8_kvcache:
+        if k_cache.dtype not in (torch.uint8, torch.float8_e4m3fn) or k_cache.shape[-1] != 656:
+            raise ValueError("is_fp8_kvcache=True with indices means DeepSeek-V3.2's 656-byte FP8 "
+                             "cache: uint8 or float8_e4m3fn [num_blocks, 64, 1, 656], got "
+                             f"{k_cache.dtype} {list(k_cache.shape)}")
+        k_cache = k_cache.view(torch.uint8)
+    if isinstance(sched, FlashMLASchedMeta):
+        config = ("sparse", q.shape[0], q.shape[1], q.shape[2], k_cache.shape[1],
+                  k_cache.shape[2], bool(is_fp8_kvcache), indices.shape[-1])
+        if not sched.have_initialized:
+            sched.tile_scheduler_metadata, sched.num_splits = get_sparse_decode_schedule(
+                indices, q.shape[2], topk_length)
+            sched.config, sched.have_initialized = config, True
+        elif sched.config != config:
+            raise ValueError(
+                f"sched_meta was made for (mode, b, s_q, h_q, page, h_k, is_fp8_kvcache, topk) = "
+                f"{sched.config}, but this call has {config}; use one FlashMLASchedMeta per "
+                "configuration")
+        schedule = DecodeSchedule(sched.tile_scheduler_metadata, sched.num_splits)
+    else:
+        if num_splits is None:
+            raise TypeError("num_splits is required with a tensor tile_scheduler_metadata")
+        schedule = DecodeSchedule(sched, num_splits)
+    return mla_decode_sparse(q, k_cache, indices, topk_length=topk_length, attn_sink=attn_sink,
+                             softmax_scale=softmax_scale, d_v=head_dim_v, schedule=schedule)

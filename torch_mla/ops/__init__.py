@@ -8,3 +8,5 @@ from .decode import mla_decode
 from .schedule import DecodeSchedule, get_decode_schedule
 
 __all__ = ["DecodeSchedule", "append_kv", "get_decode_schedule", "mla_decode", "set_value_checks"]
+
+from .sparse import get_sparse_decode_schedule, mla_decode_sparse  # noqa: E402, F401

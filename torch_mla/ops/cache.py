@@ -10,6 +10,7 @@ from . import checks
 from .checks import check_append_args
 from .dispatch import find_append_kernel
 from .library import forward_only_grads, grad_like, lib
+from .sparse import append_kv_fp8_ds_mla
 
 # The kernel's repeat check reads T^2 / 2 slots from L1/L2 (cute_kernels/append_kv.py): up to
 # this many tokens it costs about as much as the copy itself.
@@ -17,6 +18,8 @@ REPEAT_CHECK_MAX_TOKENS = 2048
 
 
 def _append_impl(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
+    if kv_cache.dtype == torch.uint8:  # DeepSeek-V3.2's 656-byte FP8 rows (ops/sparse.py)
+        return append_kv_fp8_ds_mla(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     check_append_args(kv_cache, kv_c, k_pe, slot_mapping, values=False, kv_scale=kv_scale)
     T = slot_mapping.shape[0]
     kernel = find_append_kernel(kv_cache, kv_c, k_pe, slot_mapping) if T else None
@@ -111,6 +114,12 @@ def append_kv(
             NaN) and rounded to nearest even; decode reads ``row.float() * kv_scale``. Choose
             it so the largest latent magnitude maps near 448, e.g. ``amax / 448`` measured over
             a prefill's latents. One scale per cache tensor for now.
+
+    A uint8 [num_blocks, 64, 1, 656] cache is DeepSeek-V3.2's FP8 layout (see
+    :func:`torch_mla.mla_decode_sparse`): kv_c [T, 512] is quantized per 128 values with a
+    power-of-two scale, k_pe [T, 64] stored as bf16, as DeepSeek's reference does
+    (torch_mla.reference_sparse.quantize_fp8_ds_mla; torch ops on every device for now);
+    kv_scale must be None.
 
     One kernel launch on a GPU from SM80 up with a bf16/fp16 cache of 576-wide rows (512 + 64),
     and from SM89 up with a float8_e4m3fn one (bit-identical to the reference's quantization);

@@ -54,3 +54,12 @@ def grad_like(inputs) -> list:
     of the tensors, which a forward-only op must not keep alive (nor see modified in place)."""
     return [(t.shape, t.dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else None
             for t in inputs]
+
+# Sparse decode (ops/sparse.py): indices int32 [b, s_q, topk] of cache slots, -1 for none;
+# topk_length int32 [b], attn_sink float32 [h_q]; the schedule is the dense one over the
+# requests' entry counts.
+lib.define(
+    "mla_decode_sparse(Tensor q, Tensor kv_cache, Tensor indices, Tensor? topk_length, "
+    "Tensor? attn_sink, Tensor sched_metadata, Tensor num_splits, float softmax_scale, int d_v, "
+    "Tensor? kv_scale=None) -> (Tensor, Tensor)"
+)

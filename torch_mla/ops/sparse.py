@@ -1,0 +1,195 @@
+"""``torch_mla::mla_decode_sparse``: sparse MLA decode (DeepSeek Sparse Attention) over the latent
+cache, and appending to DeepSeek-V3.2's 656-byte FP8 cache. Validation, then the kernel where one
+exists (none yet: :func:`find_sparse_decode_kernel`), else the reference. Forward-only."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import torch
+
+from ..reference import append_kv_reference
+from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
+from .checks import check_schedule_args, checks_values, unpack_schedule
+from .checks_sparse import (
+    check_fp8_ds_mla_append_args,
+    check_sparse_decode_args,
+    check_sparse_decode_values,
+    check_topk_length_values,
+)
+from .library import forward_only_grads, grad_like, lib
+from .schedule import DecodeSchedule, get_decode_schedule
+
+_warned: set[str] = set()
+
+
+def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
+    """A callable running the sparse decode kernel for these inputs, or None (the reference).
+
+    No sparse kernel is built yet: on a GPU this warns once (the reference gathers every key in
+    float32 and is far slower than a kernel). A kernel plugs in here, called as
+    ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+    softmax_scale, d_v, kv_scale)`` on validated arguments and returning ``(out, lse)`` as
+    :func:`torch_mla.mla_decode_sparse` documents; it checks the index values itself."""
+    if not q.is_cuda:
+        return None
+    reason = "the sparse decode kernel is not built yet"
+    if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
+        _warned.add(reason)
+        warnings.warn("torch_mla.mla_decode_sparse runs the slow plain-PyTorch reference on this "
+                      f"GPU: {reason}", stacklevel=3)
+    return None
+
+
+def _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+                softmax_scale: float, d_v: int, kv_scale=None):
+    kernel = find_sparse_decode_kernel(q, kv_cache, d_v)
+    if kernel is not None:
+        return kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+                      softmax_scale, d_v, kv_scale)
+    if checks_values(indices):
+        check_sparse_decode_values(kv_cache.shape[0] * kv_cache.shape[1], indices, topk_length)
+    return mla_decode_sparse_reference(q, kv_cache, indices, topk_length, attn_sink,
+                                       softmax_scale, d_v, kv_scale)
+
+
+def _sparse_impl(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+                 softmax_scale: float, d_v: int, kv_scale=None):
+    check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
+    check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
+    return _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+                       softmax_scale, d_v, kv_scale)
+
+
+lib.impl("mla_decode_sparse", _sparse_impl, "CompositeExplicitAutograd")
+
+
+def _setup_context(ctx, inputs, output):
+    ctx.like = grad_like(inputs)
+
+
+def _backward(ctx, grad_out, grad_lse):
+    return forward_only_grads(grad_out, ctx.like, "mla_decode_sparse")
+
+
+torch.library.register_autograd("torch_mla::mla_decode_sparse", _backward,
+                                setup_context=_setup_context, lib=lib)
+
+
+def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
+                               topk_length: torch.Tensor | None = None,
+                               num_sms: int | None = None) -> DecodeSchedule:
+    """The split schedule of a sparse decode step, on the device, with no host sync: the dense
+    schedule (:func:`torch_mla.get_decode_schedule`) over each request's entry count, as
+    FlashMLA's sparse decode schedules topk like a length.
+
+    Args:
+        indices: int32 [batch, s_q, topk] (only its shape and device are read).
+        h_q: query heads.
+        topk_length: int32 [batch] or None (every request then counts topk entries); its
+            values are checked (0 <= topk_length[r] <= topk) as mla_decode_sparse checks them.
+        num_sms: as in get_decode_schedule.
+
+    Returns:
+        DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]); share it
+        across the layers of a step; recompute it when topk_length's values change.
+    """
+    b, s_q, topk = indices.shape
+    lengths = topk_length
+    if lengths is None:
+        lengths = torch.full((b,), topk, dtype=torch.int32, device=indices.device)
+    elif not torch.compiler.is_compiling() and checks_values(lengths):
+        # (before the schedule reads them, whose message would call them cache_seqlens)
+        check_topk_length_values(lengths, topk)
+    return get_decode_schedule(lengths, s_q, h_q, num_sms)
+
+
+def mla_decode_sparse(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    indices: torch.Tensor,
+    *,
+    topk_length: torch.Tensor | None = None,
+    attn_sink: torch.Tensor | None = None,
+    softmax_scale: float | None = None,
+    d_v: int = 512,
+    kv_scale: torch.Tensor | None = None,
+    schedule: DecodeSchedule | tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse multi-head latent attention decode (DeepSeek Sparse Attention, FlashMLA's sparse
+    decode): each query token attends to the cached tokens its row of ``indices`` names.
+
+    K is a token's whole cached latent (d_qk = d_v + d_rope values), V its first d_v values;
+    every query head reads the one latent head. Forward-only (inference): inputs may require
+    grad, but backward raises.
+
+    Args:
+        q: [batch, s_q, h_q, d_qk], bf16/fp16/fp32, last dim contiguous.
+        kv_cache: [num_blocks, page_size, 1, width], last dim contiguous, any strides
+            otherwise (page_size 64 in torch_mla's caches; FlashMLA's sparse decode takes any);
+            one of
+            * q's dtype, width d_qk;
+            * float8_e4m3fn, width d_qk, with ``kv_scale`` (row stands for
+              ``row.float() * kv_scale``, as mla_decode's FP8 cache);
+            * uint8, width 656: DeepSeek-V3.2's FP8 layout (FlashMLA's and vLLM's "fp8_ds_mla"),
+              d_qk = 576. Per token: bytes 0-511 the 512 latent values in float8_e4m3fn,
+              bytes 512-527 four float32 scales (scale t for values 128 t .. 128 t + 127),
+              bytes 528-655 the 64 RoPE values in bf16 (not quantized); the token's key is
+              ``[e4m3 * scale | rope]``. :func:`torch_mla.append_kv` writes it.
+        indices: int32 [batch, s_q, topk], last dim contiguous: entry k of query token i of
+            request r is a cache slot, ``page * page_size + row`` (the convention of FlashMLA
+            and vLLM), or -1 for no token. A slot named twice counts twice (its key enters the
+            softmax once per occurrence, as in FlashMLA's reference).
+        topk_length: int32 [batch] or None: request r uses only its entries at positions
+            ``< topk_length[r]``, 0 <= topk_length[r] <= topk; the later entries are never read
+            and may hold anything.
+        attn_sink: float32 [h_q] or None: a sink per head, FlashMLA's meaning: ``exp(sink_h)``
+            joins head h's softmax denominator, i.e. the output is scaled by
+            ``exp(lse) / (exp(lse) + exp(sink_h))``; lse is returned without it. +inf zeroes
+            the head's output, -inf changes nothing.
+        softmax_scale: scale of QK^T before the softmax (default d_qk ** -0.5).
+        d_v: width of V and of the output, 0 < d_v <= d_qk (512 for DeepSeek).
+        kv_scale: float32 [1], the scale of a float8_e4m3fn cache; None otherwise.
+        schedule: from :func:`get_sparse_decode_schedule` for these indices and topk_length (or
+            its ``(metadata, num_splits)``); computed here if None. Share it across layers.
+
+    Returns:
+        out: [batch, s_q, h_q, d_v] in q's dtype.
+        lse: float32 [batch, h_q, s_q], natural-log log-sum-exp of the scaled scores of the
+        used entries (without the sink). A query token with no used entry (all -1, or
+        topk_length 0) gets out = 0 and lse = +inf.
+
+    Used entries must be -1 or slots in [0, num_blocks * page_size): checked on CPU tensors with a
+    ValueError naming the entry, on other devices by device-side asserts (see
+    :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
+
+    Runs the fp32 reference (torch_mla.reference_sparse) on every device for now; on a GPU it
+    warns once that the sparse kernel is not built yet.
+    """
+    check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
+    if schedule is None:
+        schedule = get_sparse_decode_schedule(indices, q.shape[2], topk_length)
+    metadata, num_splits = unpack_schedule(schedule)
+    check_schedule_args(metadata, num_splits, q.shape[0], q.device)
+    if softmax_scale is None:
+        softmax_scale = q.shape[-1] ** -0.5
+    args = (q, kv_cache, indices, topk_length, attn_sink, metadata, num_splits,
+            float(softmax_scale), int(d_v), kv_scale)
+    grads = any(t is not None and t.requires_grad for t in (q, kv_cache, attn_sink))
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and grads):
+        return torch.ops.torch_mla.mla_decode_sparse(*args)
+    return _sparse_run(*args)
+
+
+def append_kv_fp8_ds_mla(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Tensor,
+                         slot_mapping: torch.Tensor, kv_scale: torch.Tensor | None = None) -> None:
+    """:func:`torch_mla.append_kv` into a uint8 [num_blocks, 64, 1, 656] cache: each token's row
+    becomes ``quantize_fp8_ds_mla(kv_c, k_pe)`` (DeepSeek's quantization, see
+    torch_mla.reference_sparse); slots < 0 are skipped. Torch ops on every device (no kernel
+    yet), no host sync."""
+    check_fp8_ds_mla_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
+    rows = quantize_fp8_ds_mla(kv_c, k_pe)  # uint8 [T, 656]
+    # The rows are the cache's bytes already: the plain append writes them with a zero-width
+    # tail (and its no-sync handling of skipped slots).
+    append_kv_reference(kv_cache, rows, rows[:, :0], slot_mapping)
