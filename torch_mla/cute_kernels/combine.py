@@ -26,17 +26,14 @@ compiled with use_pdl=False and launched after the decode kernel as usual.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..constants import LN_2, PAGE_SIZE
 from .device_error import fail
 
-LN_2 = math.log(2.0)
 UNROLL = 4
-PAGE = 64
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -164,12 +161,12 @@ class MLACombine:
         before this grid waits for the decode kernel (PDL), so they overlap its tail."""
         L = mSeqlens[r]
         width = mBlockTable.shape[1]
-        if L < 0 or L > width * PAGE:
+        if L < 0 or L > width * PAGE_SIZE:
             if lane == 0:
                 fail("torch_mla.mla_decode: cache_seqlens[{}] = {}, but lengths must be in "
-                     "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE, width,
-                     PAGE)
-        n = (L + PAGE - 1) // PAGE
+                     "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE_SIZE, width,
+                     PAGE_SIZE)
+        n = (L + PAGE_SIZE - 1) // PAGE_SIZE
         first = Int32(NO_COLUMN)
         for c in cutlass.range(0, n, 32, unroll=1):
             col = c + lane

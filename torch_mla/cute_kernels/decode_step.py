@@ -16,7 +16,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..scheduling import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
+from ..constants import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
 from .combine import MLACombine
 
 

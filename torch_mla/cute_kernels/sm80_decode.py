@@ -100,18 +100,15 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp
 
+from ..constants import D_QK, D_V, LN_2, PAGE_SIZE
 from . import softmax
+from .ptx import bar_arrive, bar_sync
 
-D_QK = 576
-D_V = 512
-PAGE = 64
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
 QUARTER_V = D_V // 4  # output columns per warp
 V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
-LN_2 = 0.6931471805599453
 LAG_BARRIER = 3  # named barrier: the late quad released a buffer (ids 1, 2: the quads)
 ROPE_BARRIER = 4  # 4 + quad: all reads of the rope columns that quad's exchange slots overlay
 
@@ -233,21 +230,6 @@ def exchange_offsets(cfg: Sm80DecodeConfig, quad, half, stage):
     return in_p, in_k
 
 
-def bar_sync(barrier_id, number_of_threads):
-    """barrier.cta.sync without .aligned: the warps that meet there may come from different
-    instructions (the stage barrier's two sites, a quad waiting where the other arrives). An
-    aligned bar.sync asks every thread of the CTA to execute that very instruction; synccheck
-    reports the stage barrier's two sites as divergence when they are aligned."""
-    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(),
-                          thread_count=Int32(number_of_threads).ir_value(), aligned=False)
-
-
-def bar_arrive(barrier_id, number_of_threads):
-    """barrier.cta.arrive without .aligned (see bar_sync)."""
-    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=number_of_threads,
-                             aligned=False)
-
-
 def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
     """The tiled MMAs of Q K^T and P V: one warp per 16 rows. In Q K^T the warps of a pair
     each use the tiling for their own keys; in P V a warp takes the places of the warps of both
@@ -278,7 +260,7 @@ class MLADecodeSm80:
     @staticmethod
     def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
         return (dtype in (cutlass.BFloat16, cutlass.Float16) and d_qk == D_QK and d_v == D_V
-                and page == PAGE)
+                and page == PAGE_SIZE)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, copies, MMAs, launch
@@ -487,7 +469,7 @@ class MLADecodeSm80:
 
         for r in cutlass.range(begin_req, end_req + 1, unroll=1):
             L = mSeqlens[r]
-            nb_req = (L + PAGE - 1) // PAGE
+            nb_req = (L + PAGE_SIZE - 1) // PAGE_SIZE
             lo = begin_blk if r == begin_req else 0
             # A length past the table's width is an input error (the op checks it on the
             # device); the walk still stops there, and an empty cache has nothing to walk.
@@ -495,8 +477,8 @@ class MLADecodeSm80:
             if num_pages == 0:
                 hi = 0
             if lo < hi:
-                key_lo = lo * PAGE
-                n_tiles = (cutlass.min(hi * PAGE, L) - key_lo + bn - 1) // bn
+                key_lo = lo * PAGE_SIZE
+                n_tiles = (cutlass.min(hi * PAGE_SIZE, L) - key_lo + bn - 1) // bn
                 split_idx = begin_split if r == begin_req else 0
                 slot = mNumSplits[r] + split_idx
                 pieces = mNumSplits[r + 1] - mNumSplits[r]
@@ -583,7 +565,7 @@ class MLADecodeSm80:
         """Cache page of stage t of the segment [lo, hi) of request r: the column is clamped
         into the segment (stages past its end read its last entry, unused) and the id into
         the cache, so that neither read leaves its tensor whatever the inputs hold."""
-        col = cutlass.min(lo + t * self.cfg.block_n // PAGE, hi - 1)
+        col = cutlass.min(lo + t * self.cfg.block_n // PAGE_SIZE, hi - 1)
         page = mBlockTable[r, col]
         return cutlass.max(cutlass.min(page, num_pages - 1), 0)
 
@@ -609,7 +591,7 @@ class MLADecodeSm80:
         zero-filled, never read."""
         bn = self.cfg.block_n
         key0 = key_lo + t * bn
-        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE) // bn, 0))
+        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE_SIZE) // bn, 0))
         tKgK = thr_g2s.partition_S(gK)
         limit = L - key0
         for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
@@ -721,7 +703,8 @@ class MLADecodeSm80:
 
         # Keys at or past a row's horizon (only stages that reach the nearest one).
         if key0 + bn > min_border:
-            softmax.mask_keys(acc_S, tScS, key0 + half * (bn // 2), border_a, border_b)
+            softmax.mask_keys(acc_S, key0 + half * (bn // 2), border_a, border_b,
+                              lambda i: tScS[i][1])
 
         # Row max over both halves of the keys, for the quad's 32 rows: through smem.
         m_loc = [softmax.row_max(acc_S, 0), softmax.row_max(acc_S, 1)]
@@ -743,7 +726,7 @@ class MLADecodeSm80:
         for h in cutlass.range_constexpr(2):
             m_use_s[h] = m_use[2 + h] if hi == 1 else m_use[h]
             scale_s[h] = scale[2 + h] if hi == 1 else scale[h]
-        softmax.exp_rows(acc_S, m_use_s, scale_log2, l_run, scale_s)
+        softmax.exp_rows(acc_S, m_use_s, [scale_log2, scale_log2], l_run, scale_s)
         # The max of a row rarely moves after the first stages: skip the 128 multiplies then
         # (exact: the factor is exactly 1).
         if scale[0] != 1.0 or scale[1] != 1.0 or scale[2] != 1.0 or scale[3] != 1.0:
