@@ -52,7 +52,7 @@ class MLADecodeStep:
     ):
         if const_expr(self.kv_fp8):
             self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
-                        mLSEacc, scale_log2, stream, None, mKVScale, mQScale, q_scaled)
+                        mLSEacc, scale_log2, stream, mKVScale, mQScale, q_scaled)
         else:
             self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
                         mLSEacc, scale_log2, stream)

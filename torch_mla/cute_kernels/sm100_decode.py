@@ -69,8 +69,8 @@ from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
 from cutlass.memory import SmemAllocator
 
-from ..constants import BLOCK_M, D_QK, D_V, LN_2, PAGE_SIZE
-from . import softmax
+from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
 from .ptx import L2_EVICT_FIRST, tcgen05_after_sync, tcgen05_before_sync
 
 HALF_V = D_V // 2
@@ -134,7 +134,6 @@ class MLADecodeSm100:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         scale_log2: Float32,
         stream,
-        mTrace: cute.Tensor = None,  # unused: the SM90 trace argument, kept for one signature
     ):
         dt = self.dtype
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
@@ -290,8 +289,7 @@ class MLADecodeSm100:
         )  # (MMA, 1, 1, stages)
 
         # Query rows are (s_q, h_q) flattened: row = s * h_q + h.
-        meta_row = mMeta[part, None]
-        walk = (meta_row[0], meta_row[1], meta_row[2], meta_row[3], meta_row[4])
+        walk = splitkv.read_part(mMeta, part)
 
         if warp == LOAD_WARP:
             self._load(tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
@@ -318,11 +316,8 @@ class MLADecodeSm100:
         """(L, first block, block count) of request r's segment in this part; the count is
         <= 0 when the part holds none of its blocks. The walk stops at the block table's width
         (a length past it is an input error that the op checks on the device)."""
-        begin_req, begin_blk, end_req, end_blk, _ = walk
         L = mSeqlens[r]
-        nb_req = (L + PAGE_SIZE - 1) // PAGE_SIZE
-        lo = begin_blk if r == begin_req else 0
-        hi = cutlass.min(end_blk if r == end_req else nb_req, mBlockTable.shape[1])
+        lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
         return L, lo, hi - lo
 
     # ------------------------------------------------------------------------------------------
@@ -334,7 +329,7 @@ class MLADecodeSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         policy = cutlass.Int64(L2_EVICT_FIRST)  # each page and Q tile is read once (sm90_decode)
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
@@ -376,7 +371,7 @@ class MLADecodeSm100:
         s_state = pipeline.make_pipeline_state(Producer, S_STAGES)
         p_state = pipeline.make_pipeline_state(Consumer, 1)
         o_state = pipeline.make_pipeline_state(Producer, 1)
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 q_pipe.consumer_wait(q_state)
@@ -474,7 +469,7 @@ class MLADecodeSm100:
         p_state = pipeline.make_pipeline_state(Producer, 1)
         o_state = pipeline.make_pipeline_state(Consumer, 1)
         kv_count = Int32(0)  # pages this CTA has consumed: the page buffer is kv_count % 2
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 # Horizon of this thread's row: keys < border are visible.
@@ -530,33 +525,24 @@ class MLADecodeSm100:
                 # Epilogue: O of this segment is complete once o is full.
                 total = row_sum + cute.arch.shuffle_sync_bfly(row_sum, offset=16)
                 # A row that saw no key has sum 0: output 0 (and lse +inf below).
-                inv = Float32(1.0) / total if total > 0.0 else Float32(0.0)
-                begin_split = walk[4] if r == walk[0] else 0
-                slot = mNumSplits[r] + begin_split
+                inv = softmax.inv_sum(total)
+                split_idx = splitkv.split_index(walk, r)
+                slot = mNumSplits[r] + split_idx
                 pieces = mNumSplits[r + 1] - mNumSplits[r]
                 o_pipe.consumer_wait(o_state)
                 tcgen05_after_sync()
-                if pieces > 1:
-                    self._store_o(ld_O, o_chunks, rO, inv, mOacc[slot, None, None], Float32,
-                                  m_block, g_row < d_rows, tidx)
-                else:
-                    self._store_o(ld_O, o_chunks, rO, inv, mO[r, None, None], self.dtype,
-                                  m_block, g_row < d_rows, tidx)
+                splitkv.store_result(
+                    pieces, lambda t, j, dt, inv=inv: self._store_o(
+                        ld_O, o_chunks, rO, inv, t[j, None, None], dt, m_block, g_row < d_rows,
+                        tidx),
+                    mO, mOacc, r, slot, self.dtype)
                 tcgen05_before_sync()
                 o_pipe.consumer_release(o_state)
                 o_state.advance()
                 if g_row < d_rows:
                     if tScS[0][1] == 0:  # one thread of the row's pair
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total > 0.0:
-                                lse2 = cute.math.log2(total, fastmath=False) + m_ref
-                            mLSEacc[slot, g_row] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total > 0.0:
-                                lse = (cute.math.log2(total, fastmath=False) + m_ref) * LN_2
-                            mLSE[r, g_row % h_q, g_row // h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, g_row, pieces, h_q, total,
+                                          m_ref)
         # The last P V's commit must land before this CTA exits.
         p_pipe.producer_tail(p_state)
 

@@ -102,8 +102,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp
 
-from ..constants import D_QK, D_V, LN_2, PAGE_SIZE
-from . import softmax
+from ..constants import D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
 from .ptx import bar_arrive, bar_sync
 
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
@@ -460,26 +460,18 @@ class MLADecodeSm80:
         # block-table entries of the next stage [0] and of the one loading now [1]
         page_next = cute.make_rmem_tensor(2, Int32)
 
-        meta_row = mMeta[part, None]
-        begin_req = meta_row[0]
-        begin_blk = meta_row[1]
-        end_req = meta_row[2]
-        end_blk = meta_row[3]
-        begin_split = meta_row[4]
+        walk = splitkv.read_part(mMeta, part)
 
-        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = mSeqlens[r]
-            nb_req = (L + PAGE_SIZE - 1) // PAGE_SIZE
-            lo = begin_blk if r == begin_req else 0
-            # A length past the table's width is an input error (the op checks it on the
-            # device); the walk still stops there, and an empty cache has nothing to walk.
-            hi = cutlass.min(end_blk if r == end_req else nb_req, width)
+            lo, hi = splitkv.segment(walk, r, L, width)
+            # (An empty cache has nothing to walk: page ids are clamped into it.)
             if num_pages == 0:
                 hi = 0
             if lo < hi:
                 key_lo = lo * PAGE_SIZE
                 n_tiles = (cutlass.min(hi * PAGE_SIZE, L) - key_lo + bn - 1) // bn
-                split_idx = begin_split if r == begin_req else 0
+                split_idx = splitkv.split_index(walk, r)
                 slot = mNumSplits[r] + split_idx
                 pieces = mNumSplits[r + 1] - mNumSplits[r]
                 border_a = softmax.row_border(L, g_a, rows, h_q, s_q, self.causal)
@@ -779,28 +771,17 @@ class MLADecodeSm80:
             row = quad * 32 + lane // 4 + 8 * i
             total = sSum[row, 0] + sSum[row, 1]
             # A row that saw no key has sum 0: output 0 (and lse +inf below).
-            inv = Float32(1.0) / total if total > 0.0 else Float32(0.0)
+            inv = softmax.inv_sum(total)
             g = m_block * bm + row
             if g < rows:
-                if pieces > 1:
-                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, Float32,
-                                    mOacc[slot, g, None])
-                else:
-                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, self.dtype,
-                                    mO[r, g, None])
+                splitkv.store_result(
+                    pieces, lambda t, j, dt, i=i, inv=inv, g=g: self._store_row(
+                        acc_O[i // 2], tOcO, inv, i % 2, quarter, dt, t[j, g, None]),
+                    mO, mOacc, r, slot, self.dtype)
                 if quarter == 0:
                     if lane % 4 == 0:
-                        m = m_run[i]
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total > 0.0:
-                                lse2 = cute.math.log2(total, fastmath=False) + m
-                            mLSEacc[slot, g] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total > 0.0:
-                                lse = (cute.math.log2(total, fastmath=False) + m) * LN_2
-                            mLSE[r, g % h_q, g // h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, g, pieces, h_q, total,
+                                          m_run[i])
 
     @cute.jit
     def _store_row(self, acc_O, tOcO, inv: Float32, h: cutlass.Constexpr[int], quarter: Int32,

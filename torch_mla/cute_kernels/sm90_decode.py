@@ -53,15 +53,14 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
-from ..constants import BLOCK_M, D_QK, D_V, LN_2, PAGE_SIZE
-from . import softmax
+from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
 from .ptx import (
     L2_EVICT_FIRST,
     bulk_s2g,
     e4m3_store16,
     e4m3x4,
     fence_operand,
-    globaltimer,
     ldg128,
     lds64,
     lds128,
@@ -73,9 +72,6 @@ N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
 # Fast mode's P is 2^P_SHIFT times the probabilities (at most 256 of e4m3's 448).
 P_SHIFT = 8.0
-# Trace builds' stamp table (slots per CTA; see MLADecodeSm90._stamp).
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
-TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS = 64, 32, 2
 
 # Named barrier ids (0 is __syncthreads).
 NB_SCALE0 = 1  # WG0 -> WG1: running max and scale0 of this pair are in smem
@@ -204,10 +200,11 @@ class MLADecodeSm90:
     # Fast mode (MLADecodeSm90Fast) sets these: e4m3 Q and P on the fp8 wgmma.
     fast = False
     q_fp8 = False
-    early_vt = False
-    prefetch = False
+    # The trace build's stamp table (tools/trace_decode.py sets it), a kernel argument: None
+    # here, so nothing is compiled for it (see _stamp).
+    trace_table = None
 
-    def __init__(self, dtype, causal: bool, trace: bool = False, kv_fp8: bool = False):
+    def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
         # kv_fp8: the cache is float8_e4m3fn ("exact" mode): each page lands as fp8 bytes in
@@ -215,9 +212,6 @@ class MLADecodeSm90:
         # Q K^T expands it in place (_expand_half); the MMAs are the 16-bit kernel's. The
         # scales fold into the softmax scale and the epilogue (see __call__).
         self.kv_fp8 = bool(kv_fp8)
-        # trace: a development build that takes one more argument, an int64 (ctas, 128) tensor,
-        # and writes %globaltimer stamps into it (see _stamp); tools/trace_decode.py reads them.
-        self.trace = bool(trace)
 
     @staticmethod
     def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
@@ -246,7 +240,6 @@ class MLADecodeSm90:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         scale_log2: Float32,
         stream,
-        mTrace: cute.Tensor = None,
         mKVScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, the cache's dequantization scale
         mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, q's scale (read if q_scaled != 0)
         q_scaled=None,  # kv_fp8: Int32, 1 when q was e4m3 (converted to dtype by the host)
@@ -314,7 +307,7 @@ class MLADecodeSm90:
         self.shared_storage = SharedStorage
         self._launch((
             tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
+            mO, mLSE, mOacc, mLSEacc, scale_log2, self.trace_table, mKVScale, mQScale, q_scaled,
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
         ), mMeta, mO, stream)
@@ -423,12 +416,8 @@ class MLADecodeSm90:
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
         # finish before reading what it writes, so they only fill idle warp slots meanwhile.
         cute.arch.griddepcontrol_launch_dependents()
-        cta = part * cute.arch.grid_dim()[0] + m_block
-        seg = cute.make_rmem_tensor(1, Int32)  # segment counter (trace builds only)
-        seg.fill(0)
-        self.d_trace, self.d_cta = mTrace, cta  # for the stamps inside the epilogue
-        self.d_seg = seg  # and inside the pairs
-        self._stamp(mTrace, cta, 0, tidx, 0)
+        self.d_trace = mTrace
+        self._stamp("start")
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
         gK_tiles = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
@@ -531,45 +520,38 @@ class MLADecodeSm90:
         self.d_rows = mO.shape[1]
         self.d_h_q = mLSE.shape[1]
         self.d_s_q = mLSE.shape[2]
-        meta_row = mMeta[part, None]
-        begin_req = meta_row[0]
-        begin_blk = meta_row[1]
-        end_req = meta_row[2]
-        end_blk = meta_row[3]
-        begin_split = meta_row[4]
+        walk = splitkv.read_part(mMeta, part)
 
         # Scalars of the request a segment works on (L, its first two pages, its slot range),
         # loaded one segment ahead so that their latency hides behind the previous segment.
         req = cute.make_rmem_tensor(5, Int32)
         self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
-                           cutlass.min(begin_req, mSeqlens.shape[0] - 1), begin_blk)
+                           cutlass.min(walk.begin_req, mSeqlens.shape[0] - 1), walk.begin_blk)
         q_ready = cute.make_rmem_tensor(1, Int32)  # 1: the next segment's Q is already loading
         q_ready.fill(0)
         # The first segment's Q can load now, while the scalars above are still in flight. (A
         # part may lie wholly inside a request's overhead units: then it has no block at all.)
-        if begin_req < end_req or (begin_req == end_req and begin_blk < end_blk):
+        if walk.begin_req < walk.end_req or (walk.begin_req == walk.end_req
+                                             and walk.begin_blk < walk.end_blk):
             q_ready[0] = 1
             if tidx < 32:
-                self._load_q(tma_q, tma_mQ, sQ, barQ, begin_req, m_block)
+                self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
 
-        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = req[0]
             page_lo = req[1]
             page_lo1 = req[2]
             slot0 = req[3]
             pieces = req[4] - req[3]
-            nb_req = (L + PAGE_SIZE - 1) // PAGE_SIZE
-            lo = begin_blk if r == begin_req else 0
-            # A length past what the block table covers is an input error (the op checks it on
-            # the device); the walk still stops at the table's width so that no block-table
-            # read leaves the request's row. Page ids need no clamp: TMA zero-fills boxes
-            # outside the cache tensor, so a bad id never reads outside the cache either.
-            hi = cutlass.min(end_blk if r == end_req else nb_req, mBlockTable.shape[1])
-            r_next = cutlass.min(r + 1, end_req)
+            nb_req = splitkv.num_blocks(L)
+            # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
+            # id never reads outside the cache.
+            lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
+            r_next = cutlass.min(r + 1, walk.end_req)
             self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:
                 n = hi - lo
-                split_idx = begin_split if r == begin_req else 0
+                split_idx = splitkv.split_index(walk, r)
                 # Everyone is done with the previous segment's buffers and smem statistics.
                 cute.arch.sync_threads()
                 if tidx < 32:
@@ -585,8 +567,7 @@ class MLADecodeSm90:
                 # Horizon of each of this thread's rows: keys < border are visible.
                 border = [self._row_border(L, m_block, r0), self._row_border(L, m_block, r0 + 8)]
                 min_border = self._row_border(L, m_block, 0)
-                ts = 1 + TRACE_PER_SEG * cutlass.min(seg[0], TRACE_SEGS - 1)
-                self._stamp(mTrace, cta, ts, tidx, 0)
+                self._stamp(0)
                 if const_expr(self.fast):
                     # Q -> e4m3 in smem, each row with its own scale (folded into that row's
                     # softmax scale), while the first pages load.
@@ -599,20 +580,20 @@ class MLADecodeSm90:
                     phase[2] = phase[2] ^ 1
                     cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
                     row_l2 = [scale_log2, scale_log2]
-                self._stamp(mTrace, cta, ts + 1, tidx, 0)
+                self._stamp(1)
 
                 if wg == 0:
                     cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
-                    if const_expr(self.early_vt):
+                    if const_expr(self.fast):
                         # Each warpgroup transposes the V^T half its next P V reads while that
                         # page's Q K^T runs (see _wg0_pair).
                         self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE_SIZE), NB_WG0,
                                           barK, phase, False)
                     warpgroup.wait_group(0)
                     fence_operand(acc_S)
-                    self._stamp(mTrace, cta, ts + 2, tidx, 0)
+                    self._stamp(2)
                     wg0 = partial(
                         self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
                         min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
@@ -630,12 +611,12 @@ class MLADecodeSm90:
                         wg0(n_full, has1=True, has2=False)
                     else:
                         wg0(n_full, has1=False, has2=False)
-                    self._stamp(mTrace, cta, ts + 3, tidx, 0)
+                    self._stamp(3)
                 else:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
-                        if const_expr(self.early_vt):
+                        if const_expr(self.fast):
                             self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE_SIZE),
                                               NB_WG1, barK, phase, False)
                         warpgroup.wait_group(0)
@@ -661,11 +642,11 @@ class MLADecodeSm90:
                             wg1(n_full + 1, has1=False, has3=False)
                         else:
                             wg1(n_full, has1=False, has3=False)
-                    self._stamp(mTrace, cta, ts + 4, tidx, 128)
+                    self._stamp(4, 128)
                 # The next segment's Q can load while this one's output is written.
                 next_q = cutlass.Boolean(False)
-                if r + 1 <= end_req:
-                    hi_next = end_blk if r + 1 == end_req else (req[0] + PAGE_SIZE - 1) // PAGE_SIZE
+                if r + 1 <= walk.end_req:
+                    hi_next = walk.end_blk if r + 1 == walk.end_req else splitkv.num_blocks(req[0])
                     next_q = hi_next > 0
                 q_ready[0] = 0
                 if next_q:
@@ -673,25 +654,21 @@ class MLADecodeSm90:
                 self._epilogue(
                     acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                     slot0 + split_idx, pieces, wg, wtid, r0, c0,
-                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1, ts,
+                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
                 )
-                self._stamp(mTrace, cta, ts + 5, tidx, 0)
-                self._stamp(mTrace, cta, ts + 9, tidx, 128)
-                seg[0] = seg[0] + 1
-        self._stamp(mTrace, cta, TRACE_END, tidx, 0)
+                self._stamp(5)
+                self._stamp(9, 128)
+        self._stamp("end")
 
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def _stamp(self, mTrace, cta: Int32, slot, tidx: Int32, who: cutlass.Constexpr[int]):
-        """Trace builds: thread `who` writes %globaltimer (ns) to mTrace[cta, slot]. Slots: 0
-        kernel start, 63 end; per segment k (the last slot set is reused past 6 segments) at
-        1 + 10 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
-        done (WG0), then inside the epilogue: both warpgroups synced, WG0's half of O staged,
-        its bulk copies read, and WG1's epilogue done. Slots 64 + 32 k + i (k < 2, i < 32, the
-        last reused): WG0 starts pair i of segment k, i.e. S of its block 2 i is ready."""
-        if const_expr(self.trace):
-            if tidx == who:
-                mTrace[cta, slot] = globaltimer()
+    def _stamp(self, event, who: int = 0, i=None) -> None:
+        """A trace point, a no-op here (nothing is emitted). The trace build
+        (tools/trace_decode.py) has thread `who` record the time at each: event "start" and
+        "end" of the kernel; per segment 0 start, 1 Q landed, 2 WG0's first S done, 3 WG0's
+        loop done, 4 WG1's loop done, 5 epilogue done (WG0), inside the epilogue 6 both
+        warpgroups synced, 7 WG0's half of O staged, 8 its bulk copies read, 9 WG1's epilogue
+        done (the segment's last); "pair": WG0 starts pair i, i.e. S of its block 2 i is
+        ready."""
 
     @cute.jit
     def _v_half(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
@@ -1047,17 +1024,11 @@ class MLADecodeSm90:
         then serialize every wgmma of the kernel)."""
         blk0 = lo + 2 * i
         last = lo + n - 1
-        if const_expr(self.trace):
-            k = cutlass.min(self.d_seg[0], TRACE_PAIR_SEGS - 1)
-            self._stamp(self.d_trace, self.d_cta,
-                        TRACE_PAIR0 + TRACE_PAIRS * k + cutlass.min(i, TRACE_PAIRS - 1), wtid, 0)
+        self._stamp("pair", 0, i)
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
-        if const_expr(self.fast):
-            page4 = mBlockTable[r, cutlass.min(blk0 + 4, last)]
-            page5 = mBlockTable[r, cutlass.min(blk0 + 5, last)]
         tail = L % PAGE_SIZE
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -1077,23 +1048,14 @@ class MLADecodeSm90:
 
         if const_expr(self.fast):
             # V0L^T was built while this page's Q K^T ran (at the end of the last pair, or at
-            # the segment's start). Fast mode reads V from V^T, so a buffer half is refilled
-            # once it is transposed and its Q K^T is done, not after the P V that reads it: the
-            # next page has longer to land.
-            if const_expr(not self.early_vt):
-                self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK,
-                                  phase, False)
+            # the segment's start: H200, 128x8192 h_q 16 / 128, 64x2048 h_q 16: 254.3 / 476.4 /
+            # 60.8 us against 265.8 / 476.6 / 63.0 building it here). Fast mode reads V from
+            # V^T, so a buffer half is refilled once it is transposed and its Q K^T is done, not
+            # after the P V that reads it: the next page has longer to land. (TMA prefetches of
+            # the pages of the pair after next into L2 were slower: 300.6 / 539.7 / 65.1 us.)
             if const_expr(has2):
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
-                    # Half-size pages: two buffers hold too few bytes in flight for the HBM's
-                    # latency, so the pages of the pair after next go to L2 now (TMA prefetch).
-                    if const_expr(self.prefetch):
-                        with cute.arch.elect_one():
-                            if blk0 + 4 <= last:
-                                cute.prefetch(tma_k, tKgK[None, None, page4])
-                            if blk0 + 5 <= last:
-                                cute.prefetch(tma_k, tKgK[None, None, page5])
         else:
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1143,7 +1105,7 @@ class MLADecodeSm90:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
-            if const_expr(self.early_vt):
+            if const_expr(self.fast):
                 # The next page's V0L^T, while its Q K^T runs (its tiles landed: the Q K^T
                 # waited for them; P0 @ V0L, the last reader of V0L^T, is done).
                 self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
@@ -1188,10 +1150,7 @@ class MLADecodeSm90:
             if const_expr(self.fast):
                 self._to_P8(acc_S, rP, one)
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
-                # (V1R^T was built while this page's Q K^T ran, with early_vt.)
-                if const_expr(not self.early_vt):
-                    self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1,
-                                      barK, phase, False)
+                # (V1R^T was built while this page's Q K^T ran.)
                 if const_expr(has3):
                     if wtid < 32:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
@@ -1231,7 +1190,7 @@ class MLADecodeSm90:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
-            if const_expr(self.early_vt):
+            if const_expr(self.fast):
                 self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
                                   phase, False)
             warpgroup.wait_group(0)
@@ -1241,7 +1200,7 @@ class MLADecodeSm90:
     @cute.jit
     def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                   slot, pieces, wg, wtid, r0, c0, next_q, tma_q, tma_mQ, sQ, barQ,
-                  r_next: Int32, ts: Int32):
+                  r_next: Int32):
         """Normalizes O and writes it (dtype) or the fp32 partial of a split request (slot).
         Once both warpgroups are past their last MMA, the next segment's Q starts loading
         (next_q); the output is staged in the page buffers and written by bulk copies."""
@@ -1255,45 +1214,32 @@ class MLADecodeSm90:
             for h in cutlass.range_constexpr(2):
                 sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
         cute.arch.sync_threads()
-        self._stamp(self.d_trace, self.d_cta, ts + 6, tidx, 0)
+        self._stamp(6)
         if next_q:
             if tidx < 32:
                 self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
         total = [sL[r0] + sL[BLOCK_M + r0], sL[r0 + 8] + sL[BLOCK_M + r0 + 8]]
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
-        inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
-               Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
+        inv = [softmax.inv_sum(total[0]), softmax.inv_sum(total[1])]
         if const_expr(self.kv_fp8):
             inv = [inv[0] * self.d_kv_scale, inv[1] * self.d_kv_scale]  # V's scale
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
         shift = Float32(P_SHIFT * int(self.fast))  # (see _exp_rows)
-        if pieces > 1:
-            self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
-        else:
-            self._stage_and_store(acc_O, inv, k_base, self.dtype, mO[r, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
+        splitkv.store_result(
+            pieces, lambda t, i, dt: self._stage_and_store(
+                acc_O, inv, k_base, dt, t[i, None, None], m_block, valid_rows, r0, c0, wg, wtid),
+            mO, mOacc, r, slot, self.dtype)
         if wg == 0:
             if wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
                     row = m_block * BLOCK_M + r0 + 8 * h
                     if row < self.d_rows:
-                        m = sM[r0 + 8 * h]
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total[h] > 0.0:
-                                lse2 = cute.math.log2(total[h], fastmath=False) + m - shift
-                            mLSEacc[slot, row] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total[h] > 0.0:
-                                lse = (cute.math.log2(total[h], fastmath=False) + m - shift
-                                       ) * LN_2
-                            mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, row, pieces, self.d_h_q,
+                                          total[h], sM[r0 + 8 * h], shift)
 
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
-                         m_block, valid_rows, r0, c0, wg, wtid, ts):
+                         m_block, valid_rows, r0, c0, wg, wtid):
         """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
         buffers, rows padded by 8 elements so that the lanes of a store phase hit 32 distinct
         banks) -> rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy
@@ -1318,7 +1264,7 @@ class MLADecodeSm90:
             cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
         else:
             cute.arch.barrier(barrier_id=NB_WG1, number_of_threads=128)
-        self._stamp(self.d_trace, self.d_cta, ts + 7, wg * 128 + wtid, 0)
+        self._stamp(7)
         if wtid < valid_rows:
             row = m_block * BLOCK_M + wtid
             dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
@@ -1326,7 +1272,7 @@ class MLADecodeSm90:
             bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self._stamp(self.d_trace, self.d_cta, ts + 8, wg * 128 + wtid, 0)
+        self._stamp(8)
 
     @cute.jit
     def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):
@@ -1356,17 +1302,9 @@ class MLADecodeSm90Fast(MLADecodeSm90):
 
     fast = True
 
-    def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False,
-                 early_vt: bool = True, prefetch: bool = False):
-        super().__init__(dtype, causal, trace=trace, kv_fp8=True)
+    def __init__(self, dtype, causal: bool, q_fp8: bool = False):
+        super().__init__(dtype, causal, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
-        # Schedule choices (tools/ab_fast.py times them; H200, us at 128x8192 h_q 16 / 128,
-        # 64x2048 h_q 16): early_vt builds V0L^T / V1R^T of a page while its Q K^T runs instead
-        # of inside the pair (254.3 / 476.4 / 60.8 against 265.8 / 476.6 / 63.0); prefetch
-        # sends the pages of the pair after next to L2 with TMA prefetches (300.6 / 539.7 /
-        # 65.1 with early_vt: slower, off).
-        self.early_vt = bool(early_vt)
-        self.prefetch = bool(prefetch)
 
     @cute.jit
     def __call__(
@@ -1383,7 +1321,6 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         mLSEacc: cute.Tensor,
         scale_log2: Float32,
         stream,
-        mTrace: cute.Tensor = None,
         mKVScale: cute.Tensor = None,
         mQScale: cute.Tensor = None,
         q_scaled=None,
@@ -1427,7 +1364,7 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
         self._launch((
             tma_k, mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
+            mO, mLSE, mOacc, mLSEacc, scale_log2, self.trace_table, mKVScale, mQScale, q_scaled,
             sQ_layout, sK_layout, tile_layout, vt_layout,
             tiled_qk, tiled_qk, tiled_pv_rs, tiled_pv_ss,
         ), mMeta, mO, stream)

@@ -70,6 +70,13 @@ def row_sum_quad(x: Float32) -> Float32:
 
 
 @cute.jit
+def inv_sum(total: Float32) -> Float32:
+    """1 / a row's softmax sum, the output's normalization: 0 for a row that saw no key (sum
+    0), whose output is then 0."""
+    return Float32(1.0) / total if total > 0.0 else Float32(0.0)
+
+
+@cute.jit
 def exp_scaled(x: Float32, scale_log2: Float32, m_use: Float32) -> Float32:
     """The softmax numerator of raw score x: 2^(x scale_log2 - m_use)."""
     return cute.math.exp2(x * scale_log2 - m_use, fastmath=True)
