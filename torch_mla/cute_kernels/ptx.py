@@ -57,16 +57,20 @@ def globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
                                          asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+def _load_words(n: int, addr, asm: str, addr_reg: str, loc, ip) -> list:
+    """n 32-bit words from one load instruction `asm` (outputs $0..$n-1, address $n), with
+    side effects: it stays in program order with the barriers around it."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * n), [addr.ir_value(loc=loc, ip=ip)], asm,
+        ",".join(["=r"] * n + [addr_reg]), has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
 @dsl_user_op
 def lds128(addr: Int32, *, loc=None, ip=None):
-    """Four 32-bit words from shared::cta address addr (16-byte aligned): one ld.shared.v4.
-    Side effects keep it in program order with the named barriers around it."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+    """Four 32-bit words from shared::cta address addr (16-byte aligned): one ld.shared.v4."""
+    return _load_words(4, Int32(addr), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "r", loc, ip)
 
 
 def _e4m3_asm(to_bf16: bool) -> str:
@@ -105,12 +109,7 @@ def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, ip
 @dsl_user_op
 def lds64(addr: Int32, *, loc=None, ip=None):
     """Two 32-bit words from shared::cta address addr (8-byte aligned): one ld.shared.v2."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+    return _load_words(2, Int32(addr), "ld.shared.v2.b32 {$0, $1}, [$2];", "r", loc, ip)
 
 
 @dsl_user_op
@@ -129,13 +128,8 @@ def sts(addr: Int32, words, *, loc=None, ip=None) -> None:
 @dsl_user_op
 def ldg128(addr, *, loc=None, ip=None):
     """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
+    return _load_words(4, cutlass.Int64(addr), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+                       "l", loc, ip)
 
 
 @dsl_user_op

@@ -107,14 +107,7 @@ class MLADecodeSm100:
         assert TMEM_USED <= TMEM_ALLOC <= TMEM_CAPACITY, (TMEM_USED, TMEM_ALLOC)
         assert TMEM_ALLOC & (TMEM_ALLOC - 1) == 0 and TMEM_ALLOC >= 32, TMEM_ALLOC
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (
-            dtype in (cutlass.BFloat16, cutlass.Float16)
-            and d_qk == D_QK
-            and d_v == D_V
-            and page == PAGE_SIZE
-        )
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: MMAs, layouts, TMA descriptors, launch

@@ -257,10 +257,7 @@ class MLADecodeSm80:
         self.use_pdl = bool(use_pdl)
         self.num_threads = config.num_threads
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (dtype in (cutlass.BFloat16, cutlass.Float16) and d_qk == D_QK and d_v == D_V
-                and page == PAGE_SIZE)
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, copies, MMAs, launch

@@ -192,6 +192,25 @@ def fp8_vt_unit(wtid: int, half: int):
     return loads, stores
 
 
+def _aligned(dtype, n: int):
+    """n elements of dtype in shared memory, 1 KB aligned (the swizzle atoms' period)."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
+
+
+def shared_storage(**buffers):
+    """The kernel's shared memory: `buffers` (name=type, in order: the operand tiles), then the
+    softmax statistics and barriers of both modes: sM (running max), sScale0, sScale1 (the
+    pair's rescale factors), sL (both warpgroups' row sums), barK (a mbarrier per tile of the
+    two page buffers) and barQ."""
+    fields = dict(buffers, sM=cute.struct.MemRange[Float32, BLOCK_M],
+                  sScale0=cute.struct.MemRange[Float32, BLOCK_M],
+                  sScale1=cute.struct.MemRange[Float32, BLOCK_M],
+                  sL=cute.struct.MemRange[Float32, 2 * BLOCK_M],
+                  barK=cute.struct.MemRange[cutlass.Int64, 2 * N_TILES],
+                  barQ=cute.struct.MemRange[cutlass.Int64, 1])
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+
+
 class MLADecodeSm90:
     """Split-KV MLA decode for SM90; see the module docstring for the algorithm."""
 
@@ -213,14 +232,7 @@ class MLADecodeSm90:
         # scales fold into the softmax scale and the epilogue (see __call__).
         self.kv_fp8 = bool(kv_fp8)
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (
-            dtype in (cutlass.BFloat16, cutlass.Float16)
-            and d_qk == D_QK
-            and d_v == D_V
-            and page == PAGE_SIZE
-        )
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, launch
@@ -247,6 +259,24 @@ class MLADecodeSm90:
         """kv_fp8 builds: the scores use scale_log2 * kv_scale (* q_scale), and O and the
         partials Oacc are multiplied by kv_scale in the epilogue (the combine is unchanged):
         e4m3 values are exact in bf16/fp16, so the dequantization itself is a conversion."""
+        tma, layouts = self._setup(mQ, mKV)
+        size = self.shared_storage.size_in_bytes()
+        assert size <= 227 * 1024, size
+        # A CTA per 64 query rows and schedule part, one a SM.
+        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
+        self.kernel(
+            *tma, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+            scale_log2, self.trace_table, mKVScale, mQScale, q_scaled, *layouts,
+        ).launch(
+            grid=[num_m_blocks, mMeta.shape[0], 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
+        """The TMA atoms and views (Q, cache), the shared-memory layouts and tiled MMAs the
+        kernel takes, and self.shared_storage (traced inside __call__)."""
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
@@ -254,7 +284,6 @@ class MLADecodeSm90:
         mn_atom = warpgroup.make_smem_layout_atom(
             warpgroup.SmemLayoutAtomKind.MN_SW128, dt
         )
-        self.swizzle = k_atom.inner
         self.sQ_layout = cute.tile_to_shape(k_atom, (BLOCK_M, D_QK), order=(0, 1))
         self.sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D_QK, 2), order=(0, 1, 2))
         self.tile_layout = cute.tile_to_shape(k_atom, (64, 64), order=(0, 1))
@@ -284,7 +313,7 @@ class MLADecodeSm90:
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, self.sQ_layout, (BLOCK_M, D_QK))
-        if const_expr(self.kv_fp8):
+        if self.kv_fp8:
             # fp8 tiles land unswizzled (64-byte rows): _expand_half reads them linearly.
             tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
             tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
@@ -292,38 +321,14 @@ class MLADecodeSm90:
             tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout,
                                                          (PAGE_SIZE, 64))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * D_QK], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * PAGE_SIZE * D_QK], 1024]
-            sP0: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * PAGE_SIZE], 1024]
-            sM: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
-            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
-            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
-            barQ: cute.struct.MemRange[cutlass.Int64, 1]
-
-        self.shared_storage = SharedStorage
-        self._launch((
-            tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, self.trace_table, mKVScale, mQScale, q_scaled,
-            self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
-            self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
-        ), mMeta, mO, stream)
-
-    def _launch(self, args, mMeta, mO, stream):
-        """self.kernel(*args) on its grid: a CTA per 64 query rows and schedule part, one a SM
-        (traced inside __call__)."""
-        size = self.shared_storage.size_in_bytes()
-        assert size <= 227 * 1024, size
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
-        self.kernel(*args).launch(
-            grid=[num_m_blocks, mMeta.shape[0], 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        self.shared_storage = shared_storage(
+            sQ=_aligned(dt, BLOCK_M * D_QK),
+            sK=_aligned(dt, 2 * PAGE_SIZE * D_QK),
+            sP0=_aligned(dt, BLOCK_M * PAGE_SIZE),
         )
+        return (tma_q, tma_mQ, tma_k, tma_mKV), (
+            self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
+            self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -1306,29 +1311,12 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         super().__init__(dtype, causal, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, rows, 576): dtype, or uint8 (e4m3 bytes) when q_fp8
-        mKV: cute.Tensor,  # (num_blocks, 64, 576) uint8 (e4m3 bytes)
-        mBlockTable: cute.Tensor,
-        mSeqlens: cute.Tensor,
-        mMeta: cute.Tensor,
-        mNumSplits: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mOacc: cute.Tensor,
-        mLSEacc: cute.Tensor,
-        scale_log2: Float32,
-        stream,
-        mKVScale: cute.Tensor = None,
-        mQScale: cute.Tensor = None,
-        q_scaled=None,
-    ):
+    def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
+        """As MLADecodeSm90._setup, for e4m3 operands: mQ is dtype, or uint8 (e4m3 bytes) when
+        q_fp8; mKV uint8 (e4m3 bytes)."""
         f8 = cutlass.Float8E4M3FN
         kmode = warpgroup.OperandMajorMode.K
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
-        self.swizzle = atom.inner
         sQ_layout = cute.tile_to_shape(atom, (BLOCK_M, D_QK), order=(0, 1))
         sK_layout = cute.tile_to_shape(atom, (PAGE_SIZE, D_QK, 2), order=(0, 1, 2))
         tile_layout = cute.tile_to_shape(atom, (64, 64), order=(0, 1))
@@ -1344,27 +1332,17 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         tma_k, tma_mKV = cpasync.make_tiled_tma_atom(
             cpasync.CopyBulkTensorTileG2SOp(), mKV_t, tile_layout, (PAGE_SIZE, 64))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * D_QK], 1024]
+        u8 = cutlass.Uint8
+        self.shared_storage = shared_storage(
+            sQ=_aligned(u8, BLOCK_M * D_QK),
             # sK then sVt, adjacent: the epilogue stages fp32 O (132 KB) across both.
-            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * PAGE_SIZE * D_QK], 1024]
-            sVt: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * D_V * PAGE_SIZE], 1024]
-            sP0: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE_SIZE], 1024]
-            sP1: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE_SIZE], 1024]
-            sQScale: cute.struct.MemRange[Float32, BLOCK_M]
-            sM: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
-            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
-            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
-            barQ: cute.struct.MemRange[cutlass.Int64, 1]
-
-        self.shared_storage = SharedStorage
+            sK=_aligned(u8, 2 * PAGE_SIZE * D_QK),
+            sVt=_aligned(u8, 2 * D_V * PAGE_SIZE),
+            sP0=_aligned(u8, BLOCK_M * PAGE_SIZE),
+            sP1=_aligned(u8, BLOCK_M * PAGE_SIZE),
+            sQScale=cute.struct.MemRange[Float32, BLOCK_M],
+        )
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
-        self._launch((
-            tma_k, mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, self.trace_table, mKVScale, mQScale, q_scaled,
-            sQ_layout, sK_layout, tile_layout, vt_layout,
-            tiled_qk, tiled_qk, tiled_pv_rs, tiled_pv_ss,
-        ), mMeta, mO, stream)
+        return (tma_k, mQ, tma_k, tma_mKV), (
+            sQ_layout, sK_layout, tile_layout, vt_layout, tiled_qk, tiled_qk, tiled_pv_rs,
+            tiled_pv_ss)

@@ -21,6 +21,8 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..constants import (
+    D_QK,
+    D_V,
     LN_2,
     META_BEGIN_BLK,
     META_BEGIN_REQ,
@@ -29,6 +31,13 @@ from ..constants import (
     META_END_REQ,
     PAGE_SIZE,
 )
+
+
+def supports(dtype, d_qk: int, d_v: int, page: int) -> bool:
+    """The problems every decode kernel takes (each kernel's can_implement): bf16/fp16 q and
+    output, DeepSeek's latent widths, 64-token pages."""
+    return (dtype in (cutlass.BFloat16, cutlass.Float16) and d_qk == D_QK and d_v == D_V
+            and page == PAGE_SIZE)
 
 
 class Part(NamedTuple):
@@ -65,8 +74,6 @@ def segment(p: Part, r: Int32, L: Int32, width: Int32):
     request's row whatever the inputs hold."""
     nb_req = num_blocks(L)
     lo = p.begin_blk if r == p.begin_req else 0
-    # (min with nb_req: a schedule made for longer lengths may end a part past the request's
-    # last block now; those blocks hold no key, and their block-table entries no page of it.)
     hi = cutlass.min(p.end_blk if r == p.end_req else nb_req, width)
     return lo, hi
 
