@@ -70,8 +70,9 @@ class TracedDecodeSm90(MLADecodeSm90):
         else:
             slot = 1 + TRACE_PER_SEG * cutlass.min(self.d_seg[0], TRACE_SEGS - 1) + event
         tidx, _, _ = cute.arch.thread_idx()
+        table, cta = self.d_trace, self.d_cta  # (locals: the runtime `if` may not carry self)
         if tidx == who:
-            self.d_trace[self.d_cta, slot] = globaltimer()
+            table[cta, slot] = globaltimer()
         if const_expr(event == TRACE_PER_SEG - 1):  # the segment's last point
             self.d_seg[0] = self.d_seg[0] + 1
 

@@ -10,6 +10,8 @@ written by the decode kernel and are skipped; requests with no key (k = 0) are w
 It also checks the inputs of the step for every kernel that shares it: request r's length lies in
 [0, width x 64] and the block-table entries it uses are pages of the cache, else it prints which
 entry is wrong and stops the launch (check_request). Inside CUDA graphs too, at no measurable cost.
+A piece whose lse is +inf was found by the decode kernel past its request's end (a schedule made
+for other lengths, splitkv.empty_segment): that stops the launch too (check_pieces).
 
 Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps (16 with 16 warps per row). A row is merged
 by one warp (many short requests: few pieces each) or by 4 or 16 warps, which split the pieces
@@ -101,6 +103,8 @@ class MLACombine:
                 if c + lane < count:
                     mx = cute.arch.fmax(mx, mLSEacc[start + c + lane, row])
             mx = cute.arch.warp_reduction_max(mx)
+            if mx == Float32.inf:
+                self.check_pieces(mSeqlens, r, row, count, lane, part)
             if mx != -Float32.inf:
                 total = Float32(0.0)
                 for c in cutlass.range(0, count, 32, unroll=1):
@@ -147,6 +151,18 @@ class MLACombine:
                 # decode kernel: one CTA waits for it, and the grid's completion (which later
                 # kernels in the stream wait for) then implies the decode kernel's.
                 cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
+                     part: Int32):
+        """A piece of request r holds lse +inf: the decode kernel found it past the request's
+        end (splitkv.empty_segment), i.e. the schedule was made for other lengths. The message
+        comes once, from row 0; the launch stops."""
+        if row == 0 and part == 0 and lane == 0:
+            fail("torch_mla.mla_decode: the schedule cuts request {} into {} pieces, but one of "
+                 "them starts past its cache_seqlens ({} tokens): it was computed for other "
+                 "lengths; compute it again with torch_mla.get_decode_schedule", r, count,
+                 mSeqlens[r])
 
     @cute.jit
     def check_request(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32):

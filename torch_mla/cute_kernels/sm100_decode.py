@@ -536,6 +536,11 @@ class MLADecodeSm100:
                     if tScS[0][1] == 0:  # one thread of the row's pair
                         splitkv.store_lse(mLSE, mLSEacc, r, slot, g_row, pieces, h_q, total,
                                           m_ref)
+            else:
+                splitkv.empty_segment(walk, r, lo, L, mNumSplits[r + 1] - mNumSplits[r],
+                                      mNumSplits[r], mO, mLSE, mLSEacc, m_block * BLOCK_M,
+                                      cutlass.min(d_rows - m_block * BLOCK_M, BLOCK_M), h_q,
+                                      tidx, 32 * SOFTMAX_WARPS)
         # The last P V's commit must land before this CTA exits.
         p_pipe.producer_tail(p_state)
 

@@ -546,6 +546,10 @@ class MLADecodeSm80:
                     self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, quad, quarter, lane,
                                    r_a, m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
                                    mLSEacc)
+            else:
+                splitkv.empty_segment(walk, r, lo, L, mNumSplits[r + 1] - mNumSplits[r],
+                                      mNumSplits[r], mO, mLSE, mLSEacc, m_block * bm,
+                                      valid_rows, h_q, tidx, self.num_threads)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit

@@ -651,8 +651,8 @@ class MLADecodeSm90:
                 # The next segment's Q can load while this one's output is written.
                 next_q = cutlass.Boolean(False)
                 if r + 1 <= walk.end_req:
-                    hi_next = walk.end_blk if r + 1 == walk.end_req else splitkv.num_blocks(req[0])
-                    next_q = hi_next > 0
+                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0], mBlockTable.shape[1])
+                    next_q = lo_next < hi_next
                 q_ready[0] = 0
                 if next_q:
                     q_ready[0] = 1
@@ -663,6 +663,18 @@ class MLADecodeSm90:
                 )
                 self._stamp(5)
                 self._stamp(9, 128)
+            else:
+                if const_expr(not self.fast):
+                    if q_ready[0] == 1:
+                        # Only a schedule made for other lengths predicts a segment to be
+                        # non-empty that is not: the Q load lands before another reuses barQ.
+                        cute.arch.mbarrier_wait(barQ, phase[2])
+                        phase[2] = phase[2] ^ 1
+                q_ready[0] = 0
+                splitkv.empty_segment(
+                    walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * BLOCK_M,
+                    cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M), self.d_h_q, tidx,
+                    self.num_threads)
         self._stamp("end")
 
     # ------------------------------------------------------------------------------------------

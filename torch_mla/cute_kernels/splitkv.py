@@ -6,7 +6,8 @@ piece in this part; empty where the part holds none of its blocks) and ends each
 segment by writing its result (store_result, store_lse): in the output dtype with the
 natural-log lse when the request is done in one piece, else as an fp32 partial (already divided
 by its own sum) with a log2-domain lse in the workspace slot num_splits[r] + split_index(),
-which combine.py merges.
+which combine.py merges. A segment with no block ends in empty_segment (nothing to do, unless
+the schedule was made for other lengths).
 
 Every kernel's arithmetic and order of operations stay its own: these helpers are traced inline
 where they are called.
@@ -74,8 +75,41 @@ def segment(p: Part, r: Int32, L: Int32, width: Int32):
     request's row whatever the inputs hold."""
     nb_req = num_blocks(L)
     lo = p.begin_blk if r == p.begin_req else 0
-    hi = cutlass.min(p.end_blk if r == p.end_req else nb_req, width)
+    # (min with nb_req: a schedule made for longer lengths may end a part past the request's
+    # last block now; those blocks hold no key, and their block-table entries no page of it.)
+    hi = cutlass.min(cutlass.min(p.end_blk if r == p.end_req else nb_req, nb_req), width)
     return lo, hi
+
+
+@cute.jit
+def empty_segment(p: Part, r: Int32, lo: Int32, L: Int32, pieces: Int32, slot0: Int32,
+                  mO: cute.Tensor, mLSE: cute.Tensor, mLSEacc: cute.Tensor, row0: Int32,
+                  valid_rows: Int32, h_q: Int32, tidx: Int32, num_threads: int):
+    """A segment of request r (L keys, `pieces` pieces, slots from slot0) with no block:
+    the CTA's rows are [row0, row0 + valid_rows) and threads [0, num_threads) run this.
+
+    In a schedule made for these lengths only the part's own cuts make one (a part that ends in
+    the request's overhead units), and there is nothing to write. A schedule made for longer
+    lengths can have given this part blocks [lo, ...) that lie past the request's end now:
+      - one piece (then lo = 0: the request has no key now): its output is written here, 0
+        with lse +inf, as for any request without keys;
+      - several pieces: the piece's partial result, which the combine would merge, does not
+        exist. Its lse slot gets +inf, which no partial can hold (a piece with keys has a
+        finite lse, one without -inf); the combine reports the schedule and stops the launch
+        (MLACombine.check_pieces). The decode kernels cannot print: a printf is a function
+        call, and ptxas then serialises every wgmma of the kernel (device_error.py)."""
+    if lo >= num_blocks(L) and pieces > 0:
+        if r != p.end_req or lo < p.end_blk:
+            if pieces > 1:
+                if tidx < valid_rows:
+                    mLSEacc[slot0 + split_index(p, r), row0 + tidx] = Float32.inf
+            else:
+                zero = mO.element_type(0.0)
+                for i in cutlass.range(tidx, valid_rows * D_V, num_threads, unroll=1):
+                    mO[r, row0 + i // D_V, i % D_V] = zero
+                if tidx < valid_rows:
+                    g = row0 + tidx
+                    mLSE[r, g % h_q, g // h_q] = Float32.inf
 
 
 @cute.jit
