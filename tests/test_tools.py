@@ -96,7 +96,7 @@ def test_trace_build_compiles_and_the_shipped_kernel_has_no_trace(tmp_path):
                CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=900, cwd=ROOT)
+                         text=True, timeout=1800, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert counts == {"shipped": 0, "traced": 17}, counts
