@@ -1,13 +1,17 @@
-"""The development tools' arithmetic on CPU (their GPU parts run on the H200 only)."""
+"""The development tools on CPU: their arithmetic, and that the trace build (tools/trace_decode.py)
+compiles while the shipped SM90 kernel has no trace in it (their GPU parts run on the H200 only)."""
 
+import json
 import os
+import subprocess
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tools"))
-import trace_decode  # noqa: E402
+from tools import trace_decode
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def test_trace_summary_reads_the_slot_layout():
@@ -52,3 +56,47 @@ def test_pair_times_buckets_by_start_and_skips_segment_tails():
     res = trace_decode.pair_times(stamps, segs, pair0, pairs, 2, bucket_us=10.0)
     assert res == {0.0: (pytest.approx(6.0), 2), 10.0: (pytest.approx(4.0), 1),
                    30.0: (pytest.approx(4.0), 1)}
+
+
+def test_trace_slots_fit_the_table():
+    """The per-segment slots end before the end slot, which comes before the pair slots."""
+    td = trace_decode
+    assert 1 + td.TRACE_PER_SEG * td.TRACE_SEGS <= td.TRACE_END < td.TRACE_PAIR0
+    assert td.TRACE_PAIR0 + td.TRACE_PAIRS * td.TRACE_PAIR_SEGS <= td.TRACE_SLOTS
+
+
+TRACE_SCRIPT = r"""
+import glob, json, os
+import cutlass, cutlass.cute as cute
+from torch_mla.ops.dispatch import compile_decode_sm90
+from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+from tools import trace_decode
+
+dump = os.environ["CUTE_DSL_DUMP_DIR"]
+
+def timer_reads(seen):
+    files = set(glob.glob(os.path.join(dump, "*.ptx"))) - seen
+    return sum(open(f).read().count("%globaltimer") for f in files), seen | files
+
+compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, False), cutlass.BFloat16)
+shipped, seen = timer_reads(set())
+trace_decode.traced_kernel(False)
+traced, _ = timer_reads(seen)
+print(json.dumps({"shipped": shipped, "traced": traced}))
+"""
+
+
+def test_trace_build_compiles_and_the_shipped_kernel_has_no_trace(tmp_path):
+    """The shipped MLADecodeSm90 reads no %globaltimer (its trace points are no-ops); the trace
+    build (one more argument, the stamp table) reads it at each point: the kernel's start and
+    end, the segment's points 0-5 and 9, WG0's pair start in each of the three pair variants
+    (has1, has2 compile-time), point 6 of the epilogue and 7, 8 of the output store (one
+    instance a dtype: fp32 partials, bf16 output): 2 + 7 + 3 + 1 + 2 * 2 = 17 reads."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path),
+               PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True,
+                         text=True, timeout=1800, cwd=ROOT)
+    assert res.returncode == 0, res.stderr[-4000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    assert counts == {"shipped": 0, "traced": 17}, counts

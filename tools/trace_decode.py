@@ -1,13 +1,13 @@
 """Per-CTA timeline of the SM90 decode kernel (development tool, needs the H200).
 
-    python tools/trace_decode.py [OUT_DIR] [B,S_Q,S_K,H_Q ...]
+    python -m tools.trace_decode [OUT_DIR] [B,S_Q,S_K,H_Q ...]
 
-Builds the kernel with trace=True (each CTA writes %globaltimer stamps, see
-MLADecodeSm90._stamp), runs it on the anchor workload of each configuration, prints where the
-time goes (segment start-up, per-block loop time, epilogue, tail imbalance, the duration of a
-pair of blocks by when it starts) and saves the raw
-stamps with the schedule to OUT_DIR/trace_B_SQ_SK_HQ.pt for offline analysis. Also times the
-decode kernel alone, the combine kernel alone and the whole op in CUDA graphs.
+Builds TracedDecodeSm90 (the shipped MLADecodeSm90 with its trace points recording
+%globaltimer, see MLADecodeSm90._stamp), runs it on the anchor workload of each configuration,
+prints where the time goes (segment start-up, per-block loop time, epilogue, tail imbalance, the
+duration of a pair of blocks by when it starts) and saves the raw stamps with the schedule to
+OUT_DIR/trace_B_SQ_SK_HQ.pt for offline analysis. Also times the decode kernel alone, the
+combine kernel alone and the whole op in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -15,28 +15,73 @@ from __future__ import annotations
 import os
 import sys
 
+import cutlass
+import cutlass.cute as cute
 import torch
+from cutlass import Float32, Int32, const_expr
 
 import torch_mla
+from torch_mla.cute_kernels.ptx import globaltimer
+from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 from torch_mla.scheduling import walk_schedule
 from torch_mla.testing import make_anchor_inputs
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
-from bench_decode import breakdown_us, kernel_args  # noqa: E402
-from bench_decode import graph_time_us as graph_us  # noqa: E402  (the anchors' timing method)
-
 DEFAULT = ["128,1,4096,128", "32,1,4096,128", "8,1,4096,128", "64,1,2048,16", "128,1,8192,16"]
 
+# The stamp table, (ctas, TRACE_SLOTS) int64 ns per CTA: slot 0 the kernel's start, TRACE_END
+# its end; per segment k (the last slot set is reused past TRACE_SEGS segments) the
+# TRACE_PER_SEG trace points 0-9 of MLADecodeSm90._stamp at 1 + TRACE_PER_SEG k; WG0's start
+# of pair i of segment k (k < TRACE_PAIR_SEGS, i < TRACE_PAIRS, the last reused) at
+# TRACE_PAIR0 + TRACE_PAIRS k + i.
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
+TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS = 64, 32, 2
 
-def traced_kernel(causal: bool):
-    import cutlass
-    import cutlass.cute as cute
 
-    from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
+class TracedDecodeSm90(MLADecodeSm90):
+    """MLADecodeSm90 (bf16/fp16 cache) whose trace points write %globaltimer into a stamp
+    table, one more argument after the stream: int64 (ctas, TRACE_SLOTS), CTA m + num_m_blocks
+    * part. The stamps are global stores of the thread named at each point, so the timings
+    are of a slightly different kernel."""
+
+    trace = True  # (ops.dispatch.compile_decode passes a fake stamp table)
+
+    @cute.jit
+    def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mBlockTable: cute.Tensor,
+                 mSeqlens: cute.Tensor, mMeta: cute.Tensor, mNumSplits: cute.Tensor,
+                 mO: cute.Tensor, mLSE: cute.Tensor, mOacc: cute.Tensor, mLSEacc: cute.Tensor,
+                 scale_log2: Float32, stream, mTrace: cute.Tensor):
+        self.trace_table = mTrace
+        MLADecodeSm90.__call__(self, mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO,
+                               mLSE, mOacc, mLSEacc, scale_log2, stream)
+
+    @cute.jit
+    def _stamp(self, event, who: int = 0, i=None) -> None:
+        if const_expr(event == "start"):
+            m_block, part, _ = cute.arch.block_idx()
+            self.d_cta = part * cute.arch.grid_dim()[0] + m_block
+            self.d_seg = cute.make_rmem_tensor(1, Int32)  # this CTA's segment count
+            self.d_seg.fill(0)
+            slot = Int32(0)
+        elif const_expr(event == "end"):
+            slot = Int32(TRACE_END)
+        elif const_expr(event == "pair"):
+            k = cutlass.min(self.d_seg[0], TRACE_PAIR_SEGS - 1)
+            slot = TRACE_PAIR0 + TRACE_PAIRS * k + cutlass.min(i, TRACE_PAIRS - 1)
+        else:
+            slot = 1 + TRACE_PER_SEG * cutlass.min(self.d_seg[0], TRACE_SEGS - 1) + event
+        tidx, _, _ = cute.arch.thread_idx()
+        table, cta = self.d_trace, self.d_cta  # (locals: the runtime `if` may not carry self)
+        if tidx == who:
+            table[cta, slot] = globaltimer()
+        if const_expr(event == TRACE_PER_SEG - 1):  # the segment's last point
+            self.d_seg[0] = self.d_seg[0] + 1
+
+
+def traced_kernel(causal: bool, dtype=cutlass.BFloat16):
+    """The compiled trace build (sm_90a): the decode kernel's arguments, stream, stamp table."""
     from torch_mla.ops.dispatch import compile_decode_sm90
 
-    return compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, causal, trace=True),
-                               cutlass.BFloat16)
+    return compile_decode_sm90(cute, cutlass, TracedDecodeSm90(dtype, causal), dtype)
 
 
 def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: int,
@@ -101,6 +146,9 @@ def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: i
 
 
 def trace_config(cfg: str, out_dir: str) -> None:
+    from benchmarks.bench_decode import breakdown_us, kernel_args
+    from benchmarks.bench_decode import graph_time_us as graph_us  # (the anchors' timing)
+
     b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
     causal = s_q > 1
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
@@ -108,15 +156,6 @@ def trace_config(cfg: str, out_dir: str) -> None:
     rows = s_q * h_q
     parts = sched.metadata.shape[0]
     m_blocks = -(-rows // 64)
-    from torch_mla.cute_kernels.sm90_decode import (
-        TRACE_PAIR0,
-        TRACE_PAIR_SEGS,
-        TRACE_PAIRS,
-        TRACE_PER_SEG,
-        TRACE_SEGS,
-        TRACE_SLOTS,
-    )
-
     stamps = torch.zeros(parts * m_blocks, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     traced = traced_kernel(causal)
     args = kernel_args(inp, sched)

@@ -31,10 +31,10 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
+from ..constants import D_ROPE, D_V
 from .device_error import fail
-from .sm90_decode import _e4m3x4
+from .ptx import e4m3x4
 
-D_V, D_ROPE = 512, 64
 VEC = 8  # elements a thread writes: 16 bytes of bf16/fp16, 8 of e4m3
 VECS = (D_V + D_ROPE) // VEC  # 72 per cache row
 TOKENS_PER_CTA = 4
@@ -115,7 +115,7 @@ class AppendKV:
             scale = mScale[0]
             w = cute.make_rmem_tensor(VEC // 4, Int32)
             for i in cutlass.range_constexpr(VEC // 4):
-                w[i] = _e4m3x4(*[y[4 * i + k] / scale for k in range(4)])
+                w[i] = e4m3x4(*[y[4 * i + k] / scale for k in range(4)])
             cute.autovec_copy(w, cute.recast_tensor(dst, Int32))
         else:
             if const_expr(self.source_dtype != self.cache_dtype):

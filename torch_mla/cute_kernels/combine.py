@@ -10,6 +10,8 @@ written by the decode kernel and are skipped; requests with no key (k = 0) are w
 It also checks the inputs of the step for every kernel that shares it: request r's length lies in
 [0, width x 64] and the block-table entries it uses are pages of the cache, else it prints which
 entry is wrong and stops the launch (check_request). Inside CUDA graphs too, at no measurable cost.
+A piece whose lse is +inf was found by the decode kernel past its request's end (a schedule made
+for other lengths, splitkv.empty_segment): that stops the launch too (check_pieces).
 
 Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps (16 with 16 warps per row). A row is merged
 by one warp (many short requests: few pieces each) or by 4 or 16 warps, which split the pieces
@@ -26,17 +28,14 @@ compiled with use_pdl=False and launched after the decode kernel as usual.
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
+from ..constants import LN_2, PAGE_SIZE
 from .device_error import fail
 
-LN_2 = math.log(2.0)
 UNROLL = 4
-PAGE = 64
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -104,6 +103,8 @@ class MLACombine:
                 if c + lane < count:
                     mx = cute.arch.fmax(mx, mLSEacc[start + c + lane, row])
             mx = cute.arch.warp_reduction_max(mx)
+            if mx == Float32.inf:
+                self.check_pieces(mSeqlens, r, row, count, lane, part)
             if mx != -Float32.inf:
                 total = Float32(0.0)
                 for c in cutlass.range(0, count, 32, unroll=1):
@@ -152,6 +153,18 @@ class MLACombine:
                 cute.arch.griddepcontrol_wait()
 
     @cute.jit
+    def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
+                     part: Int32):
+        """A piece of request r holds lse +inf: the decode kernel found it past the request's
+        end (splitkv.empty_segment), i.e. the schedule was made for other lengths. The message
+        comes once, from row 0; the launch stops."""
+        if row == 0 and part == 0 and lane == 0:
+            fail("torch_mla.mla_decode: the schedule cuts request {} into {} pieces, but one of "
+                 "them starts past its cache_seqlens ({} tokens): it was computed for other "
+                 "lengths; compute it again with torch_mla.get_decode_schedule", r, count,
+                 mSeqlens[r])
+
+    @cute.jit
     def check_request(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32):
         """One warp: request r's length is in [0, width x 64] and the block-table entries it
         uses are pages of the cache; else a message naming the entry, and the launch stops.
@@ -164,12 +177,12 @@ class MLACombine:
         before this grid waits for the decode kernel (PDL), so they overlap its tail."""
         L = mSeqlens[r]
         width = mBlockTable.shape[1]
-        if L < 0 or L > width * PAGE:
+        if L < 0 or L > width * PAGE_SIZE:
             if lane == 0:
                 fail("torch_mla.mla_decode: cache_seqlens[{}] = {}, but lengths must be in "
-                     "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE, width,
-                     PAGE)
-        n = (L + PAGE - 1) // PAGE
+                     "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE_SIZE, width,
+                     PAGE_SIZE)
+        n = (L + PAGE_SIZE - 1) // PAGE_SIZE
         first = Int32(NO_COLUMN)
         for c in cutlass.range(0, n, 32, unroll=1):
             col = c + lane

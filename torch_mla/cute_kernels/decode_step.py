@@ -16,7 +16,7 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..scheduling import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
+from ..constants import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
 from .combine import MLACombine
 
 
@@ -52,7 +52,7 @@ class MLADecodeStep:
     ):
         if const_expr(self.kv_fp8):
             self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
-                        mLSEacc, scale_log2, stream, None, mKVScale, mQScale, q_scaled)
+                        mLSEacc, scale_log2, stream, mKVScale, mQScale, q_scaled)
         else:
             self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
                         mLSEacc, scale_log2, stream)

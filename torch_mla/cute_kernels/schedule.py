@@ -43,10 +43,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64
 
+from ..constants import OVERHEAD_BLOCKS, PAGE_SIZE
 from .device_error import fail
 
-PAGE_SIZE = 64  # scheduling.PAGE_SIZE (not imported: a kernel module imports no torch code)
-OVERHEAD_BLOCKS = 5  # scheduling.OVERHEAD_BLOCKS
 THREADS = 256
 ITEMS = 4
 CHUNK = THREADS * ITEMS

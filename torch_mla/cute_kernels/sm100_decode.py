@@ -61,29 +61,21 @@ strides are runtime values. Arguments and outputs are those of sm90_decode.MLADe
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.pipeline as pipeline
 import cutlass.utils.blackwell_helpers as sm100_utils
 from cutlass import Boolean, Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import OperandMajorMode, cpasync, tcgen05
-from cutlass.cutlass_dsl import dsl_user_op
 from cutlass.memory import SmemAllocator
 
-from .sm90_decode import L2_EVICT_FIRST
+from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
+from .ptx import L2_EVICT_FIRST, tcgen05_after_sync, tcgen05_before_sync
 
-D_QK = 576
-D_V = 512
-PAGE = 64
-BLOCK_M = 64
 HALF_V = D_V // 2
 KV_STAGES = 2
 S_STAGES = 2
-LOG2_E = math.log2(math.e)
-LN_2 = math.log(2.0)
 # A row's reference max is raised only past this many log2 units (see the module docstring).
 RESCALE_LOG2 = 8.0
 
@@ -96,23 +88,11 @@ NUM_THREADS = 32 * (SOFTMAX_WARPS + 2)
 TMEM_O = 0
 TMEM_O_COLS = HALF_V  # two interleaved 64 x 256 halves
 TMEM_S = TMEM_O + TMEM_O_COLS
-TMEM_S_COLS = PAGE
+TMEM_S_COLS = PAGE_SIZE
 TMEM_USED = TMEM_S + S_STAGES * TMEM_S_COLS
 TMEM_ALLOC = 512
 TMEM_CAPACITY = 512
 SMEM_CAPACITY = 227 * 1024  # sm_100's per-block opt-in maximum (232448 bytes)
-
-
-@dsl_user_op
-def _tcgen05_before_sync(*, loc=None, ip=None) -> None:
-    """Orders this thread's earlier tcgen05 operations before its next barrier arrive."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _tcgen05_after_sync(*, loc=None, ip=None) -> None:
-    """Orders this thread's later tcgen05 operations after the barrier wait it just passed."""
-    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
 
 
 class MLADecodeSm100:
@@ -127,14 +107,7 @@ class MLADecodeSm100:
         assert TMEM_USED <= TMEM_ALLOC <= TMEM_CAPACITY, (TMEM_USED, TMEM_ALLOC)
         assert TMEM_ALLOC & (TMEM_ALLOC - 1) == 0 and TMEM_ALLOC >= 32, TMEM_ALLOC
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (
-            dtype in (cutlass.BFloat16, cutlass.Float16)
-            and d_qk == D_QK
-            and d_v == D_V
-            and page == PAGE
-        )
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: MMAs, layouts, TMA descriptors, launch
@@ -154,15 +127,15 @@ class MLADecodeSm100:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         scale_log2: Float32,
         stream,
-        mTrace: cute.Tensor = None,  # unused: the SM90 trace argument, kept for one signature
     ):
         dt = self.dtype
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         one = tcgen05.CtaGroup.ONE
-        qk_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one, (BLOCK_M, PAGE))
+        qk_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, K, K, Float32, one,
+                                                    (BLOCK_M, PAGE_SIZE))
         pv_mma = sm100_utils.make_trivial_tiled_mma(dt, dt, K, MN, Float32, one, (BLOCK_M, HALF_V))
-        qk_tiler = (BLOCK_M, PAGE, D_QK)
-        pv_tiler = (BLOCK_M, D_V, PAGE)
+        qk_tiler = (BLOCK_M, PAGE_SIZE, D_QK)
+        pv_tiler = (BLOCK_M, D_V, PAGE_SIZE)
         sQ_layout = cute.select(sm100_utils.make_smem_layout_a(qk_mma, qk_tiler, dt, 1),
                                 mode=[0, 1, 2])
         sK_layout = sm100_utils.make_smem_layout_b(qk_mma, qk_tiler, dt, KV_STAGES)
@@ -197,7 +170,7 @@ class MLADecodeSm100:
         assert self.smem_bytes <= SMEM_CAPACITY, (self.smem_bytes, SMEM_CAPACITY)
         self.tma_bytes_q = cute.size_in_bytes(dt, sQ_layout)
         self.tma_bytes_page = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1, 2]))
-        assert self.tma_bytes_page == PAGE * D_QK * dt.width // 8, self.tma_bytes_page
+        assert self.tma_bytes_page == PAGE_SIZE * D_QK * dt.width // 8, self.tma_bytes_page
 
         num_parts = mMeta.shape[0]
         num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
@@ -263,7 +236,7 @@ class MLADecodeSm100:
         # V of each page buffer: the same bytes as sK, stages a page (576 columns) apart.
         sV = cute.make_tensor(
             cute.recast_ptr(storage.sKV.data_ptr(), sV_layout.inner),
-            cute.append(sV_layout.outer, cute.make_layout(KV_STAGES, stride=PAGE * D_QK)),
+            cute.append(sV_layout.outer, cute.make_layout(KV_STAGES, stride=PAGE_SIZE * D_QK)),
         )  # (MMA, 2, 4, stages)
 
         if warp == MMA_WARP:
@@ -293,9 +266,9 @@ class MLADecodeSm100:
             # One CTA per SM (shared memory): nobody else will want this SM's TMEM meanwhile.
             cute.arch.relinquish_tmem_alloc_permit()
         cute.arch.mbarrier_init_fence()
-        _tcgen05_before_sync()
+        tcgen05_before_sync()
         cute.arch.sync_threads()
-        _tcgen05_after_sync()
+        tcgen05_after_sync()
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
         # finish before reading what it writes, so they only fill idle warp slots meanwhile.
         cute.arch.griddepcontrol_launch_dependents()
@@ -303,14 +276,13 @@ class MLADecodeSm100:
         tOtO = cute.make_tensor(
             tmem + TMEM_O, pv_mma.make_fragment_C(pv_mma.partition_shape_C((BLOCK_M, D_V))).layout
         )  # (MMA, 1, 2): two 64 x 256 halves, interleaved in lanes
-        acc_S = qk_mma.make_fragment_C(qk_mma.partition_shape_C((BLOCK_M, PAGE))).layout
+        acc_S = qk_mma.make_fragment_C(qk_mma.partition_shape_C((BLOCK_M, PAGE_SIZE))).layout
         tStS = cute.make_tensor(
             tmem + TMEM_S, cute.append(acc_S, cute.make_layout(S_STAGES, stride=TMEM_S_COLS))
         )  # (MMA, 1, 1, stages)
 
         # Query rows are (s_q, h_q) flattened: row = s * h_q + h.
-        meta_row = mMeta[part, None]
-        walk = (meta_row[0], meta_row[1], meta_row[2], meta_row[3], meta_row[4])
+        walk = splitkv.read_part(mMeta, part)
 
         if warp == LOAD_WARP:
             self._load(tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
@@ -325,10 +297,10 @@ class MLADecodeSm100:
 
         # Every TMEM reader and writer is done: the softmax warps waited for the last MMA (o
         # full) and for their own loads (tcgen05.wait::ld) before arriving here.
-        _tcgen05_before_sync()
+        tcgen05_before_sync()
         cute.arch.sync_threads()
         if warp == MMA_WARP:
-            _tcgen05_after_sync()
+            tcgen05_after_sync()
             cute.arch.dealloc_tmem(tmem, TMEM_ALLOC)
 
     # ------------------------------------------------------------------------------------------
@@ -337,11 +309,8 @@ class MLADecodeSm100:
         """(L, first block, block count) of request r's segment in this part; the count is
         <= 0 when the part holds none of its blocks. The walk stops at the block table's width
         (a length past it is an input error that the op checks on the device)."""
-        begin_req, begin_blk, end_req, end_blk, _ = walk
         L = mSeqlens[r]
-        nb_req = (L + PAGE - 1) // PAGE
-        lo = begin_blk if r == begin_req else 0
-        hi = cutlass.min(end_blk if r == end_req else nb_req, mBlockTable.shape[1])
+        lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
         return L, lo, hi - lo
 
     # ------------------------------------------------------------------------------------------
@@ -353,7 +322,7 @@ class MLADecodeSm100:
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         policy = cutlass.Int64(L2_EVICT_FIRST)  # each page and Q tile is read once (sm90_decode)
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
@@ -395,14 +364,14 @@ class MLADecodeSm100:
         s_state = pipeline.make_pipeline_state(Producer, S_STAGES)
         p_state = pipeline.make_pipeline_state(Consumer, 1)
         o_state = pipeline.make_pipeline_state(Producer, 1)
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 q_pipe.consumer_wait(q_state)
                 for i in cutlass.range(n, unroll=1):
                     kv_pipe.consumer_wait(kv_state)
                     s_pipe.producer_acquire(s_state)
-                    _tcgen05_after_sync()
+                    tcgen05_after_sync()
                     # A fresh atom per product: its ACCUMULATE field is state the tracer
                     # would otherwise carry out of this loop body.
                     qk = cute.make_mma_atom(qk_mma.op)
@@ -437,9 +406,9 @@ class MLADecodeSm100:
         p_pipe.consumer_wait(p_state)
         if first:
             o_pipe.producer_acquire(o_state)
-        _tcgen05_after_sync()
+        tcgen05_after_sync()
         pv = cute.make_mma_atom(pv_mma.op)
-        for k in cutlass.range_constexpr(PAGE // 16):
+        for k in cutlass.range_constexpr(PAGE_SIZE // 16):
             if const_expr(k == 0):
                 pv.set(tcgen05.Field.ACCUMULATE, accumulate)
             else:
@@ -463,7 +432,8 @@ class MLADecodeSm100:
         st_atom = cute.make_copy_atom(tcgen05.St16x32bx2Op(tcgen05.Repetition.x32), Float32)
         s_tile0 = tStS[(None, None), 0, 0, 0]
         ld_S = tcgen05.make_tmem_copy(ld_atom, s_tile0).get_slice(tidx)
-        tScS = ld_S.partition_D(cute.make_identity_tensor((BLOCK_M, PAGE)))  # (row, key) coords
+        # (row, key) coordinates
+        tScS = ld_S.partition_D(cute.make_identity_tensor((BLOCK_M, PAGE_SIZE)))
         rS = cute.make_rmem_tensor(tScS.shape, Float32)
         o_chunks = [
             cute.local_tile(tOtO[(None, None), 0, h], (BLOCK_M, 64), (0, c))
@@ -477,7 +447,7 @@ class MLADecodeSm100:
             cute.make_copy_atom(cute.nvgpu.CopyUniversalOp(), self.dtype, num_bits_per_copy=128),
             tcgen05.make_tmem_copy(ld_atom, s_tile0),
         ).get_slice(tidx)
-        sP_mk = cute.composition(sP, cute.make_layout((BLOCK_M, PAGE)))  # (row, key) view
+        sP_mk = cute.composition(sP, cute.make_layout((BLOCK_M, PAGE_SIZE)))  # (row, key) view
         tPsP = st_P.partition_D(sP_mk)
         rP = cute.make_rmem_tensor(tScS.shape, self.dtype)
 
@@ -492,55 +462,41 @@ class MLADecodeSm100:
         p_state = pipeline.make_pipeline_state(Producer, 1)
         o_state = pipeline.make_pipeline_state(Consumer, 1)
         kv_count = Int32(0)  # pages this CTA has consumed: the page buffer is kv_count % 2
-        for r in cutlass.range(walk[0], walk[2] + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
             if n > 0:
                 # Horizon of this thread's row: keys < border are visible.
-                border = L
-                if const_expr(self.causal):
-                    if g_row < d_rows:
-                        border = L - (s_q - 1 - g_row // h_q)
-                last_blk = (L + PAGE - 1) // PAGE - 1
+                border = softmax.row_border(L, g_row, d_rows, h_q, s_q, self.causal)
+                last_blk = (L + PAGE_SIZE - 1) // PAGE_SIZE - 1
                 m_ref = -Float32.inf  # the max this row's exponents are taken against
                 row_sum = Float32(0.0)  # this thread's half of the row's sum
                 for i in cutlass.range(n, unroll=1):
                     blk = lo + i
                     s_pipe.consumer_wait(s_state)
-                    _tcgen05_after_sync()
+                    tcgen05_after_sync()
                     cute.copy(ld_S, ld_S.partition_S(tStS[(None, None), 0, 0, s_state.index]), rS)
                     cute.arch.fence_view_async_tmem_load()
-                    _tcgen05_before_sync()
+                    tcgen05_before_sync()
                     s_pipe.consumer_release(s_state)
                     s_state.advance()
 
-                    m_blk = -Float32.inf
-                    for k in cutlass.range_constexpr(cute.size(rS)):
-                        if blk * PAGE + tScS[k][1] >= border:
-                            rS[k] = -Float32.inf
-                        m_blk = cute.arch.fmax(m_blk, rS[k])
+                    m_blk = softmax.row_max_masked(rS, tScS, blk * PAGE_SIZE, border)
                     m_blk = cute.arch.fmax(m_blk, cute.arch.shuffle_sync_bfly(m_blk, offset=16))
                     m_blk = m_blk * scale_log2
-                    m_new = m_ref
-                    if m_blk > m_ref + RESCALE_LOG2:  # also: first visible key (m_ref = -inf)
-                        m_new = m_blk
-                    m_use = Float32(0.0) if m_new == -Float32.inf else m_new
-                    scale = cute.math.exp2(m_ref - m_use, fastmath=True)  # 0 while m_ref = -inf
+                    # (scale is 0 while m_ref = -inf)
+                    m_new, m_use, scale = softmax.online_max(m_ref, m_blk, RESCALE_LOG2)
                     # O rows are exactly 0 while m_ref = -inf (P was 0): only finite m_ref needs
                     # a rescale, so a segment's first page (O not yet written) never does.
                     rescale = Boolean(False)
                     if m_ref != -Float32.inf:
                         rescale = m_new != m_ref
                     m_ref = m_new
-                    part_sum = Float32(0.0)
-                    for k in cutlass.range_constexpr(cute.size(rS)):
-                        p = cute.math.exp2(rS[k] * scale_log2 - m_use, fastmath=True)
-                        part_sum += p
-                        rP[k] = p.to(self.dtype)
+                    part_sum = softmax.exp_row(rS, m_use, scale_log2, rP)
                     row_sum = row_sum * scale + part_sum
 
                     # P V of the previous page is done: sP is free and O is stable.
                     p_pipe.producer_acquire(p_state)
-                    _tcgen05_after_sync()
+                    tcgen05_after_sync()
                     if cute.arch.vote_any_sync(rescale):
                         for j in cutlass.range_constexpr(len(o_chunks)):
                             cute.copy(ld_O, ld_O.partition_S(o_chunks[j]), rO)
@@ -550,11 +506,11 @@ class MLADecodeSm100:
                             cute.copy(st_O, rO, st_O.partition_D(o_chunks[j]))
                         cute.arch.fence_view_async_tmem_store()
                     if blk == last_blk:
-                        if L % PAGE != 0:
-                            self._zero_v_tail(kv_base, kv_count % KV_STAGES, L % PAGE, tidx)
+                        if L % PAGE_SIZE != 0:
+                            self._zero_v_tail(kv_base, kv_count % KV_STAGES, L % PAGE_SIZE, tidx)
                     cute.copy(st_P, st_P.retile(rP), tPsP)
                     cute.arch.fence_view_async_shared()  # sP and V rows -> the tensor core
-                    _tcgen05_before_sync()
+                    tcgen05_before_sync()
                     p_pipe.producer_commit(p_state)
                     p_state.advance()
                     kv_count += 1
@@ -562,33 +518,29 @@ class MLADecodeSm100:
                 # Epilogue: O of this segment is complete once o is full.
                 total = row_sum + cute.arch.shuffle_sync_bfly(row_sum, offset=16)
                 # A row that saw no key has sum 0: output 0 (and lse +inf below).
-                inv = Float32(1.0) / total if total > 0.0 else Float32(0.0)
-                begin_split = walk[4] if r == walk[0] else 0
-                slot = mNumSplits[r] + begin_split
+                inv = softmax.inv_sum(total)
+                split_idx = splitkv.split_index(walk, r)
+                slot = mNumSplits[r] + split_idx
                 pieces = mNumSplits[r + 1] - mNumSplits[r]
                 o_pipe.consumer_wait(o_state)
-                _tcgen05_after_sync()
-                if pieces > 1:
-                    self._store_o(ld_O, o_chunks, rO, inv, mOacc[slot, None, None], Float32,
-                                  m_block, g_row < d_rows, tidx)
-                else:
-                    self._store_o(ld_O, o_chunks, rO, inv, mO[r, None, None], self.dtype,
-                                  m_block, g_row < d_rows, tidx)
-                _tcgen05_before_sync()
+                tcgen05_after_sync()
+                splitkv.store_result(
+                    pieces, lambda t, j, dt, inv=inv: self._store_o(
+                        ld_O, o_chunks, rO, inv, t[j, None, None], dt, m_block, g_row < d_rows,
+                        tidx),
+                    mO, mOacc, r, slot, self.dtype)
+                tcgen05_before_sync()
                 o_pipe.consumer_release(o_state)
                 o_state.advance()
                 if g_row < d_rows:
                     if tScS[0][1] == 0:  # one thread of the row's pair
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total > 0.0:
-                                lse2 = cute.math.log2(total, fastmath=False) + m_ref
-                            mLSEacc[slot, g_row] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total > 0.0:
-                                lse = (cute.math.log2(total, fastmath=False) + m_ref) * LN_2
-                            mLSE[r, g_row % h_q, g_row // h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, g_row, pieces, h_q, total,
+                                          m_ref)
+            else:
+                splitkv.empty_segment(walk, r, lo, L, mNumSplits[r + 1] - mNumSplits[r],
+                                      mNumSplits[r], mO, mLSE, mLSEacc, m_block * BLOCK_M,
+                                      cutlass.min(d_rows - m_block * BLOCK_M, BLOCK_M), h_q,
+                                      tidx, 32 * SOFTMAX_WARPS)
         # The last P V's commit must land before this CTA exits.
         p_pipe.producer_tail(p_state)
 
@@ -612,12 +564,12 @@ class MLADecodeSm100:
         """Zeroes keys [valid, 64) of V (columns 0-511) in page buffer `stage`: whole 128-byte
         row pieces of each 64-column chunk, so the swizzle inside a piece does not matter. The
         caller fences these stores towards the tensor core."""
-        base = cute.recast_ptr(kv_base + stage * (PAGE * D_QK), dtype=Float32)
-        words = cute.make_tensor(base, cute.make_layout(PAGE * D_V // 2))
-        n_words = (PAGE - valid) * 32 * (D_V // 64)  # rows x 32 words x 8 column chunks
+        base = cute.recast_ptr(kv_base + stage * (PAGE_SIZE * D_QK), dtype=Float32)
+        words = cute.make_tensor(base, cute.make_layout(PAGE_SIZE * D_V // 2))
+        n_words = (PAGE_SIZE - valid) * 32 * (D_V // 64)  # rows x 32 words x 8 column chunks
         for i in cutlass.range(tidx, n_words, 32 * SOFTMAX_WARPS, unroll=1):
             key = valid + i // (32 * (D_V // 64))
             rem = i % (32 * (D_V // 64))
             chunk = rem // 32
             w = rem % 32
-            words[chunk * (PAGE * 32) + key * 32 + w] = Float32(0.0)
+            words[chunk * (PAGE_SIZE * 32) + key * 32 + w] = Float32(0.0)

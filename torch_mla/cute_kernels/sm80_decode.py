@@ -100,18 +100,15 @@ import dataclasses
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import cpasync, warp
 
-from . import softmax
+from ..constants import D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
+from .ptx import bar_arrive, bar_sync
 
-D_QK = 576
-D_V = 512
-PAGE = 64
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
 QUARTER_V = D_V // 4  # output columns per warp
 V_CHUNK = 64  # output columns per P @ V pass (bounds the live V fragments)
-LN_2 = 0.6931471805599453
 LAG_BARRIER = 3  # named barrier: the late quad released a buffer (ids 1, 2: the quads)
 ROPE_BARRIER = 4  # 4 + quad: all reads of the rope columns that quad's exchange slots overlay
 
@@ -233,21 +230,6 @@ def exchange_offsets(cfg: Sm80DecodeConfig, quad, half, stage):
     return in_p, in_k
 
 
-def bar_sync(barrier_id, number_of_threads):
-    """barrier.cta.sync without .aligned: the warps that meet there may come from different
-    instructions (the stage barrier's two sites, a quad waiting where the other arrives). An
-    aligned bar.sync asks every thread of the CTA to execute that very instruction; synccheck
-    reports the stage barrier's two sites as divergence when they are aligned."""
-    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(),
-                          thread_count=Int32(number_of_threads).ir_value(), aligned=False)
-
-
-def bar_arrive(barrier_id, number_of_threads):
-    """barrier.cta.arrive without .aligned (see bar_sync)."""
-    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=number_of_threads,
-                             aligned=False)
-
-
 def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
     """The tiled MMAs of Q K^T and P V: one warp per 16 rows. In Q K^T the warps of a pair
     each use the tiling for their own keys; in P V a warp takes the places of the warps of both
@@ -275,10 +257,7 @@ class MLADecodeSm80:
         self.use_pdl = bool(use_pdl)
         self.num_threads = config.num_threads
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (dtype in (cutlass.BFloat16, cutlass.Float16) and d_qk == D_QK and d_v == D_V
-                and page == PAGE)
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, copies, MMAs, launch
@@ -478,26 +457,18 @@ class MLADecodeSm80:
         # block-table entries of the next stage [0] and of the one loading now [1]
         page_next = cute.make_rmem_tensor(2, Int32)
 
-        meta_row = mMeta[part, None]
-        begin_req = meta_row[0]
-        begin_blk = meta_row[1]
-        end_req = meta_row[2]
-        end_blk = meta_row[3]
-        begin_split = meta_row[4]
+        walk = splitkv.read_part(mMeta, part)
 
-        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = mSeqlens[r]
-            nb_req = (L + PAGE - 1) // PAGE
-            lo = begin_blk if r == begin_req else 0
-            # A length past the table's width is an input error (the op checks it on the
-            # device); the walk still stops there, and an empty cache has nothing to walk.
-            hi = cutlass.min(end_blk if r == end_req else nb_req, width)
+            lo, hi = splitkv.segment(walk, r, L, width)
+            # (An empty cache has nothing to walk: page ids are clamped into it.)
             if num_pages == 0:
                 hi = 0
             if lo < hi:
-                key_lo = lo * PAGE
-                n_tiles = (cutlass.min(hi * PAGE, L) - key_lo + bn - 1) // bn
-                split_idx = begin_split if r == begin_req else 0
+                key_lo = lo * PAGE_SIZE
+                n_tiles = (cutlass.min(hi * PAGE_SIZE, L) - key_lo + bn - 1) // bn
+                split_idx = splitkv.split_index(walk, r)
                 slot = mNumSplits[r] + split_idx
                 pieces = mNumSplits[r + 1] - mNumSplits[r]
                 border_a = softmax.row_border(L, g_a, rows, h_q, s_q, self.causal)
@@ -575,6 +546,10 @@ class MLADecodeSm80:
                     self._epilogue(acc_O, tOcO, m_run, l_run, sSum, half, quad, quarter, lane,
                                    r_a, m_block, r, slot, pieces, rows, h_q, mO, mLSE, mOacc,
                                    mLSEacc)
+            else:
+                splitkv.empty_segment(walk, r, lo, L, mNumSplits[r + 1] - mNumSplits[r],
+                                      mNumSplits[r], mO, mLSE, mLSEacc, m_block * bm,
+                                      valid_rows, h_q, tidx, self.num_threads)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -583,7 +558,7 @@ class MLADecodeSm80:
         """Cache page of stage t of the segment [lo, hi) of request r: the column is clamped
         into the segment (stages past its end read its last entry, unused) and the id into
         the cache, so that neither read leaves its tensor whatever the inputs hold."""
-        col = cutlass.min(lo + t * self.cfg.block_n // PAGE, hi - 1)
+        col = cutlass.min(lo + t * self.cfg.block_n // PAGE_SIZE, hi - 1)
         page = mBlockTable[r, col]
         return cutlass.max(cutlass.min(page, num_pages - 1), 0)
 
@@ -609,7 +584,7 @@ class MLADecodeSm80:
         zero-filled, never read."""
         bn = self.cfg.block_n
         key0 = key_lo + t * bn
-        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE) // bn, 0))
+        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE_SIZE) // bn, 0))
         tKgK = thr_g2s.partition_S(gK)
         limit = L - key0
         for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
@@ -721,7 +696,8 @@ class MLADecodeSm80:
 
         # Keys at or past a row's horizon (only stages that reach the nearest one).
         if key0 + bn > min_border:
-            softmax.mask_keys(acc_S, tScS, key0 + half * (bn // 2), border_a, border_b)
+            softmax.mask_keys(acc_S, key0 + half * (bn // 2), border_a, border_b,
+                              lambda i: tScS[i][1])
 
         # Row max over both halves of the keys, for the quad's 32 rows: through smem.
         m_loc = [softmax.row_max(acc_S, 0), softmax.row_max(acc_S, 1)]
@@ -743,7 +719,7 @@ class MLADecodeSm80:
         for h in cutlass.range_constexpr(2):
             m_use_s[h] = m_use[2 + h] if hi == 1 else m_use[h]
             scale_s[h] = scale[2 + h] if hi == 1 else scale[h]
-        softmax.exp_rows(acc_S, m_use_s, scale_log2, l_run, scale_s)
+        softmax.exp_rows(acc_S, m_use_s, [scale_log2, scale_log2], l_run, scale_s)
         # The max of a row rarely moves after the first stages: skip the 128 multiplies then
         # (exact: the factor is exactly 1).
         if scale[0] != 1.0 or scale[1] != 1.0 or scale[2] != 1.0 or scale[3] != 1.0:
@@ -796,28 +772,17 @@ class MLADecodeSm80:
             row = quad * 32 + lane // 4 + 8 * i
             total = sSum[row, 0] + sSum[row, 1]
             # A row that saw no key has sum 0: output 0 (and lse +inf below).
-            inv = Float32(1.0) / total if total > 0.0 else Float32(0.0)
+            inv = softmax.inv_sum(total)
             g = m_block * bm + row
             if g < rows:
-                if pieces > 1:
-                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, Float32,
-                                    mOacc[slot, g, None])
-                else:
-                    self._store_row(acc_O[i // 2], tOcO, inv, i % 2, quarter, self.dtype,
-                                    mO[r, g, None])
+                splitkv.store_result(
+                    pieces, lambda t, j, dt, i=i, inv=inv, g=g: self._store_row(
+                        acc_O[i // 2], tOcO, inv, i % 2, quarter, dt, t[j, g, None]),
+                    mO, mOacc, r, slot, self.dtype)
                 if quarter == 0:
                     if lane % 4 == 0:
-                        m = m_run[i]
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total > 0.0:
-                                lse2 = cute.math.log2(total, fastmath=False) + m
-                            mLSEacc[slot, g] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total > 0.0:
-                                lse = (cute.math.log2(total, fastmath=False) + m) * LN_2
-                            mLSE[r, g % h_q, g // h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, g, pieces, h_q, total,
+                                          m_run[i])
 
     @cute.jit
     def _store_row(self, acc_O, tOcO, inv: Float32, h: cutlass.Constexpr[int], quarter: Int32,

@@ -45,38 +45,33 @@ Compiled per (dtype, causal); batch, s_q, h_q, the cache size and its strides ar
 
 from __future__ import annotations
 
-import math
 from functools import partial
 
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync, warp, warpgroup
-from cutlass.cutlass_dsl import T, dsl_user_op
 
-D_QK = 576
-D_V = 512
-PAGE = 64
-BLOCK_M = 64
+from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
+from . import softmax, splitkv
+from .ptx import (
+    L2_EVICT_FIRST,
+    bulk_s2g,
+    e4m3_store16,
+    e4m3x4,
+    fence_operand,
+    ldg128,
+    lds64,
+    lds128,
+    sts,
+    unpack16x2,
+)
+
 N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
-LOG2_E = math.log2(math.e)
 # Fast mode's P is 2^P_SHIFT times the probabilities (at most 256 of e4m3's 448).
 P_SHIFT = 8.0
-LN_2 = math.log(2.0)
-# Trace builds' stamp table (slots per CTA; see MLADecodeSm90._stamp).
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_END = 128, 10, 6, 63
-TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS = 64, 32, 2
-# L2 cache-policy operand of the cache-page TMA loads (PTX createpolicy encoding of evict_first,
-# CUTLASS's CacheHintSm90::EVICT_FIRST). Each page is read by the part's m-block CTAs within a few
-# microseconds and never again, so its lines should be the first to go. Measured on the H200:
-# 2.4-4.8 us faster on the small anchor rows (docs/kernel-notes.md, v7). The trace before it had
-# pairs of blocks taking 5.3-8.6 us in a launch's first ~30 us against 4.0 later; the suspected
-# cause, write-backs of dirty lines that earlier kernels left in L2 and the page loads evicted,
-# is not confirmed.
-L2_EVICT_FIRST = 0x12F0000000000000
 
 # Named barrier ids (0 is __syncthreads).
 NB_SCALE0 = 1  # WG0 -> WG1: running max and scale0 of this pair are in smem
@@ -85,144 +80,6 @@ NB_P0 = 3  # WG0 -> WG1: P0 (rescaled) is in smem
 NB_P1_ISSUED = 4  # WG1 -> WG0: P1 is in smem, and WG1 has issued its P0 @ V0R
 NB_WG0 = 5  # WG0 only
 NB_WG1 = 6  # WG1 only
-
-
-@dsl_user_op
-def _pin_f32(x: Float32, *, loc=None, ip=None) -> Float32:
-    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "", "=f,0",
-                                   has_side_effects=True, is_align_stack=False,
-                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
-    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
-                                 has_side_effects=True, is_align_stack=False,
-                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
-    """cp.async.bulk global <- shared::cta of nbytes (16-byte aligned), in a bulk group."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
-        read_only_args=[cutlass.Int64(dst_addr), Int32(src_addr), Int32(nbytes)],
-        loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
-def _globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
-    return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
-                                         has_side_effects=True, is_align_stack=False,
-                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _lds128(addr: Int32, *, loc=None, ip=None):
-    """Four 32-bit words from shared::cta address addr (16-byte aligned): one ld.shared.v4.
-    Side effects keep it in program order with the named barriers around it."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-def _e4m3_asm(to_bf16: bool) -> str:
-    """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
-    two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15).
-
-    cvt.rn.f16x2.e4m3x2 is exact (every e4m3 value, subnormals included, is a normal f16).
-    For bf16: f16 -> f32 (exact) -> bf16x2 (exact: 3 significant bits, exponents -9..8, so
-    neither a denormal nor a rounding ever occurs). Of cvt's x2 forms the upper half of the
-    result comes from the upper input (upper byte; first f32 operand), so value k of the
-    chunk sits in bits 16 (k % 2) of word k // 2, as in memory."""
-    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>;", ".reg .f32 fl<8>, fu<8>;"]
-    for w in range(4):
-        lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
-    for i in range(8):
-        if to_bf16:
-            lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};", f"mov.b32 {{l{i}, u{i}}}, h{i};",
-                      f"cvt.f32.f16 fl{i}, l{i};", f"cvt.f32.f16 fu{i}, u{i};",
-                      f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};"]
-        else:
-            lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
-    lines += ["st.shared.v4.b32 [$0], {h0, h1, h2, h3};",
-              "st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
-    return "\n".join(lines)
-
-
-@dsl_user_op
-def _e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, ip=None) -> None:
-    """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
-    (values 8-15); see _e4m3_asm."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst0, dst1, *words)]
-    llvm.inline_asm(None, args, _e4m3_asm(to_bf16), "r,r,r,r,r,r", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _lds64(addr: Int32, *, loc=None, ip=None):
-    """Two 32-bit words from shared::cta address addr (8-byte aligned): one ld.shared.v2."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2), [Int32(addr).ir_value(loc=loc, ip=ip)],
-        "ld.shared.v2.b32 {$0, $1}, [$2];", "=r,=r,r",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
-@dsl_user_op
-def _sts(addr: Int32, words, *, loc=None, ip=None) -> None:
-    """One, two or four 32-bit words to shared::cta address addr (st.shared, .v2, .v4)."""
-    n = len(words)
-    vec = {1: "", 2: ".v2", 4: ".v4"}[n]
-    regs = ", ".join(f"${i + 1}" for i in range(n))
-    regs = regs if n == 1 else "{" + regs + "}"
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, *words)]
-    llvm.inline_asm(None, args, f"st.shared{vec}.b32 [$0], {regs};", ",".join(["r"] * (n + 1)),
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _ldg128(addr, *, loc=None, ip=None):
-    """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 4),
-        [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)],
-        "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,l",
-        has_side_effects=True, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
-        loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(4)]
-
-
-@dsl_user_op
-def _e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
-    """Four fp32 values -> one word of four e4m3 bytes (a in the lowest), rounded to nearest
-    and saturated at +-448 (cvt's upper half takes its first operand)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
-        "{ .reg .b16 lo, hi;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
-        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
-        "mov.b32 $0, {lo, hi}; }",
-        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
-
-
-@dsl_user_op
-def _unpack16x2(w: Int32, bf16: bool, *, loc=None, ip=None):
-    """A word of two bf16 (or fp16) values -> the two as fp32 (low half first)."""
-    body = ("{ .reg .b32 t;\nshl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xffff0000; }" if bf16 else
-            "{ .reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h; }")
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.f32()] * 2), [Int32(w).ir_value(loc=loc, ip=ip)], body,
-        "=f,=f,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
 def fp8_expand_schedule(n_tiles: int) -> list[tuple[str, int]]:
@@ -260,8 +117,8 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
     16 (i % 4) + [0, 16); the 16-bit row is 128 bytes, its chunks 2 (i % 4) and 2 (i % 4) + 1
     XORed with row % 8 (the 128-byte swizzle of TMA and wgmma: address bits 4-6 ^= bits 7-9).
     i: a Python int (tests) or the DSL's Int32."""
-    src = n_tiles * PAGE * 64 + w * 2048 + i * 16
-    row_start = (w // 2) * PAGE * 128 + ((w % 2) * 32 + i // 4) * 128
+    src = n_tiles * PAGE_SIZE * 64 + w * 2048 + i * 16
+    row_start = (w // 2) * PAGE_SIZE * 128 + ((w % 2) * 32 + i // 4) * 128
     q, sw = i % 4, (i // 4) % 8
     return src, row_start + ((2 * q) ^ sw) * 16, row_start + ((2 * q + 1) ^ sw) * 16
 
@@ -335,18 +192,23 @@ def fp8_vt_unit(wtid: int, half: int):
     return loads, stores
 
 
-@cute.jit
-def fence_operand(t: cute.Tensor):
-    """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
-    values are computed before it and read after it. Without it the compiler sinks, e.g., the
-    bf16 conversion of P between the wgmma that read it, and ptxas then serializes every wgmma."""
-    if const_expr(t.element_type == Float32):
-        for i in cutlass.range_constexpr(cute.size(t)):
-            t[i] = _pin_f32(t[i])
-    else:
-        t32 = cute.recast_tensor(t, Int32)
-        for i in cutlass.range_constexpr(cute.size(t32)):
-            t32[i] = _pin_b32(t32[i])
+def _aligned(dtype, n: int):
+    """n elements of dtype in shared memory, 1 KB aligned (the swizzle atoms' period)."""
+    return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
+
+
+def shared_storage(**buffers):
+    """The kernel's shared memory: `buffers` (name=type, in order: the operand tiles), then the
+    softmax statistics and barriers of both modes: sM (running max), sScale0, sScale1 (the
+    pair's rescale factors), sL (both warpgroups' row sums), barK (a mbarrier per tile of the
+    two page buffers) and barQ."""
+    fields = dict(buffers, sM=cute.struct.MemRange[Float32, BLOCK_M],
+                  sScale0=cute.struct.MemRange[Float32, BLOCK_M],
+                  sScale1=cute.struct.MemRange[Float32, BLOCK_M],
+                  sL=cute.struct.MemRange[Float32, 2 * BLOCK_M],
+                  barK=cute.struct.MemRange[cutlass.Int64, 2 * N_TILES],
+                  barQ=cute.struct.MemRange[cutlass.Int64, 1])
+    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
 
 
 class MLADecodeSm90:
@@ -357,10 +219,11 @@ class MLADecodeSm90:
     # Fast mode (MLADecodeSm90Fast) sets these: e4m3 Q and P on the fp8 wgmma.
     fast = False
     q_fp8 = False
-    early_vt = False
-    prefetch = False
+    # The trace build's stamp table (tools/trace_decode.py sets it), a kernel argument: None
+    # here, so nothing is compiled for it (see _stamp).
+    trace_table = None
 
-    def __init__(self, dtype, causal: bool, trace: bool = False, kv_fp8: bool = False):
+    def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
         self.causal = bool(causal)
         # kv_fp8: the cache is float8_e4m3fn ("exact" mode): each page lands as fp8 bytes in
@@ -368,18 +231,8 @@ class MLADecodeSm90:
         # Q K^T expands it in place (_expand_half); the MMAs are the 16-bit kernel's. The
         # scales fold into the softmax scale and the epilogue (see __call__).
         self.kv_fp8 = bool(kv_fp8)
-        # trace: a development build that takes one more argument, an int64 (ctas, 128) tensor,
-        # and writes %globaltimer stamps into it (see _stamp); tools/trace_decode.py reads them.
-        self.trace = bool(trace)
 
-    @staticmethod
-    def can_implement(dtype, d_qk: int, d_v: int, page: int) -> bool:
-        return (
-            dtype in (cutlass.BFloat16, cutlass.Float16)
-            and d_qk == D_QK
-            and d_v == D_V
-            and page == PAGE
-        )
+    can_implement = staticmethod(splitkv.supports)
 
     # ------------------------------------------------------------------------------------------
     # host side: layouts, TMA descriptors, launch
@@ -399,7 +252,6 @@ class MLADecodeSm90:
         mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
         scale_log2: Float32,
         stream,
-        mTrace: cute.Tensor = None,
         mKVScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, the cache's dequantization scale
         mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, q's scale (read if q_scaled != 0)
         q_scaled=None,  # kv_fp8: Int32, 1 when q was e4m3 (converted to dtype by the host)
@@ -407,6 +259,24 @@ class MLADecodeSm90:
         """kv_fp8 builds: the scores use scale_log2 * kv_scale (* q_scale), and O and the
         partials Oacc are multiplied by kv_scale in the epilogue (the combine is unchanged):
         e4m3 values are exact in bf16/fp16, so the dequantization itself is a conversion."""
+        tma, layouts = self._setup(mQ, mKV)
+        size = self.shared_storage.size_in_bytes()
+        assert size <= 227 * 1024, size
+        # A CTA per 64 query rows and schedule part, one a SM.
+        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
+        self.kernel(
+            *tma, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+            scale_log2, self.trace_table, mKVScale, mQScale, q_scaled, *layouts,
+        ).launch(
+            grid=[num_m_blocks, mMeta.shape[0], 1],
+            block=[self.num_threads, 1, 1],
+            stream=stream,
+            min_blocks_per_mp=1,
+        )
+
+    def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
+        """The TMA atoms and views (Q, cache), the shared-memory layouts and tiled MMAs the
+        kernel takes, and self.shared_storage (traced inside __call__)."""
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(
             sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
@@ -414,21 +284,20 @@ class MLADecodeSm90:
         mn_atom = warpgroup.make_smem_layout_atom(
             warpgroup.SmemLayoutAtomKind.MN_SW128, dt
         )
-        self.swizzle = k_atom.inner
         self.sQ_layout = cute.tile_to_shape(k_atom, (BLOCK_M, D_QK), order=(0, 1))
-        self.sK_layout = cute.tile_to_shape(k_atom, (PAGE, D_QK, 2), order=(0, 1, 2))
+        self.sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D_QK, 2), order=(0, 1, 2))
         self.tile_layout = cute.tile_to_shape(k_atom, (64, 64), order=(0, 1))
         # V half (256 d-columns x 64 keys) seen MN-major inside a K-major page buffer: 64-column
         # chunks are 64 x 64 x 2 B = 8 KB apart, groups of 8 keys 1 KB apart.
-        self.vhalf_layout = cute.tile_to_shape(mn_atom, (HALF_V, PAGE), order=(1, 0))
+        self.vhalf_layout = cute.tile_to_shape(mn_atom, (HALF_V, PAGE_SIZE), order=(1, 0))
 
         self.tiled_qk_ss = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_M, PAGE),
+            (1, 1, 1), (BLOCK_M, PAGE_SIZE),
         )
         self.tiled_qk_rs = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
-            (1, 1, 1), (BLOCK_M, PAGE), warpgroup.OperandSource.RMEM,
+            (1, 1, 1), (BLOCK_M, PAGE_SIZE), warpgroup.OperandSource.RMEM,
         )
         self.tiled_pv_rs = sm90_utils.make_trivial_tiled_mma(
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
@@ -444,46 +313,22 @@ class MLADecodeSm90:
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, self.sQ_layout, (BLOCK_M, D_QK))
-        if const_expr(self.kv_fp8):
+        if self.kv_fp8:
             # fp8 tiles land unswizzled (64-byte rows): _expand_half reads them linearly.
-            tile8 = cute.make_layout((PAGE, 64), stride=(64, 1))
-            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE, 64))
+            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
+            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
         else:
             tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout,
-                                                         (PAGE, 64))
+                                                         (PAGE_SIZE, 64))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * D_QK], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, 2 * PAGE * D_QK], 1024]
-            sP0: cute.struct.Align[cute.struct.MemRange[dt, BLOCK_M * PAGE], 1024]
-            sM: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
-            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
-            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
-            barQ: cute.struct.MemRange[cutlass.Int64, 1]
-
-        self.shared_storage = SharedStorage
-        self._launch((
-            tma_q, tma_mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
-            self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
-            self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss,
-        ), mMeta, mO, stream)
-
-    def _launch(self, args, mMeta, mO, stream):
-        """self.kernel(*args) on its grid: a CTA per 64 query rows and schedule part, one a SM
-        (traced inside __call__)."""
-        size = self.shared_storage.size_in_bytes()
-        assert size <= 227 * 1024, size
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
-        self.kernel(*args).launch(
-            grid=[num_m_blocks, mMeta.shape[0], 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        self.shared_storage = shared_storage(
+            sQ=_aligned(dt, BLOCK_M * D_QK),
+            sK=_aligned(dt, 2 * PAGE_SIZE * D_QK),
+            sP0=_aligned(dt, BLOCK_M * PAGE_SIZE),
         )
+        return (tma_q, tma_mQ, tma_k, tma_mKV), (
+            self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
+            self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -576,15 +421,11 @@ class MLADecodeSm90:
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
         # finish before reading what it writes, so they only fill idle warp slots meanwhile.
         cute.arch.griddepcontrol_launch_dependents()
-        cta = part * cute.arch.grid_dim()[0] + m_block
-        seg = cute.make_rmem_tensor(1, Int32)  # segment counter (trace builds only)
-        seg.fill(0)
-        self.d_trace, self.d_cta = mTrace, cta  # for the stamps inside the epilogue
-        self.d_seg = seg  # and inside the pairs
-        self._stamp(mTrace, cta, 0, tidx, 0)
+        self.d_trace = mTrace
+        self._stamp("start")
 
         # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
-        gK_tiles = cute.local_tile(tma_mKV, (PAGE, 64), (0, None, None))  # (64, 64, 9, pages)
+        gK_tiles = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
         if const_expr(self.kv_fp8 and not self.fast):
             # Fp8 tile t of buffer s: 4 KB at byte s * 72 KB + half start + half size / 2 +
             # 4 KB (t - first tile of the half); one partition per half (tiles 0-3, 4-8).
@@ -592,16 +433,17 @@ class MLADecodeSm90:
             tKsK = []
             for h in cutlass.range_constexpr(2):
                 t0, nt = (0, 4) if h == 0 else (4, 5)
-                start = t0 * PAGE * 64 * 2 + nt * PAGE * 64
+                start = t0 * PAGE_SIZE * 64 * 2 + nt * PAGE_SIZE * 64
                 sK8 = cute.make_tensor(k8 + start, cute.make_layout(
-                    (PAGE, 64, 1, nt, 2), stride=(64, 1, 0, PAGE * 64, 2 * PAGE * D_QK)))
+                    (PAGE_SIZE, 64, 1, nt, 2),
+                    stride=(64, 1, 0, PAGE_SIZE * 64, 2 * PAGE_SIZE * D_QK)))
                 tKsK_h, tKgK = cpasync.tma_partition(
                     tma_k, 0, cute.make_layout(1),
                     cute.group_modes(sK8, 0, 2), cute.group_modes(gK_tiles, 0, 2),
                 )
                 tKsK.append(tKsK_h)
         else:
-            sK_tiles = cute.flat_divide(sK_tma, (PAGE, 64))  # (64, 64, 1, 9, 2)
+            sK_tiles = cute.flat_divide(sK_tma, (PAGE_SIZE, 64))  # (64, 64, 1, 9, 2)
             tKsK, tKgK = cpasync.tma_partition(
                 tma_k, 0, cute.make_layout(1),
                 cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
@@ -634,7 +476,7 @@ class MLADecodeSm90:
             tOrV = [
                 [
                     thr_pv.make_fragment_B(thr_pv.partition_B(cute.make_tensor(
-                        cute.recast_ptr(vt + (2 * s + h) * HALF_V * PAGE, sw, dtype=f8),
+                        cute.recast_ptr(vt + (2 * s + h) * HALF_V * PAGE_SIZE, sw, dtype=f8),
                         vhalf_layout.outer)))
                     for h in range(2)
                 ]
@@ -651,9 +493,10 @@ class MLADecodeSm90:
                 ]
                 for s in range(2)
             ]
-        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_M, PAGE)), Float32)
+        acc_S = cute.make_rmem_tensor(thr_qk.partition_shape_C((BLOCK_M, PAGE_SIZE)), Float32)
         acc_O = cute.make_rmem_tensor(thr_pv.partition_shape_C((BLOCK_M, HALF_V)), Float32)
-        rP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_M, PAGE)))  # P as A operand
+        # P as the A operand
+        rP = thr_pv.make_fragment_A(thr_pv.partition_shape_A((BLOCK_M, PAGE_SIZE)))
 
         if const_expr(self.fast):
             st_P = ld_Q8 = sQ8 = None  # P goes to smem by plain stores; Q stays in smem
@@ -682,45 +525,38 @@ class MLADecodeSm90:
         self.d_rows = mO.shape[1]
         self.d_h_q = mLSE.shape[1]
         self.d_s_q = mLSE.shape[2]
-        meta_row = mMeta[part, None]
-        begin_req = meta_row[0]
-        begin_blk = meta_row[1]
-        end_req = meta_row[2]
-        end_blk = meta_row[3]
-        begin_split = meta_row[4]
+        walk = splitkv.read_part(mMeta, part)
 
         # Scalars of the request a segment works on (L, its first two pages, its slot range),
         # loaded one segment ahead so that their latency hides behind the previous segment.
         req = cute.make_rmem_tensor(5, Int32)
         self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
-                           cutlass.min(begin_req, mSeqlens.shape[0] - 1), begin_blk)
+                           cutlass.min(walk.begin_req, mSeqlens.shape[0] - 1), walk.begin_blk)
         q_ready = cute.make_rmem_tensor(1, Int32)  # 1: the next segment's Q is already loading
         q_ready.fill(0)
         # The first segment's Q can load now, while the scalars above are still in flight. (A
         # part may lie wholly inside a request's overhead units: then it has no block at all.)
-        if begin_req < end_req or (begin_req == end_req and begin_blk < end_blk):
+        if walk.begin_req < walk.end_req or (walk.begin_req == walk.end_req
+                                             and walk.begin_blk < walk.end_blk):
             q_ready[0] = 1
             if tidx < 32:
-                self._load_q(tma_q, tma_mQ, sQ, barQ, begin_req, m_block)
+                self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
 
-        for r in cutlass.range(begin_req, end_req + 1, unroll=1):
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = req[0]
             page_lo = req[1]
             page_lo1 = req[2]
             slot0 = req[3]
             pieces = req[4] - req[3]
-            nb_req = (L + PAGE - 1) // PAGE
-            lo = begin_blk if r == begin_req else 0
-            # A length past what the block table covers is an input error (the op checks it on
-            # the device); the walk still stops at the table's width so that no block-table
-            # read leaves the request's row. Page ids need no clamp: TMA zero-fills boxes
-            # outside the cache tensor, so a bad id never reads outside the cache either.
-            hi = cutlass.min(end_blk if r == end_req else nb_req, mBlockTable.shape[1])
-            r_next = cutlass.min(r + 1, end_req)
+            nb_req = splitkv.num_blocks(L)
+            # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
+            # id never reads outside the cache.
+            lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
+            r_next = cutlass.min(r + 1, walk.end_req)
             self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:
                 n = hi - lo
-                split_idx = begin_split if r == begin_req else 0
+                split_idx = splitkv.split_index(walk, r)
                 # Everyone is done with the previous segment's buffers and smem statistics.
                 cute.arch.sync_threads()
                 if tidx < 32:
@@ -736,8 +572,7 @@ class MLADecodeSm90:
                 # Horizon of each of this thread's rows: keys < border are visible.
                 border = [self._row_border(L, m_block, r0), self._row_border(L, m_block, r0 + 8)]
                 min_border = self._row_border(L, m_block, 0)
-                ts = 1 + TRACE_PER_SEG * cutlass.min(seg[0], TRACE_SEGS - 1)
-                self._stamp(mTrace, cta, ts, tidx, 0)
+                self._stamp(0)
                 if const_expr(self.fast):
                     # Q -> e4m3 in smem, each row with its own scale (folded into that row's
                     # softmax scale), while the first pages load.
@@ -750,20 +585,20 @@ class MLADecodeSm90:
                     phase[2] = phase[2] ^ 1
                     cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
                     row_l2 = [scale_log2, scale_log2]
-                self._stamp(mTrace, cta, ts + 1, tidx, 0)
+                self._stamp(1)
 
                 if wg == 0:
                     cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                     self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                              (0, 1, 2, 3, 4, 5, 6, 7, 8))
-                    if const_expr(self.early_vt):
+                    if const_expr(self.fast):
                         # Each warpgroup transposes the V^T half its next P V reads while that
                         # page's Q K^T runs (see _wg0_pair).
-                        self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE), NB_WG0,
+                        self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE_SIZE), NB_WG0,
                                           barK, phase, False)
                     warpgroup.wait_group(0)
                     fence_operand(acc_S)
-                    self._stamp(mTrace, cta, ts + 2, tidx, 0)
+                    self._stamp(2)
                     wg0 = partial(
                         self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
                         min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
@@ -781,13 +616,13 @@ class MLADecodeSm90:
                         wg0(n_full, has1=True, has2=False)
                     else:
                         wg0(n_full, has1=False, has2=False)
-                    self._stamp(mTrace, cta, ts + 3, tidx, 0)
+                    self._stamp(3)
                 else:
                     if n > 1:
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
                                  (4, 5, 6, 7, 8, 0, 1, 2, 3))
-                        if const_expr(self.early_vt):
-                            self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE),
+                        if const_expr(self.fast):
+                            self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE_SIZE),
                                               NB_WG1, barK, phase, False)
                         warpgroup.wait_group(0)
                         fence_operand(acc_S)
@@ -812,53 +647,57 @@ class MLADecodeSm90:
                             wg1(n_full + 1, has1=False, has3=False)
                         else:
                             wg1(n_full, has1=False, has3=False)
-                    self._stamp(mTrace, cta, ts + 4, tidx, 128)
+                    self._stamp(4, 128)
                 # The next segment's Q can load while this one's output is written.
                 next_q = cutlass.Boolean(False)
-                if r + 1 <= end_req:
-                    hi_next = end_blk if r + 1 == end_req else (req[0] + PAGE - 1) // PAGE
-                    next_q = hi_next > 0
+                if r + 1 <= walk.end_req:
+                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0], mBlockTable.shape[1])
+                    next_q = lo_next < hi_next
                 q_ready[0] = 0
                 if next_q:
                     q_ready[0] = 1
                 self._epilogue(
                     acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                     slot0 + split_idx, pieces, wg, wtid, r0, c0,
-                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1, ts,
+                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
                 )
-                self._stamp(mTrace, cta, ts + 5, tidx, 0)
-                self._stamp(mTrace, cta, ts + 9, tidx, 128)
-                seg[0] = seg[0] + 1
-        self._stamp(mTrace, cta, TRACE_END, tidx, 0)
+                self._stamp(5)
+                self._stamp(9, 128)
+            else:
+                if const_expr(not self.fast):
+                    if q_ready[0] == 1:
+                        # Only a schedule made for other lengths predicts a segment to be
+                        # non-empty that is not: the Q load lands before another reuses barQ.
+                        cute.arch.mbarrier_wait(barQ, phase[2])
+                        phase[2] = phase[2] ^ 1
+                q_ready[0] = 0
+                splitkv.empty_segment(
+                    walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * BLOCK_M,
+                    cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M), self.d_h_q, tidx,
+                    self.num_threads)
+        self._stamp("end")
 
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def _stamp(self, mTrace, cta: Int32, slot, tidx: Int32, who: cutlass.Constexpr[int]):
-        """Trace builds: thread `who` writes %globaltimer (ns) to mTrace[cta, slot]. Slots: 0
-        kernel start, 63 end; per segment k (the last slot set is reused past 6 segments) at
-        1 + 10 k: start, Q landed, WG0's first S done, WG0 loop done, WG1 loop done, epilogue
-        done (WG0), then inside the epilogue: both warpgroups synced, WG0's half of O staged,
-        its bulk copies read, and WG1's epilogue done. Slots 64 + 32 k + i (k < 2, i < 32, the
-        last reused): WG0 starts pair i of segment k, i.e. S of its block 2 i is ready."""
-        if const_expr(self.trace):
-            if tidx == who:
-                mTrace[cta, slot] = _globaltimer()
+    def _stamp(self, event, who: int = 0, i=None) -> None:
+        """A trace point, a no-op here (nothing is emitted). The trace build
+        (tools/trace_decode.py) has thread `who` record the time at each: event "start" and
+        "end" of the kernel; per segment 0 start, 1 Q landed, 2 WG0's first S done, 3 WG0's
+        loop done, 4 WG1's loop done, 5 epilogue done (WG0), inside the epilogue 6 both
+        warpgroups synced, 7 WG0's half of O staged, 8 its bulk copies read, 9 WG1's epilogue
+        done (the segment's last); "pair": WG0 starts pair i, i.e. S of its block 2 i is
+        ready."""
 
     @cute.jit
     def _v_half(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
-        off = s * PAGE * D_QK + h * HALF_V * PAGE  # elements; 1 KB aligned, swizzle-phase safe
+        # elements; 1 KB aligned, swizzle-phase safe
+        off = s * PAGE_SIZE * D_QK + h * HALF_V * PAGE_SIZE
         return cute.make_tensor(cute.recast_ptr(k_base + off, self.d_swizzle),
                                 self.d_vhalf_layout.outer)
 
     @cute.jit
     def _row_border(self, L: Int32, m_block: Int32, row: Int32) -> Int32:
-        res = L
-        if const_expr(self.causal):
-            g = m_block * BLOCK_M + row
-            if g < self.d_rows:
-                s_idx = g // self.d_h_q
-                res = L - (self.d_s_q - 1 - s_idx)
-        return res
+        return softmax.row_border(L, m_block * BLOCK_M + row, self.d_rows, self.d_h_q,
+                                  self.d_s_q, self.causal)
 
     @cute.jit
     def _load_q(self, tma_q, tma_mQ, sQ, barQ, r: Int32, m_block: Int32):
@@ -884,19 +723,19 @@ class MLADecodeSm90:
             bar = barK + s * N_TILES + t
             if const_expr(self.fast):
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64)
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE_SIZE * 64)
                 cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar,
                           cache_policy=cutlass.Int64(L2_EVICT_FIRST))
             elif const_expr(self.kv_fp8):
                 with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE * 64)
+                    cute.arch.mbarrier_arrive_and_expect_tx(bar, PAGE_SIZE * 64)
                 dst = tKsK[0][None, 0, t, s] if t < 4 else tKsK[1][None, 0, t - 4, s]
                 cute.copy(tma_k, tKgK[None, t, page], dst, tma_bar_ptr=bar,
                           cache_policy=cutlass.Int64(L2_EVICT_FIRST))
             else:
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar,
-                                                            PAGE * 64 * self.dtype.width // 8)
+                                                            PAGE_SIZE * 64 * self.dtype.width // 8)
                 cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar,
                           cache_policy=cutlass.Int64(L2_EVICT_FIRST))
 
@@ -962,16 +801,17 @@ class MLADecodeSm90:
         for t in cutlass.range_constexpr(t0, t0 + nt):
             cute.arch.mbarrier_wait(barK + s * N_TILES + t, phase[s])
         wtid = self.d_wtid
-        half = self.d_k_base.toint() + (s * PAGE * D_QK + t0 * PAGE * 64) * 2  # byte address
+        # byte address
+        half = self.d_k_base.toint() + (s * PAGE_SIZE * D_QK + t0 * PAGE_SIZE * 64) * 2
         words = [None] * (2 * nt)
         for step, w in fp8_expand_schedule(nt):
             if const_expr(step == "bar"):
                 cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
             elif const_expr(step == "load"):
-                words[w] = _lds128(half + fp8_expand_addrs(nt, w, wtid)[0])
+                words[w] = lds128(half + fp8_expand_addrs(nt, w, wtid)[0])
             else:
                 _, d0, d1 = fp8_expand_addrs(nt, w, wtid)
-                _e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16)
+                e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
@@ -990,23 +830,10 @@ class MLADecodeSm90:
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32):
         """-inf for keys at or past each row's horizon (only where this block reaches one)."""
-        base = blk * PAGE
-        if base + PAGE > min_border:
-            for h in cutlass.range_constexpr(2):
-                lim = border[h] - base
-                for j in cutlass.range_constexpr(PAGE // 8):
-                    for c in cutlass.range_constexpr(2):
-                        idx = c + 2 * h + 4 * j
-                        if 8 * j + c0 + c >= lim:
-                            acc_S[idx] = -Float32.inf
-
-    @cute.jit
-    def _row_max(self, acc_S, h: cutlass.Constexpr[int]) -> Float32:
-        m = acc_S[2 * h]
-        for j in cutlass.range_constexpr(PAGE // 8):
-            for c in cutlass.range_constexpr(2):
-                m = cute.arch.fmax(m, acc_S[c + 2 * h + 4 * j])
-        return cute.arch.warp_reduction_max(m, threads_in_group=4)
+        base = blk * PAGE_SIZE
+        if base + PAGE_SIZE > min_border:
+            softmax.mask_keys(acc_S, base, border[0], border[1],
+                              lambda i: 8 * (i // 4) + c0 + i % 2)
 
     @cute.jit
     def _exp_rows(self, acc_S, m_use, scale_log2, row_sum, row_scale):
@@ -1014,32 +841,14 @@ class MLADecodeSm90:
         row_sum * row_scale + sum(P). Fast mode computes 2^P_SHIFT P: e4m3 then keeps the
         small probabilities out of its subnormals; sums and O carry the same factor, and lse
         takes it out (_epilogue)."""
-        for h in cutlass.range_constexpr(2):
-            s = Float32(0.0)
-            m_h = m_use[h]
-            if const_expr(self.fast):
-                m_h = m_h - P_SHIFT
-            for j in cutlass.range_constexpr(PAGE // 8):
-                for c in cutlass.range_constexpr(2):
-                    idx = c + 2 * h + 4 * j
-                    p = cute.math.exp2(acc_S[idx] * scale_log2[h] - m_h, fastmath=True)
-                    acc_S[idx] = p
-                    s += p
-            row_sum[h] = row_sum[h] * row_scale[h] + s
-
-    @cute.jit
-    def _scale_O(self, acc_O, row_scale):
-        for h in cutlass.range_constexpr(2):
-            for j in cutlass.range_constexpr(HALF_V // 8):
-                for c in cutlass.range_constexpr(2):
-                    idx = c + 2 * h + 4 * j
-                    acc_O[idx] = acc_O[idx] * row_scale[h]
+        softmax.exp_rows(acc_S, m_use, scale_log2, row_sum, row_scale,
+                         P_SHIFT * int(self.fast))
 
     @cute.jit
     def _to_P(self, acc_S, rP, row_scale):
         """rP (dtype, A-operand order == accumulator order) = acc_S * per-row scale."""
         for h in cutlass.range_constexpr(2):
-            for j in cutlass.range_constexpr(PAGE // 8):
+            for j in cutlass.range_constexpr(PAGE_SIZE // 8):
                 for c in cutlass.range_constexpr(2):
                     idx = c + 2 * h + 4 * j
                     rP[idx] = (acc_S[idx] * row_scale[h]).to(self.dtype)
@@ -1063,7 +872,7 @@ class MLADecodeSm90:
                          acc_S[1 + 2 * h + 4 * j] * row_scale[h],
                          acc_S[2 * h + 4 * (j + 1)] * row_scale[h],
                          acc_S[1 + 2 * h + 4 * (j + 1)] * row_scale[h]]
-                    rP32[h + 2 * u + 4 * kk] = _e4m3x4(x[0], x[1], x[2], x[3])
+                    rP32[h + 2 * u + 4 * kk] = e4m3x4(x[0], x[1], x[2], x[3])
 
     @cute.jit
     def _store_P8(self, rP, p_base: Int32, r0: Int32, q: Int32):
@@ -1076,13 +885,13 @@ class MLADecodeSm90:
                 for h in cutlass.range_constexpr(2):
                     row = r0 + 8 * h
                     chunk = ((row >> 1) & 3) ^ (2 * kk + u)
-                    _sts(p_base + row * 64 + chunk * 16 + 4 * q, [rP32[h + 2 * u + 4 * kk]])
+                    sts(p_base + row * 64 + chunk * 16 + 4 * q, [rP32[h + 2 * u + 4 * kk]])
         cute.arch.fence_view_async_shared()
 
     @cute.jit
     def _page_valid(self, blk: Int32, nb_req: Int32, tail: Int32) -> Int32:
         """Keys of block blk that exist: 64, or L % 64 in a request's last (partial) page."""
-        valid = Int32(PAGE)
+        valid = Int32(PAGE_SIZE)
         if blk == nb_req - 1:
             if tail != 0:
                 valid = tail
@@ -1107,12 +916,12 @@ class MLADecodeSm90:
         g = ((lane // 4) ^ (4 * (c // 2))) + 8 * (wtid // 32)
         g1 = g % 2
         col = (8 * g) % 64  # byte of the key row (tile 4 h + g / 8) this thread starts at
-        tile = self.d_k_base.toint() + s * PAGE * D_QK + (4 * h + g // 8) * (PAGE * 64)
+        tile = self.d_k_base.toint() + s * PAGE_SIZE * D_QK + (4 * h + g // 8) * (PAGE_SIZE * 64)
         lo = [None] * 16
         hi = [None] * 16
         for st in cutlass.range_constexpr(16):
             key = 16 * c + (c1 ^ st)
-            w = _lds64(tile + key * 64 + (((col // 16) ^ ((key >> 1) & 3)) * 16) + col % 16)
+            w = lds64(tile + key * 64 + (((col // 16) ^ ((key >> 1) & 3)) * 16) + col % 16)
             ok = key < valid
             lo[st] = cutlass.select_(ok, w[0], Int32(0))
             hi[st] = cutlass.select_(ok, w[1], Int32(0))
@@ -1124,7 +933,7 @@ class MLADecodeSm90:
         selA1 = cutlass.select_(c1 == 0, Int32(0x7362), Int32(0x3726))
         selB0 = cutlass.select_(g1 == 0, Int32(0x5410), Int32(0x7632))
         selB1 = cutlass.select_(g1 == 0, Int32(0x7632), Int32(0x5410))
-        vt = self.d_vt_base + (2 * s + h) * (HALF_V * PAGE)
+        vt = self.d_vt_base + (2 * s + h) * (HALF_V * PAGE_SIZE)
         # d 0-3 (the lo words) first, stored before d 4-7 are built: fewer live registers.
         for half_w in cutlass.range_constexpr(2):
             arr = lo if half_w == 0 else hi
@@ -1140,7 +949,7 @@ class MLADecodeSm90:
                 out[3][w4] = Int32(cute.arch.prmt(t1, u1, selB1))
             for k in cutlass.range_constexpr(4):
                 row = 8 * g + (g1 ^ (4 * half_w + k))
-                _sts(vt + row * 64 + ((c ^ ((row >> 1) & 3)) * 16), out[k])
+                sts(vt + row * 64 + ((c ^ ((row >> 1) & 3)) * 16), out[k])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
@@ -1162,15 +971,15 @@ class MLADecodeSm90:
         scale = q_scale
         if const_expr(self.q_fp8):
             for i in cutlass.range_constexpr(9):
-                words += _ldg128(src + 16 * i)
+                words += ldg128(src + 16 * i)
         else:
             bf16 = self.dtype == cutlass.BFloat16
             raw = []
             for i in cutlass.range_constexpr(18):
-                raw += _ldg128(src + 16 * i)
+                raw += ldg128(src + 16 * i)
             amax = Float32(0.0)
             for w in raw:
-                for v in _unpack16x2(w, bf16):
+                for v in unpack16x2(w, bf16):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
@@ -1179,13 +988,13 @@ class MLADecodeSm90:
                 inv = Float32(448.0) / amax
             scale = amax * Float32(1.0 / 448.0)
             for i in cutlass.range_constexpr(36):  # (unpacked again: fewer live registers)
-                a = _unpack16x2(raw[2 * i], bf16)
-                b = _unpack16x2(raw[2 * i + 1], bf16)
-                words.append(_e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
+                a = unpack16x2(raw[2 * i], bf16)
+                b = unpack16x2(raw[2 * i + 1], bf16)
+                words.append(e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
         for i in cutlass.range_constexpr(9):
             col = 144 * part + 16 * i
             chunk = ((col % 64) // 16) ^ ((row >> 1) & 3)
-            _sts(q_base + (col // 64) * (BLOCK_M * 64) + row * 64 + chunk * 16,
+            sts(q_base + (col // 64) * (BLOCK_M * 64) + row * 64 + chunk * 16,
                  [cutlass.select_(ok, words[4 * i + k], Int32(0)) for k in range(4)])
         if part == 0:
             sQScale[row] = scale
@@ -1195,15 +1004,16 @@ class MLADecodeSm90:
                      valid: Int32, wtid: Int32, bar_id: cutlass.Constexpr[int]):
         """Zeroes keys [valid, 64) of V half h in buffer s (whole 128-byte rows, so the swizzle
         does not matter), then makes the stores visible to this warpgroup's wgmma."""
-        base = cute.recast_ptr(k_base + s * PAGE * D_QK + h * HALF_V * PAGE, dtype=Float32)
-        words = cute.make_tensor(base, cute.make_layout(HALF_V * PAGE // 2))
-        n_words = (PAGE - valid) * 32 * 4  # rows x 32 words x 4 column chunks
+        base = cute.recast_ptr(k_base + s * PAGE_SIZE * D_QK + h * HALF_V * PAGE_SIZE,
+                               dtype=Float32)
+        words = cute.make_tensor(base, cute.make_layout(HALF_V * PAGE_SIZE // 2))
+        n_words = (PAGE_SIZE - valid) * 32 * 4  # rows x 32 words x 4 column chunks
         for i in cutlass.range(wtid, n_words, 128, unroll=1):
             row = valid + i // 128
             rem = i % 128
             chunk = rem // 32
             w = rem % 32
-            words[chunk * (PAGE * 32) + row * 32 + w] = Float32(0.0)
+            words[chunk * (PAGE_SIZE * 32) + row * 32 + w] = Float32(0.0)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
@@ -1212,15 +1022,12 @@ class MLADecodeSm90:
         """Row max of this block (scaled, log2 domain; scale_log2 per h), old and new running
         max."""
         m_old = [sM[r0], sM[r0 + 8]]
-        m_new = [Float32(0.0), Float32(0.0)]
-        m_use = [Float32(0.0), Float32(0.0)]
-        scale = [Float32(0.0), Float32(0.0)]
+        m_new = [None, None]
+        m_use = [None, None]
+        scale = [None, None]
         for h in cutlass.range_constexpr(2):
-            m_blk = self._row_max(acc_S, h) * scale_log2[h]
-            m_new[h] = cute.arch.fmax(m_old[h], m_blk)
-            # A row that has seen no key yet keeps max -inf: subtract 0 instead (no NaN).
-            m_use[h] = Float32(0.0) if m_new[h] == -Float32.inf else m_new[h]
-            scale[h] = cute.math.exp2(m_old[h] - m_use[h], fastmath=True)
+            m_blk = softmax.row_max(acc_S, h) * scale_log2[h]
+            m_new[h], m_use[h], scale[h] = softmax.online_max(m_old[h], m_blk)
         return m_new, m_use, scale
 
     # ------------------------------------------------------------------------------------------
@@ -1234,18 +1041,12 @@ class MLADecodeSm90:
         then serialize every wgmma of the kernel)."""
         blk0 = lo + 2 * i
         last = lo + n - 1
-        if const_expr(self.trace):
-            k = cutlass.min(self.d_seg[0], TRACE_PAIR_SEGS - 1)
-            self._stamp(self.d_trace, self.d_cta,
-                        TRACE_PAIR0 + TRACE_PAIRS * k + cutlass.min(i, TRACE_PAIRS - 1), wtid, 0)
+        self._stamp("pair", 0, i)
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
-        if const_expr(self.fast):
-            page4 = mBlockTable[r, cutlass.min(blk0 + 4, last)]
-            page5 = mBlockTable[r, cutlass.min(blk0 + 5, last)]
-        tail = L % PAGE
+        tail = L % PAGE_SIZE
         self._mask(acc_S, blk0, border, min_border, c0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
         cute.arch.sync_warp()
@@ -1253,7 +1054,7 @@ class MLADecodeSm90:
             for h in cutlass.range_constexpr(2):
                 sM[r0 + 8 * h] = m_new[h]
                 sScale0[r0 + 8 * h] = scale0[h]
-        self._scale_O(acc_O, scale0)
+        softmax.scale_rows(acc_O, scale0)
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale0)
         one = [Float32(1.0), Float32(1.0)]
         if const_expr(self.fast):
@@ -1264,23 +1065,14 @@ class MLADecodeSm90:
 
         if const_expr(self.fast):
             # V0L^T was built while this page's Q K^T ran (at the end of the last pair, or at
-            # the segment's start). Fast mode reads V from V^T, so a buffer half is refilled
-            # once it is transposed and its Q K^T is done, not after the P V that reads it: the
-            # next page has longer to land.
-            if const_expr(not self.early_vt):
-                self._transpose_v(0, 0, self._page_valid(blk0, nb_req, tail), NB_WG0, barK,
-                                  phase, False)
+            # the segment's start: H200, 128x8192 h_q 16 / 128, 64x2048 h_q 16: 254.3 / 476.4 /
+            # 60.8 us against 265.8 / 476.6 / 63.0 building it here). Fast mode reads V from
+            # V^T, so a buffer half is refilled once it is transposed and its Q K^T is done, not
+            # after the P V that reads it: the next page has longer to land. (TMA prefetches of
+            # the pages of the pair after next into L2 were slower: 300.6 / 539.7 / 65.1 us.)
             if const_expr(has2):
                 if wtid < 32:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
-                    # Half-size pages: two buffers hold too few bytes in flight for the HBM's
-                    # latency, so the pages of the pair after next go to L2 now (TMA prefetch).
-                    if const_expr(self.prefetch):
-                        with cute.arch.elect_one():
-                            if blk0 + 4 <= last:
-                                cute.prefetch(tma_k, tKgK[None, None, page4])
-                            if blk0 + 5 <= last:
-                                cute.prefetch(tma_k, tKgK[None, None, page5])
         else:
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1302,7 +1094,7 @@ class MLADecodeSm90:
             self._store_P(st_P, rP, sP0)
         cute.arch.barrier_arrive(barrier_id=NB_P0, number_of_threads=256)
 
-        self._scale_O(acc_O, scale1)
+        softmax.scale_rows(acc_O, scale1)
         for h in cutlass.range_constexpr(2):
             row_sum[h] = row_sum[h] * scale1[h]
         if const_expr(has1):
@@ -1330,7 +1122,7 @@ class MLADecodeSm90:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
-            if const_expr(self.early_vt):
+            if const_expr(self.fast):
                 # The next page's V0L^T, while its Q K^T runs (its tiles landed: the Q K^T
                 # waited for them; P0 @ V0L, the last reader of V0L^T, is done).
                 self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
@@ -1352,7 +1144,7 @@ class MLADecodeSm90:
         last = lo + n - 1
         page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
         page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
-        tail = L % PAGE
+        tail = L % PAGE_SIZE
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
         if const_expr(has1):
             self._mask(acc_S, blk0 + 1, border, min_border, c0)
@@ -1366,7 +1158,7 @@ class MLADecodeSm90:
                 sM[r0 + 8 * h] = m_new[h]
                 sScale1[r0 + 8 * h] = scale1[h]
         both = [scale0[0] * scale1[0], scale0[1] * scale1[1]]
-        self._scale_O(acc_O, both)
+        softmax.scale_rows(acc_O, both)
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, both)
         cute.arch.barrier_arrive(barrier_id=NB_SCALE1, number_of_threads=256)
 
@@ -1375,10 +1167,7 @@ class MLADecodeSm90:
             if const_expr(self.fast):
                 self._to_P8(acc_S, rP, one)
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
-                # (V1R^T was built while this page's Q K^T ran, with early_vt.)
-                if const_expr(not self.early_vt):
-                    self._transpose_v(1, 1, self._page_valid(blk0 + 1, nb_req, tail), NB_WG1,
-                                      barK, phase, False)
+                # (V1R^T was built while this page's Q K^T ran.)
                 if const_expr(has3):
                     if wtid < 32:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
@@ -1418,7 +1207,7 @@ class MLADecodeSm90:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))
-            if const_expr(self.early_vt):
+            if const_expr(self.fast):
                 self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
                                   phase, False)
             warpgroup.wait_group(0)
@@ -1428,7 +1217,7 @@ class MLADecodeSm90:
     @cute.jit
     def _epilogue(self, acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
                   slot, pieces, wg, wtid, r0, c0, next_q, tma_q, tma_mQ, sQ, barQ,
-                  r_next: Int32, ts: Int32):
+                  r_next: Int32):
         """Normalizes O and writes it (dtype) or the fp32 partial of a split request (slot).
         Once both warpgroups are past their last MMA, the next segment's Q starts loading
         (next_q); the output is staged in the page buffers and written by bulk copies."""
@@ -1442,45 +1231,32 @@ class MLADecodeSm90:
             for h in cutlass.range_constexpr(2):
                 sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
         cute.arch.sync_threads()
-        self._stamp(self.d_trace, self.d_cta, ts + 6, tidx, 0)
+        self._stamp(6)
         if next_q:
             if tidx < 32:
                 self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
         total = [sL[r0] + sL[BLOCK_M + r0], sL[r0 + 8] + sL[BLOCK_M + r0 + 8]]
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
-        inv = [Float32(1.0) / total[0] if total[0] > 0.0 else Float32(0.0),
-               Float32(1.0) / total[1] if total[1] > 0.0 else Float32(0.0)]
+        inv = [softmax.inv_sum(total[0]), softmax.inv_sum(total[1])]
         if const_expr(self.kv_fp8):
             inv = [inv[0] * self.d_kv_scale, inv[1] * self.d_kv_scale]  # V's scale
         valid_rows = cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M)
         shift = Float32(P_SHIFT * int(self.fast))  # (see _exp_rows)
-        if pieces > 1:
-            self._stage_and_store(acc_O, inv, k_base, Float32, mOacc[slot, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
-        else:
-            self._stage_and_store(acc_O, inv, k_base, self.dtype, mO[r, None, None],
-                                  m_block, valid_rows, r0, c0, wg, wtid, ts)
+        splitkv.store_result(
+            pieces, lambda t, i, dt: self._stage_and_store(
+                acc_O, inv, k_base, dt, t[i, None, None], m_block, valid_rows, r0, c0, wg, wtid),
+            mO, mOacc, r, slot, self.dtype)
         if wg == 0:
             if wtid % 4 == 0:
                 for h in cutlass.range_constexpr(2):
                     row = m_block * BLOCK_M + r0 + 8 * h
                     if row < self.d_rows:
-                        m = sM[r0 + 8 * h]
-                        if pieces > 1:
-                            lse2 = -Float32.inf
-                            if total[h] > 0.0:
-                                lse2 = cute.math.log2(total[h], fastmath=False) + m - shift
-                            mLSEacc[slot, row] = lse2
-                        else:
-                            lse = Float32.inf
-                            if total[h] > 0.0:
-                                lse = (cute.math.log2(total[h], fastmath=False) + m - shift
-                                       ) * LN_2
-                            mLSE[r, row % self.d_h_q, row // self.d_h_q] = lse
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, row, pieces, self.d_h_q,
+                                          total[h], sM[r0 + 8 * h], shift)
 
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
-                         m_block, valid_rows, r0, c0, wg, wtid, ts):
+                         m_block, valid_rows, r0, c0, wg, wtid):
         """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
         buffers, rows padded by 8 elements so that the lanes of a store phase hit 32 distinct
         banks) -> rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy
@@ -1505,15 +1281,15 @@ class MLADecodeSm90:
             cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
         else:
             cute.arch.barrier(barrier_id=NB_WG1, number_of_threads=128)
-        self._stamp(self.d_trace, self.d_cta, ts + 7, wg * 128 + wtid, 0)
+        self._stamp(7)
         if wtid < valid_rows:
             row = m_block * BLOCK_M + wtid
             dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
             src = base + wtid * stride
-            _bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
+            bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
             cute.arch.cp_async_bulk_commit_group()
             cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self._stamp(self.d_trace, self.d_cta, ts + 8, wg * 128 + wtid, 0)
+        self._stamp(8)
 
     @cute.jit
     def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):
@@ -1543,48 +1319,22 @@ class MLADecodeSm90Fast(MLADecodeSm90):
 
     fast = True
 
-    def __init__(self, dtype, causal: bool, q_fp8: bool = False, trace: bool = False,
-                 early_vt: bool = True, prefetch: bool = False):
-        super().__init__(dtype, causal, trace=trace, kv_fp8=True)
+    def __init__(self, dtype, causal: bool, q_fp8: bool = False):
+        super().__init__(dtype, causal, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
-        # Schedule choices (tools/ab_fast.py times them; H200, us at 128x8192 h_q 16 / 128,
-        # 64x2048 h_q 16): early_vt builds V0L^T / V1R^T of a page while its Q K^T runs instead
-        # of inside the pair (254.3 / 476.4 / 60.8 against 265.8 / 476.6 / 63.0); prefetch
-        # sends the pages of the pair after next to L2 with TMA prefetches (300.6 / 539.7 /
-        # 65.1 with early_vt: slower, off).
-        self.early_vt = bool(early_vt)
-        self.prefetch = bool(prefetch)
 
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, rows, 576): dtype, or uint8 (e4m3 bytes) when q_fp8
-        mKV: cute.Tensor,  # (num_blocks, 64, 576) uint8 (e4m3 bytes)
-        mBlockTable: cute.Tensor,
-        mSeqlens: cute.Tensor,
-        mMeta: cute.Tensor,
-        mNumSplits: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mOacc: cute.Tensor,
-        mLSEacc: cute.Tensor,
-        scale_log2: Float32,
-        stream,
-        mTrace: cute.Tensor = None,
-        mKVScale: cute.Tensor = None,
-        mQScale: cute.Tensor = None,
-        q_scaled=None,
-    ):
+    def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
+        """As MLADecodeSm90._setup, for e4m3 operands: mQ is dtype, or uint8 (e4m3 bytes) when
+        q_fp8; mKV uint8 (e4m3 bytes)."""
         f8 = cutlass.Float8E4M3FN
         kmode = warpgroup.OperandMajorMode.K
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
-        self.swizzle = atom.inner
         sQ_layout = cute.tile_to_shape(atom, (BLOCK_M, D_QK), order=(0, 1))
-        sK_layout = cute.tile_to_shape(atom, (PAGE, D_QK, 2), order=(0, 1, 2))
+        sK_layout = cute.tile_to_shape(atom, (PAGE_SIZE, D_QK, 2), order=(0, 1, 2))
         tile_layout = cute.tile_to_shape(atom, (64, 64), order=(0, 1))
-        vt_layout = cute.tile_to_shape(atom, (HALF_V, PAGE), order=(0, 1))
+        vt_layout = cute.tile_to_shape(atom, (HALF_V, PAGE_SIZE), order=(0, 1))
         tiled_qk = sm90_utils.make_trivial_tiled_mma(
-            f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, PAGE))
+            f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, PAGE_SIZE))
         tiled_pv_rs = sm90_utils.make_trivial_tiled_mma(
             f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, HALF_V),
             warpgroup.OperandSource.RMEM)
@@ -1592,29 +1342,19 @@ class MLADecodeSm90Fast(MLADecodeSm90):
             f8, f8, kmode, kmode, Float32, (1, 1, 1), (BLOCK_M, HALF_V))
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         tma_k, tma_mKV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mKV_t, tile_layout, (PAGE, 64))
+            cpasync.CopyBulkTensorTileG2SOp(), mKV_t, tile_layout, (PAGE_SIZE, 64))
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * D_QK], 1024]
+        u8 = cutlass.Uint8
+        self.shared_storage = shared_storage(
+            sQ=_aligned(u8, BLOCK_M * D_QK),
             # sK then sVt, adjacent: the epilogue stages fp32 O (132 KB) across both.
-            sK: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * PAGE * D_QK], 1024]
-            sVt: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, 2 * D_V * PAGE], 1024]
-            sP0: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE], 1024]
-            sP1: cute.struct.Align[cute.struct.MemRange[cutlass.Uint8, BLOCK_M * PAGE], 1024]
-            sQScale: cute.struct.MemRange[Float32, BLOCK_M]
-            sM: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale0: cute.struct.MemRange[Float32, BLOCK_M]
-            sScale1: cute.struct.MemRange[Float32, BLOCK_M]
-            sL: cute.struct.MemRange[Float32, 2 * BLOCK_M]
-            barK: cute.struct.MemRange[cutlass.Int64, 2 * N_TILES]
-            barQ: cute.struct.MemRange[cutlass.Int64, 1]
-
-        self.shared_storage = SharedStorage
+            sK=_aligned(u8, 2 * PAGE_SIZE * D_QK),
+            sVt=_aligned(u8, 2 * D_V * PAGE_SIZE),
+            sP0=_aligned(u8, BLOCK_M * PAGE_SIZE),
+            sP1=_aligned(u8, BLOCK_M * PAGE_SIZE),
+            sQScale=cute.struct.MemRange[Float32, BLOCK_M],
+        )
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
-        self._launch((
-            tma_k, mQ, tma_k, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, mTrace, mKVScale, mQScale, q_scaled,
-            sQ_layout, sK_layout, tile_layout, vt_layout,
-            tiled_qk, tiled_qk, tiled_pv_rs, tiled_pv_ss,
-        ), mMeta, mO, stream)
+        return (tma_k, mQ, tma_k, tma_mKV), (
+            sQ_layout, sK_layout, tile_layout, vt_layout, tiled_qk, tiled_qk, tiled_pv_rs,
+            tiled_pv_ss)

@@ -1,0 +1,199 @@
+"""Inline-PTX helpers the kernels share: shared/global memory accesses the DSL has no op for,
+e4m3 conversions, register pins, bulk copies, named barriers without .aligned, tcgen05 fences and
+the L2 eviction-policy operand. Each is one instruction (or a fixed short sequence) traced inline
+where it is called; names are public because every kernel module imports them from here.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import llvm, nvvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+# L2 cache-policy operand of the cache-page TMA loads (PTX createpolicy encoding of evict_first,
+# CUTLASS's CacheHintSm90::EVICT_FIRST). Each page is read by the part's m-block CTAs within a few
+# microseconds and never again, so its lines should be the first to go. Measured on the H200:
+# 2.4-4.8 us faster on the small anchor rows (docs/kernel-notes.md, v7). The trace before it had
+# pairs of blocks taking 5.3-8.6 us in a launch's first ~30 us against 4.0 later; the suspected
+# cause, write-backs of dirty lines that earlier kernels left in L2 and the page loads evicted,
+# is not confirmed.
+L2_EVICT_FIRST = 0x12F0000000000000
+
+
+@dsl_user_op
+def pin_f32(x: Float32, *, loc=None, ip=None) -> Float32:
+    """x through an empty asm with side effects: the compiler may not move its computation
+    across this point (fence_operand)."""
+    return Float32(llvm.inline_asm(T.f32(), [Float32(x).ir_value(loc=loc, ip=ip)], "", "=f,0",
+                                   has_side_effects=True, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def pin_b32(x: Int32, *, loc=None, ip=None) -> Int32:
+    """pin_f32 for a 32-bit integer register."""
+    return Int32(llvm.inline_asm(T.i32(), [Int32(x).ir_value(loc=loc, ip=ip)], "", "=r,0",
+                                 has_side_effects=True, is_align_stack=False,
+                                 asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
+    """cp.async.bulk global <- shared::cta of nbytes (16-byte aligned), in a bulk group."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.global.shared::cta.bulk_group [{$r0}], [{$r1}], {$r2};",
+        read_only_args=[cutlass.Int64(dst_addr), Int32(src_addr), Int32(nbytes)],
+        loc=loc, ip=ip,
+    )
+
+
+@dsl_user_op
+def globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
+    """%globaltimer (ns): trace builds only (tools/trace_decode.py)."""
+    return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+def _load_words(n: int, addr, asm: str, addr_reg: str, loc, ip) -> list:
+    """n 32-bit words from one load instruction `asm` (outputs $0..$n-1, address $n), with
+    side effects: it stays in program order with the barriers around it."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * n), [addr.ir_value(loc=loc, ip=ip)], asm,
+        ",".join(["=r"] * n + [addr_reg]), has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def lds128(addr: Int32, *, loc=None, ip=None):
+    """Four 32-bit words from shared::cta address addr (16-byte aligned): one ld.shared.v4."""
+    return _load_words(4, Int32(addr), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "r", loc, ip)
+
+
+def _e4m3_asm(to_bf16: bool) -> str:
+    """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
+    two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15).
+
+    cvt.rn.f16x2.e4m3x2 is exact (every e4m3 value, subnormals included, is a normal f16).
+    For bf16: f16 -> f32 (exact) -> bf16x2 (exact: 3 significant bits, exponents -9..8, so
+    neither a denormal nor a rounding ever occurs). Of cvt's x2 forms the upper half of the
+    result comes from the upper input (upper byte; first f32 operand), so value k of the
+    chunk sits in bits 16 (k % 2) of word k // 2, as in memory."""
+    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>;", ".reg .f32 fl<8>, fu<8>;"]
+    for w in range(4):
+        lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
+    for i in range(8):
+        if to_bf16:
+            lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};", f"mov.b32 {{l{i}, u{i}}}, h{i};",
+                      f"cvt.f32.f16 fl{i}, l{i};", f"cvt.f32.f16 fu{i}, u{i};",
+                      f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};"]
+        else:
+            lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
+    lines += ["st.shared.v4.b32 [$0], {h0, h1, h2, h3};",
+              "st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
+    return "\n".join(lines)
+
+
+@dsl_user_op
+def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, ip=None) -> None:
+    """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
+    (values 8-15); see _e4m3_asm."""
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst0, dst1, *words)]
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16), "r,r,r,r,r,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def lds64(addr: Int32, *, loc=None, ip=None):
+    """Two 32-bit words from shared::cta address addr (8-byte aligned): one ld.shared.v2."""
+    return _load_words(2, Int32(addr), "ld.shared.v2.b32 {$0, $1}, [$2];", "r", loc, ip)
+
+
+@dsl_user_op
+def sts(addr: Int32, words, *, loc=None, ip=None) -> None:
+    """One, two or four 32-bit words to shared::cta address addr (st.shared, .v2, .v4)."""
+    n = len(words)
+    vec = {1: "", 2: ".v2", 4: ".v4"}[n]
+    regs = ", ".join(f"${i + 1}" for i in range(n))
+    regs = regs if n == 1 else "{" + regs + "}"
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, *words)]
+    llvm.inline_asm(None, args, f"st.shared{vec}.b32 [$0], {regs};", ",".join(["r"] * (n + 1)),
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def ldg128(addr, *, loc=None, ip=None):
+    """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
+    return _load_words(4, cutlass.Int64(addr), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
+                       "l", loc, ip)
+
+
+@dsl_user_op
+def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Int32:
+    """Four fp32 values -> one word of four e4m3 bytes (a in the lowest), rounded to nearest
+    and saturated at +-448 (cvt's upper half takes its first operand)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(x).ir_value(loc=loc, ip=ip) for x in (a, b, c, d)],
+        "{ .reg .b16 lo, hi;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n"
+        "cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        "mov.b32 $0, {lo, hi}; }",
+        "=r,f,f,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def unpack16x2(w: Int32, bf16: bool, *, loc=None, ip=None):
+    """A word of two bf16 (or fp16) values -> the two as fp32 (low half first)."""
+    body = ("{ .reg .b32 t;\nshl.b32 $0, $2, 16;\nand.b32 $1, $2, 0xffff0000; }" if bf16 else
+            "{ .reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.f32.f16 $0, l;\ncvt.f32.f16 $1, h; }")
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.f32()] * 2), [Int32(w).ir_value(loc=loc, ip=ip)], body,
+        "=f,=f,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Float32(llvm.extractvalue(T.f32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@cute.jit
+def fence_operand(t: cute.Tensor):
+    """Pins a register fragment at this point of the program (CUTLASS's warpgroup_fence_operand):
+    values are computed before it and read after it. Without it the compiler sinks, e.g., the
+    bf16 conversion of P between the wgmma that read it, and ptxas then serializes every wgmma."""
+    if const_expr(t.element_type == Float32):
+        for i in cutlass.range_constexpr(cute.size(t)):
+            t[i] = pin_f32(t[i])
+    else:
+        t32 = cute.recast_tensor(t, Int32)
+        for i in cutlass.range_constexpr(cute.size(t32)):
+            t32[i] = pin_b32(t32[i])
+
+
+def bar_sync(barrier_id, number_of_threads):
+    """barrier.cta.sync without .aligned: the warps that meet there may come from different
+    instructions (the stage barrier's two sites, a quad waiting where the other arrives). An
+    aligned bar.sync asks every thread of the CTA to execute that very instruction; synccheck
+    reports the stage barrier's two sites as divergence when they are aligned."""
+    nvvm.barrier_cta_sync(Int32(barrier_id).ir_value(),
+                          thread_count=Int32(number_of_threads).ir_value(), aligned=False)
+
+
+def bar_arrive(barrier_id, number_of_threads):
+    """barrier.cta.arrive without .aligned (see bar_sync)."""
+    cute.arch.barrier_arrive(barrier_id=barrier_id, number_of_threads=number_of_threads,
+                             aligned=False)
+
+
+@dsl_user_op
+def tcgen05_before_sync(*, loc=None, ip=None) -> None:
+    """Orders this thread's earlier tcgen05 operations before its next barrier arrive."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.BEFORE_THREAD_SYNC, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def tcgen05_after_sync(*, loc=None, ip=None) -> None:
+    """Orders this thread's later tcgen05 operations after the barrier wait it just passed."""
+    nvvm.tcgen05_fence(nvvm.Tcgen05FenceKind.AFTER_THREAD_SYNC, loc=loc, ip=ip)
