@@ -14,19 +14,13 @@ from expecttest import assert_expected_inline
 
 SCRIPT = r"""
 import glob, json, os, re, sys
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_step
-from torch_mla.cute_kernels.decode_step import MLADecodeStep
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90, MLADecodeSm90Fast
-dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
-causal = sys.argv[2] == "causal"
-kv_fp8 = sys.argv[3] == "fp8"  # a float8_e4m3fn cache (exact mode)
-if sys.argv[3].startswith("fast"):  # fast mode (compute="fp8"); "fastq8": an e4m3 q
-    decode = MLADecodeSm90Fast(dt, causal, q_fp8=sys.argv[3] == "fastq8")
-else:
-    decode = MLADecodeSm90(dt, causal, kv_fp8=kv_fp8)
-# What mla_decode runs: the decode kernel and the three combine variants behind one host call.
-compile_decode_step(cute, cutlass, MLADecodeStep(decode, dt), dt)
+from torch_mla.ops import registry
+fast = sys.argv[3].startswith("fast")  # fast mode (compute="fp8"); "fastq8": an e4m3 q
+# What mla_decode runs: the decode kernel and the three combine variants behind one host call
+# ("fp8": over a float8_e4m3fn cache, exact mode).
+registry.build(registry.DecodeStepConfig(
+    "sm90", sys.argv[1], sys.argv[2] == "causal", kv_fp8=sys.argv[3] != "same",
+    compute="fp8" if fast else "exact", q_fp8=sys.argv[3] == "fastq8"), "sm_90a")
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -112,10 +106,11 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
 TRACE_SCRIPT = r"""
 import glob, os
 import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_sm90
+from torch_mla.contract import compile_decode_kernel, fake_tensor
 from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
-compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, False, trace=True),
-                    cutlass.BFloat16)
+stamps = fake_tensor(cutlass.Int64, (cute.sym_int(), 128), (128, 1), 8)  # (ctas, 128) int64
+compile_decode_kernel(MLADecodeSm90(cutlass.BFloat16, False, trace=True), cutlass.BFloat16,
+                      "sm_90a", extra=[stamps])
 ptx = "".join(open(f).read() for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"],
                                                                "*.ptx")))
 print(ptx.count("%globaltimer"))
@@ -134,16 +129,13 @@ def test_sm90_trace_build_compiles(tmp_path):
 
 SMALL_SCRIPT = r"""
 import glob, json, os, re
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_append_kv, compile_schedule
-from torch_mla.cute_kernels.append_kv import AppendKV, AppendKVFp8
-from torch_mla.cute_kernels.schedule import DecodeSchedule
-compile_schedule(cute, cutlass, DecodeSchedule(), "sm_90a")
-compile_schedule(cute, cutlass, DecodeSchedule(), "sm_80")
-compile_append_kv(cute, cutlass, AppendKV(cutlass.BFloat16, cutlass.Float32), cutlass.Int64)
-compile_append_kv(cute, cutlass, AppendKV(cutlass.Float16, cutlass.Float16), cutlass.Int32)
-compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.BFloat16), cutlass.Int64)
-compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.Float32), cutlass.Int32, "sm_89")
+from torch_mla.ops.registry import AppendKVConfig, ScheduleConfig, build
+build(ScheduleConfig(), "sm_90a")
+build(ScheduleConfig(), "sm_80")
+build(AppendKVConfig("bf16", "fp32", "int64"), "sm_90a")
+build(AppendKVConfig("fp16", "fp16", "int32"), "sm_90a")
+build(AppendKVConfig("e4m3", "bf16", "int64"), "sm_90a")
+build(AppendKVConfig("e4m3", "fp32", "int32"), "sm_89")
 out = []
 for f in sorted(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))):
     lines = open(f).read().splitlines()
@@ -167,17 +159,14 @@ print(json.dumps(out))
 
 PORTABLE_SCRIPT = r"""
 import glob, json, os, re, sys
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import _has_pdl, compile_combine, compile_decode_sm80
-from torch_mla.cute_kernels.combine import MLACombine
-from torch_mla.cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
-dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
-causal = sys.argv[2] == "causal"
+from torch_mla.ops.registry import CombineKernelConfig, DecodeConfig, build
+from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
+dt, causal = sys.argv[1], sys.argv[2] == "causal"
 out = {}
 for arch in sys.argv[3].split(","):
-    cfg = Sm80DecodeConfig.from_heuristic(arch)
-    compile_decode_sm80(cute, cutlass, MLADecodeSm80(dt, causal, cfg, _has_pdl(arch)), dt, arch)
-    compile_combine(cute, cutlass, MLACombine(dt, 512, 4, _has_pdl(arch)), dt, arch)
+    cfg = Sm80DecodeConfig.from_heuristic(arch)  # (the tiles the compile entry picks)
+    build(DecodeConfig("sm80", dt, causal), arch)
+    build(CombineKernelConfig(dt, 4), arch)
     counts = {}
     for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"*.{arch}.ptx")):
         ptx = open(f).read()
@@ -227,7 +216,7 @@ def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
 SM100_SCRIPT = r"""
 import glob, json, os, re, sys
 import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_step
+from torch_mla.contract import compile_step_kernel
 from torch_mla.cute_kernels import sm100_decode
 from torch_mla.cute_kernels.decode_step import MLADecodeStep
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
@@ -236,7 +225,7 @@ if len(sys.argv) > 3:  # a configuration past the shared-memory budget must not 
     sm100_decode.KV_STAGES = int(sys.argv[3])
 kernel = sm100_decode.MLADecodeSm100(dt, causal)
 try:  # what mla_decode would run: the decode kernel and the combine behind one host call
-    compile_decode_step(cute, cutlass, MLADecodeStep(kernel, dt), dt, "sm_100a")
+    compile_step_kernel(MLADecodeStep(kernel, dt), dt, "sm_100a")
 except AssertionError as e:
     print(json.dumps({"assert": str(e)}))
     sys.exit(0)
