@@ -89,12 +89,13 @@ def kernel_args(inp, sched):
 
 def breakdown_us(inp, sched, causal):
     """(decode kernel alone, combine kernel alone), each captured and replayed on its own."""
-    from torch_mla.ops import dispatch
+    from torch_mla.ops import dispatch, registry
 
     b, s_q, h_q = inp.q.shape[:3]
-    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
-    combine = dispatch._compiled_combine(
-        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q))
+    dt = registry.dtype_name(inp.q.dtype)
+    decode = registry.compiled(registry.DecodeConfig("sm90", dt, causal and s_q > 1), "sm_90a")
+    combine = registry.compiled(registry.CombineKernelConfig(
+        dt, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q)), "sm_90a")
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
     t_dec = graph_time_us(lambda: decode(*args, None))  # None: no trace table
