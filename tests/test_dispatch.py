@@ -413,3 +413,51 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
                      (2, 8, 512), True, True, 1)]
     torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
     torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
+
+
+def test_no_import_cycle_between_torch_mla_modules():
+    """No torch_mla module imports, at module level or inside a function, one that imports it
+    back (a package's __init__, which always runs first, aside): the dependencies form layers
+    (ops -> dispatch -> registry -> kernel_cache; kernels -> contract -> constants)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(torch_mla.__file__).parent
+    files = {}
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for mod, f in files.items():
+        package = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                               for a in node.names)
+        graph[mod] = {t for t in targets if t in files and t != mod
+                      and not mod.startswith(t + ".")}
+    cycles, state, path = [], {}, []
+
+    def visit(mod):
+        state[mod] = "open"
+        path.append(mod)
+        for t in sorted(graph[mod]):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod)
+    assert cycles == []
+    assert "torch_mla.ops.registry" in graph["torch_mla.ops.dispatch"]  # (the graph is real)
