@@ -62,6 +62,11 @@ def build(variant: registry.Variant) -> tuple[registry.Variant, str, float, str]
     return variant, what, time.perf_counter() - t0, str(path) if stored else ""
 
 
+def _worker_start() -> None:
+    # The DSL's import (seconds) once per worker, not in its first variant's time.
+    import cutlass.cute  # noqa: F401
+
+
 def _list(choices):
     def parse(text: str) -> list[str]:
         items = [x.strip() for x in text.split(",") if x.strip()]
@@ -112,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
         pool = None
     else:
         # spawn: the DSL is not fork-safe once imported, and this process never imports it.
-        pool = multiprocessing.get_context("spawn").Pool(jobs)
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_worker_start)
         order = sorted(todo, key=lambda v: -_COST.get(v.config.name.split("_")[0], 0))
         results = pool.imap_unordered(build, order)
     counts = {"built": 0, "cached": 0, "NOT STORED": 0}
