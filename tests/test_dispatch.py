@@ -12,6 +12,7 @@ import torch
 from expecttest import assert_expected_inline
 
 import torch_mla
+from torch_mla import contract
 from torch_mla.contract import has_pdl
 from torch_mla.ops import dispatch, registry, selfcheck
 from torch_mla.reference import mla_decode_reference
@@ -337,6 +338,29 @@ def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
     assert len(sm100.calls) == 3
 
 
+def contract_mismatches(args, names, sizes: dict) -> list[str]:
+    """The arguments a stand-in step received that differ from their definition in
+    torch_mla/contract.py (shape with these sizes, fixed strides, 16-byte rows, alignment,
+    index and fp32 dtypes, scalar types): what the kernels were compiled for."""
+    dtypes = {"i32": torch.int32, "f32": torch.float32}
+    bad = []
+    for name, a in zip(names, args, strict=True):
+        spec = contract.ARGS[name]
+        if spec.shape is None:
+            ok = isinstance(a, int if spec.dtype == "i32" else float)
+        else:
+            want = [sizes.get(d, d) for d in spec.shape]
+            ok = (len(a.shape) == len(want) and all(w in ("?", n) for w, n in zip(want, a.shape))
+                  and all(s == st if isinstance(s, int) else
+                          s == "dyn" or st * a.element_size() % 16 == 0
+                          for s, st in zip(spec.stride, a.stride()))
+                  and a.data_ptr() % spec.align == 0
+                  and a.dtype == dtypes.get(spec.dtype, a.dtype))
+        if not ok:
+            bad.append(name)
+    return bad
+
+
 @pytest.mark.parametrize("h_kv, s_q, misaligned", [(1, 1, False), (1, 3, False), (2, 2, False),
                                                    (1, 2, True)])
 def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misaligned):
@@ -351,11 +375,17 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
             inp.q)
     b, g = 3, 4 // h_kv
     meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, 4, h_kv=h_kv)
-    layouts = set()
+    layouts, mismatches = set(), []
 
     def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
              variant, *extra):
         rows, slots = s_q * g, b + meta.shape[0]
+        sizes = {"b": b, "rows": rows, "n_blocks": inp.kv_cache.shape[0],
+                 "max_blocks": inp.block_table.shape[1], "parts": meta.shape[0],
+                 "slots": slots, "h_q": g, "s_q": s_q}
+        mismatches.extend(contract_mismatches(
+            (q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant), contract.STEP_ARGS[:-1], sizes))  # (the stream is TVM-FFI's)
         layouts.add((q3.shape == (b, rows, 576) and q3.stride()[1:] == (576, 1)
                      and q3.data_ptr() % 16 == 0,
                      kv.shape == (inp.kv_cache.shape[0], 64, 576) and kv.stride(-1) == 1,
@@ -376,6 +406,7 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
                                   splits, 0.5, True)
     variant = dispatch.combine_variant(b, meta.shape[0], s_q * g)
     assert layouts == {(True,) * 9 + (round(0.5 * math.log2(math.e), 6), variant)}
+    assert mismatches == []
     heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
     torch.testing.assert_close(out, inp.q[..., :512] + heads, rtol=0, atol=0)
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
@@ -397,6 +428,11 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
              variant, *extra):
         seen.append((q3.dtype, tuple(q3.shape), kv.dtype, tuple(kv.shape), out3.dtype,
                      tuple(out3.shape), extra[0] is kv_scale, extra[1] is q_scale, extra[2]))
+        sizes = {"b": 2, "rows": 8, "n_blocks": kv8.shape[0], "max_blocks": table.shape[1],
+                 "parts": meta.shape[0], "slots": 2 + meta.shape[0], "h_q": 4, "s_q": 2}
+        seen.append(contract_mismatches(
+            (q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra), contract.STEP_ARGS[:-1] + contract.FP8_ARGS, sizes))
         q_bytes = q8.view(torch.uint8).view(2, 8, 576)
         assert torch.equal(q3, q_bytes if compute == "fp8" else q8.to(torch.bfloat16).view(
             2, 8, 576))
@@ -410,7 +446,7 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
                                       0.5, False, kv_scale, q_scale, compute)
     q_dtype = torch.uint8 if compute == "fp8" else torch.bfloat16
     assert seen == [(q_dtype, (2, 8, 576), torch.uint8, (kv8.shape[0], 64, 576), torch.bfloat16,
-                     (2, 8, 512), True, True, 1)]
+                     (2, 8, 512), True, True, 1), []]
     torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
     torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
 
