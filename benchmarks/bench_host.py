@@ -58,20 +58,20 @@ def cuda_model():
     from torch_mla.ops import dispatch
 
     saved = (torch.Tensor.is_cuda, torch.cuda.current_device, dispatch.decode_backend,
-             dict(dispatch._STEPS), dict(dispatch._capability))
+             dict(dispatch.STEPS), dict(dispatch._capability))
     torch.Tensor.is_cuda = property(lambda self: True)
     backend = dispatch.decode_backend
     dispatch.decode_backend = lambda device, *args: backend(_CUDA0, *args)
     # CPU tensors have device index None: "the current device" is None too, an H100/H200.
     torch.cuda.current_device = lambda: None
     dispatch._capability[None] = dispatch._capability[0] = (9, 0)
-    dispatch._STEPS["sm90"] = lambda dtype, causal, index: lambda *args: None
+    dispatch.STEPS["sm90"] = lambda dtype, causal, index: lambda *args: None
     try:
         yield
     finally:
         torch.Tensor.is_cuda, torch.cuda.current_device, dispatch.decode_backend = saved[:3]
-        dispatch._STEPS.clear()
-        dispatch._STEPS.update(saved[3])
+        dispatch.STEPS.clear()
+        dispatch.STEPS.update(saved[3])
         dispatch._capability.clear()
         dispatch._capability.update(saved[4])
 
@@ -133,7 +133,7 @@ def floor_rows(inp, sched, x):
                                               f"{dispatch.device_arch(x.device.index)}")
     y = torch.zeros(32, device=x.device)
     step_args = {}
-    saved = dict(dispatch._STEPS)
+    saved = dict(dispatch.STEPS)
 
     def capture(run):
         def get(dtype, causal, index):
@@ -146,11 +146,11 @@ def floor_rows(inp, sched, x):
         return get
 
     # Whichever step this GPU runs (the SM90 one on an H100/H200, the portable one elsewhere).
-    dispatch._STEPS.update({key: capture(run) for key, run in saved.items()})
+    dispatch.STEPS.update({key: capture(run) for key, run in saved.items()})
     try:
         torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
     finally:
-        dispatch._STEPS.update(saved)
+        dispatch.STEPS.update(saved)
     step, args = step_args["step"]
     return [("one CuTe DSL kernel launch (an empty kernel, TVM-FFI)", lambda: empty(y)),
             ("mla_decode's compiled step alone (2 launches, arguments prepared)",

@@ -12,7 +12,9 @@ import torch
 from expecttest import assert_expected_inline
 
 import torch_mla
-from torch_mla.ops import dispatch, selfcheck
+from torch_mla import contract
+from torch_mla.contract import has_pdl
+from torch_mla.ops import dispatch, registry, selfcheck
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import make_decode_inputs
 
@@ -21,16 +23,18 @@ from torch_mla.testing import make_decode_inputs
 def arch(monkeypatch):
     """Pretend the CUDA device has the given compute capability."""
     cap = {"value": (9, 0)}
-    monkeypatch.setattr(dispatch, "_cuda_arch", lambda device: cap["value"])
+    monkeypatch.setattr(dispatch, "cuda_capability", lambda device: cap["value"])
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
     monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
-    return cap
+    dispatch.clear_caches()  # (warnings given, first-use checks, arches of other tests' GPUs)
+    yield cap
+    dispatch.clear_caches()
 
 
 class TestBackend(expecttest.TestCase):
     def test_reasons(self):
         mp = pytest.MonkeyPatch()
-        mp.setattr(dispatch, "_cuda_arch", lambda device: (9, 0))
+        mp.setattr(dispatch, "cuda_capability", lambda device: (9, 0))
         mp.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
         mp.delenv("TORCH_MLA_PORTABLE", raising=False)
         try:
@@ -42,11 +46,11 @@ class TestBackend(expecttest.TestCase):
                 dispatch.decode_backend("cuda", torch.bfloat16, d_qk=192, d_v=128),
             ]
             for cap in [(7, 5), (8, 0), (8, 6), (8, 9), (10, 0), (12, 0)]:
-                mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+                mp.setattr(dispatch, "cuda_capability", lambda device, cap=cap: cap)
                 rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
             mp.setenv("TORCH_MLA_PORTABLE", "1")
             for cap in [(9, 0), (7, 5)]:
-                mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+                mp.setattr(dispatch, "cuda_capability", lambda device, cap=cap: cap)
                 rows.append(dispatch.decode_backend("cuda", torch.bfloat16))
             rows.append(dispatch.decode_backend("cuda", torch.float32))
             mp.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
@@ -78,7 +82,6 @@ def _fake_cuda_q(dtype, d_qk=576):
 
 
 def test_fallback_on_gpu_warns_once_per_reason(arch, monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", set())
     cache = torch.empty(1, 64, 1, 576)
     with pytest.warns(UserWarning, match="float32 inputs: the kernels take bfloat16 or float16"):
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.float32), cache, 512) is None
@@ -92,35 +95,34 @@ def test_fallback_on_gpu_warns_once_per_reason(arch, monkeypatch):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # a kernel: no warning
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
-            dispatch._run_sm90
+            dispatch.run_sm90
     # Other GPUs of compute capability 8.0+ run the portable kernel, after a first-use check
     # against the reference (it was verified on an H200 only); TORCH_MLA_PORTABLE=1 forces it
     # on the H200, where it needs none.
     checked = []
-    monkeypatch.setattr(dispatch, "_first_use_checked", {})
-    monkeypatch.setattr(dispatch, "_first_use_failed",
-                        lambda name, run, device, dtype: checked.append((name, run)))
-    for cap in [(8, 0), (8, 9), (10, 0), (12, 0)]:
+    monkeypatch.setattr(selfcheck, "check_kernel",
+                        lambda run, device, dtype: checked.append((arch["value"], run)))
+    caps = [(8, 0), (8, 9), (10, 0), (12, 0)]
+    for cap in caps:
         arch["value"] = cap
+        dispatch.clear_caches()  # (each pretends another GPU as device 0)
         with warnings.catch_warnings():
             warnings.simplefilter("error")
             assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
-                dispatch._run_sm80
-    assert checked == [("sm80", dispatch._run_sm80)] * 4
+                dispatch.run_sm80
+    assert checked == [(cap, dispatch.run_sm80) for cap in caps]
     arch["value"] = (9, 0)
     monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
     assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is \
-        dispatch._run_sm80
+        dispatch.run_sm80
     assert len(checked) == 4
 
 
 def test_portable_kernel_falls_back_when_its_first_use_check_fails(arch, monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "_first_use_checked", {})
     check = selfcheck.check_kernel
     monkeypatch.setattr(selfcheck, "check_kernel",
                         lambda run, device, dtype: check(run, "cpu", dtype))
-    monkeypatch.setattr(dispatch, "_run_sm80", lambda q, kv, table, seqlens, meta, splits, scale,
+    monkeypatch.setattr(dispatch, "run_sm80", lambda q, kv, table, seqlens, meta, splits, scale,
                         causal: _ignores_causal(q, kv, table, seqlens, scale, causal))
     arch["value"] = (8, 6)
     cache = torch.empty(1, 64, 1, 576)
@@ -130,29 +132,31 @@ def test_portable_kernel_falls_back_when_its_first_use_check_fails(arch, monkeyp
 
 
 
-def test_portable_kernel_is_compiled_for_the_device_arch(monkeypatch):
-    """Each GPU gets the portable kernel (and the combine) built for its own arch; the H200,
-    forced, gets them for sm_90a."""
+def test_portable_kernel_is_compiled_for_the_device_arch(arch, monkeypatch):
+    """Each GPU gets the portable decode step built for its own arch; the H200, forced, gets it
+    for sm_90a, and the SM90 step is sm_90a's."""
     got = []
-    monkeypatch.setattr(dispatch, "_compiled_decode_sm80",
-                        lambda dtype, causal, arch: got.append(("decode", causal, arch)))
-    monkeypatch.setattr(dispatch, "_compiled_decode_sm90",
-                        lambda dtype, causal: got.append(("decode_sm90", causal)))
+    monkeypatch.setattr(registry, "compiled", lambda config, a: got.append((config, a)))
     for cap in [(8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (10, 3), (12, 0), (12, 1)]:
-        arch = dispatch.gpu_arch(*cap)
-        dispatch.compiled_decode("sm80", torch.bfloat16, cap == (8, 6), arch)
-    dispatch.compiled_decode("sm90", torch.bfloat16, True, dispatch.SM90_ARCH)
-    assert got == [("decode", False, "sm_80"), ("decode", True, "sm_86"),
-                   ("decode", False, "sm_89"), ("decode", False, "sm_90a"),
-                   ("decode", False, "sm_100a"), ("decode", False, "sm_103a"),
-                   ("decode", False, "sm_120a"), ("decode", False, "sm_121a"),
-                   ("decode_sm90", True)]
-    assert [dispatch._has_pdl(a) for a in ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")] == [
+        arch["value"] = cap
+        dispatch.clear_caches()
+        dispatch.STEPS["sm80"](torch.bfloat16, cap == (8, 6), 0)
+    dispatch.STEPS["sm90"](torch.float16, True, 0)
+    assert [(c.name, c.key(), a) for c, a in got] == [
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_80"),
+        ("step_sm80", {"dtype": "bf16", "causal": True}, "sm_86"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_89"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_90a"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_100a"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_103a"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_120a"),
+        ("step_sm80", {"dtype": "bf16", "causal": False}, "sm_121a"),
+        ("step_sm90", {"dtype": "fp16", "causal": True}, "sm_90a")]
+    assert [has_pdl(a) for a in ("sm_80", "sm_89", "sm_90a", "sm_100a", "sm_120a")] == [
         False, False, True, True, True]
 
 
 def test_forced_reference_and_cpu_do_not_warn(arch, monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned", set())
     monkeypatch.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
     cache = torch.empty(1, 64, 1, 576)
     with warnings.catch_warnings():
@@ -171,9 +175,8 @@ def _fake_cuda(dtype, shape, ptr=0):
 def test_small_kernels_run_from_sm80_and_compile_for_the_device_arch(arch, monkeypatch):
     """schedule and append_kv use no arch-specific instruction: the kernel compiled for the
     device's arch (sm_90a on an H200: the arch the decode kernel and precompile use)."""
-    monkeypatch.setattr(dispatch, "_compiled_schedule", lambda a: f"schedule {a}")
-    monkeypatch.setattr(dispatch, "_compiled_append_kv",
-                        lambda a, *dts: f"append_kv {a} " + " ".join(str(d)[6:] for d in dts))
+    monkeypatch.setattr(registry, "compiled", lambda config, a: " ".join(
+        [config.name, a, *config.key().values()]))
     bf16, fp32 = torch.bfloat16, torch.float32
     cuda = torch.device("cuda", 0)
 
@@ -185,10 +188,10 @@ def test_small_kernels_run_from_sm80_and_compile_for_the_device_arch(arch, monke
     rows = []
     for cap in [(7, 5), (8, 0), (8, 6), (9, 0), (10, 0), (12, 0), (13, 0)]:
         arch["value"] = cap
-        dispatch._device_arch.cache_clear()
+        dispatch.clear_caches()
         rows.append(f"{cap}: {dispatch.find_schedule_kernel(cuda)} | {append(src=fp32)}")
-    dispatch._device_arch.cache_clear()
     arch["value"] = (9, 0)
+    dispatch.clear_caches()
     rows += [f"{append(slot=torch.int32)}", f"{append(fp32, fp32)}", f"{append(bf16, fp32)}",
              f"{append(src=torch.float16)} {append(d_rope=32)} {append(ptr=8)}",
              f"{dispatch.find_schedule_kernel(torch.device('cpu'))}"]
@@ -198,19 +201,18 @@ def test_small_kernels_run_from_sm80_and_compile_for_the_device_arch(arch, monke
                                                 _fake_cuda(torch.int64, (3,)))))
     monkeypatch.setenv("TORCH_MLA_FORCE_REFERENCE", "1")
     rows.append(f"{dispatch.find_schedule_kernel(cuda)} {append()}")
-    dispatch._device_arch.cache_clear()
     assert_expected_inline("\n".join(rows), """\
 (7, 5): None | None
-(8, 0): schedule sm_80 | append_kv sm_80 bfloat16 float32 int64
-(8, 6): schedule sm_86 | append_kv sm_86 bfloat16 float32 int64
-(9, 0): schedule sm_90a | append_kv sm_90a bfloat16 float32 int64
-(10, 0): schedule sm_100a | append_kv sm_100a bfloat16 float32 int64
-(12, 0): schedule sm_120a | append_kv sm_120a bfloat16 float32 int64
+(8, 0): schedule sm_80 | append_kv sm_80 bf16 fp32 int64
+(8, 6): schedule sm_86 | append_kv sm_86 bf16 fp32 int64
+(9, 0): schedule sm_90a | append_kv sm_90a bf16 fp32 int64
+(10, 0): schedule sm_100a | append_kv sm_100a bf16 fp32 int64
+(12, 0): schedule sm_120a | append_kv sm_120a bf16 fp32 int64
 (13, 0): None | None
-append_kv sm_90a bfloat16 bfloat16 int32
+append_kv sm_90a bf16 bf16 int32
 None
-append_kv sm_90a bfloat16 float32 int64
-append_kv sm_90a bfloat16 float16 int64 None None
+append_kv sm_90a bf16 fp32 int64
+append_kv sm_90a bf16 fp16 int64 None None
 None
 None
 None None""")
@@ -243,8 +245,6 @@ def sm100(arch, monkeypatch):
     the check's problems sent to the CPU (this machine has no GPU to send them to)."""
     arch["value"] = (10, 0)
     monkeypatch.setenv("TORCH_MLA_SM100", "1")
-    monkeypatch.setattr(dispatch, "_warned", set())
-    monkeypatch.setattr(dispatch, "_first_use_checked", {})
     check = selfcheck.check_kernel
     monkeypatch.setattr(selfcheck, "check_kernel",
                         lambda run, device, dtype: check(run, "cpu", dtype))
@@ -255,7 +255,7 @@ def sm100(arch, monkeypatch):
             calls.append((q.device.type, int((splits[1:] - splits[:-1]).max()),
                           int(seqlens.min()), causal))
             return kernel(q, kv, table, seqlens, scale, causal)
-        monkeypatch.setattr(dispatch, "_run_sm100", run)
+        monkeypatch.setattr(dispatch, "run_sm100", run)
         return run
 
     return types.SimpleNamespace(use=use, calls=calls)
@@ -327,20 +327,44 @@ def test_sm100_wrong_kernel_warns_and_falls_back(sm100, kernel, expected):
 def test_sm100_check_waits_for_a_call_outside_graph_capture(sm100, monkeypatch):
     run = sm100.use(reference_kernel)
     cache = torch.empty(1, 64, 1, 576)
-    monkeypatch.setattr(dispatch, "_capturing", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: True)
     with pytest.warns(UserWarning, match="first-use check cannot run during a CUDA-graph "
                                          "capture; make one call before capturing"):
         assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is None
     assert sm100.calls == []
-    monkeypatch.setattr(dispatch, "_capturing", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
     assert dispatch.find_decode_kernel(_fake_cuda_q(torch.bfloat16), cache, 512) is run
     assert len(sm100.calls) == 3
+
+
+def contract_mismatches(args, names, sizes: dict) -> list[str]:
+    """The arguments a stand-in step received that differ from their definition in
+    torch_mla/contract.py (shape with these sizes, fixed strides, 16-byte rows, alignment,
+    index and fp32 dtypes, scalar types): what the kernels were compiled for."""
+    dtypes = {"i32": torch.int32, "f32": torch.float32}
+    bad = []
+    for name, a in zip(names, args, strict=True):
+        spec = contract.ARGS[name]
+        if spec.shape is None:
+            ok = isinstance(a, int if spec.dtype == "i32" else float)
+        else:
+            want = [sizes.get(d, d) for d in spec.shape]
+            ok = (len(a.shape) == len(want) and all(w in ("?", n) for w, n in zip(want, a.shape))
+                  and all(s == st if isinstance(s, int) else
+                          s == "dyn" or st * a.element_size() % 16 == 0
+                          for s, st in zip(spec.stride, a.stride()))
+                  and a.data_ptr() % spec.align == 0
+                  and a.dtype == dtypes.get(spec.dtype, a.dtype))
+        if not ok:
+            bad.append(name)
+    return bad
 
 
 @pytest.mark.parametrize("h_kv, s_q, misaligned", [(1, 1, False), (1, 3, False), (2, 2, False),
                                                    (1, 2, True)])
 def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misaligned):
-    """The host side of a kernel call (_run_split_kv) on CPU tensors, with a stand-in for the
+    """The host side of a kernel call (run_split_kv) on CPU tensors, with a stand-in for the
     compiled step (the launch needs a GPU): each KV head's query rows, cache rows, output rows and
     workspace reach the step in the layouts the kernels were compiled for, and what the step
     writes comes back as out [b, s_q, h_q, 512] and lse [b, h_q, s_q] in the right places."""
@@ -351,11 +375,17 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
             inp.q)
     b, g = 3, 4 // h_kv
     meta, splits = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, 4, h_kv=h_kv)
-    layouts = set()
+    layouts, mismatches = set(), []
 
     def step(q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
              variant, *extra):
         rows, slots = s_q * g, b + meta.shape[0]
+        sizes = {"b": b, "rows": rows, "n_blocks": inp.kv_cache.shape[0],
+                 "max_blocks": inp.block_table.shape[1], "parts": meta.shape[0],
+                 "slots": slots, "h_q": g, "s_q": s_q}
+        mismatches.extend(contract_mismatches(
+            (q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant), contract.STEP_ARGS[:-1], sizes))  # (the stream is TVM-FFI's)
         layouts.add((q3.shape == (b, rows, 576) and q3.stride()[1:] == (576, 1)
                      and q3.data_ptr() % 16 == 0,
                      kv.shape == (inp.kv_cache.shape[0], 64, 576) and kv.stride(-1) == 1,
@@ -371,11 +401,12 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
         out3.copy_(q3[..., :512] + kv[table[0, 0], 0, :512])
         lse.copy_(q3[..., 0].view(b, s_q, g).transpose(1, 2))
 
-    monkeypatch.setitem(dispatch._STEPS, "sm90", lambda dtype, causal, index: step)
-    out, lse = dispatch._run_sm90(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, meta,
+    monkeypatch.setitem(dispatch.STEPS, "sm90", lambda dtype, causal, index: step)
+    out, lse = dispatch.run_sm90(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, meta,
                                   splits, 0.5, True)
     variant = dispatch.combine_variant(b, meta.shape[0], s_q * g)
     assert layouts == {(True,) * 9 + (round(0.5 * math.log2(math.e), 6), variant)}
+    assert mismatches == []
     heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
     torch.testing.assert_close(out, inp.q[..., :512] + heads, rtol=0, atol=0)
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
@@ -383,7 +414,7 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
 
 @pytest.mark.parametrize("compute", ["exact", "fp8"])
 def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
-    """The float8_e4m3fn paths of _run_split_kv (stand-in step, CPU tensors): the cache as its
+    """The float8_e4m3fn paths of run_split_kv (stand-in step, CPU tensors): the cache as its
     bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
     scales behind the combine variant."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
@@ -397,6 +428,11 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
              variant, *extra):
         seen.append((q3.dtype, tuple(q3.shape), kv.dtype, tuple(kv.shape), out3.dtype,
                      tuple(out3.shape), extra[0] is kv_scale, extra[1] is q_scale, extra[2]))
+        sizes = {"b": 2, "rows": 8, "n_blocks": kv8.shape[0], "max_blocks": table.shape[1],
+                 "parts": meta.shape[0], "slots": 2 + meta.shape[0], "h_q": 4, "s_q": 2}
+        seen.append(contract_mismatches(
+            (q3, kv, table, seqlens, meta_, splits_, out3, lse, oacc, lseacc, scale_log2,
+             variant, *extra), contract.STEP_ARGS[:-1] + contract.FP8_ARGS, sizes))
         q_bytes = q8.view(torch.uint8).view(2, 8, 576)
         assert torch.equal(q3, q_bytes if compute == "fp8" else q8.to(torch.bfloat16).view(
             2, 8, 576))
@@ -405,11 +441,59 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
         lse.fill_(2.0)
 
     key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast_q8"
-    monkeypatch.setitem(dispatch._STEPS, key, lambda dtype, causal, index: step)
-    out, lse = dispatch._run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
+    monkeypatch.setitem(dispatch.STEPS, key, lambda dtype, causal, index: step)
+    out, lse = dispatch.run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
                                       0.5, False, kv_scale, q_scale, compute)
     q_dtype = torch.uint8 if compute == "fp8" else torch.bfloat16
     assert seen == [(q_dtype, (2, 8, 576), torch.uint8, (kv8.shape[0], 64, 576), torch.bfloat16,
-                     (2, 8, 512), True, True, 1)]
+                     (2, 8, 512), True, True, 1), []]
     torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
     torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
+
+
+def test_no_import_cycle_between_torch_mla_modules():
+    """No torch_mla module imports, at module level or inside a function, one that imports it
+    back (a package's __init__, which always runs first, aside): the dependencies form layers
+    (ops -> dispatch -> registry -> kernel_cache; kernels -> contract -> constants)."""
+    import ast
+    from pathlib import Path
+
+    root = Path(torch_mla.__file__).parent
+    files = {}
+    for f in root.rglob("*.py"):
+        parts = list(f.relative_to(root.parent).with_suffix("").parts)
+        files[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = f
+    graph = {}
+    for mod, f in files.items():
+        package = mod if f.name == "__init__.py" else mod.rsplit(".", 1)[0]
+        targets = set()
+        for node in ast.walk(ast.parse(f.read_text())):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[:len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in files else base
+                               for a in node.names)
+        graph[mod] = {t for t in targets if t in files and t != mod
+                      and not mod.startswith(t + ".")}
+    cycles, state, path = [], {}, []
+
+    def visit(mod):
+        state[mod] = "open"
+        path.append(mod)
+        for t in sorted(graph[mod]):
+            if state.get(t) == "open":
+                cycles.append(" -> ".join(path[path.index(t):] + [t]))
+            elif t not in state:
+                visit(t)
+        path.pop()
+        state[mod] = "done"
+
+    for mod in sorted(graph):
+        if mod not in state:
+            visit(mod)
+    assert cycles == []
+    assert "torch_mla.ops.registry" in graph["torch_mla.ops.dispatch"]  # (the graph is real)

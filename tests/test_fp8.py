@@ -11,7 +11,7 @@ import torch
 import torch._dynamo.testing
 
 import torch_mla
-from torch_mla.ops import dispatch
+from torch_mla.ops import dispatch, registry
 from torch_mla.reference import dequantize_fp8, mla_decode_reference, quantize_fp8
 from torch_mla.testing import make_decode_inputs
 
@@ -248,13 +248,14 @@ def test_compat_vllm_fp8_names():
 class TestFp8Dispatch(expecttest.TestCase):
     def setUp(self):
         self.mp = pytest.MonkeyPatch()
-        self.mp.setattr(dispatch, "_cuda_arch", lambda device: (9, 0))
-        self.mp.setattr(dispatch, "_warned", set())
+        self.mp.setattr(dispatch, "cuda_capability", lambda device: (9, 0))
+        dispatch.clear_caches()
         self.mp.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
         self.mp.delenv("TORCH_MLA_PORTABLE", raising=False)
 
     def tearDown(self):
         self.mp.undo()
+        dispatch.clear_caches()
 
     def query(self, dtype):
         return types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=dtype,
@@ -268,12 +269,12 @@ class TestFp8Dispatch(expecttest.TestCase):
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 self.assertIs(dispatch.find_decode_kernel(self.query(q_dtype), cache, 512),
-                              dispatch._run_sm90_fp8)
+                              dispatch.run_sm90_fp8)
         # a bf16 cache still gets the 16-bit kernel's runner
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16),
                                                   torch.empty(1, 64, 1, 576,
                                                               dtype=torch.bfloat16), 512),
-                      dispatch._run_sm90)
+                      dispatch.run_sm90)
 
     def test_fp8_cache_takes_the_reference_elsewhere_and_warns_once(self):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
@@ -286,7 +287,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache on TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         self.mp.delenv("TORCH_MLA_PORTABLE")
         for cap in [(8, 0), (8, 9), (10, 0)]:
-            self.mp.setattr(dispatch, "_cuda_arch", lambda device, cap=cap: cap)
+            self.mp.setattr(dispatch, "cuda_capability", lambda device, cap=cap: cap)
             name, why = dispatch.decode_backend("cuda", FP8, cache_dtype=FP8)
             self.assertEqual(name, "reference")
             self.assertEqual(dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8),
@@ -309,7 +310,7 @@ class TestFp8Dispatch(expecttest.TestCase):
                                             compute="fp8")
         self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 tensor cores)""")
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
-                      dispatch._run_sm90_fp8)
+                      dispatch.run_sm90_fp8)
 
     def test_append_kernel_for_an_fp8_cache_from_sm89(self):
         cache = types.SimpleNamespace(is_cuda=True, device=torch.device("cuda", 0), dtype=FP8,
@@ -317,19 +318,19 @@ class TestFp8Dispatch(expecttest.TestCase):
         src = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 512))
         pe = types.SimpleNamespace(dtype=torch.bfloat16, shape=(3, 64))
         slots = types.SimpleNamespace(dtype=torch.int64, shape=(3,))
-        self.mp.setattr(dispatch, "_compiled_append_kv", lambda *a: a)
+        self.mp.setattr(registry, "compiled", lambda config, arch: (arch, *config.key().values()))
         got = {}
         for cap in ((8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (12, 0)):
-            self.mp.setattr(dispatch, "_device_arch",
-                            lambda device, cap=cap: dispatch.PORTABLE_ARCHS[cap])
+            self.mp.setattr(dispatch, "cuda_capability", lambda device, cap=cap: cap)
+            dispatch.clear_caches()
             got[cap] = dispatch.find_append_kernel(cache, src, pe, slots)
         self.assertExpectedInline("\n".join(f"{c}: {k}" for c, k in got.items()), """\
 (8, 0): None
 (8, 6): None
-(8, 9): ('sm_89', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
-(9, 0): ('sm_90a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
-(10, 0): ('sm_100a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)
-(12, 0): ('sm_120a', torch.float8_e4m3fn, torch.bfloat16, torch.int64)""")
+(8, 9): ('sm_89', 'e4m3', 'bf16', 'int64')
+(9, 0): ('sm_90a', 'e4m3', 'bf16', 'int64')
+(10, 0): ('sm_100a', 'e4m3', 'bf16', 'int64')
+(12, 0): ('sm_120a', 'e4m3', 'bf16', 'int64')""")
 
 
 class TestFp8Errors(expecttest.TestCase):
@@ -479,7 +480,7 @@ def test_sm90_fp8_kernel_converts_every_code_exactly(q_dtype, compute, kernel_en
     from torch_mla.testing import make_fp8_code_case
 
     c = make_fp8_code_case(q_dtype, "cuda")
-    assert dispatch.find_decode_kernel(c.q, c.kv_cache, 512) is dispatch._run_sm90_fp8
+    assert dispatch.find_decode_kernel(c.q, c.kv_cache, 512) is dispatch.run_sm90_fp8
     out, lse = torch_mla.mla_decode(c.q, c.kv_cache, c.block_table, c.cache_seqlens,
                                     softmax_scale=1.0, kv_scale=c.kv_scale, q_scale=c.q_scale,
                                     compute=compute)
@@ -532,7 +533,7 @@ def run_fp8_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, 
         q_scale = (q.float().abs().amax() / 448).reshape(1)
         q = quantize_fp8(q, q_scale)
     scale = scale or SCALE
-    assert dispatch.find_decode_kernel(q, cache, 512) is dispatch._run_sm90_fp8
+    assert dispatch.find_decode_kernel(q, cache, 512) is dispatch.run_sm90_fp8
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q, h_kv=h_kv)
     out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
                                     softmax_scale=scale, causal=causal, kv_scale=kv_scale,

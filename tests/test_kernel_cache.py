@@ -20,7 +20,8 @@ import pytest
 from expecttest import assert_expected_inline
 
 from torch_mla import precompile
-from torch_mla.ops import dispatch, kernel_cache
+from torch_mla.constants import COMBINE_WARPS_PER_ROW
+from torch_mla.ops import kernel_cache, registry
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cc = pytest.mark.skipif(shutil.which("cc") is None, reason="needs a C compiler")
@@ -254,9 +255,9 @@ def test_off_stores_nothing(cache, monkeypatch, tmp_path):
 
 
 def test_precompile_variants_cover_the_dispatch():
-    got = [(k, c) for k, c, _ in precompile.variants(["bf16", "fp16"], (False, True),
-                                                     ["step", "fp8_step", "fp8_fast", "decode",
-                                                      "combine"])]
+    got = [(v.name, v.key()) for v in registry.variants(["bf16", "fp16"], (False, True),
+                                                        ["step", "fp8_step", "fp8_fast",
+                                                         "decode", "combine"])]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 step_sm90 {'dtype': 'bf16', 'causal': False}
 step_sm90 {'dtype': 'bf16', 'causal': True}
@@ -282,10 +283,11 @@ decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
 combine {'dtype': 'fp16', 'warps_per_row': 4}
 combine {'dtype': 'fp16', 'warps_per_row': 16}""")
-    got = [(k, c) for k, c, _ in precompile.variants(["bf16"], (True,),
-                                                     ["decode", "combine", "portable"], "sm_90a")]
-    got += [(k, c) for k, c, _ in precompile.variants(["fp16"], (False,),
-                                                      ["decode", "portable"], "sm_86")]
+    got = [(v.name, v.key()) for v in registry.variants(["bf16"], (True,),
+                                                        ["decode", "combine", "portable"],
+                                                        "sm_90a")]
+    got += [(v.name, v.key()) for v in registry.variants(["fp16"], (False,),
+                                                         ["decode", "portable"], "sm_86")]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 step_sm80 {'dtype': 'bf16', 'causal': True}
 decode_sm90 {'dtype': 'bf16', 'causal': True}
@@ -299,15 +301,15 @@ decode_sm80 {'dtype': 'fp16', 'causal': False}""")
     picked = {CombineConfig.from_heuristic(b, parts, rows).warps_per_row
               for b in (1, 2, 8, 32, 128) for parts in (1, 16, 132, 264, 1000)
               for rows in (1, 16, 128, 512)}
-    assert picked == set(precompile.COMBINE_WARPS_PER_ROW)
+    assert picked == set(COMBINE_WARPS_PER_ROW)
 
 
 def test_precompile_variants_of_the_small_kernels():
     """schedule and append_kv for any arch (the decode kernels only for sm_90a); append_kv in
     every combination its dispatch compiles (dispatch.find_append_kernel): over a
     float8_e4m3fn cache from sm_89 up."""
-    got = [(k, c) for k, c, _ in precompile.variants(["bf16"], (False,), list(precompile.KERNELS),
-                                                     "sm_80")]
+    got = [(v.name, v.key()) for v in registry.variants(["bf16"], (False,),
+                                                        list(registry.KERNELS), "sm_80")]
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 schedule {}
 step_sm80 {'dtype': 'bf16', 'causal': False}
@@ -321,39 +323,39 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
-    assert len(precompile.variants(["bf16", "fp16"], (False, True), list(precompile.KERNELS))) \
+    assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
         == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
     # portable steps, fp8 steps, decode, combine, append_kv; fast-mode fp8 steps (q in dtype: 2
     # per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
-    fp8_append = {arch: sorted((c["source"], c["slot"]) for k, c, _ in precompile.variants(
-        ["bf16"], (False,), ["append_kv"], arch) if c["cache"] == "e4m3")
+    fp8_append = {arch: sorted((v.config.source, v.config.slot) for v in registry.variants(
+        ["bf16"], (False,), ["append_kv"], arch) if v.config.cache == "e4m3")
         for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")}
     assert {a: len(v) for a, v in fp8_append.items()} == {
         "sm_80": 0, "sm_86": 0, "sm_89": 6, "sm_90a": 6, "sm_100a": 6, "sm_120a": 6}
-    assert "sm_80" in precompile.ARCHS and precompile.ARCHS[0] == "sm_90a"
+    assert "sm_80" in registry.ARCHS and registry.ARCHS[0] == "sm_90a"
 
 
 @needs_cc
 def test_precompile_cli(cache, monkeypatch, capsys):
-    def fake_combine(dtype, warps_per_row, arch):
-        return kernel_cache.load_or_build(
-            "combine", {"dtype": dispatch._DTYPE_NAMES[dtype], "warps_per_row": warps_per_row},
-            arch, lambda: FakeCompiled(warps_per_row))
+    def fake_build(config, arch):
+        assert config.name == "combine", config  # (a real compile: not in this test)
+        return FakeCompiled(config.warps_per_row)
 
-    monkeypatch.setattr(dispatch, "_compiled_combine", fake_combine)
-    monkeypatch.setattr(dispatch, "_compiled_decode_sm90", lambda *a: pytest.fail("decode"))
-    monkeypatch.setattr(dispatch, "_compiled_decode_sm80", lambda *a: pytest.fail("decode"))
+    monkeypatch.setattr(registry, "build", fake_build)
 
     def run(*argv):
-        assert precompile.main(["--arch", "sm_90a", *argv]) == 0
+        # --jobs 1: in this process, where the stand-in compile is patched in
+        assert precompile.main(["--arch", "sm_90a", "--jobs", "1", *argv]) == 0
         out = capsys.readouterr().out.replace(str(cache), "DIR")
         out = re.sub(r"-[0-9a-f]{16}\.[0-9a-f]{16}\.so", "-KEY.SHA.so", out)
-        return re.sub(r"\d+\.\d(?= s )", lambda m: "T".rjust(len(m[0])), out)
+        out = re.sub(r"variants in \d+\.\d s", "variants in T s", out)
+        return re.sub(r"\d+\.\d(?= s)", lambda m: "T".rjust(len(m[0])), out)
 
     assert_expected_inline(run("--kernels", "combine", "--dtypes", "bf16"), """\
 built      combine      dtype=bf16 warps_per_row=1        T s  DIR/combine-dtype=bf16-warps_per_row=1-KEY.SHA.so
 built      combine      dtype=bf16 warps_per_row=4        T s  DIR/combine-dtype=bf16-warps_per_row=4-KEY.SHA.so
 built      combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype=bf16-warps_per_row=16-KEY.SHA.so
+3 variants in T s, 1 process: 3 built, 0 cached, 0 not stored
 cache: DIR
 """)  # noqa: E501
     kernel_cache._loaded.clear()  # a second run, in another process
@@ -364,16 +366,59 @@ cached     combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype
 built      combine      dtype=fp16 warps_per_row=1        T s  DIR/combine-dtype=fp16-warps_per_row=1-KEY.SHA.so
 built      combine      dtype=fp16 warps_per_row=4        T s  DIR/combine-dtype=fp16-warps_per_row=4-KEY.SHA.so
 built      combine      dtype=fp16 warps_per_row=16       T s  DIR/combine-dtype=fp16-warps_per_row=16-KEY.SHA.so
+6 variants in T s, 1 process: 3 built, 3 cached, 0 not stored
 cache: DIR
 """)  # noqa: E501
     assert kernel_cache.load("combine", {"dtype": "fp16", "warps_per_row": 16}, "sm_90a")(1) == 18
 
 
+PARALLEL_SCRIPT = r"""
+import json, sys
+from torch_mla import precompile
+rc = precompile.main(sys.argv[1:])
+print(json.dumps({"rc": rc, "dsl": sorted(m for m in sys.modules if m.split(".")[0] == "cutlass"
+                                          or "cute_kernels" in m)}))
+"""
+
+
+@needs_cc
+def test_precompile_in_parallel_processes(tmp_path):
+    """--jobs 2 compiles real kernels (the cheapest: the schedule and the combine, for sm_80) in
+    two worker processes, each storing its entries; the parent imports no DSL, prints a line
+    per variant and the total, and every variant it lists is in the cache."""
+    env = {k: v for k, v in os.environ.items() if k != "CUTE_DSL_ARCH"}
+    env["TORCH_MLA_CACHE_DIR"] = str(tmp_path)
+    argv = ["--arch", "sm_80", "--kernels", "schedule,combine", "--dtypes", "bf16", "--jobs", "2"]
+    res = subprocess.run([sys.executable, "-c", PARALLEL_SCRIPT, *argv], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    *lines, total, where, result = res.stdout.strip().splitlines()
+    assert json.loads(result) == {"rc": 0, "dsl": []}
+    todo = registry.variants(["bf16"], (False, True), ["schedule", "combine"], "sm_80")
+    assert len(todo) == 4 and len(lines) == 4, res.stdout
+    assert re.fullmatch(r"4 variants in \d+\.\d s, 2 processes: 4 built, 0 cached, 0 not stored",
+                        total), total
+    got = {}
+    for line in lines:
+        what, name, *cfg, seconds, unit, path = line.split()
+        assert what == "built" and unit == "s" and float(seconds) > 0, line
+        got[(name, " ".join(cfg))] = Path(path)
+    monkeypatch = pytest.MonkeyPatch()
+    monkeypatch.setenv("TORCH_MLA_CACHE_DIR", str(tmp_path))
+    try:
+        assert where == f"cache: {kernel_cache.cache_dir('sm_80')}"
+        for v in todo:
+            path = got[(v.name, " ".join(f"{k}={x}" for k, x in v.key().items()))]
+            assert path == kernel_cache.artefact(v.name, v.key(), "sm_80") and path.exists(), v
+    finally:
+        monkeypatch.undo()
+
+
 DSL_SCRIPT = r"""
 import json, os, sys
 import torch
-from torch_mla.ops import dispatch, kernel_cache
-fn = dispatch._compiled_combine(torch.bfloat16, 4)
+from torch_mla.ops import kernel_cache, registry
+fn = registry.compiled(registry.CombineKernelConfig("bf16", 4), "sm_90a")
 imported = sorted(m for m in sys.modules if m.split(".")[0] == "cutlass" or "cute_kernels" in m)
 try:  # CPU tensors: the compiled launcher checks its arguments before touching a GPU
     fn(torch.zeros(3, dtype=torch.int32), torch.randn(5, 16, 512), torch.randn(5, 16),

@@ -14,19 +14,13 @@ from expecttest import assert_expected_inline
 
 SCRIPT = r"""
 import glob, json, os, re, sys
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_step
-from torch_mla.cute_kernels.decode_step import MLADecodeStep
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90, MLADecodeSm90Fast
-dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
-causal = sys.argv[2] == "causal"
-kv_fp8 = sys.argv[3] == "fp8"  # a float8_e4m3fn cache (exact mode)
-if sys.argv[3].startswith("fast"):  # fast mode (compute="fp8"); "fastq8": an e4m3 q
-    decode = MLADecodeSm90Fast(dt, causal, q_fp8=sys.argv[3] == "fastq8")
-else:
-    decode = MLADecodeSm90(dt, causal, kv_fp8=kv_fp8)
-# What mla_decode runs: the decode kernel and the three combine variants behind one host call.
-compile_decode_step(cute, cutlass, MLADecodeStep(decode, dt), dt)
+from torch_mla.ops import registry
+fast = sys.argv[3].startswith("fast")  # fast mode (compute="fp8"); "fastq8": an e4m3 q
+# What mla_decode runs: the decode kernel and the three combine variants behind one host call
+# ("fp8": over a float8_e4m3fn cache, exact mode).
+registry.build(registry.DecodeStepConfig(
+    "sm90", sys.argv[1], sys.argv[2] == "causal", kv_fp8=sys.argv[3] != "same",
+    compute="fp8" if fast else "exact", q_fp8=sys.argv[3] == "fastq8"), "sm_90a")
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -99,51 +93,26 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
         assert dec["cvt.rn.f16x2.e4m3x2"] == 0, dec
     comb = counts["combine"]
     assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0, comb
-    # the input checks: a message (its 5 and 8 arguments are the only local stores: 3 + 4
-    # vector stores) and a trap, for the length and for a page id, in each of the 3 variants
+    # the input checks: a message (its arguments are the only local stores) and a trap, for the
+    # length, for a page id and for a piece past its request's end (a schedule made for other
+    # lengths), in each of the 3 variants
     printfs = comb[r"call.uni \(retval0\), vprintf"]
-    assert printfs == 2 * 3 and comb["trap;"] == printfs and comb["st.local"] == 7 * 3, comb
+    assert printfs == 3 * 3 and comb["trap;"] == printfs and comb["st.local"] == 9 * 3, comb
     assert comb["griddepcontrol.wait"] >= 2 and comb["ld.global.v4"] > 0, comb
     # partials are written by the decode kernel while this grid may already run (PDL): never
     # through the non-coherent read-only path
     assert comb["ld.global.nc"] == 0, comb
 
 
-TRACE_SCRIPT = r"""
-import glob, os
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_sm90
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
-compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, False, trace=True),
-                    cutlass.BFloat16)
-ptx = "".join(open(f).read() for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"],
-                                                               "*.ptx")))
-print(ptx.count("%globaltimer"))
-"""
-
-
-def test_sm90_trace_build_compiles(tmp_path):
-    """The development build used by tools/trace_decode.py (one more argument, stamps)."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    assert int(res.stdout.strip().splitlines()[-1]) >= 8  # start, 6 per segment, end
-
-
 SMALL_SCRIPT = r"""
 import glob, json, os, re
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_append_kv, compile_schedule
-from torch_mla.cute_kernels.append_kv import AppendKV, AppendKVFp8
-from torch_mla.cute_kernels.schedule import DecodeSchedule
-compile_schedule(cute, cutlass, DecodeSchedule(), "sm_90a")
-compile_schedule(cute, cutlass, DecodeSchedule(), "sm_80")
-compile_append_kv(cute, cutlass, AppendKV(cutlass.BFloat16, cutlass.Float32), cutlass.Int64)
-compile_append_kv(cute, cutlass, AppendKV(cutlass.Float16, cutlass.Float16), cutlass.Int32)
-compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.BFloat16), cutlass.Int64)
-compile_append_kv(cute, cutlass, AppendKVFp8(cutlass.Float32), cutlass.Int32, "sm_89")
+from torch_mla.ops.registry import AppendKVConfig, ScheduleConfig, build
+build(ScheduleConfig(), "sm_90a")
+build(ScheduleConfig(), "sm_80")
+build(AppendKVConfig("bf16", "fp32", "int64"), "sm_90a")
+build(AppendKVConfig("fp16", "fp16", "int32"), "sm_90a")
+build(AppendKVConfig("e4m3", "bf16", "int64"), "sm_90a")
+build(AppendKVConfig("e4m3", "fp32", "int32"), "sm_89")
 out = []
 for f in sorted(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))):
     lines = open(f).read().splitlines()
@@ -167,17 +136,14 @@ print(json.dumps(out))
 
 PORTABLE_SCRIPT = r"""
 import glob, json, os, re, sys
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import _has_pdl, compile_combine, compile_decode_sm80
-from torch_mla.cute_kernels.combine import MLACombine
-from torch_mla.cute_kernels.sm80_decode import MLADecodeSm80, Sm80DecodeConfig
-dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
-causal = sys.argv[2] == "causal"
+from torch_mla.ops.registry import CombineKernelConfig, DecodeConfig, build
+from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
+dt, causal = sys.argv[1], sys.argv[2] == "causal"
 out = {}
 for arch in sys.argv[3].split(","):
-    cfg = Sm80DecodeConfig.from_heuristic(arch)
-    compile_decode_sm80(cute, cutlass, MLADecodeSm80(dt, causal, cfg, _has_pdl(arch)), dt, arch)
-    compile_combine(cute, cutlass, MLACombine(dt, 512, 4, _has_pdl(arch)), dt, arch)
+    cfg = Sm80DecodeConfig.from_heuristic(arch)  # (the tiles the compile entry picks)
+    build(DecodeConfig("sm80", dt, causal), arch)
+    build(CombineKernelConfig(dt, 4), arch)
     counts = {}
     for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"*.{arch}.ptx")):
         ptx = open(f).read()
@@ -227,7 +193,7 @@ def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
 SM100_SCRIPT = r"""
 import glob, json, os, re, sys
 import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_step
+from torch_mla.contract import compile_step_kernel
 from torch_mla.cute_kernels import sm100_decode
 from torch_mla.cute_kernels.decode_step import MLADecodeStep
 dt = {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16}[sys.argv[1]]
@@ -236,7 +202,7 @@ if len(sys.argv) > 3:  # a configuration past the shared-memory budget must not 
     sm100_decode.KV_STAGES = int(sys.argv[3])
 kernel = sm100_decode.MLADecodeSm100(dt, causal)
 try:  # what mla_decode would run: the decode kernel and the combine behind one host call
-    compile_decode_step(cute, cutlass, MLADecodeStep(kernel, dt), dt, "sm_100a")
+    compile_step_kernel(MLADecodeStep(kernel, dt), dt, "sm_100a")
 except AssertionError as e:
     print(json.dumps({"assert": str(e)}))
     sys.exit(0)
@@ -310,7 +276,7 @@ def test_sm100_kernel_compiles(tmp_path, dtype, causal):
     comb = counts["combine"]
     assert comb["tcgen05.mma.cta_group::1.kind::f16"] == 0, comb
     # the input checks' two messages per variant: printf's arguments are the only local stores
-    assert comb["ld.local"] == 0 and comb["st.local"] == 7 * 3 and comb["call.uni"] == 2 * 3, comb
+    assert comb["ld.local"] == 0 and comb["st.local"] == 9 * 3 and comb["call.uni"] == 3 * 3, comb
 
 
 def test_sm100_shared_memory_budget_is_checked_at_compile_time(tmp_path):
@@ -411,7 +377,7 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert dec["ld.local"] == dec["st.local"] == 0, dec
         # the combine's input checks: printf's arguments (3 + 4 vector stores) are its only
         # local memory
-        assert comb["ld.local"] == 0 and comb["st.local"] == 7, comb
+        assert comb["ld.local"] == 0 and comb["st.local"] == 9, comb
         # Programmatic dependent launch only where it exists (griddepcontrol: sm_90 on).
         pdl = int(arch[3:].rstrip("a")) >= 90
         assert dec["griddepcontrol.launch_dependents"] == int(pdl), (arch, dec)

@@ -35,7 +35,7 @@ def _opt_in(monkeypatch):
 def run_and_check(lens, s_q, h_q, causal, dtype=torch.bfloat16, scale=None, h_kv=1):
     inp = make_decode_inputs(lens, s_q, h_q, dtype=dtype, device="cuda", h_kv=h_kv)
     # The first-use check passed, or this is the reference path and the test says why.
-    assert dispatch.find_decode_kernel(inp.q, inp.kv_cache, 512) is dispatch._run_sm100
+    assert dispatch.find_decode_kernel(inp.q, inp.kv_cache, 512) is dispatch.run_sm100
     scale = scale or 576**-0.5
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q, h_kv=h_kv)
     out, lse = torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched,

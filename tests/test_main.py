@@ -53,7 +53,7 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
             mock.patch("torch.cuda.is_available", return_value=True),
             mock.patch("torch.cuda.device_count", return_value=len(props)),
             mock.patch("torch.cuda.get_device_properties", side_effect=lambda i: props[i]),
-            mock.patch("torch_mla.ops.dispatch._cuda_arch",
+            mock.patch("torch_mla.ops.dispatch.cuda_capability",
                        side_effect=lambda d: (props[d.index].major, props[d.index].minor)),
         ]
 

@@ -43,8 +43,6 @@ class TracedDecodeSm90(MLADecodeSm90):
     * part. The stamps are global stores of the thread named at each point, so the timings
     are of a slightly different kernel."""
 
-    trace = True  # (ops.dispatch.compile_decode passes a fake stamp table)
-
     @cute.jit
     def __call__(self, mQ: cute.Tensor, mKV: cute.Tensor, mBlockTable: cute.Tensor,
                  mSeqlens: cute.Tensor, mMeta: cute.Tensor, mNumSplits: cute.Tensor,
@@ -79,9 +77,10 @@ class TracedDecodeSm90(MLADecodeSm90):
 
 def traced_kernel(causal: bool, dtype=cutlass.BFloat16):
     """The compiled trace build (sm_90a): the decode kernel's arguments, stream, stamp table."""
-    from torch_mla.ops.dispatch import compile_decode_sm90
+    from torch_mla.contract import compile_decode_kernel, fake_tensor
 
-    return compile_decode_sm90(cute, cutlass, TracedDecodeSm90(dtype, causal), dtype)
+    stamps = fake_tensor(cutlass.Int64, (cute.sym_int(), TRACE_SLOTS), (TRACE_SLOTS, 1), 8)
+    return compile_decode_kernel(TracedDecodeSm90(dtype, causal), dtype, "sm_90a", [stamps])
 
 
 def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], per_seg: int,
@@ -146,8 +145,7 @@ def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: i
 
 
 def trace_config(cfg: str, out_dir: str) -> None:
-    from benchmarks.bench_decode import breakdown_us, kernel_args
-    from benchmarks.bench_decode import graph_time_us as graph_us  # (the anchors' timing)
+    from torch_mla.testing import breakdown_us, graph_time_us, kernel_args
 
     b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
     causal = s_q > 1
@@ -170,7 +168,7 @@ def trace_config(cfg: str, out_dir: str) -> None:
     summ = summarize(stamps.cpu(), segs, TRACE_PER_SEG, TRACE_SEGS)
     pairs = pair_times(stamps.cpu(), segs, TRACE_PAIR0, TRACE_PAIRS, TRACE_PAIR_SEGS)
     t_dec, t_comb = breakdown_us(inp, sched, causal)
-    t_all = graph_us(lambda: torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table,
+    t_all = graph_time_us(lambda: torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table,
                                                   inp.cache_seqlens, sched, causal=causal))
     torch.save(dict(stamps=stamps.cpu(), meta=sched.metadata.cpu(),
                     num_splits=sched.num_splits.cpu(), seqlens=inp.cache_seqlens.cpu(),

@@ -2,7 +2,7 @@
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
                                    [--kernels step,fp8_step,fp8_fast,decode,combine,portable,
-                                              schedule,append_kv]
+                                              schedule,append_kv] [--jobs N]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
 sm_90a): the decode step (the decode kernel and the combine behind one call: the SM90 kernel on
@@ -11,98 +11,60 @@ sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m
 in each dtype and in float8_e4m3fn), the schedule kernel and append_kv in each cache dtype of
 ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for bf16/fp16/fp32 sources and int32/int64
 slots. ``portable`` adds the portable decode step on sm_90a (``TORCH_MLA_PORTABLE=1``);
-decode and combine alone serve benchmarks.
+decode and combine alone serve benchmarks. The variants are listed in torch_mla/ops/registry.py.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in
-milliseconds instead of compiling (15-30 s per decode variant). ``--arch`` defaults to the arch
-of the first visible GPU (sm_90a without one): sm_90a gets the SM90 decode kernel, every other
-arch the portable one (``portable`` adds the portable kernel for sm_90a, which
-TORCH_MLA_PORTABLE=1 runs there). The cache directory is ``TORCH_MLA_CACHE_DIR`` or its default
+milliseconds instead of compiling (15-60 s per decode variant). ``--jobs`` processes (default:
+the CPU count) compile at once, each storing its entries (the cache's writes are atomic); this
+process imports no DSL. The cache directory is ``TORCH_MLA_CACHE_DIR`` or its default
 (torch_mla/ops/kernel_cache.py); the processes that use the kernels must see the same
 directory and the same torch_mla, nvidia-cutlass-dsl and apache-tvm-ffi versions. One line per
-variant: built or cached, seconds, the artefact's path.
+variant as it finishes: built or cached, seconds, the artefact's path; then the total.
 """
 
 from __future__ import annotations
 
 import argparse
+import multiprocessing
+import os
 import sys
 import time
 
 import torch
 
-from . import scheduling
-from .ops import dispatch, kernel_cache
+from .ops import kernel_cache, registry
 
-# The arches torch_mla has kernels for: SM90's own, and the portable kernels'.
-ARCHS = tuple(dict.fromkeys((dispatch.SM90_ARCH, *dispatch.PORTABLE_ARCHS.values())))
-KERNELS = ("step", "fp8_step", "fp8_fast", "decode", "combine", "portable", "schedule",
-           "append_kv")
-DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "schedule", "append_kv")
-DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+DTYPES = ("bf16", "fp16")
 CAUSAL = {"true": (True,), "false": (False,), "both": (False, True)}
-COMBINE_WARPS_PER_ROW = scheduling.COMBINE_WARPS_PER_ROW
-APPEND_SOURCES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-APPEND_SLOTS = {"int32": torch.int32, "int64": torch.int64}
-
-
-def variants(dtypes: list[str], causal: tuple[bool, ...], kernels: list[str],
-             arch: str = dispatch.SM90_ARCH) -> list[tuple]:
-    """(kernel name, config, a function compiling or loading it through dispatch's cache)."""
-    out = []
-    native = "sm90" if arch == dispatch.SM90_ARCH else "sm80"
-    steps = [native] if "step" in kernels else []
-    if "portable" in kernels and "sm80" not in steps:
-        steps.append("sm80")
-    decode = [native] if "decode" in kernels else []
-    if "schedule" in kernels:
-        out.append(("schedule", {}, lambda: dispatch._compiled_schedule(arch)))
-    for name in dtypes:
-        dt = DTYPES[name]
-        for kind in steps:
-            out += [(f"step_{kind}", {"dtype": name, "causal": c},
-                     lambda dt=dt, c=c, kind=kind: dispatch._compiled_step(kind, dt, c, arch))
-                    for c in causal]
-        if "fp8_step" in kernels and native == "sm90":  # the only float8_e4m3fn-cache kernel
-            out += [("step_sm90", {"dtype": name, "causal": c, "kv": "e4m3"},
-                     lambda dt=dt, c=c: dispatch._compiled_step("sm90", dt, c, arch, kv_fp8=True))
-                    for c in causal]
-        if "fp8_fast" in kernels and native == "sm90":
-            # q in dtype (quantized in the kernel) and, for bf16 output, q in float8_e4m3fn.
-            for q8 in (False, True) if name == "bf16" else (False,):
-                extra = {"q": "e4m3"} if q8 else {}
-                out += [("step_sm90", {"dtype": name, "causal": c, "kv": "e4m3",
-                                       "compute": "fp8", **extra},
-                         lambda dt=dt, c=c, q8=q8: dispatch._compiled_step(
-                             "sm90", dt, c, arch, kv_fp8=True, compute="fp8", q_fp8=q8))
-                        for c in causal]
-        for kind in decode:
-            out += [(f"decode_{kind}", {"dtype": name, "causal": c},
-                     lambda dt=dt, c=c, kind=kind: dispatch.compiled_decode(kind, dt, c, arch))
-                    for c in causal]
-        if "combine" in kernels:
-            out += [("combine", {"dtype": name, "warps_per_row": w},
-                     lambda dt=dt, w=w: dispatch._compiled_combine(dt, w, arch))
-                    for w in COMBINE_WARPS_PER_ROW]
-        if "append_kv" in kernels:
-            out += _append_variants(name, dt, arch)
-    if "append_kv" in kernels and arch in dispatch.FP8_APPEND_ARCHS:
-        out += _append_variants("e4m3", torch.float8_e4m3fn, arch)
-    return out
-
-
-def _append_variants(name: str, dt: torch.dtype, arch: str) -> list[tuple]:
-    return [("append_kv", {"cache": name, "source": src, "slot": slot},
-             lambda s=sdt, i=idt: dispatch._compiled_append_kv(arch, dt, s, i))
-            for src, sdt in APPEND_SOURCES.items() for slot, idt in APPEND_SLOTS.items()]
+# Roughly what a variant costs to compile (a decode step ~55 s of a core, append_kv ~2 s):
+# the longest start first, so that the last to finish are short.
+_COST = {"step": 4, "decode": 3, "combine": 1, "schedule": 1, "append": 0}
 
 
 def default_arch() -> str:
     """The first visible GPU's arch, else sm_90a."""
     if torch.cuda.is_available():
-        return dispatch.gpu_arch(*torch.cuda.get_device_capability(0))
-    return dispatch.SM90_ARCH
+        return registry.gpu_arch(*torch.cuda.get_device_capability(0))
+    return registry.SM90_ARCH
+
+
+def build(variant: registry.Variant) -> tuple[registry.Variant, str, float, str]:
+    """Loads or compiles one variant into the disk cache (in a worker process): (variant,
+    "built" / "cached" / "NOT STORED", seconds, the artefact's path or "")."""
+    t0 = time.perf_counter()
+    config, arch = variant
+    cached = kernel_cache.load(config.name, config.key(), arch) is not None
+    registry.compiled(config, arch)
+    path = kernel_cache.artefact(config.name, config.key(), arch)
+    stored = path is not None and path.exists()
+    what = "cached" if cached else "built" if stored else "NOT STORED"
+    return variant, what, time.perf_counter() - t0, str(path) if stored else ""
+
+
+def _worker_start() -> None:
+    # The DSL's import (seconds) once per worker, not in its first variant's time.
+    import cutlass.cute  # noqa: F401
 
 
 def _list(choices):
@@ -115,19 +77,31 @@ def _list(choices):
     return parse
 
 
+def _positive(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1")
+    return n
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m torch_mla.precompile", description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--arch", choices=ARCHS, default=None,
+    ap.add_argument("--arch", choices=registry.ARCHS, default=None,
                     help="default: the first visible GPU's arch, else sm_90a")
     ap.add_argument("--dtypes", type=_list(DTYPES), default=list(DTYPES),
                     help="comma-separated: bf16,fp16 (default both)")
     ap.add_argument("--causal", choices=CAUSAL, default="both",
                     help="decode variants: causal (s_q > 1) masking, plain, or both (default)")
-    ap.add_argument("--kernels", type=_list(KERNELS), default=list(DEFAULT_KERNELS),
-                    help="comma-separated from " + ",".join(KERNELS) + " (default: "
-                         + ",".join(DEFAULT_KERNELS) + ", what the ops run; step is decode + "
-                         "combine behind one call, decode and combine alone serve benchmarks)")
+    ap.add_argument("--kernels", type=_list(registry.KERNELS),
+                    default=list(registry.DEFAULT_KERNELS),
+                    help="comma-separated from " + ",".join(registry.KERNELS) + " (default: "
+                         + ",".join(registry.DEFAULT_KERNELS) + ", what the ops run; step is "
+                         "decode + combine behind one call, decode and combine alone serve "
+                         "benchmarks)")
+    ap.add_argument("--jobs", type=_positive, default=os.cpu_count() or 1,
+                    help="processes compiling at once (default: the CPU count); 1 compiles in "
+                         "this process")
     args = ap.parse_args(argv)
     if args.arch is None:
         args.arch = default_arch()
@@ -135,21 +109,35 @@ def main(argv: list[str] | None = None) -> int:
     if directory is None:
         print("TORCH_MLA_CACHE_DIR=off: there is no disk cache to fill", file=sys.stderr)
         return 2
-    missing = 0
-    for kernel, config, get in variants(args.dtypes, CAUSAL[args.causal], args.kernels,
-                                        args.arch):
-        t0 = time.perf_counter()
-        cached = kernel_cache.load(kernel, config, args.arch) is not None
-        get()
-        path = kernel_cache.artefact(kernel, config, args.arch)
-        stored = path is not None and path.exists()
-        missing += not stored
-        what = "cached" if cached else "built" if stored else "NOT STORED"
-        cfg = " ".join(f"{k}={v}" for k, v in config.items())
-        print(f"{what:10} {kernel:12} {cfg:28} {time.perf_counter() - t0:6.1f} s  "
-              f"{path if stored else ''}", flush=True)
+    todo = registry.variants(args.dtypes, CAUSAL[args.causal], args.kernels, args.arch)
+    jobs = min(args.jobs, len(todo)) or 1
+    t0 = time.perf_counter()
+    if jobs == 1:
+        results = map(build, todo)
+        pool = None
+    else:
+        # spawn: the DSL is not fork-safe once imported, and this process never imports it.
+        pool = multiprocessing.get_context("spawn").Pool(jobs, initializer=_worker_start)
+        order = sorted(todo, key=lambda v: -_COST.get(v.config.name.split("_")[0], 0))
+        results = pool.imap_unordered(build, order)
+    counts = {"built": 0, "cached": 0, "NOT STORED": 0}
+    try:
+        for (config, _), what, seconds, path in results:
+            counts[what] += 1
+            cfg = " ".join(f"{k}={v}" for k, v in config.key().items())
+            print(f"{what:10} {config.name:12} {cfg:28} {seconds:6.1f} s  {path}", flush=True)
+    except BaseException:
+        if pool is not None:  # (a compile failed, or ^C: the others stop too)
+            pool.terminate()
+        raise
+    if pool is not None:
+        pool.close()
+        pool.join()
+    print(f"{len(todo)} variants in {time.perf_counter() - t0:.1f} s, {jobs} process"
+          f"{'es' if jobs > 1 else ''}: {counts['built']} built, {counts['cached']} cached, "
+          f"{counts['NOT STORED']} not stored")
     print(f"cache: {directory}")
-    return 1 if missing else 0
+    return 1 if counts["NOT STORED"] else 0
 
 
 if __name__ == "__main__":

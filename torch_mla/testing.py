@@ -369,15 +369,18 @@ def kernel_args(inp: DecodeInputs, sched: DecodeSchedule) -> tuple:
 def breakdown_us(inp: DecodeInputs, sched: DecodeSchedule, causal: bool) -> tuple[float, float]:
     """(SM90 decode kernel alone, combine kernel alone) in us, each captured and replayed on its
     own (:func:`graph_time_us`); bf16/fp16 ``inp`` on an H100/H200."""
-    from .ops import dispatch
+    from .ops import dispatch, registry
 
     b, s_q, h_q = inp.q.shape[:3]
-    decode = dispatch._compiled_decode_sm90(inp.q.dtype, causal and s_q > 1)
-    combine = dispatch._compiled_combine(
-        inp.q.dtype, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q))
+    dt = registry.dtype_name(inp.q.dtype)
+    decode = registry.compiled(registry.DecodeConfig("sm90", dt, causal and s_q > 1),
+                               registry.SM90_ARCH)
+    combine = registry.compiled(registry.CombineKernelConfig(
+        dt, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q)),
+        registry.SM90_ARCH)
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
-    t_dec = graph_time_us(lambda: decode(*args, None))  # None: no trace table
+    t_dec = graph_time_us(lambda: decode(*args))
     table, lens = args[2], args[3]
     t_comb = graph_time_us(lambda: combine(num_splits, oacc, lseacc, out3, lse, table, lens,
                                            args[1].shape[0]))
@@ -396,21 +399,22 @@ def portable_kernel(tiles: tuple[int, int, int] | None = None, on: bool = True):
     """Within it, mla_decode runs the portable (SM80-class) kernel (TORCH_MLA_PORTABLE=1), built
     with ``tiles`` = (block_m, block_n, stages) when given (its heuristic's otherwise); with
     ``on=False`` the default kernel instead. The environment and the step are restored after."""
-    from .ops import dispatch
+    from .ops import dispatch, registry
 
     old_env = os.environ.get("TORCH_MLA_PORTABLE")
-    old = dispatch._STEPS["sm80"]
+    old = dispatch.STEPS["sm80"]
     if on:
         os.environ["TORCH_MLA_PORTABLE"] = "1"
     else:
         os.environ.pop("TORCH_MLA_PORTABLE", None)
     if tiles:
-        dispatch._STEPS["sm80"] = lambda dtype, causal, index: dispatch._compiled_step(
-            "sm80", dtype, causal, dispatch.device_arch(index), tiles=tiles)
+        dispatch.STEPS["sm80"] = lambda dtype, causal, index: registry.compiled(
+            registry.DecodeStepConfig("sm80", registry.dtype_name(dtype), causal, tiles=tiles),
+            dispatch.device_arch(index))
     try:
         yield
     finally:
-        dispatch._STEPS["sm80"] = old
+        dispatch.STEPS["sm80"] = old
         if old_env is None:
             os.environ.pop("TORCH_MLA_PORTABLE", None)
         else:

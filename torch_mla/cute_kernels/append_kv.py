@@ -144,3 +144,17 @@ class AppendKVFp8(AppendKV):
         stream,
     ):
         self.launch(mCache, mKvC, mKPe, mSlots, check_range, check_repeats, mScale, stream)
+
+
+# --- compile entry (ops/registry.py: AppendKVConfig) ------------------------------------------
+
+
+def compile_append_kv(config, arch: str):
+    """append_kv for a cache of config.cache ("e4m3": AppendKVFp8), sources of config.source
+    and slots of config.slot, compiled for arch."""
+    from ..contract import compile_append_kernel, dsl_dtype
+
+    source = dsl_dtype(config.source)
+    kernel = (AppendKVFp8(source) if config.cache == "e4m3"
+              else AppendKV(dsl_dtype(config.cache), source))
+    return compile_append_kernel(kernel, dsl_dtype(config.slot), arch)

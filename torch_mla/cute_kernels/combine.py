@@ -197,3 +197,16 @@ class MLACombine:
                      "(num_blocks = {}): request {} has {} tokens, so its first {} entries must "
                      "be page ids in [0, {})", r, first, mBlockTable[r, first], num_pages, r, L,
                      n, num_pages)
+
+
+# --- compile entry (ops/registry.py: CombineKernelConfig) -------------------------------------
+
+
+def compile_combine(config, arch: str):
+    """The combine alone (dtype, warps_per_row), compiled for arch."""
+    from ..constants import D_V
+    from ..contract import compile_combine_kernel, dsl_dtype, has_pdl
+
+    dtype = dsl_dtype(config.dtype)
+    return compile_combine_kernel(MLACombine(dtype, D_V, config.warps_per_row,
+                                             use_pdl=has_pdl(arch)), dtype, arch)

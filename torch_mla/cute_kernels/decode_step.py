@@ -64,3 +64,19 @@ class MLADecodeStep:
             self.combines[1](*args)
         else:
             self.combines[2](*args)
+
+
+# --- compile entry (ops/registry.py: DecodeStepConfig) ----------------------------------------
+
+
+def compile_step(config, arch: str):
+    """The decode step of a DecodeStepConfig: its backend's decode kernel (that kernel file's
+    ``decode_kernel(config, arch)``) and the combine variants, compiled for arch."""
+    import importlib
+
+    from ..contract import compile_step_kernel, dsl_dtype, has_pdl
+
+    backend = importlib.import_module(f"{__package__}.{config.backend}_decode")
+    dtype = dsl_dtype(config.dtype)
+    step = MLADecodeStep(backend.decode_kernel(config, arch), dtype, use_pdl=has_pdl(arch))
+    return compile_step_kernel(step, dtype, arch)

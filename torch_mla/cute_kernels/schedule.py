@@ -314,3 +314,13 @@ class DecodeSchedule:
     @cute.jit
     def request_start(self, sEnd, j, lo):
         return cutlass.select_(j > 0, sEnd[cutlass.max(j - 1, 0)], lo)
+
+
+# --- compile entry (ops/registry.py: ScheduleConfig) ------------------------------------------
+
+
+def compile_schedule(config, arch: str):
+    """The schedule kernel, compiled for arch."""
+    from ..contract import compile_schedule_kernel
+
+    return compile_schedule_kernel(DecodeSchedule(), arch)

@@ -573,3 +573,20 @@ class MLADecodeSm100:
             chunk = rem // 32
             w = rem % 32
             words[chunk * (PAGE_SIZE * 32) + key * 32 + w] = Float32(0.0)
+
+
+# --- compile entry (ops/registry.py: DecodeStepConfig / DecodeConfig, backend "sm100") --------
+
+
+def decode_kernel(config, arch: str):
+    """The SM100 decode kernel a registry config asks for (dtype, causal); arch is sm_100a."""
+    from ..contract import dsl_dtype
+
+    return MLADecodeSm100(dsl_dtype(config.dtype), config.causal)
+
+
+def compile_decode(config, arch: str):
+    """The decode kernel alone (DecodeConfig), compiled for arch."""
+    from ..contract import compile_decode_kernel, dsl_dtype
+
+    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

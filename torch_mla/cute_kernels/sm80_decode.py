@@ -796,3 +796,23 @@ class MLADecodeSm80:
                     pair[e] = (acc_O[c][e + 2 * h + 4 * j] * inv).to(out_dtype)
                 col = quarter * QUARTER_V + c * V_CHUNK + tOcO[2 * h + 4 * j][1]
                 cute.local_tile(gRow, (2,), (col // 2,)).store(pair.load())
+
+
+# --- compile entry (ops/registry.py: DecodeStepConfig / DecodeConfig, backend "sm80") ---------
+
+
+def decode_kernel(config, arch: str):
+    """The portable decode kernel a registry config asks for (dtype, causal, tiles: else
+    Sm80DecodeConfig.from_heuristic(arch)), for any arch from sm_80."""
+    from ..contract import dsl_dtype, has_pdl
+
+    tiles = (Sm80DecodeConfig(*config.tiles) if config.tiles
+             else Sm80DecodeConfig.from_heuristic(arch))
+    return MLADecodeSm80(dsl_dtype(config.dtype), config.causal, tiles, use_pdl=has_pdl(arch))
+
+
+def compile_decode(config, arch: str):
+    """The decode kernel alone (DecodeConfig), compiled for arch."""
+    from ..contract import compile_decode_kernel, dsl_dtype
+
+    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

@@ -1358,3 +1358,24 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         return (tma_k, mQ, tma_k, tma_mKV), (
             sQ_layout, sK_layout, tile_layout, vt_layout, tiled_qk, tiled_qk, tiled_pv_rs,
             tiled_pv_ss)
+
+
+# --- compile entry (ops/registry.py: DecodeStepConfig / DecodeConfig, backend "sm90") ---------
+
+
+def decode_kernel(config, arch: str):
+    """The SM90 decode kernel a registry config asks for (dtype, causal, kv_fp8, compute,
+    q_fp8); arch is sm_90a."""
+    from ..contract import dsl_dtype
+
+    dtype = dsl_dtype(config.dtype)
+    if config.compute == "fp8":
+        return MLADecodeSm90Fast(dtype, config.causal, q_fp8=config.q_fp8)
+    return MLADecodeSm90(dtype, config.causal, kv_fp8=config.kv_fp8)
+
+
+def compile_decode(config, arch: str):
+    """The decode kernel alone (DecodeConfig), compiled for arch."""
+    from ..contract import compile_decode_kernel, dsl_dtype
+
+    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

@@ -2,15 +2,16 @@
 
 import torch
 
+from ..contract import decode_lse_shape, decode_out_shape, schedule_shapes
 from ..ops import library  # noqa: F401  (defines the ops first)
 from ..ops.checks import decode_out_dtype
 
 
 @torch.library.register_fake("torch_mla::get_decode_schedule")
 def _get_decode_schedule_fake(cache_seqlens, num_parts):
-    meta = cache_seqlens.new_empty((num_parts, 8), dtype=torch.int32)
-    splits = cache_seqlens.new_empty((cache_seqlens.shape[0] + 1,), dtype=torch.int32)
-    return meta, splits
+    meta_shape, splits_shape = schedule_shapes(cache_seqlens.shape[0], num_parts)
+    return (cache_seqlens.new_empty(meta_shape, dtype=torch.int32),
+            cache_seqlens.new_empty(splits_shape, dtype=torch.int32))
 
 
 @torch.library.register_fake("torch_mla::mla_decode")
@@ -18,8 +19,8 @@ def _mla_decode_fake(q, kv_cache, block_table, cache_seqlens, sched_metadata, nu
                      softmax_scale, causal, d_v, kv_scale=None, q_scale=None,
                      compute="exact"):
     b, s_q, h_q, _ = q.shape
-    out = q.new_empty((b, s_q, h_q, d_v), dtype=decode_out_dtype(q.dtype))
-    lse = q.new_empty((b, h_q, s_q), dtype=torch.float32)
+    out = q.new_empty(decode_out_shape(b, s_q, h_q, d_v), dtype=decode_out_dtype(q.dtype))
+    lse = q.new_empty(decode_lse_shape(b, s_q, h_q), dtype=torch.float32)
     return out, lse
 
 

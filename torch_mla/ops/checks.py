@@ -16,7 +16,8 @@ from typing import Callable
 
 import torch
 
-PAGE_SIZE = 64
+from ..constants import PAGE_SIZE
+
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 # The FP8 latent cache: e4m3 values times one float32 scale per cache tensor (kv_scale, [1]).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import D_V
 from ..reference import mla_decode_reference
 from .checks import (
     check_decode_args,
@@ -73,7 +74,7 @@ def mla_decode(
     *,
     softmax_scale: float | None = None,
     causal: bool = False,
-    d_v: int = 512,
+    d_v: int = D_V,
     kv_scale: torch.Tensor | None = None,
     q_scale: torch.Tensor | None = None,
     compute: str = "exact",

@@ -19,8 +19,9 @@ fills it ahead of time.
 An entry is a sidecar ``<kernel>-<config>-<key hash>.json`` that names its artefact
 ``<same stem>.<sha256 prefix>.so`` and holds the artefact's size and sha256 and the full key:
 the versions of torch_mla, nvidia-cutlass-dsl and apache-tvm-ffi, the arch, the kernel's
-configuration and a hash of the kernel sources (``cute_kernels/`` and ``ops/dispatch.py``: a
-development checkout keeps its version number while the kernels change). Anything that does not
+configuration and a hash of the kernel sources (``cute_kernels/``, ``constants.py``,
+``contract.py`` and ``ops/registry.py``: a development checkout keeps its version number while
+the kernels change). Anything that does not
 match (an unreadable sidecar, another key, a wrong size or checksum, a library that does not
 load) is a miss: the kernel is compiled again and the entry rewritten, never trusted.
 
@@ -78,9 +79,13 @@ def versions() -> dict[str, str]:
 
 @functools.lru_cache(maxsize=None)
 def sources_hash() -> str:
-    """sha256 over the kernel sources and the compile signatures in ops/dispatch.py."""
+    """sha256 over what a compiled kernel is made from: the kernel sources (cute_kernels/, with
+    each kernel's compile entry), the constants they use, the compile signatures (contract.py)
+    and the variants' configs (ops/registry.py)."""
     h = hashlib.sha256()
-    for f in sorted((_PKG / "cute_kernels").rglob("*.py")) + [_PKG / "ops" / "dispatch.py"]:
+    files = sorted((_PKG / "cute_kernels").rglob("*.py")) + [
+        _PKG / "constants.py", _PKG / "contract.py", _PKG / "ops" / "registry.py"]
+    for f in files:
         data = f.read_bytes()
         h.update(f"{f.relative_to(_PKG).as_posix()}\0{len(data)}\0".encode())
         h.update(data)

@@ -73,6 +73,16 @@ def get_decode_schedule(
         DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]). It depends on
         the values of ``cache_seqlens``: recompute it whenever they change (once per step).
 
+    What a schedule depends on: it cuts the stream of every request's 64-key blocks into
+    num_parts runs, so it is a function of the batch size, each request's block count
+    ``ceil(L / 64)`` (the lengths' cut points; lengths with the same block counts share a
+    schedule, the kernels mask the last block by the length they are given) and num_parts.
+    s_q, h_q, h_kv and num_sms only choose num_parts, the schedule's size: the kernels read
+    it from ``metadata.shape[0]`` (their grid, the workspace), so a schedule made for another
+    h_q or s_q still covers every block once (the output is the same; only the balance of the
+    work across SMs differs). Lengths whose block counts differ from the ones it was built for
+    do not fit it.
+
     On a GPU from SM80 up it is one kernel launch (cute_kernels/schedule.py), elsewhere a few
     dozen torch ops (torch_mla.scheduling.compute_schedule); the results are identical. A
     negative length fails: a ValueError on CPU tensors; on a GPU the kernel prints the entry and

@@ -11,11 +11,11 @@ from __future__ import annotations
 
 import torch
 
+from ..constants import D_QK, D_V
 from ..reference import mla_decode_reference
+from ..scheduling import DecodeSplitConfig, default_num_sms
 from ..testing import make_decode_inputs
-from .schedule import get_decode_schedule
 
-D_V = 512
 # (lengths, s_q, h_q, causal): page edges and an empty request, two 64-row blocks with causal
 # masking, one long request split over many parts (the combine merges it).
 PROBLEMS = (
@@ -30,14 +30,14 @@ LSE_TOL = (1e-4, 1e-4)
 
 
 def check_kernel(run, device: torch.device | str, dtype: torch.dtype) -> str | None:
-    """Runs ``run`` (the signature of dispatch's ``_run_sm90``) on PROBLEMS on ``device``.
+    """Runs ``run`` (the signature of dispatch's ``run_sm90``) on PROBLEMS on ``device``.
 
     The problems are drawn on the CPU from a fixed seed and the reference runs there in fp32.
     Returns None when every output and lse matches, else one line saying where it first
     differed (or what the kernel raised).
     """
     gen = torch.Generator().manual_seed(0)
-    scale = 576**-0.5
+    scale = D_QK**-0.5
     for lens, s_q, h_q, causal in PROBLEMS:
         what = f"lengths {lens}, s_q {s_q}, h_q {h_q}, causal {causal}"
         inp = make_decode_inputs(lens, s_q, h_q, dtype=dtype, generator=gen)
@@ -45,7 +45,10 @@ def check_kernel(run, device: torch.device | str, dtype: torch.dtype) -> str | N
                                                 inp.cache_seqlens, scale, causal, D_V)
         q, kv, table, seqlens = (t.to(device) for t in (inp.q, inp.kv_cache, inp.block_table,
                                                         inp.cache_seqlens))
-        meta, splits = get_decode_schedule(seqlens, s_q, h_q)
+        # The schedule get_decode_schedule(seqlens, s_q, h_q) makes, through the op: the
+        # dispatch imports this module, and ops/schedule.py imports the dispatch.
+        num_parts = DecodeSplitConfig.from_heuristic(s_q, h_q, default_num_sms(seqlens.device))
+        meta, splits = torch.ops.torch_mla.get_decode_schedule(seqlens, num_parts.num_parts)
         try:
             out, lse = run(q, kv, table, seqlens, meta, splits, scale, causal)
             out, lse = out.float().cpu(), lse.float().cpu()

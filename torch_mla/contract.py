@@ -1,0 +1,224 @@
+"""The kernels' argument contract, defined once: what each compiled kernel's ``__call__`` takes,
+in order, and how those arguments look to the compiler (CuTe DSL fake tensors with symbolic
+sizes) and to torch (the shapes the ops' fake implementations return).
+
+The decode arguments (every decode kernel and the decode step take them in this order)::
+
+    q           (b, rows, 576)          q's dtype (the bytes, uint8, of an e4m3 q in fast mode)
+    kv          (n_blocks, 64, 576)     one KV head of the paged cache (an e4m3 cache as bytes)
+    block_table (b, max_blocks) int32
+    seqlens     (b,) int32
+    metadata    (parts, 8) int32        the schedule (columns: torch_mla.constants.META_*)
+    num_splits  (b + 1,) int32          the schedule's prefix sums of pieces per request
+    out         (b, rows, 512)          q's dtype (bf16 for an e4m3 q)
+    lse         (b, h_q, s_q) float32
+    oacc        (slots, rows, 512) f32  the split partials, slots = b + parts
+    lseacc      (slots, rows) float32
+    scale_log2  float32                 softmax_scale * log2(e)
+
+rows = s_q * h_q (the query rows of one KV head). The decode step adds ``combine_variant``
+(int32) and the stream; over a float8_e4m3fn cache also ``kv_scale``, ``q_scale`` (float32
+(1,)) and ``q_scaled`` (int32: 1 when q_scale applies). A decode kernel alone takes the stream
+after scale_log2. The combine, the schedule kernel and append_kv take their own lists below,
+built from the same definitions.
+
+Pure Python at import (no torch, no DSL): the fake impls and the registry read it in any process;
+the builders import the DSL when called (by a compile, in kernels' compile entries).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .constants import D_QK, D_ROPE, D_V, METADATA_WIDTH, PAGE_SIZE
+
+
+@dataclasses.dataclass(frozen=True)
+class Arg:
+    """One kernel argument. shape None: a scalar. Dims are ints or size names (a name shared by
+    two arguments is one size to the compiler; "?" is a size of its own). Strides: ints,
+    "dyn" (a runtime int64) or "row" (a runtime int64, a multiple of 16 bytes: TMA and vector
+    loads need 16-byte aligned rows)."""
+
+    dtype: str  # "q", "kv", "out" (the kernel's dtypes), "i32", "f32" or "stream"
+    shape: tuple | None = None
+    stride: tuple = ()
+    align: int = 16  # bytes the data pointer is assumed aligned to
+
+
+ARGS = {
+    "q": Arg("q", ("b", "rows", D_QK), ("row", D_QK, 1)),
+    "kv": Arg("kv", ("n_blocks", PAGE_SIZE, D_QK), ("row", "row", 1)),
+    "block_table": Arg("i32", ("b", "max_blocks"), ("dyn", 1), 4),
+    "seqlens": Arg("i32", ("b",), (1,), 4),
+    "metadata": Arg("i32", ("parts", METADATA_WIDTH), (METADATA_WIDTH, 1), 4),
+    "num_splits": Arg("i32", ("?",), (1,), 4),  # b + 1 (the DSL has no affine sizes)
+    "out": Arg("out", ("b", "rows", D_V), ("row", D_V, 1)),
+    "lse": Arg("f32", ("b", "h_q", "s_q"), ("dyn", "dyn", 1), 4),
+    "oacc": Arg("f32", ("slots", "rows", D_V), ("row", D_V, 1)),
+    "lseacc": Arg("f32", ("slots", "rows"), ("dyn", 1), 4),
+    "scale_log2": Arg("f32"),
+    "combine_variant": Arg("i32"),  # an index into constants.COMBINE_WARPS_PER_ROW
+    "kv_scale": Arg("f32", (1,), (1,), 4),
+    "q_scale": Arg("f32", (1,), (1,), 4),
+    "q_scaled": Arg("i32"),
+    "num_pages": Arg("i32"),  # the cache's page count (the combine checks page ids)
+    "check": Arg("i32"),  # the schedule kernel's value check on (1) or off (0)
+    "stream": Arg("stream"),
+}
+
+DECODE_ARGS = ("q", "kv", "block_table", "seqlens", "metadata", "num_splits", "out", "lse",
+               "oacc", "lseacc", "scale_log2")
+FP8_ARGS = ("kv_scale", "q_scale", "q_scaled")
+DECODE_KERNEL_ARGS = DECODE_ARGS + ("stream",)
+STEP_ARGS = DECODE_ARGS + ("combine_variant", "stream")
+COMBINE_ARGS = ("num_splits", "oacc", "lseacc", "out", "lse", "block_table", "seqlens",
+                "num_pages", "stream")
+SCHEDULE_ARGS = ("seqlens", "metadata", "num_splits", "check", "stream")
+# The sizes created first, in this order (then the others as they first appear): the order
+# the compile signatures have always had.
+DECODE_DIMS = ("b", "rows", "n_blocks", "max_blocks", "parts", "slots", "h_q", "s_q")
+COMBINE_DIMS = ("b", "rows", "slots", "h_q", "s_q")
+
+
+# --- torch side: the shapes of the ops' results (fake_impls, the host launch) ---------------
+
+def decode_out_shape(batch: int, s_q: int, h_q: int, d_v: int = D_V) -> tuple:
+    """mla_decode's out: [batch, s_q, h_q, d_v] (the kernels write it as (b, rows, d_v))."""
+    return (batch, s_q, h_q, d_v)
+
+
+def decode_lse_shape(batch: int, s_q: int, h_q: int) -> tuple:
+    """mla_decode's lse, float32: [batch, h_q, s_q] (the kernels' lse argument)."""
+    return (batch, h_q, s_q)
+
+
+def schedule_shapes(batch: int, num_parts: int) -> tuple[tuple, tuple]:
+    """get_decode_schedule's (metadata int32 [num_parts, 8], num_splits int32 [batch + 1])."""
+    return (num_parts, METADATA_WIDTH), (batch + 1,)
+
+
+# --- DSL side: compile signatures (import the DSL when called) -------------------------------
+
+def has_pdl(arch: str) -> bool:
+    """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
+    return int(arch[3:].rstrip("af")) >= 90
+
+
+def dsl_dtype(name: str):
+    """The DSL element type of a registry dtype name ("bf16", "fp16", "fp32", "int32", ...)."""
+    import cutlass
+
+    return {"bf16": cutlass.BFloat16, "fp16": cutlass.Float16, "fp32": cutlass.Float32,
+            "int32": cutlass.Int32, "int64": cutlass.Int64, "uint8": cutlass.Uint8}[name]
+
+
+def fake_tensor(dtype, shape: tuple, stride: tuple, align: int = 16):
+    """A fake tensor for cute.compile (sizes and strides ints or cute.sym_int values)."""
+    import cutlass.cute as cute
+
+    return cute.runtime.make_fake_tensor(dtype, shape, stride=stride, assumed_align=align)
+
+
+def fake_args(names: tuple, dtype=None, *, dims: tuple = (), q_bytes: bool = False,
+              kv_bytes: bool = False) -> list:
+    """The compile-time stand-ins of arguments ``names`` (keys of ARGS), in order.
+
+    dtype: the DSL element type of q, kv and out; q_bytes / kv_bytes: q / kv as uint8 (an e4m3
+    q in fast mode, an e4m3 cache: the kernels only move and convert the bytes, and DLPack
+    needs no fp8 type). dims: the size names created first, in this order."""
+    import cutlass
+    import cutlass.cute as cute
+
+    sizes = {d: cute.sym_int() for d in dims}
+    elem = {"q": cutlass.Uint8 if q_bytes else dtype, "kv": cutlass.Uint8 if kv_bytes else dtype,
+            "out": dtype, "i32": cutlass.Int32, "f32": cutlass.Float32}
+
+    def size(d):
+        if isinstance(d, int):
+            return d
+        if d == "?":
+            return cute.sym_int()
+        if d not in sizes:
+            sizes[d] = cute.sym_int()
+        return sizes[d]
+
+    out = []
+    for name in names:
+        arg = ARGS[name]
+        if arg.dtype == "stream":
+            out.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+            continue
+        dt = elem[arg.dtype]
+        if arg.shape is None:
+            out.append(dt(1.0) if dt is cutlass.Float32 else dt(0))
+            continue
+        shape = tuple(size(d) for d in arg.shape)
+        row = 16 * 8 // dt.width  # elements in 16 bytes
+        stride = tuple(s if isinstance(s, int) else
+                       cute.sym_int64(divisibility=row) if s == "row" else cute.sym_int64()
+                       for s in arg.stride)
+        out.append(fake_tensor(dt, shape, stride, arg.align))
+    return out
+
+
+def compile_kernel(kernel, args: list, arch: str):
+    """cute.compile of kernel for arch (a compile option: no GPU, no CUTE_DSL_ARCH needed),
+    with TVM-FFI (a launch takes torch tensors and runs on the current stream)."""
+    import cutlass.cute as cute
+
+    return cute.compile(kernel, *args, options=f"--enable-tvm-ffi --gpu-arch {arch}")
+
+
+def compile_decode_kernel(kernel, dtype, arch: str, extra: list = ()):
+    """Compiles a decode kernel object (any class taking DECODE_KERNEL_ARGS) for arch; extra:
+    trailing fake arguments of development builds (e.g. a trace table)."""
+    return compile_kernel(kernel, fake_args(DECODE_KERNEL_ARGS, dtype, dims=DECODE_DIMS)
+                          + list(extra), arch)
+
+
+def compile_step_kernel(step, dtype, arch: str):
+    """Compiles a decode step object (cute_kernels/decode_step.py: STEP_ARGS, then FP8_ARGS
+    when ``step.kv_fp8``) for arch; an e4m3 q (``step.decode.q_fp8``) comes as bytes."""
+    kv_fp8 = getattr(step, "kv_fp8", False)
+    names = STEP_ARGS + (FP8_ARGS if kv_fp8 else ())
+    return compile_kernel(step, fake_args(names, dtype, dims=DECODE_DIMS, kv_bytes=kv_fp8,
+                                          q_bytes=getattr(step.decode, "q_fp8", False)), arch)
+
+
+def compile_combine_kernel(kernel, dtype, arch: str):
+    """Compiles a combine object (cute_kernels/combine.py: COMBINE_ARGS) for arch."""
+    return compile_kernel(kernel, fake_args(COMBINE_ARGS, dtype, dims=COMBINE_DIMS), arch)
+
+
+def compile_schedule_kernel(kernel, arch: str):
+    """Compiles a schedule object (cute_kernels/schedule.py: SCHEDULE_ARGS, every size its own)
+    for arch."""
+    return compile_kernel(kernel, fake_args(SCHEDULE_ARGS), arch)
+
+
+def compile_append_kernel(kernel, slot_dtype, arch: str):
+    """Compiles an append object (cute_kernels/append_kv.py) for arch: (kv_cache [num_blocks,
+    64, 1, 576], kv_c [T, 512], k_pe [T, 64] (row strides multiples of 8 elements, 16-byte
+    aligned), slot_mapping [T] of slot_dtype, check_range int, check_repeats int, [AppendKVFp8:
+    kv_scale float32 [1],] stream). An fp8 cache comes as its bytes (uint8)."""
+    import cutlass
+    import cutlass.cute as cute
+
+    T = cute.sym_int()
+    src = kernel.source_dtype
+    cache_div = 16 if kernel.fp8 else 8  # 16-byte aligned rows either way
+    args = [
+        # Page stride int64: a cache past 2^31 elements (4 GB in bf16) is addressed right.
+        fake_tensor(kernel.cache_dtype, (cute.sym_int(), PAGE_SIZE, 1, D_QK),
+                    (cute.sym_int64(divisibility=cache_div), D_QK, D_QK, 1)),
+        fake_tensor(src, (T, D_V), (cute.sym_int64(divisibility=8), 1)),
+        fake_tensor(src, (T, D_ROPE), (cute.sym_int64(divisibility=8), 1)),
+        fake_tensor(slot_dtype, (T,), (1,), slot_dtype.width // 8),
+        cutlass.Int32(1),
+        cutlass.Int32(1),
+    ]
+    if kernel.fp8:
+        args.append(fake_tensor(cutlass.Float32, (1,), (1,), 4))
+    args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
+    return compile_kernel(kernel, args, arch)

@@ -1,0 +1,254 @@
+"""Every compiled kernel variant torch_mla has, keyed by a frozen config, and how to build it.
+
+A variant is (config, arch). The config names the disk-cache entry (``config.name``, e.g.
+"step_sm90", and ``config.key()``, e.g. {"dtype": "bf16", "causal": False, "kv": "e4m3"}) and
+the compile entry that builds it (``config.entry``: a function at the end of its kernel's file
+in cute_kernels/, taking (config, arch)). The dispatch (ops/dispatch.py), precompile and the
+disk cache (ops/kernel_cache.py) read this module; nothing else spells a key.
+
+API (stable, for the ops, precompile, tests and tools):
+    DecodeStepConfig, DecodeConfig, CombineKernelConfig, ScheduleConfig, AppendKVConfig
+    compiled(config, arch)    the compiled kernel (memory, disk cache, else compiled and stored)
+    build(config, arch)       compiles it now (no cache)
+    variants(dtypes, causal, kernels, arch)   what precompile builds, as Variant(config, arch)
+    SM90_ARCH, SM100_ARCH, PORTABLE_ARCHS, FP8_APPEND_ARCHS, ARCHS, gpu_arch, dtype_name
+
+Uses neither torch nor the DSL: a cache hit loads a library without either (kernel_cache.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import importlib
+from typing import Any, ClassVar, NamedTuple
+
+from ..constants import COMBINE_WARPS_PER_ROW
+from . import kernel_cache
+
+
+def gpu_arch(major: int, minor: int) -> str:
+    """The ``--gpu-arch`` a GPU of this compute capability gets kernels compiled for: its own
+    arch, with the arch-specific suffix from 9.0 on (sm_80, sm_86, sm_89, sm_90a, sm_100a,
+    sm_120a, ...)."""
+    return f"sm_{major}{minor}" + ("a" if major >= 9 else "")
+
+
+SM90_ARCH = "sm_90a"
+SM100_ARCH = "sm_100a"
+# The small kernels (schedule, append_kv) and the portable decode kernel use no arch-specific
+# instruction: they run on every arch from SM80 up, compiled for the device's own (sm_90a on
+# H100/H200, the SM90 kernel's arch, so that precompiling sm_90a covers all of them). The
+# arches nvidia-cutlass-dsl compiles for.
+PORTABLE_ARCHS = {cap: gpu_arch(*cap) for cap in [(8, 0), (8, 6), (8, 7), (8, 9), (9, 0),
+                                                   (10, 0), (10, 3), (11, 0), (12, 0), (12, 1)]}
+# Arches with the e4m3 cvt (cvt.rn.satfinite.e4m3x2.f32, SM89 and later): append_kv's fp8 kernel.
+FP8_APPEND_ARCHS = frozenset(a for cap, a in PORTABLE_ARCHS.items() if cap >= (8, 9))
+# The arches torch_mla has kernels for: SM90's own, and the portable kernels'.
+ARCHS = tuple(dict.fromkeys((SM90_ARCH, *PORTABLE_ARCHS.values())))
+
+# Element types by the names the configs (and so the disk-cache keys) use.
+_NAMES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float8_e4m3fn": "e4m3",
+          "int32": "int32", "int64": "int64"}
+
+
+def dtype_name(dtype) -> str:
+    """The config name of a torch dtype (torch.bfloat16 -> "bf16", torch.float8_e4m3fn ->
+    "e4m3", torch.int64 -> "int64")."""
+    return _NAMES[str(dtype).removeprefix("torch.")]
+
+
+class _Config:
+    """What every config offers: its cache entry's name and key, its compile entry."""
+
+    name: ClassVar[str]
+    entry: ClassVar[str]  # "<module in cute_kernels>:<function(config, arch)>"
+
+    def key(self) -> dict:
+        """The disk-cache config of this variant (str/int/bool values, in field order)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeStepConfig(_Config):
+    """The decode kernel of ``backend`` and the combine behind one host call (what mla_decode
+    runs; cute_kernels/decode_step.py).
+
+    backend: "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
+    portable MLADecodeSm80, any arch from sm_80). dtype: "bf16" or "fp16", q's and out's.
+    kv_fp8 (sm90 only): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast mode
+    (MLADecodeSm90Fast); q_fp8: its q is float8_e4m3fn (passed as bytes; out is dtype).
+    tiles (sm80 only): the portable kernel's (block_m, block_n, stages) instead of
+    Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes."""
+
+    backend: str
+    dtype: str
+    causal: bool
+    kv_fp8: bool = False
+    compute: str = "exact"
+    q_fp8: bool = False
+    tiles: tuple[int, int, int] | None = None
+
+    kind: ClassVar[str] = "step"
+
+    def __post_init__(self):
+        object.__setattr__(self, "causal", bool(self.causal))
+        if self.backend not in ("sm90", "sm80", "sm100") or self.dtype not in ("bf16", "fp16"):
+            raise ValueError(f"no decode kernel for backend {self.backend!r}, dtype "
+                             f"{self.dtype!r}")
+        if self.kv_fp8 and self.backend != "sm90":
+            raise ValueError(f"no float8_e4m3fn-cache kernel for backend {self.backend!r}")
+        if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
+            raise ValueError(f"compute={self.compute!r}, q_fp8={self.q_fp8} needs kv_fp8 and "
+                             "fast mode")
+        if self.tiles is not None:
+            if self.backend != "sm80":
+                raise ValueError("tiles are the portable (sm80) kernel's")
+            object.__setattr__(self, "tiles", tuple(self.tiles))
+
+    @property
+    def name(self) -> str:
+        return f"{self.kind}_{self.backend}"
+
+    entry: ClassVar[str] = "decode_step:compile_step"
+
+    def key(self) -> dict:
+        config = {"dtype": self.dtype, "causal": self.causal}
+        if self.kv_fp8:
+            config["kv"] = "e4m3"  # (bf16/fp16-cache entries keep their names)
+        if self.compute == "fp8":
+            config["compute"] = "fp8"
+        if self.q_fp8:
+            config["q"] = "e4m3"
+        if self.tiles:
+            config["tiles"] = "x".join(map(str, self.tiles))
+        return config
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeConfig(DecodeStepConfig):
+    """The decode kernel of ``backend`` alone (benchmarks, tools; the ops run the step): the
+    16-bit cache kernels, on the DECODE_KERNEL_ARGS of torch_mla/contract.py."""
+
+    kind: ClassVar[str] = "decode"
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.kv_fp8:
+            raise ValueError("the decode kernel alone is built for 16-bit caches; a "
+                             "float8_e4m3fn cache's runs in its step (DecodeStepConfig)")
+
+    @property
+    def entry(self) -> str:
+        return f"{self.backend}_decode:compile_decode"
+
+
+@dataclasses.dataclass(frozen=True)
+class CombineKernelConfig(_Config):
+    """The combine alone (cute_kernels/combine.py): out dtype, warps per output row (one of
+    constants.COMBINE_WARPS_PER_ROW)."""
+
+    dtype: str
+    warps_per_row: int
+
+    name: ClassVar[str] = "combine"
+    entry: ClassVar[str] = "combine:compile_combine"
+
+
+@dataclasses.dataclass(frozen=True)
+class ScheduleConfig(_Config):
+    """The one-launch schedule kernel (cute_kernels/schedule.py): one variant per arch."""
+
+    name: ClassVar[str] = "schedule"
+    entry: ClassVar[str] = "schedule:compile_schedule"
+
+
+@dataclasses.dataclass(frozen=True)
+class AppendKVConfig(_Config):
+    """append_kv (cute_kernels/append_kv.py): the cache's dtype ("bf16", "fp16" or "e4m3"), the
+    sources' ("bf16", "fp16" or "fp32") and the slots' ("int32" or "int64")."""
+
+    cache: str
+    source: str
+    slot: str
+
+    name: ClassVar[str] = "append_kv"
+    entry: ClassVar[str] = "append_kv:compile_append_kv"
+
+
+def build(config: _Config, arch: str) -> Any:
+    """Compiles the variant now (imports the DSL and the kernel's module), without the cache."""
+    module, function = config.entry.split(":")
+    return getattr(importlib.import_module(f"torch_mla.cute_kernels.{module}"), function)(
+        config, arch)
+
+
+def compiled(config: _Config, arch: str) -> Any:
+    """The compiled variant: from this process's memory, else the disk cache, else compiled
+    and stored (kernel_cache.load_or_build). A callable taking the kernel's arguments (torch
+    tensors, ints, floats; torch_mla/contract.py) through TVM-FFI."""
+    return kernel_cache.load_or_build(config.name, config.key(), arch,
+                                      functools.partial(build, config, arch))
+
+
+# --- what precompile builds -------------------------------------------------------------------
+
+class Variant(NamedTuple):
+    config: _Config
+    arch: str
+
+    @property
+    def name(self) -> str:
+        return self.config.name
+
+    def key(self) -> dict:
+        return self.config.key()
+
+
+# Groups of variants, by precompile's --kernels names.
+KERNELS = ("step", "fp8_step", "fp8_fast", "decode", "combine", "portable", "schedule",
+           "append_kv")
+DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "schedule", "append_kv")
+APPEND_SOURCES = ("bf16", "fp16", "fp32")
+APPEND_SLOTS = ("int32", "int64")
+
+
+def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
+             causal: tuple[bool, ...] = (False, True), kernels: list[str] | tuple = DEFAULT_KERNELS,
+             arch: str = SM90_ARCH) -> list[Variant]:
+    """The variants of groups ``kernels`` the dispatch can pick on arch: the decode step (the
+    SM90 kernel on sm_90a, the portable one elsewhere; "portable" adds the portable step on
+    sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
+    cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
+    float8_e4m3fn), the schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
+    SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64 slots; "decode"
+    and "combine" alone serve benchmarks."""
+    out = []
+    native = "sm90" if arch == SM90_ARCH else "sm80"
+    steps = [native] if "step" in kernels else []
+    if "portable" in kernels and "sm80" not in steps:
+        steps.append("sm80")
+    if "schedule" in kernels:
+        out.append(ScheduleConfig())
+    for dt in dtypes:
+        for backend in steps:
+            out += [DecodeStepConfig(backend, dt, c) for c in causal]
+        if "fp8_step" in kernels and native == "sm90":  # the only float8_e4m3fn-cache kernel
+            out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True) for c in causal]
+        if "fp8_fast" in kernels and native == "sm90":
+            for q8 in (False, True) if dt == "bf16" else (False,):
+                out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8)
+                        for c in causal]
+        if "decode" in kernels:
+            out += [DecodeConfig(native, dt, c) for c in causal]
+        if "combine" in kernels:
+            out += [CombineKernelConfig(dt, w) for w in COMBINE_WARPS_PER_ROW]
+        if "append_kv" in kernels:
+            out += _append_variants(dt)
+    if "append_kv" in kernels and arch in FP8_APPEND_ARCHS:
+        out += _append_variants("e4m3")
+    return [Variant(c, arch) for c in out]
+
+
+def _append_variants(cache: str) -> list[AppendKVConfig]:
+    return [AppendKVConfig(cache, src, slot) for src in APPEND_SOURCES for slot in APPEND_SLOTS]
