@@ -24,14 +24,13 @@ import sys
 import torch
 
 import torch_mla
+from torch_mla.devtools import breakdown_us
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
     ANCHORS,
     QUICK_ANCHORS,
-    breakdown_us,
     flash_mla_decode,
     graph_time_us,
-    kernel_args,  # noqa: F401  (re-exported for tools/trace_decode.py until it imports testing)
     load_flash_mla,
     make_anchor_inputs,
     parse_config,

@@ -5,8 +5,10 @@ num_parts, on s_q * h_q. The kernels read num_parts from the metadata's shape, s
 another s_q or h_q only spreads the same blocks differently: the output stays right. A schedule
 for other lengths cuts requests where those lengths put the cuts: while every piece of a split
 request still starts inside its length now, the output stays right too (blocks past the length
-are not walked); a piece that starts past it has no partial result, and the combine reports it
-and stops the launch (splitkv.empty_segment, MLACombine.check_pieces). Each test runs on the
+are not walked, and a request's last piece runs to its end now, so a request that has grown
+keeps its new blocks); a piece that starts past the length has no partial result, and a request
+that the schedule saw empty has no piece: the combine reports either and stops the launch
+(splitkv.segment, splitkv.empty_segment, MLACombine.check_pieces). Each test runs on the
 SM90 kernel and on the portable SM80-class kernel (TORCH_MLA_PORTABLE=1)."""
 
 import os
@@ -104,6 +106,20 @@ def test_schedule_for_longer_lengths_with_cuts_inside_gives_the_right_output():
     check_against_reference(inp, sched, False)
 
 
+def test_schedule_for_shorter_lengths_gives_the_right_output():
+    """A schedule for shorter lengths (each request grew since, by a few keys up to several
+    pages): a request's last piece runs to its end now, split or not, so no key is lost."""
+    shorter = [20, 140, 4096, 6000, 1, 65, 3000, 8192, 64, 700]
+    starts = last_piece_starts(shorter, 1, 16)
+    assert starts, "the schedule splits no request: nothing to test"
+    assert len(starts) < len(shorter), starts  # unsplit requests too
+    lens = [L + g for L, g in zip(shorter, [1, 63, 64, 65, 300, 200, 1, 2000, 1, 129])]
+    inp = make_decode_inputs(lens, 1, 16, device="cuda")
+    sched = torch_mla.get_decode_schedule(torch.tensor(shorter, dtype=torch.int32,
+                                                       device="cuda"), 1, 16)
+    check_against_reference(inp, sched, False)
+
+
 MISMATCH = """
 import torch, torch_mla
 from torch_mla.testing import make_decode_inputs
@@ -146,7 +162,35 @@ def test_schedule_cutting_a_request_past_its_length_stops_the_launch(graph):
     assert res.returncode != 0 and "no error" not in log, log
     pieces = int(re.search(r"pieces (\d+)", log).group(1))
     assert pieces > 1, log
-    want = (f"torch_mla.mla_decode: the schedule cuts request 1 into {pieces} pieces, but one of "
-            f"them starts past its cache_seqlens ({shorter[1]} tokens): it was computed for other "
+    want = (f"torch_mla.mla_decode: the schedule cuts request 1 into {pieces} pieces, which do "
+            f"not fit its cache_seqlens ({shorter[1]} tokens) now: it was computed for other "
             "lengths; compute it again with torch_mla.get_decode_schedule")
+    assert want in log, log
+
+
+EMPTY = """
+import torch, torch_mla
+from torch_mla.testing import make_decode_inputs
+inp = make_decode_inputs([300, 200, 100], 1, 16, device="cuda")
+sched = torch_mla.get_decode_schedule(torch.tensor([300, 0, 100], dtype=torch.int32,
+                                                   device="cuda"), 1, 16)
+print("pieces", int(sched.num_splits[2] - sched.num_splits[1]), flush=True)
+torch_mla.mla_decode(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
+torch.cuda.synchronize()
+print("no error")
+"""
+
+
+def test_schedule_that_saw_a_request_empty_stops_the_launch():
+    """A request that had no key when the schedule was made (no piece) has 200 keys now:
+    nothing would merge it; the launch stops with a message naming it."""
+    root = pathlib.Path(__file__).resolve().parents[1]
+    res = subprocess.run([sys.executable, "-c", EMPTY], cwd=root, capture_output=True,
+                         text=True, env=dict(os.environ))
+    log = res.stdout + res.stderr
+    assert "pieces 0" in log, log
+    assert res.returncode != 0 and "no error" not in log, log
+    want = ("torch_mla.mla_decode: the schedule cuts request 1 into 0 pieces, which do not fit "
+            "its cache_seqlens (200 tokens) now: it was computed for other lengths; compute it "
+            "again with torch_mla.get_decode_schedule")
     assert want in log, log

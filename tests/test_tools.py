@@ -67,8 +67,8 @@ def test_trace_slots_fit_the_table():
 
 TRACE_SCRIPT = r"""
 import glob, json, os
-import cutlass, cutlass.cute as cute
-from torch_mla.ops.dispatch import compile_decode_sm90
+import cutlass
+from torch_mla.contract import compile_decode_kernel
 from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 from tools import trace_decode
 
@@ -78,7 +78,7 @@ def timer_reads(seen):
     files = set(glob.glob(os.path.join(dump, "*.ptx"))) - seen
     return sum(open(f).read().count("%globaltimer") for f in files), seen | files
 
-compile_decode_sm90(cute, cutlass, MLADecodeSm90(cutlass.BFloat16, False), cutlass.BFloat16)
+compile_decode_kernel(MLADecodeSm90(cutlass.BFloat16, False), cutlass.BFloat16, "sm_90a")
 shipped, seen = timer_reads(set())
 trace_decode.traced_kernel(False)
 traced, _ = timer_reads(seen)

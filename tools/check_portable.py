@@ -32,6 +32,7 @@ import time
 import torch
 
 import torch_mla
+from torch_mla.devtools import portable_kernel
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
     ANCHORS,
@@ -41,7 +42,6 @@ from torch_mla.testing import (
     graph_time_us,
     make_anchor_inputs,
     make_decode_inputs,
-    portable_kernel,
 )
 
 # shared/anchors/README.md, Triton split-KV decode (vLLM-style) on the H200, us.

@@ -38,13 +38,13 @@ import torch
 
 import torch_mla
 from torch_mla.constants import D_QK, D_V, PAGE_SIZE
+from torch_mla.devtools import runs_kernel
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
     DECODE_TOL,
     LSE_TOL,
     make_decode_inputs,
     mla_decode_fp64,
-    runs_kernel,
 )
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}

@@ -10,6 +10,7 @@
 #   record      tools/record_outputs.py on this tree and on .baseline/, then compare: every
 #               variant's outputs bit for bit (exit 1 of compare: something differs)
 #   bench       benchmarks/bench_decode.py, FlashMLA timed beside it when .peers/ holds it
+#   bench_old   the same for the old tree (.baseline/benchmarks/bench_decode.py), on request
 #   tests       python -m pytest -m cuda -q
 # Roughly 1.5 + 1.5 + 3 + 5 min on an H200 (a device call may run 10 min: give the stages over
 # two calls if needed; the disk cache stays while the machine is warm).
@@ -71,7 +72,9 @@ python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
 for stage in $stages; do
   case $stage in
     precompile)  # (the two trees one after the other: each already fills the 16 cores)
-      precompile_tree precompile_new "$ROOT"
+      # This tree: one precompile call, its own worker processes (--jobs: the CPU count).
+      run precompile_new 400 python -m torch_mla.precompile --arch sm_90a \
+        --kernels step,fp8_step,fp8_fast,portable,schedule,append_kv
       (( have_old )) && precompile_tree precompile_old "$ROOT/.baseline"
       ;;
     record)
@@ -88,6 +91,14 @@ for stage in $stages; do
     bench)
       python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
       run bench 420 python benchmarks/bench_decode.py
+      ;;
+    bench_old)  # the old tree's own benchmark script (.baseline/benchmarks), same machine start
+      if [[ -f .baseline/benchmarks/bench_decode.py ]]; then
+        run bench_old 420 env PYTHONPATH="$ROOT/.baseline:$PYTHONPATH" \
+          python .baseline/benchmarks/bench_decode.py
+      else
+        summary+=("bench_old        skipped: no .baseline/benchmarks/bench_decode.py")
+      fi
       ;;
     tests)
       run tests 540 python -m pytest -m cuda -q -p no:cacheprovider tests

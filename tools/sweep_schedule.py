@@ -20,7 +20,8 @@ import sys
 
 import torch_mla
 from torch_mla import scheduling
-from torch_mla.testing import combine_warps, graph_time_us, make_anchor_inputs, parse_config
+from torch_mla.devtools import combine_warps
+from torch_mla.testing import graph_time_us, make_anchor_inputs, parse_config
 
 
 def variant_schedule(lens, num_parts: int, overhead: int):

@@ -145,7 +145,8 @@ def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: i
 
 
 def trace_config(cfg: str, out_dir: str) -> None:
-    from torch_mla.testing import breakdown_us, graph_time_us, kernel_args
+    from torch_mla.devtools import breakdown_us, kernel_args
+    from torch_mla.testing import graph_time_us
 
     b, s_q, s_k, h_q = (int(x) for x in cfg.split(","))
     causal = s_q > 1

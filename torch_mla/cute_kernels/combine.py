@@ -10,8 +10,9 @@ written by the decode kernel and are skipped; requests with no key (k = 0) are w
 It also checks the inputs of the step for every kernel that shares it: request r's length lies in
 [0, width x 64] and the block-table entries it uses are pages of the cache, else it prints which
 entry is wrong and stops the launch (check_request). Inside CUDA graphs too, at no measurable cost.
-A piece whose lse is +inf was found by the decode kernel past its request's end (a schedule made
-for other lengths, splitkv.empty_segment): that stops the launch too (check_pieces).
+A schedule made for other lengths stops the launch too (check_pieces): a piece whose lse is +inf
+(the decode kernel found it past its request's end, splitkv.empty_segment), or a request with
+keys that the schedule gave no piece.
 
 Grid: (batch, rows / rows-per-CTA), CTAs of 4 warps (16 with 16 warps per row). A row is merged
 by one warp (many short requests: few pieces each) or by 4 or 16 warps, which split the pieces
@@ -103,7 +104,13 @@ class MLACombine:
                 if c + lane < count:
                     mx = cute.arch.fmax(mx, mLSEacc[start + c + lane, row])
             mx = cute.arch.warp_reduction_max(mx)
-            if mx == Float32.inf:
+            # (lse +inf: a piece past the request's end, splitkv.empty_segment; no piece at all
+            # for a request with keys: the schedule saw it empty.)
+            bad = mx == Float32.inf
+            if count == 0:
+                if mSeqlens[r] > 0:
+                    bad = cutlass.Boolean(True)
+            if bad:
                 self.check_pieces(mSeqlens, r, row, count, lane, part)
             if mx != -Float32.inf:
                 total = Float32(0.0)
@@ -155,12 +162,13 @@ class MLACombine:
     @cute.jit
     def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
                      part: Int32):
-        """A piece of request r holds lse +inf: the decode kernel found it past the request's
-        end (splitkv.empty_segment), i.e. the schedule was made for other lengths. The message
-        comes once, from row 0; the launch stops."""
+        """The schedule was made for other lengths: a piece of request r holds lse +inf (the
+        decode kernel found it past the request's end, splitkv.empty_segment), or the request
+        has keys but no piece (the schedule saw it empty). The message comes once, from row
+        0; the launch stops."""
         if row == 0 and part == 0 and lane == 0:
-            fail("torch_mla.mla_decode: the schedule cuts request {} into {} pieces, but one of "
-                 "them starts past its cache_seqlens ({} tokens): it was computed for other "
+            fail("torch_mla.mla_decode: the schedule cuts request {} into {} pieces, which do "
+                 "not fit its cache_seqlens ({} tokens) now: it was computed for other "
                  "lengths; compute it again with torch_mla.get_decode_schedule", r, count,
                  mSeqlens[r])
 

@@ -286,10 +286,10 @@ class MLADecodeSm100:
 
         if warp == LOAD_WARP:
             self._load(tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
-                       mBlockTable, mSeqlens, walk, m_block)
+                       mBlockTable, mSeqlens, mNumSplits, walk, m_block)
         if warp == MMA_WARP:
             self._mma(qk_mma, pv_mma, sQ, sK, sP, sV, tStS, tOtO, q_pipe, kv_pipe, s_pipe,
-                      p_pipe, o_pipe, mBlockTable, mSeqlens, walk)
+                      p_pipe, o_pipe, mBlockTable, mSeqlens, mNumSplits, walk)
         if warp < SOFTMAX_WARPS:
             self._softmax(tStS, tOtO, sP, storage.sKV.data_ptr(), s_pipe, p_pipe, o_pipe,
                           mBlockTable, mSeqlens, mNumSplits, mO, mLSE, mOacc, mLSEacc,
@@ -305,25 +305,26 @@ class MLADecodeSm100:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _segment(self, r: Int32, walk, mBlockTable, mSeqlens):
+    def _segment(self, r: Int32, walk, mBlockTable, mSeqlens, mNumSplits):
         """(L, first block, block count) of request r's segment in this part; the count is
         <= 0 when the part holds none of its blocks. The walk stops at the block table's width
         (a length past it is an input error that the op checks on the device)."""
         L = mSeqlens[r]
-        lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
+        pieces = mNumSplits[r + 1] - mNumSplits[r]
+        lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1], pieces)
         return L, lo, hi - lo
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _load(self, tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
-              mBlockTable, mSeqlens, walk, m_block: Int32):
+              mBlockTable, mSeqlens, mNumSplits, walk, m_block: Int32):
         """Warp 5: Q of each segment, then its pages, as the buffers free up."""
         thr = qk_mma.get_slice(0)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         policy = cutlass.Int64(L2_EVICT_FIRST)  # each page and Q tile is read once (sm90_decode)
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
+            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
             if n > 0:
                 gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
@@ -350,7 +351,7 @@ class MLADecodeSm100:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _mma(self, qk_mma, pv_mma, sQ, sK, sP, sV, tStS, tOtO, q_pipe, kv_pipe, s_pipe, p_pipe,
-             o_pipe, mBlockTable, mSeqlens, walk):
+             o_pipe, mBlockTable, mSeqlens, mNumSplits, walk):
         """Warp 4: per segment, S_0; then S_{i+1} before O += P_i V_i; then O is complete."""
         tSrQ = qk_mma.make_fragment_A(sQ)  # (MMA, 1, 36)
         tSrK = qk_mma.make_fragment_B(sK)  # (MMA, 1, 36, stages)
@@ -365,7 +366,7 @@ class MLADecodeSm100:
         p_state = pipeline.make_pipeline_state(Consumer, 1)
         o_state = pipeline.make_pipeline_state(Producer, 1)
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
+            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
             if n > 0:
                 q_pipe.consumer_wait(q_state)
                 for i in cutlass.range(n, unroll=1):
@@ -463,7 +464,7 @@ class MLADecodeSm100:
         o_state = pipeline.make_pipeline_state(Consumer, 1)
         kv_count = Int32(0)  # pages this CTA has consumed: the page buffer is kv_count % 2
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens)
+            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
             if n > 0:
                 # Horizon of this thread's row: keys < border are visible.
                 border = softmax.row_border(L, g_row, d_rows, h_q, s_q, self.causal)

@@ -461,7 +461,7 @@ class MLADecodeSm80:
 
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = mSeqlens[r]
-            lo, hi = splitkv.segment(walk, r, L, width)
+            lo, hi = splitkv.segment(walk, r, L, width, mNumSplits[r + 1] - mNumSplits[r])
             # (An empty cache has nothing to walk: page ids are clamped into it.)
             if num_pages == 0:
                 hi = 0

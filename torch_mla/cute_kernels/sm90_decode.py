@@ -551,7 +551,7 @@ class MLADecodeSm90:
             nb_req = splitkv.num_blocks(L)
             # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
             # id never reads outside the cache.
-            lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1])
+            lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1], pieces)
             r_next = cutlass.min(r + 1, walk.end_req)
             self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:
@@ -651,7 +651,8 @@ class MLADecodeSm90:
                 # The next segment's Q can load while this one's output is written.
                 next_q = cutlass.Boolean(False)
                 if r + 1 <= walk.end_req:
-                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0], mBlockTable.shape[1])
+                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0], mBlockTable.shape[1],
+                                                       req[4] - req[3])
                     next_q = lo_next < hi_next
                 q_ready[0] = 0
                 if next_q:

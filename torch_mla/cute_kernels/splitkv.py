@@ -68,16 +68,27 @@ def num_blocks(L: Int32) -> Int32:
 
 
 @cute.jit
-def segment(p: Part, r: Int32, L: Int32, width: Int32):
-    """(lo, hi): the key blocks [lo, hi) of request r (L keys) that part p computes; lo >= hi
-    when it holds none. The walk stops at the block table's width: a length past it is an
-    input error (the combine checks it on the device), and no block-table read may leave the
-    request's row whatever the inputs hold."""
+def segment(p: Part, r: Int32, L: Int32, width: Int32, pieces: Int32):
+    """(lo, hi): the key blocks [lo, hi) of request r (L keys, cut into `pieces` pieces) that
+    part p computes; lo >= hi when it holds none. The walk stops at the block table's width: a
+    length past it is an input error (the combine checks it on the device), and no block-table
+    read may leave the request's row whatever the inputs hold.
+
+    A request's last piece runs to the request's end now, wherever the part ends: for the
+    lengths the schedule was made for that is the part's own end_blk, and a request that has
+    grown since (a schedule made for shorter lengths) keeps its new blocks, which no other
+    piece holds. Other pieces stop at end_blk, and at the request's last block (a schedule made
+    for longer lengths may end a part past it; those blocks hold no key, and their block-table
+    entries no page of it)."""
     nb_req = num_blocks(L)
     lo = p.begin_blk if r == p.begin_req else 0
-    # (min with nb_req: a schedule made for longer lengths may end a part past the request's
-    # last block now; those blocks hold no key, and their block-table entries no page of it.)
-    hi = cutlass.min(cutlass.min(p.end_blk if r == p.end_req else nb_req, nb_req), width)
+    end = nb_req
+    if r == p.end_req:
+        # (p.end_blk <= lo: the part ends before the request's first block, inside the
+        # overhead units the schedule charges a request start: it holds no piece of it.)
+        if split_index(p, r) != pieces - 1 or p.end_blk <= lo:
+            end = cutlass.min(p.end_blk, nb_req)
+    hi = cutlass.min(end, width)
     return lo, hi
 
 

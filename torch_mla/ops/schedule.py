@@ -80,8 +80,13 @@ def get_decode_schedule(
     s_q, h_q, h_kv and num_sms only choose num_parts, the schedule's size: the kernels read
     it from ``metadata.shape[0]`` (their grid, the workspace), so a schedule made for another
     h_q or s_q still covers every block once (the output is the same; only the balance of the
-    work across SMs differs). Lengths whose block counts differ from the ones it was built for
-    do not fit it.
+    work across SMs differs). On a GPU, a schedule made for other lengths is either still
+    right or stops the launch with a message, at no host sync (inside CUDA graphs too): the
+    kernels walk no block past a request's length, a request's last piece runs to the
+    request's end now (a request that has grown keeps its new blocks), and a piece that starts
+    past the length or a request with keys but no piece (the schedule saw it empty) makes the
+    combine print which request and stop (tests/test_schedule_mismatch.py). On CPU tensors the
+    reference path does not read the schedule.
 
     On a GPU from SM80 up it is one kernel launch (cute_kernels/schedule.py), elsewhere a few
     dozen torch ops (torch_mla.scheduling.compute_schedule); the results are identical. A
