@@ -637,13 +637,15 @@ def test_gpu_reference_equals_cpu_reference(fmt):
 @pytest.mark.cuda
 def test_gpu_warns_once_that_the_kernel_is_not_built(monkeypatch):
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)  # (which silences it)
-    q, cache, idx = [t.cuda() for t in op_args(b=1, s_q=1, h_q=8, topk=64)[:3]]
+    # (topk_length given: op_args poisons the entries past it, which the checks would reject)
+    q, cache, idx, lens = [t.cuda() for t in op_args(b=1, s_q=1, h_q=8, topk=64)[:4]]
     sparse_ops._warned.clear()
     with pytest.warns(UserWarning, match="sparse decode kernel is not built yet"):
-        torch_mla.mla_decode_sparse(q, cache, idx)
+        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        torch_mla.mla_decode_sparse(q, cache, idx)
+        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
+    torch.cuda.synchronize()  # (an index check failing on the device would surface here)
 
 
 @pytest.mark.cuda
