@@ -619,9 +619,9 @@ class MLADecodeSm80:
         # (a wait in a kh branch became a predicated BAR.SYNC). compute-sanitizer's racecheck
         # reports WAR hazards on this arrive -> wait pair (a rope ldmatrix before the arrive, an
         # exchange store after the wait), which the PTX model orders: a false positive that
-        # tools/racecheck_probe.py reproduces with 8 warps, ldmatrix reads and a barrier of the
-        # reading quad's own between its arrive and the store, as the lag has here (none with
-        # the lag off; docs/kernel-notes.md, session 7).
+        # a racecheck probe (a one-off tool since removed) reproduced with 8 warps, ldmatrix reads
+        # and a barrier of the reading quad's own between its arrive and the store, as the lag
+        # has here (none with the lag off; docs/log.md, session 7).
         n_rope = self.num_threads
         # S partials of both row groups: 2 x bn / 16 n8 tiles; `chains` interleaved partial sums
         # (k-steps round robin) give 4 independent mma.sync chains when there are fewer tiles.
