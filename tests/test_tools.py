@@ -67,28 +67,17 @@ def test_trace_slots_fit_the_table():
 
 TRACE_SCRIPT = r"""
 import glob, json, os
-import cutlass
-from torch_mla.contract import compile_decode_kernel
-from torch_mla.cute_kernels.sm90_decode import MLADecodeSm90
 from tools import trace_decode
 
-dump = os.environ["CUTE_DSL_DUMP_DIR"]
-
-def timer_reads(seen):
-    files = set(glob.glob(os.path.join(dump, "*.ptx"))) - seen
-    return sum(open(f).read().count("%globaltimer") for f in files), seen | files
-
-compile_decode_kernel(MLADecodeSm90(cutlass.BFloat16, False), cutlass.BFloat16, "sm_90a")
-shipped, seen = timer_reads(set())
 trace_decode.traced_kernel(False)
-traced, _ = timer_reads(seen)
-print(json.dumps({"shipped": shipped, "traced": traced}))
+files = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
+print(json.dumps({"traced": sum(open(f).read().count("%globaltimer") for f in files)}))
 """
 
 
-def test_trace_build_compiles_and_the_shipped_kernel_has_no_trace(tmp_path):
-    """The shipped MLADecodeSm90 reads no %globaltimer (its trace points are no-ops); the trace
-    build (one more argument, the stamp table) reads it at each point: the kernel's start and
+def test_trace_build_compiles(tmp_path):
+    """The trace build (one more argument, the stamp table) reads %globaltimer at each point
+    (tests/test_kernel_compile.py checks that the shipped kernels read none): the kernel's start and
     end, the segment's points 0-5 and 9, WG0's pair start in each of the three pair variants
     (has1, has2 compile-time), point 6 of the epilogue and 7, 8 of the output store (one
     instance a dtype: fp32 partials, bf16 output): 2 + 7 + 3 + 1 + 2 * 2 = 17 reads."""
@@ -99,4 +88,4 @@ def test_trace_build_compiles_and_the_shipped_kernel_has_no_trace(tmp_path):
                          text=True, timeout=1800, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert counts == {"shipped": 0, "traced": 17}, counts
+    assert counts == {"traced": 17}, counts
