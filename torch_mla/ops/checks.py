@@ -365,6 +365,13 @@ def check_append_args(kv_cache: torch.Tensor, kv_c: torch.Tensor, k_pe: torch.Te
     elif kv_scale is not None:
         _fail(f"kv_scale is the scale of a float8_e4m3fn kv_cache; this kv_cache is "
               f"{kv_cache.dtype}: pass kv_scale=None")
+    check_append_devices_and_slots(kv_cache, kv_c, k_pe, slot_mapping, T, values)
+
+
+def check_append_devices_and_slots(kv_cache, kv_c, k_pe, slot_mapping, T: int,
+                                   values: bool) -> None:
+    """append_kv's last checks, for every cache format: one device, and (with values) the
+    slots' values (T: the token count)."""
     dev = kv_cache.device  # (compared one by one: half the host time of a set, every call)
     if kv_c.device != dev or k_pe.device != dev or slot_mapping.device != dev:
         devs = {t.device for t in (kv_cache, kv_c, k_pe, slot_mapping)}

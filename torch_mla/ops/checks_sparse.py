@@ -16,9 +16,8 @@ from .checks import (
     _fail,
     _require,
     _shape,
+    check_append_devices_and_slots,
     check_scale,
-    check_slot_values,
-    checks_values,
 )
 
 SPARSE_DEVICE_MESSAGES = {
@@ -165,10 +164,4 @@ def check_fp8_ds_mla_append_args(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=No
         _fail(f"slot_mapping must be int32 or int64, got {slot_mapping.dtype}")
     if not (kv_c.is_floating_point() and k_pe.is_floating_point()):
         _fail(f"kv_c and k_pe must be floating point, got {kv_c.dtype} and {k_pe.dtype}")
-    dev = kv_cache.device
-    if kv_c.device != dev or k_pe.device != dev or slot_mapping.device != dev:
-        devs = {t.device for t in (kv_cache, kv_c, k_pe, slot_mapping)}
-        _fail("kv_cache, kv_c, k_pe and slot_mapping must be on one device, "
-              f"got {sorted(map(str, devs))}")
-    if values and T > 0 and checks_values(slot_mapping):
-        check_slot_values(kv_cache.shape[0], slot_mapping)
+    check_append_devices_and_slots(kv_cache, kv_c, k_pe, slot_mapping, T, values)
