@@ -285,7 +285,9 @@ def test_page_padded_strided_inputs():
 
 
 def test_reference_chunks_agree():
-    # The reference takes query tokens max_keys // topk at a time: chunking changes nothing.
+    # The reference takes query tokens max_keys // topk at a time: chunking changes nothing
+    # but float32 rounding (a batched matmul of another shape may block its sums otherwise:
+    # one bf16 ulp in the output at most).
     idx = poisoned_indices(3, 4, 64, 4 * PAGE)
     cache, _ = make_cache(4, "bf16", used_slots(idx, None, 4 * PAGE))
     q = torch.randn(3, 4, 8, 576).bfloat16()
@@ -293,15 +295,19 @@ def test_reference_chunks_agree():
     whole = mla_decode_sparse_reference(*args)
     for max_keys in (1, 64, 64 * 5):
         part = mla_decode_sparse_reference(*args, max_keys=max_keys)
-        assert torch.equal(whole[0], part[0]) and torch.equal(whole[1], part[1])
+        torch.testing.assert_close(part[0], whole[0], rtol=2 ** -7, atol=1e-6)
+        torch.testing.assert_close(part[1], whole[1], rtol=1e-6, atol=1e-6)
 
 
-def test_schedule_is_the_dense_one_over_entry_counts():
+def test_schedule_is_the_dense_one_over_each_tokens_entry_count():
+    # Each (request, query token) pair is a one-token request (the tokens have their own
+    # entries): request r's length repeated s_q times.
     idx = torch.zeros(5, 2, 2048, dtype=torch.int32)
     lens = torch.tensor([0, 64, 2048, 100, 1], dtype=torch.int32)
-    for tl, L in ((None, torch.full((5,), 2048, dtype=torch.int32)), (lens, lens)):
+    per_token = torch.tensor([0, 0, 64, 64, 2048, 2048, 100, 100, 1, 1], dtype=torch.int32)
+    for tl, L in ((None, torch.full((10,), 2048, dtype=torch.int32)), (lens, per_token)):
         got = torch_mla.get_sparse_decode_schedule(idx, 64, tl)
-        want = torch_mla.get_decode_schedule(L, 2, 64)
+        want = torch_mla.get_decode_schedule(L, 1, 64)
         assert torch.equal(got.metadata, want.metadata)
         assert torch.equal(got.num_splits, want.num_splits)
 
@@ -626,21 +632,22 @@ def test_gpu_reference_equals_cpu_reference(fmt):
                                        kv_scale=kv_scale)
     cuda = [None if t is None else t.cuda() for t in (q, cache, idx, lens, sink, kv_scale)]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the not-built-yet warning; its own test below)
+        warnings.simplefilter("ignore")  # (the FP8 caches' reference warning; its own test)
         got = torch_mla.mla_decode_sparse(cuda[0], cuda[1], cuda[2], topk_length=cuda[3],
                                           attn_sink=cuda[4], kv_scale=cuda[5])
-    # The same fp32 math; only the summation order of the GPU's matmuls differs.
+    # bf16: the kernel (bf16 P, fp32 sums); the FP8 caches: the same fp32 math, the GPU's
+    # matmuls summing in another order.
     torch.testing.assert_close(got[0].cpu(), want[0], atol=2e-3, rtol=1e-2)
     torch.testing.assert_close(got[1].cpu(), want[1], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.cuda
-def test_gpu_warns_once_that_the_kernel_is_not_built(monkeypatch):
+def test_gpu_warns_once_for_a_cache_the_kernel_does_not_read(monkeypatch):
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)  # (which silences it)
     # (topk_length given: op_args poisons the entries past it, which the checks would reject)
     q, cache, idx, lens = [t.cuda() for t in op_args(b=1, s_q=1, h_q=8, topk=64)[:4]]
     sparse_ops._warned.clear()
-    with pytest.warns(UserWarning, match="sparse decode kernel is not built yet"):
+    with pytest.warns(UserWarning, match="the sparse kernel reads caches of q's dtype"):
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -669,7 +676,7 @@ def test_gpu_cuda_graph_replays_new_indices():
               torch.zeros(4, 2, 128, dtype=torch.int32, device="cuda"),
               torch.full((4,), 128, dtype=torch.int32, device="cuda")]
     with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # (the not-built-yet warning)
+        warnings.simplefilter("ignore")  # (the FP8 cache's reference warning)
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(s):

@@ -65,6 +65,11 @@ ARGS = {
     "num_pages": Arg("i32"),  # the cache's page count (the combine checks page ids)
     "check": Arg("i32"),  # the schedule kernel's value check on (1) or off (0)
     "stream": Arg("stream"),
+    # sparse decode (cute_kernels/sm80_sparse_decode.py): the op's own tensors
+    "sparse_q": Arg("q", ("b", "s_q", "h_q", D_QK), ("row", "row", "row", 1)),
+    "indices": Arg("i32", ("b", "s_q", "topk"), ("dyn", "dyn", 1), 4),
+    "topk_length": Arg("i32", ("b",), (1,), 4),
+    "sparse_out": Arg("out", ("b", "s_q", "h_q", D_V), ("row", "row", "row", 1)),
 }
 
 DECODE_ARGS = ("q", "kv", "block_table", "seqlens", "metadata", "num_splits", "out", "lse",
@@ -75,6 +80,12 @@ STEP_ARGS = DECODE_ARGS + ("combine_variant", "stream")
 COMBINE_ARGS = ("num_splits", "oacc", "lseacc", "out", "lse", "block_table", "seqlens",
                 "num_pages", "stream")
 SCHEDULE_ARGS = ("seqlens", "metadata", "num_splits", "check", "stream")
+# Sparse decode's step: the schedule is over b * s_q one-token requests (num_splits has
+# b * s_q + 1 entries), oacc and lseacc have h_q rows.
+SPARSE_STEP_ARGS = ("sparse_q", "kv", "indices", "topk_length", "metadata", "num_splits",
+                    "sparse_out", "lse", "oacc", "lseacc", "scale_log2", "combine_variant",
+                    "stream")
+SPARSE_DIMS = ("b", "s_q", "h_q", "n_blocks", "topk", "parts", "slots", "rows")
 # The sizes created first, in this order (then the others as they first appear): the order
 # the compile signatures have always had.
 DECODE_DIMS = ("b", "rows", "n_blocks", "max_blocks", "parts", "slots", "h_q", "s_q")
@@ -184,6 +195,11 @@ def compile_step_kernel(step, dtype, arch: str):
     names = STEP_ARGS + (FP8_ARGS if kv_fp8 else ())
     return compile_kernel(step, fake_args(names, dtype, dims=DECODE_DIMS, kv_bytes=kv_fp8,
                                           q_bytes=getattr(step.decode, "q_fp8", False)), arch)
+
+
+def compile_sparse_step_kernel(step, dtype, arch: str):
+    """Compiles a sparse decode step object (SPARSE_STEP_ARGS) for arch."""
+    return compile_kernel(step, fake_args(SPARSE_STEP_ARGS, dtype, dims=SPARSE_DIMS), arch)
 
 
 def compile_combine_kernel(kernel, dtype, arch: str):

@@ -69,7 +69,7 @@ class MLACombine:
         num_pages: Int32,  # pages of the cache the decode kernel read
         stream,
     ):
-        b, rows = mO.shape[0], mO.shape[1]
+        b, rows = cute.size(mO, mode=[0]), mO.shape[1]  # (mode 0 may be nested: sparse)
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens,
                     num_pages).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],

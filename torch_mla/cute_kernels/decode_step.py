@@ -56,8 +56,13 @@ class MLADecodeStep:
         else:
             self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
                         mLSEacc, scale_log2, stream)
-        args = (mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens, mKV.shape[0],
-                stream)
+        self.combine(combine_variant, (mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable,
+                                       mSeqlens, mKV.shape[0], stream))
+
+    @cute.jit
+    def combine(self, combine_variant: Int32, args: tuple):
+        """Launches combine variant ``combine_variant`` (a runtime index) on args (traced inside
+        the step's jit)."""
         if combine_variant == 0:
             self.combines[0](*args)
         elif combine_variant == 1:

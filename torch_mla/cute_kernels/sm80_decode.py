@@ -96,6 +96,7 @@ batch, s_q, h_q, the cache size and its strides are runtime values.
 from __future__ import annotations
 
 import dataclasses
+from typing import NamedTuple
 
 import cutlass
 import cutlass.cute as cute
@@ -242,8 +243,22 @@ def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
     return tiled_qk, tiled_pv
 
 
+class KVSource(NamedTuple):
+    """Where a stage's keys come from: the cache (num_blocks, 64, 576), the table the walk
+    reads (the block table; sparse decode's index rows) and, for kernels that mask entries
+    (masks_entries), the per-stage key bias in shared memory (block_n, stages), else None."""
+
+    kv: cute.Tensor
+    table: cute.Tensor
+    bias: cute.Tensor | None
+
+
 class MLADecodeSm80:
     """Split-KV MLA decode on SM80-class instructions; see the module docstring."""
+
+    # A subclass whose table can name no key for some entries (sparse decode) sets this: each
+    # stage then has a bias row (0 or -inf per key, written by _load_kv) added to its scores.
+    masks_entries = False
 
     def __init__(self, dtype, causal: bool, config: Sm80DecodeConfig, use_pdl: bool = False,
                  lag: bool = True):
@@ -278,8 +293,18 @@ class MLADecodeSm80:
         scale_log2: Float32,
         stream,
     ):
+        self._launch(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+                     scale_log2, stream)
+
+    @cute.jit
+    def _launch(self, mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
+                mLSEacc, scale_log2, stream):
+        """Builds the copies, MMAs and shared storage and launches (traced inside a jit: the
+        arguments are __call__'s, or a subclass's views of the same shapes)."""
         dt = self.dtype
         bm = self.cfg.block_m
+        bn, st = self.cfg.block_n, self.cfg.stages
+        bias_len = bn * st if self.masks_entries else 0
         sQ_layout, sK_layout, sP_layout = smem_layouts(self.cfg)
 
         # Global -> shared: rows of 8 threads x 16 bytes (one 64-column swizzle atom).
@@ -297,6 +322,9 @@ class MLADecodeSm80:
             sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
             sMax: cute.struct.MemRange[Float32, 2 * bm]
             sSum: cute.struct.MemRange[Float32, 2 * bm]
+            # (key, stage): 0 or -inf; none without masks_entries (an if here would not
+            # reach the struct: the jit's preprocessor turns it into a function)
+            sBias: cute.struct.MemRange[Float32, bias_len]
 
         self.shared_storage = SharedStorage
         num_parts = mMeta.shape[0]
@@ -355,6 +383,10 @@ class MLADecodeSm80:
         sP = storage.sP.get_tensor(sP_layout)  # (bm, bn)
         sMax = storage.sMax.get_tensor(cute.make_layout((bm, 2)))  # (row, half)
         sSum = storage.sSum.get_tensor(cute.make_layout((bm, 2)))
+        sBias = None
+        if const_expr(self.masks_entries):
+            sBias = storage.sBias.get_tensor(cute.make_layout((bn, st)))
+        src = KVSource(mKV, mBlockTable, sBias)
 
         if const_expr(self.use_pdl):
             # The combine kernel may start now; it waits for this grid before reading.
@@ -433,7 +465,7 @@ class MLADecodeSm80:
         rows = mO.shape[1]
         h_q = mLSE.shape[1]
         s_q = mLSE.shape[2]
-        width = mBlockTable.shape[1]
+        width = self._table_blocks(mBlockTable)
         num_pages = mKV.shape[0]
         # A quad with no query row skips the math, and in a quad whose second row group has
         # none that group's S and P V (h_q * s_q < 64: memory-bound rows).
@@ -481,7 +513,7 @@ class MLADecodeSm80:
                 for s in cutlass.range_constexpr(st - 1):
                     if s < n_tiles:
                         page = self._page(mBlockTable, r, lo, hi, s, num_pages)
-                        self._load_kv(mKV, page, key_lo, s, s, L, tKsK, tKcK, thr_g2s,
+                        self._load_kv(src, page, key_lo, s, s, L, tKsK, tKcK, thr_g2s,
                                       gmem_copy)
                     cute.arch.cp_async_commit_group()
                 page_next[0] = self._page(mBlockTable, r, lo, hi, st - 1, num_pages)
@@ -516,10 +548,10 @@ class MLADecodeSm80:
                     if t_load < n_tiles:
                         # (An early quad loads columns 0..511 of its rows after the late one's
                         # P V, in _stage; the rope columns P V does not read.)
-                        self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
+                        self._load_kv(src, page_next[0], key_lo, t_load, t_load % st, L, tKsK,
                                       tKcK, thr_g2s, gmem_copy, (D_V // 64, 9))
                         if not early:
-                            self._load_kv(mKV, page_next[0], key_lo, t_load, t_load % st, L,
+                            self._load_kv(src, page_next[0], key_lo, t_load, t_load % st, L,
                                           tKsK, tKcK, thr_g2s, gmem_copy, (0, D_V // 64))
                         page_next[1] = page_next[0]
                         page_next[0] = self._page(mBlockTable, r, lo, hi, t_load + 1,
@@ -532,7 +564,7 @@ class MLADecodeSm80:
                                     tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V, tOsV,
                                     tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax,
                                     m_run, l_run,
-                                    sP_base + x_p, sK_base + x_k, t_load < n_tiles, mKV,
+                                    sP_base + x_p, sK_base + x_k, t_load < n_tiles, src,
                                     page_next[1], key_lo, t_load, L, tKsK, tKcK, thr_g2s,
                                     gmem_copy, early)
                     if const_expr(self.cfg.block_m == 64):
@@ -552,6 +584,10 @@ class MLADecodeSm80:
                                       valid_rows, h_q, tidx, self.num_threads)
 
     # ------------------------------------------------------------------------------------------
+    def _table_blocks(self, mBlockTable) -> Int32:
+        """How many 64-key blocks the table's rows cover (the walk stops there)."""
+        return mBlockTable.shape[1]
+
     @cute.jit
     def _page(self, mBlockTable, r: Int32, lo: Int32, hi: Int32, t: Int32,
               num_pages: Int32) -> Int32:
@@ -577,14 +613,14 @@ class MLADecodeSm80:
                 tQsQ[None, m, None].fill(0.0)
 
     @cute.jit
-    def _load_kv(self, mKV, page: Int32, key_lo: Int32, t: Int32, stage: Int32, L: Int32,
+    def _load_kv(self, src, page: Int32, key_lo: Int32, t: Int32, stage: Int32, L: Int32,
                  tKsK, tKcK, thr_g2s, gmem_copy, cols: cutlass.Constexpr = (0, 9)):
         """Keys [key_lo + t bn, + bn) of the segment (inside page `page`), 64-column tiles
         [cols[0], cols[1]) -> buffer `stage` (cp.async, uncommitted). Keys at or past L are
         zero-filled, never read."""
         bn = self.cfg.block_n
         key0 = key_lo + t * bn
-        gK = cute.local_tile(mKV[page, None, None], (bn, D_QK), ((key0 % PAGE_SIZE) // bn, 0))
+        gK = cute.local_tile(src.kv[page, None, None], (bn, D_QK), ((key0 % PAGE_SIZE) // bn, 0))
         tKgK = thr_g2s.partition_S(gK)
         limit = L - key0
         for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
@@ -605,7 +641,7 @@ class MLADecodeSm80:
                quad: Int32, hi_on, lane: Int32, r_a: Int32, acc_S, tScS, tSsQ, tSsQ_lo, tSrQ,
                tSrQ_v, tSsK, tSsK_lo, tSrK, tSrK_v, st_P, tPsP, ld_P, tOsP, tOrP, tOrP_v, ld_V,
                tOsV, tOrV, tOrV_v, acc_O, ld_Q, ld_K, tiled_qk, tiled_pv, sMax, m_run, l_run,
-               x_p: Int32, x_k: Int32, refill, mKV, page: Int32, key_lo: Int32, t_load: Int32,
+               x_p: Int32, x_k: Int32, refill, src, page: Int32, key_lo: Int32, t_load: Int32,
                L: Int32, tKsK, tKcK, thr_g2s, gmem_copy, early):
         """One stage (block_n keys from key0) for this warp: S and softmax, up to P in shared
         memory (its P V opens the next turn, kernel()). x_p, x_k: the shared-memory addresses
@@ -691,9 +727,13 @@ class MLADecodeSm80:
                 if early:
                     # The late quad's P V has read this buffer: columns 0..511 may refill.
                     bar_sync(LAG_BARRIER, 2 * 128)
-                    self._load_kv(mKV, page, key_lo, t_load, t_load % st, L, tKsK, tKcK,
+                    self._load_kv(src, page, key_lo, t_load, t_load % st, L, tKsK, tKcK,
                                   thr_g2s, gmem_copy, (0, D_V // 64))
 
+        if const_expr(self.masks_entries):
+            # Keys no entry names (a subclass's table: sparse decode's -1 entries) score -inf.
+            for i in cutlass.range_constexpr(cute.size(acc_S)):
+                acc_S[i] = acc_S[i] + src.bias[half * (bn // 2) + tScS[i][1], stage]
         # Keys at or past a row's horizon (only stages that reach the nearest one).
         if key0 + bn > min_border:
             softmax.mask_keys(acc_S, key0 + half * (bn // 2), border_a, border_b,

@@ -306,13 +306,16 @@ def check_decode_values(num_blocks: int, block_table: torch.Tensor,
 
 
 def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch: int,
-                        device: torch.device) -> None:
+                        device: torch.device, batch_name: str = "batch",
+                        maker: str = "torch_mla.get_decode_schedule") -> None:
+    """The schedule's shapes, dtypes and device (batch: its requests, called batch_name in
+    the message; maker: the function that computes it)."""
     if metadata.dim() != 2 or metadata.shape[1] != 8 or metadata.dtype != torch.int32:
         _fail(f"schedule metadata must be int32 [num_parts, 8], got {metadata.dtype} "
-              f"{_shape(metadata)}; compute it with torch_mla.get_decode_schedule")
+              f"{_shape(metadata)}; compute it with {maker}")
     if num_splits.dim() != 1 or num_splits.shape[0] != batch + 1 or num_splits.dtype != torch.int32:
-        _fail(f"num_splits must be int32 [batch + 1] = [{batch + 1}], got {num_splits.dtype} "
-              f"{_shape(num_splits)}; compute it with torch_mla.get_decode_schedule")
+        _fail(f"num_splits must be int32 [{batch_name} + 1] = [{batch + 1}], got "
+              f"{num_splits.dtype} {_shape(num_splits)}; compute it with {maker}")
     if metadata.device != device or num_splits.device != device:
         _fail(f"schedule tensors must be on {device}, got {metadata.device} and "
               f"{num_splits.device}")

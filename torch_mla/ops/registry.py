@@ -7,7 +7,8 @@ in cute_kernels/, taking (config, arch)). The dispatch (ops/dispatch.py), precom
 disk cache (ops/kernel_cache.py) read this module; nothing else spells a key.
 
 API (stable, for the ops, precompile, tests and tools):
-    DecodeStepConfig, DecodeConfig, CombineKernelConfig, ScheduleConfig, AppendKVConfig
+    DecodeStepConfig, DecodeConfig, SparseStepConfig, CombineKernelConfig, ScheduleConfig,
+    AppendKVConfig
     compiled(config, arch)    the compiled kernel (memory, disk cache, else compiled and stored)
     build(config, arch)       compiles it now (no cache)
     variants(dtypes, causal, kernels, arch)   what precompile builds, as Variant(config, arch)
@@ -144,6 +145,30 @@ class DecodeConfig(DecodeStepConfig):
 
 
 @dataclasses.dataclass(frozen=True)
+class SparseStepConfig(_Config):
+    """Sparse decode and its combine behind one host call (mla_decode_sparse;
+    cute_kernels/sm80_sparse_decode.py): backend "sm80" (the portable kernel, any arch from
+    sm_80), dtype "bf16" or "fp16" (q's, the cache's and out's)."""
+
+    backend: str
+    dtype: str
+
+    def __post_init__(self):
+        if self.backend != "sm80" or self.dtype not in ("bf16", "fp16"):
+            raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
+                             f"{self.dtype!r}")
+
+    @property
+    def name(self) -> str:
+        return f"sparse_step_{self.backend}"
+
+    def key(self) -> dict:
+        return {"dtype": self.dtype}
+
+    entry: ClassVar[str] = "sm80_sparse_decode:compile_sparse_step"
+
+
+@dataclasses.dataclass(frozen=True)
 class CombineKernelConfig(_Config):
     """The combine alone (cute_kernels/combine.py): out dtype, warps per output row (one of
     constants.COMBINE_WARPS_PER_ROW)."""
@@ -206,9 +231,9 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "decode", "combine", "portable", "schedule",
-           "append_kv")
-DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "decode", "combine", "portable",
+           "schedule", "append_kv")
+DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
 APPEND_SLOTS = ("int32", "int64")
 
@@ -220,7 +245,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     SM90 kernel on sm_90a, the portable one elsewhere; "portable" adds the portable step on
     sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
     cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
-    float8_e4m3fn), the schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
+    float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch), the
+    schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
     SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64 slots; "decode"
     and "combine" alone serve benchmarks."""
     out = []
@@ -239,6 +265,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             for q8 in (False, True) if dt == "bf16" else (False,):
                 out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8)
                         for c in causal]
+        if "sparse" in kernels:
+            out.append(SparseStepConfig("sm80", dt))
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

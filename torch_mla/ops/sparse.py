@@ -4,15 +4,19 @@ exists (none yet: :func:`find_sparse_decode_kernel`), else the reference. Forwar
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 
 import torch
 
+from ..constants import D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
+from . import dispatch, registry
 from .checks import check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
+    cache_format,
     check_fp8_ds_mla_append_args,
     check_sparse_decode_args,
     check_sparse_decode_values,
@@ -24,22 +28,104 @@ from .schedule import DecodeSchedule, get_decode_schedule
 _warned: set[str] = set()
 
 
+def _sparse_schedule_args(sched_metadata, num_splits, q):
+    b, s_q = q.shape[0], q.shape[1]
+    check_schedule_args(sched_metadata, num_splits, b * s_q, q.device, "batch x s_q",
+                        "torch_mla.get_sparse_decode_schedule")
+
+
+def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
+    """(name, reason): "sm80" (the portable sparse kernel) or "reference", for validated
+    inputs on a CUDA device; reason says why the reference runs."""
+    if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+        return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
+    arch = dispatch._small_kernel_arch(q.device)
+    if arch is None:
+        return "reference", f"no kernel arch for compute capability " \
+                            f"{dispatch.cuda_capability(q.device)}"
+    fmt = cache_format(kv_cache)
+    if fmt != "plain":
+        return "reference", f"the sparse kernel reads caches of q's dtype; this one is {fmt}"
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        return "reference", f"the sparse kernel takes bf16/fp16 q, got {q.dtype}"
+    if q.shape[-1] != D_QK or d_v != D_V or kv_cache.shape[1] != PAGE_SIZE:
+        return "reference", (f"the sparse kernel takes d_qk {D_QK}, d_v {D_V} and pages of "
+                             f"{PAGE_SIZE} tokens, got {q.shape[-1]}, {d_v}, "
+                             f"{kv_cache.shape[1]}")
+    return "sm80", ""
+
+
 def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     """A callable running the sparse decode kernel for these inputs, or None (the reference).
 
-    No sparse kernel is built yet: on a GPU this warns once (the reference gathers every key in
-    float32 and is far slower than a kernel). A kernel plugs in here, called as
+    On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
+    (bf16/fp16); the FP8 formats run the reference, which warns once per reason (it gathers
+    every key in float32 and is far slower than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
-    softmax_scale, d_v, kv_scale)`` on validated arguments and returning ``(out, lse)`` as
-    :func:`torch_mla.mla_decode_sparse` documents; it checks the index values itself."""
+    softmax_scale, d_v, kv_scale)`` on validated arguments and returns ``(out, lse)`` as
+    :func:`torch_mla.mla_decode_sparse` documents; it checks the index values itself (its
+    combine, on the device)."""
     if not q.is_cuda:
         return None
-    reason = "the sparse decode kernel is not built yet"
+    name, reason = sparse_backend(q, kv_cache, d_v)
+    if name == "sm80":
+        return run_sparse_sm80
     if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
         _warned.add(reason)
         warnings.warn("torch_mla.mla_decode_sparse runs the slow plain-PyTorch reference on this "
                       f"GPU: {reason}", stacklevel=3)
     return None
+
+
+@functools.lru_cache(maxsize=None)
+def _sparse_step(dtype: torch.dtype, arch: str):
+    return registry.compiled(registry.SparseStepConfig("sm80", registry.dtype_name(dtype)), arch)
+
+
+def _rows16(t: torch.Tensor) -> torch.Tensor:
+    """t itself where its data and every stride but the last are 16-byte multiples (the
+    kernel's cp.async rows), else a contiguous copy."""
+    size = t.element_size()
+    if t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+        return t.contiguous() if not t.is_contiguous() else t.clone()
+    return t
+
+
+def run_sparse_sm80(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
+                    softmax_scale: float, d_v: int, kv_scale=None):
+    """The portable sparse decode step (decode, then combine) on validated arguments; the
+    sink, if any, scales the output afterwards. Allocates nothing whose size depends on data
+    (CUDA-graph safe)."""
+    if q.device.index != torch.cuda.current_device():
+        with torch.cuda.device(q.device):
+            return run_sparse_sm80(q, kv_cache, indices, topk_length, attn_sink, sched_metadata,
+                                   num_splits, softmax_scale, d_v, kv_scale)
+    b, s_q, h_q, _ = q.shape
+    topk = indices.shape[2]
+    step = _sparse_step(q.dtype, dispatch.device_arch(q.device.index))
+    if topk_length is None:
+        topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
+    parts = sched_metadata.shape[0]
+    slots = b * s_q + parts
+    oacc = q.new_empty(slots, h_q, D_V, dtype=torch.float32)
+    lseacc = q.new_empty(slots, h_q, dtype=torch.float32)
+    out = q.new_empty(b, s_q, h_q, D_V)
+    lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
+    if b > 0 and s_q > 0:
+        variant = dispatch.combine_variant(b * s_q, parts, h_q)
+        step(_rows16(q), _rows16(kv_cache[:, :, 0]), indices, topk_length, sched_metadata,
+             num_splits, out, lse, oacc, lseacc, softmax_scale * LOG2_E, variant)
+    if attn_sink is not None:
+        out = apply_attn_sink(out, lse, attn_sink)
+    return out, lse
+
+
+def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
+    """out * exp(lse) / (exp(lse) + exp(sink)) per head (FlashMLA's sink), as
+    sigmoid(lse - sink); rows without keys (lse +inf, out 0) stay 0."""
+    factor = torch.sigmoid(lse - attn_sink[None, :, None])  # [b, h_q, s_q]
+    factor = torch.nan_to_num(factor, nan=0.0)  # (lse = sink = +inf)
+    return (out.float() * factor.transpose(1, 2)[..., None]).to(out.dtype)
 
 
 def _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
@@ -57,7 +143,7 @@ def _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, nu
 def _sparse_impl(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
                  softmax_scale: float, d_v: int, kv_scale=None):
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
-    check_schedule_args(sched_metadata, num_splits, q.shape[0], q.device)
+    _sparse_schedule_args(sched_metadata, num_splits, q)
     return _sparse_run(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
                        softmax_scale, d_v, kv_scale)
 
@@ -81,8 +167,9 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
                                topk_length: torch.Tensor | None = None,
                                num_sms: int | None = None) -> DecodeSchedule:
     """The split schedule of a sparse decode step, on the device, with no host sync: the dense
-    schedule (:func:`torch_mla.get_decode_schedule`) over each request's entry count, as
-    FlashMLA's sparse decode schedules topk like a length.
+    schedule (:func:`torch_mla.get_decode_schedule`) over each query token's entry count, each
+    (request, token) pair one single-token request of h_q rows (the tokens of a request have
+    their own entries), as FlashMLA's sparse decode schedules topk like a length.
 
     Args:
         indices: int32 [batch, s_q, topk] (only its shape and device are read).
@@ -92,17 +179,20 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
         num_sms: as in get_decode_schedule.
 
     Returns:
-        DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]); share it
-        across the layers of a step; recompute it when topk_length's values change.
+        DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch * s_q + 1]);
+        share it across the layers of a step; recompute it when topk_length's values change.
     """
     b, s_q, topk = indices.shape
     lengths = topk_length
     if lengths is None:
-        lengths = torch.full((b,), topk, dtype=torch.int32, device=indices.device)
-    elif not torch.compiler.is_compiling() and checks_values(lengths):
-        # (before the schedule reads them, whose message would call them cache_seqlens)
-        check_topk_length_values(lengths, topk)
-    return get_decode_schedule(lengths, s_q, h_q, num_sms)
+        lengths = torch.full((b * s_q,), topk, dtype=torch.int32, device=indices.device)
+    else:
+        if not torch.compiler.is_compiling() and checks_values(lengths):
+            # (before the schedule reads them, whose message would call them cache_seqlens)
+            check_topk_length_values(lengths, topk)
+        if s_q > 1:
+            lengths = lengths.repeat_interleave(s_q)
+    return get_decode_schedule(lengths, 1, h_q, num_sms)
 
 
 def mla_decode_sparse(
@@ -171,7 +261,7 @@ def mla_decode_sparse(
     if schedule is None:
         schedule = get_sparse_decode_schedule(indices, q.shape[2], topk_length)
     metadata, num_splits = unpack_schedule(schedule)
-    check_schedule_args(metadata, num_splits, q.shape[0], q.device)
+    _sparse_schedule_args(metadata, num_splits, q)
     if softmax_scale is None:
         softmax_scale = q.shape[-1] ** -0.5
     args = (q, kv_cache, indices, topk_length, attn_sink, metadata, num_splits,

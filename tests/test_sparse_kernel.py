@@ -1,0 +1,135 @@
+"""The sparse decode kernel (cute_kernels/sm80_sparse_decode.py, the portable kernel's gather
+path) on a GPU, against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
+topk, repeated and -1 entries, topk_length 0 and partial (garbage past it), NaN in every slot
+no entry names, splits over the entries, the sink, CUDA-graph replays with new indices, and the
+device-side message for a bad entry."""
+
+import os
+import subprocess
+import sys
+import warnings
+
+import pytest
+import torch
+from test_sparse import (
+    PAGE,
+    check_against_fp64,
+    make_cache,
+    poisoned_indices,
+    sparse_decode_fp64,
+    used_slots,
+)
+
+import torch_mla
+from torch_mla.ops import sparse as sparse_ops
+
+pytestmark = pytest.mark.cuda
+
+GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
+
+
+def _case(h_q, s_q, topk, fmt="bf16", b=2, lengths=True, sink=False, num_blocks=None):
+    num_blocks = num_blocks or 3 + topk // PAGE
+    lens = None
+    if lengths:
+        lens = torch.tensor([topk, int(torch.randint(0, topk, ()))] + [topk] * (b - 2),
+                            dtype=torch.int32)[:b]
+    idx = poisoned_indices(b, s_q, topk, num_blocks * PAGE, lens)
+    cache, _ = make_cache(num_blocks, fmt, used_slots(idx, lens, num_blocks * PAGE))
+    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    q = torch.randn(b, s_q, h_q, 576).to(dtype)
+    attn_sink = torch.randn(h_q) if sink else None
+    return [None if t is None else t.cuda() for t in (q, cache, idx, lens, attn_sink)]
+
+
+def test_the_kernel_runs_not_the_reference():
+    q, cache, idx, lens, _ = _case(16, 1, 64)
+    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
+
+
+@pytest.mark.parametrize("h_q,s_q,topk", GRID)
+def test_grid_matches_fp64(h_q, s_q, topk):
+    q, cache, idx, lens, _ = _case(h_q, s_q, topk)
+    check_against_fp64(q, cache, idx, lens)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("sink", [False, True])
+def test_formats_and_sink(fmt, sink):
+    q, cache, idx, lens, attn_sink = _case(32, 2, 256, fmt, b=3, sink=sink)
+    check_against_fp64(q, cache, idx, lens, attn_sink)
+
+
+@pytest.mark.parametrize("b,topk", [(1, 16384), (2, 4096), (64, 2048), (128, 512)])
+def test_splits_and_long_rows(b, topk):
+    # Few requests: each token's entries are cut across parts and merged by the combine.
+    q, cache, idx, lens, _ = _case(64, 1, topk, b=b, num_blocks=64)
+    check_against_fp64(q, cache, idx, lens)
+
+
+def test_no_topk_length_and_odd_topk():
+    q, cache, idx, _, _ = _case(8, 2, 100, lengths=False)
+    check_against_fp64(q, cache, idx, None)
+
+
+def test_zero_lengths_and_all_minus_one():
+    q, cache, idx, lens, _ = _case(16, 2, 128, b=3)
+    lens[1] = 0
+    idx[2, 1] = -1
+    out, lse = check_against_fp64(q, cache, idx, lens)
+    assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
+    assert (out[2, 1] == 0).all() and (lse[2, :, 1] == float("inf")).all()
+
+
+def test_cuda_graph_replays_new_indices():
+    cache, _ = make_cache(8, "bf16", torch.ones(8 * PAGE, dtype=torch.bool))
+    cache = cache.cuda()
+    static = [torch.randn(4, 2, 16, 576, device="cuda").bfloat16(),
+              torch.zeros(4, 2, 256, dtype=torch.int32, device="cuda"),
+              torch.full((4,), 256, dtype=torch.int32, device="cuda")]
+
+    def step(q, idx, lens):
+        sched = torch_mla.get_sparse_decode_schedule(idx, 16, lens)
+        return torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, schedule=sched)
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        step(*static)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out, lse = step(*static)
+    for _ in range(3):
+        new = [torch.randn(4, 2, 16, 576).bfloat16(), poisoned_indices(4, 2, 256, 8 * PAGE),
+               torch.randint(0, 257, (4,), dtype=torch.int32)]
+        for dst, src in zip(static, new):
+            dst.copy_(src)
+        g.replay()
+        torch.cuda.synchronize()
+        ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2])
+        torch.testing.assert_close(out.double().cpu(), ref_out, atol=1e-3, rtol=1e-2)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+
+
+BAD = """
+import torch, torch_mla
+torch_mla.set_value_checks(False)  # (the torch-side checks off: the combine's must fire)
+cache = torch.zeros(2, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
+q = torch.randn(1, 2, 16, 576, device="cuda").bfloat16()
+idx = torch.zeros(1, 2, 64, dtype=torch.int32, device="cuda")
+idx[0, 1, 5] = 128
+torch_mla.mla_decode_sparse(q, cache, idx)
+torch.cuda.synchronize()
+"""
+
+
+def test_bad_entry_stops_with_a_message():
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    res = subprocess.run([sys.executable, "-c", BAD], cwd=root, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode != 0
+    assert "indices[0, 1, 5] = 128 is not a cache slot" in res.stdout + res.stderr, res

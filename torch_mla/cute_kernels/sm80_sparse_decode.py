@@ -1,0 +1,206 @@
+"""Sparse MLA decode (DeepSeek Sparse Attention) on the portable kernel, in CuTe DSL.
+
+Problem: query token i of request r attends only to the cached latents its row
+indices[r, i, :topk_length[r]] names (slots, page * 64 + row; -1 names none):
+    out[r, i] = softmax(scale * q[r, i] K_sel^T) V_sel over the named slots (a slot named twice
+    counts twice), K = the 576-wide latent, V its first 512 columns.
+
+Mapping onto the dense portable kernel (sm80_decode.py, whose walk, pipeline, softmax and
+epilogue run unchanged): each (request, query token) pair is one "request" of the walk with
+h_q query rows and topk_length[r] keys, the entries in their order; the entry rows take the
+block table's place, and the schedule is the dense one over those one-token requests
+(torch_mla.get_sparse_decode_schedule). The step's arguments are the op's tensors; the views
+(tokens flattened into the request mode, (s_q, b) with the caller's strides; topk_length
+broadcast over the tokens with stride 0; lse (b, h_q, s_q) seen as (b * s_q, h_q, 1)) are
+built inside the jit, so nothing is copied on the host.
+
+What differs from the dense kernel:
+  - a stage's keys are gathered row by row: the threads of a key row read its entry and issue
+    the row's 16-byte cp.async copies from the slot it names (a dense stage copies a slice of
+    one page). An entry that names no key (-1, at or past topk_length, or a slot past the
+    cache) is never read: its row is zero-filled and
+  - its score is -inf: each stage has a bias row in shared memory (0 or -inf per key, written
+    with the rope columns' copies and published by the same stage barrier), added to the scores
+    before the softmax (masks_entries).
+  - the combine (always launched) checks topk_length and the used entries on the device and
+    stops the launch with a message naming the first bad one (MLASparseCombine), as the dense
+    combine checks lengths and page ids.
+
+Not causal (each token has its own entries). The attention sink is applied by the host after
+the step (torch_mla.ops.sparse). Limits: bf16/fp16, d_qk 576, d_v 512, caches of q's dtype in
+64-token pages (the FP8 formats run the reference for now); h_q any (64-row m-blocks of one
+token), s_q any, topk any (entries past topk_length are never read).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, const_expr
+
+from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, PAGE_SIZE
+from .combine import NO_COLUMN, MLACombine
+from .decode_step import MLADecodeStep
+from .device_error import fail
+from .sm80_decode import MLADecodeSm80, Sm80DecodeConfig
+
+ROPE_TILE = D_V // 64  # the 64-column tile of the rope values (copied by every thread first)
+
+
+class MLASparseDecodeSm80(MLADecodeSm80):
+    """The portable kernel over gathered entries; see the module docstring."""
+
+    masks_entries = True
+
+    def __init__(self, dtype, config: Sm80DecodeConfig, use_pdl: bool = False):
+        super().__init__(dtype, False, config, use_pdl)
+
+    def _table_blocks(self, mIdx) -> Int32:
+        return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
+
+    @cute.jit
+    def _page(self, mIdx, r: Int32, lo: Int32, hi: Int32, t: Int32, num_pages: Int32) -> Int32:
+        """The walk's per-stage table entry is the request's entry row: _load_kv reads each
+        key's slot itself."""
+        return r
+
+    @cute.jit
+    def _load_kv(self, src, page: Int32, key_lo: Int32, t: Int32, stage: Int32, L: Int32,
+                 tKsK, tKcK, thr_g2s, gmem_copy, cols: cutlass.Constexpr = (0, 9)):
+        """Keys [key_lo + t bn, + bn) of entry row `page` (the request), 64-column tiles
+        [cols[0], cols[1]) -> buffer `stage` (cp.async, uncommitted), each row from the slot
+        its entry names; with the rope tile, also the stage's bias (0, or -inf for an entry
+        that names no key: zero-filled, never read)."""
+        bn = self.cfg.block_n
+        key0 = key_lo + t * bn
+        limit = L - key0
+        num_slots = src.kv.shape[0] * PAGE_SIZE
+        # The layout of one thread's copy (the dense partition of a page; page 0 is not read).
+        tKgK = thr_g2s.partition_S(cute.local_tile(src.kv[0, None, None], (bn, D_QK), (0, 0)))
+        for n in cutlass.range_constexpr(cute.size(tKsK.shape[1])):
+            row = tKcK[0, n, 0][0]
+            slot = Int32(-1)
+            if row < limit:
+                slot = src.table[page, key0 + row]
+            if slot >= num_slots:
+                slot = Int32(-1)
+            if slot >= 0:
+                gRow = src.kv[slot // PAGE_SIZE, slot % PAGE_SIZE, None]
+                for c in cutlass.range_constexpr(cols[0], cols[1]):
+                    col = cute.assume(tKcK[0, n, c][1], divby=8)
+                    gChunk = cute.make_tensor(gRow.iterator + col, tKgK[None, n, c].layout)
+                    cute.copy(gmem_copy, gChunk, tKsK[None, n, c, stage])
+            else:
+                for c in cutlass.range_constexpr(cols[0], cols[1]):
+                    tKsK[None, n, c, stage].fill(0.0)
+            if const_expr(cols[0] <= ROPE_TILE < cols[1]):
+                if tKcK[0, n, 0][1] == 0:
+                    bias = Float32(0.0)
+                    if slot < 0:
+                        bias = -Float32.inf
+                    src.bias[row, stage] = bias
+
+
+class MLASparseCombine(MLACombine):
+    """The combine over sparse decode's one-token requests: checks topk_length and the used
+    entries instead of lengths and page ids."""
+
+    @cute.jit
+    def check_request(self, mIdx, mLens, num_slots: Int32, r: Int32, lane: Int32):
+        """One warp: 0 <= topk_length <= topk for one-token request r, and its entries below
+        topk_length are -1 or slots of the cache; else a message naming the first bad one
+        (request, token, position), and the launch stops. The decode kernel reads no entry
+        past topk_length and no slot past the cache whatever these hold."""
+        L = mLens[r]
+        topk = mIdx.shape[1]
+        s_q = mIdx.shape[0][0]
+        if L < 0 or L > topk:
+            if lane == 0:
+                fail("torch_mla.mla_decode_sparse: topk_length[{}] = {}, but it must be in "
+                     "[0, topk = {}]", r // s_q, L, topk)
+        first = Int32(NO_COLUMN)
+        for c in cutlass.range(0, cutlass.min(L, topk), 32, unroll=4):
+            k = c + lane
+            if k < L:
+                slot = mIdx[r, k]
+                if slot < -1 or slot >= num_slots:
+                    first = cutlass.min(first, k)
+        first = cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
+        if first != NO_COLUMN:
+            if lane == 0:
+                fail("torch_mla.mla_decode_sparse: indices[{}, {}, {}] = {} is not a cache "
+                     "slot: the entries below topk_length must be -1 or slots page * 64 + "
+                     "row in [0, {})", r // s_q, r % s_q, first, mIdx[r, first], num_slots)
+
+    @cute.jit
+    def check_pieces(self, mLens, r: Int32, row: Int32, count: Int32, lane: Int32,
+                     part: Int32):
+        """As MLACombine.check_pieces, for a schedule made for other topk_length values."""
+        if row == 0 and part == 0 and lane == 0:
+            fail("torch_mla.mla_decode_sparse: the schedule cuts request-token {} into {} "
+                 "pieces, which do not fit its topk_length ({} entries) now: it was computed "
+                 "for other lengths; compute it again with torch_mla.get_sparse_decode_schedule",
+                 r, count, mLens[r])
+
+
+def _tokens(t: cute.Tensor, rest: int) -> cute.Tensor:
+    """t (b, s_q, ...) as ((s_q, b), ...): request r of the result is token r % s_q of request
+    r // s_q; `rest`: how many modes follow."""
+    shape, stride = t.shape, t.stride
+    return cute.make_tensor(t.iterator, cute.make_layout(
+        ((shape[1], shape[0]),) + tuple(shape[2:2 + rest]),
+        stride=((stride[1], stride[0]),) + tuple(stride[2:2 + rest])))
+
+
+class MLASparseDecodeStep(MLADecodeStep):
+    """Sparse decode, then the combine, behind one host call (the op's tensors; views of them
+    as one-token requests, built here)."""
+
+    def __init__(self, decode: MLASparseDecodeSm80, dtype, use_pdl: bool = True):
+        super().__init__(decode, dtype, D_V, use_pdl)
+        self.combines = [MLASparseCombine(dtype, D_V, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
+
+    @cute.jit
+    def __call__(
+        self,
+        mQ: cute.Tensor,  # (b, s_q, h_q, 576)
+        mKV: cute.Tensor,  # (num_blocks, 64, 576)
+        mIdx: cute.Tensor,  # (b, s_q, topk) int32
+        mLens: cute.Tensor,  # (b,) int32: topk_length
+        mMeta: cute.Tensor,  # (num_parts, 8) int32: the schedule over b * s_q requests
+        mNumSplits: cute.Tensor,  # (b * s_q + 1,) int32
+        mO: cute.Tensor,  # (b, s_q, h_q, 512)
+        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
+        mOacc: cute.Tensor,  # (slots, h_q, 512) fp32
+        mLSEacc: cute.Tensor,  # (slots, h_q) fp32, log2 domain
+        scale_log2: Float32,
+        combine_variant: Int32,
+        stream,
+    ):
+        b, s_q, h_q = mQ.shape[0], mQ.shape[1], mQ.shape[2]
+        q = _tokens(mQ, 2)
+        idx = _tokens(mIdx, 1)
+        out = _tokens(mO, 2)
+        lens = cute.make_tensor(mLens.iterator,
+                                cute.make_layout(((s_q, b),), stride=((0, mLens.stride[0]),)))
+        lse = cute.make_tensor(mLSE.iterator, cute.make_layout(
+            ((s_q, b), h_q, 1), stride=((mLSE.stride[2], mLSE.stride[0]), mLSE.stride[1], 0)))
+        self.decode(q, mKV, idx, lens, mMeta, mNumSplits, out, lse, mOacc, mLSEacc, scale_log2,
+                    stream)
+        self.combine(combine_variant, (mNumSplits, mOacc, mLSEacc, out, lse, idx, lens,
+                                       mKV.shape[0] * PAGE_SIZE, stream))
+
+
+# --- compile entry (ops/registry.py: SparseStepConfig, backend "sm80") ------------------------
+
+
+def compile_sparse_step(config, arch: str):
+    """The sparse decode step (dtype; Sm80DecodeConfig.from_heuristic(arch) tiles), compiled
+    for arch."""
+    from ..contract import compile_sparse_step_kernel, dsl_dtype, has_pdl
+
+    dtype = dsl_dtype(config.dtype)
+    decode = MLASparseDecodeSm80(dtype, Sm80DecodeConfig.from_heuristic(arch),
+                                 use_pdl=has_pdl(arch))
+    return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, has_pdl(arch)), dtype,
+                                      arch)
