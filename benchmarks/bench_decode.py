@@ -24,6 +24,7 @@ import sys
 import torch
 
 import torch_mla
+from torch_mla.constants import PAGE_SIZE
 from torch_mla.devtools import breakdown_us
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
@@ -66,6 +67,54 @@ def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool 
     return us, flop / us / 1e6, nbytes / us / 1e3, err, fm_us
 
 
+# Sparse decode (DeepSeek-V3.2 shapes: topk 2048 of s_k 32768): (b, s_q, h_q).
+SPARSE_CONFIGS = [(b, s_q, h) for h in (128, 64, 32, 16) for s_q in (1, 2) for b in (2, 32, 128)]
+
+
+def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
+    """(us, TFLOP/s, GB/s, FlashMLA us or nan) of mla_decode_sparse over a bf16 cache (the only
+    format with a kernel yet), b requests of s_k tokens, topk distinct random slots of each
+    request per query token. FlashMLA runs its sparse decode over the same tokens in the
+    656-byte FP8 layout (its only sparse format), at h_q 64 or 128 (it takes no other)."""
+    pages = s_k // PAGE_SIZE
+    kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
+    k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
+    cache = torch.empty(b * pages, PAGE_SIZE, 1, 576, dtype=torch.bfloat16, device="cuda")
+    slots = torch.arange(b * s_k, dtype=torch.int32, device="cuda")
+    torch_mla.append_kv(cache, kv_c, k_pe, slots)
+    pick = torch.rand(b, s_q, s_k, device="cuda").argsort(-1)[..., :topk].int()
+    idx = (pick + torch.arange(b, device="cuda").int()[:, None, None] * s_k).contiguous()
+    q = torch.randn(b, s_q, h_q, 576, device="cuda").bfloat16()
+    sched = torch_mla.get_sparse_decode_schedule(idx, h_q)
+    us = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched))
+    fm_us = float("nan")
+    if flash_mla is not None and h_q in (64, 128) and hasattr(flash_mla, "flash_mla_with_kvcache"):
+        cache8 = torch.empty(b * pages, PAGE_SIZE, 1, 656, dtype=torch.uint8, device="cuda")
+        torch_mla.append_kv(cache8, kv_c, k_pe, slots)
+        meta = flash_mla.get_mla_metadata()[0]
+        try:
+            fm_us = graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
+                q, cache8.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5,
+                False, True, idx))
+        except RuntimeError as e:  # (reported, not fatal: the row keeps ours)
+            print(f"# FlashMLA sparse failed: {e}")
+    flop = b * s_q * h_q * topk * 2 * (576 + 512)
+    nbytes = b * s_q * (topk * (576 * 2 + 4) + h_q * (576 + 512) * 2)
+    return us, flop / us / 1e6, nbytes / us / 1e3, fm_us
+
+
+def main_sparse(flash_mla) -> None:
+    print("| b | s_q | h_q | topk | us | TFLOP/s | GB/s | % matmul | % copy | FlashMLA fp8 us "
+          "(same run) | FlashMLA / ours |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    for b, s_q, h_q in SPARSE_CONFIGS:
+        us, tflops, gbps, fm_us = run_sparse(b, s_q, h_q, flash_mla=flash_mla)
+        print(f"| {b} | {s_q} | {h_q} | 2048 | {us:.1f} | {tflops:.0f} | {gbps:.0f} | "
+              f"{100 * tflops / MATMUL_TFLOPS:.0f} | {100 * gbps / COPY_GBPS:.0f} | "
+              f"{fm_us:.1f} | {fm_us / us:.3f} |")
+        sys.stdout.flush()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only a few configurations")
@@ -76,8 +125,13 @@ def main(argv=None):
                     help="torch_mla over a float8_e4m3fn cache (exact mode; FlashMLA stays bf16)")
     ap.add_argument("configs", nargs="*", metavar="B,S_Q,S_K,H_Q",
                     help="configurations to time instead of the anchor table")
+    ap.add_argument("--sparse", action="store_true",
+                    help="sparse decode (V3.2 shapes) beside FlashMLA's sparse decode")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
+    if args.sparse:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse decode")
+        return main_sparse(flash_mla)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
           + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
