@@ -13,7 +13,6 @@ import pytest
 import torch
 from test_sparse import (
     PAGE,
-    check_against_fp64,
     make_cache,
     poisoned_indices,
     sparse_decode_fp64,
@@ -22,6 +21,7 @@ from test_sparse import (
 
 import torch_mla
 from torch_mla.ops import sparse as sparse_ops
+from torch_mla.testing import DECODE_TOL, LSE_TOL
 
 pytestmark = pytest.mark.cuda
 
@@ -40,6 +40,22 @@ def _case(h_q, s_q, topk, fmt="bf16", b=2, lengths=True, sink=False, num_blocks=
     q = torch.randn(b, s_q, h_q, 576).to(dtype)
     attn_sink = torch.randn(h_q) if sink else None
     return [None if t is None else t.cuda() for t in (q, cache, idx, lens, attn_sink)]
+
+
+def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None):
+    """The kernel's (out, lse) on these CUDA tensors against the float64 loop on their CPU
+    copies: bf16/fp16 output rounding, fp32 lse; +inf exactly where a token uses no entry."""
+    out, lse = torch_mla.mla_decode_sparse(q, kv_cache, indices, topk_length=topk_length,
+                                           attn_sink=attn_sink)
+    cpu = [None if t is None else t.cpu() for t in (q, kv_cache, indices, topk_length, attn_sink)]
+    ref_out, ref_lse = sparse_decode_fp64(*cpu)
+    assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
+    out, lse = out.cpu(), lse.cpu()
+    assert torch.isfinite(out).all()
+    atol, rtol = DECODE_TOL[q.dtype]  # (the dense kernels' tolerances: 16-bit P)
+    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
+    return out, lse
 
 
 def test_the_kernel_runs_not_the_reference():
@@ -111,8 +127,9 @@ def test_cuda_graph_replays_new_indices():
         g.replay()
         torch.cuda.synchronize()
         ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2])
-        torch.testing.assert_close(out.double().cpu(), ref_out, atol=1e-3, rtol=1e-2)
-        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-5, rtol=1e-5)
+        atol, rtol = DECODE_TOL[torch.bfloat16]
+        torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
+        torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
 BAD = """
