@@ -42,6 +42,16 @@ def _case(h_q, s_q, topk, fmt="bf16", b=2, lengths=True, sink=False, num_blocks=
     return [None if t is None else t.cuda() for t in (q, cache, idx, lens, attn_sink)]
 
 
+def p_atol(dtype, kv_cache) -> float:
+    """The kernel rounds each probability to dtype (relative 2^-9 in bf16, 2^-12 in fp16) before
+    P V, so an output value may be off by up to max|v| times that (the probabilities sum to 1);
+    make_cache's latents reach |v| ~ 4 (tiles of differing ranges), the dense tests' ~1. Never
+    below the dense kernels' DECODE_TOL."""
+    v = kv_cache[..., :512].float()
+    vmax = float(v[v.isfinite()].abs().max())
+    return max(DECODE_TOL[dtype][0], vmax * (2 ** -9 if dtype == torch.bfloat16 else 2 ** -12))
+
+
 def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None):
     """The kernel's (out, lse) on these CUDA tensors against the float64 loop on their CPU
     copies: bf16/fp16 output rounding, fp32 lse; +inf exactly where a token uses no entry."""
@@ -52,8 +62,8 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None):
     assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
     out, lse = out.cpu(), lse.cpu()
     assert torch.isfinite(out).all()
-    atol, rtol = DECODE_TOL[q.dtype]  # (the dense kernels' tolerances: 16-bit P)
-    torch.testing.assert_close(out.double(), ref_out, atol=atol, rtol=rtol)
+    torch.testing.assert_close(out.double(), ref_out, atol=p_atol(q.dtype, cpu[1]),
+                               rtol=DECODE_TOL[q.dtype][1])
     torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
     return out, lse
 
@@ -127,8 +137,9 @@ def test_cuda_graph_replays_new_indices():
         g.replay()
         torch.cuda.synchronize()
         ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2])
-        atol, rtol = DECODE_TOL[torch.bfloat16]
-        torch.testing.assert_close(out.double().cpu(), ref_out, atol=atol, rtol=rtol)
+        torch.testing.assert_close(out.double().cpu(), ref_out,
+                                   atol=p_atol(torch.bfloat16, cache.cpu()),
+                                   rtol=DECODE_TOL[torch.bfloat16][1])
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
