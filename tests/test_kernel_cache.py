@@ -313,6 +313,7 @@ def test_precompile_variants_of_the_small_kernels():
     assert_expected_inline("\n".join(f"{k} {c}" for k, c in got), """\
 schedule {}
 step_sm80 {'dtype': 'bf16', 'causal': False}
+sparse_step_sm80 {'dtype': 'bf16'}
 decode_sm80 {'dtype': 'bf16', 'causal': False}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
@@ -324,9 +325,9 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
-    # portable steps, fp8 steps, decode, combine, append_kv; fast-mode fp8 steps (q in dtype: 2
-    # per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
+        == 1 + 2 * (2 * 2 + 2 + 1 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
+    # portable steps, fp8 steps, the sparse step, decode, combine, append_kv; fast-mode fp8
+    # steps (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
     fp8_append = {arch: sorted((v.config.source, v.config.slot) for v in registry.variants(
         ["bf16"], (False,), ["append_kv"], arch) if v.config.cache == "e4m3")
         for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")}
