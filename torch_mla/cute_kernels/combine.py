@@ -191,20 +191,28 @@ class MLACombine:
                      "[0, {}] (block_table's width {} x {} tokens)", r, L, width * PAGE_SIZE, width,
                      PAGE_SIZE)
         n = (L + PAGE_SIZE - 1) // PAGE_SIZE
-        first = Int32(NO_COLUMN)
-        for c in cutlass.range(0, n, 32, unroll=1):
-            col = c + lane
-            if col < n:
-                page = mBlockTable[r, col]
-                if page < 0 or page >= num_pages:
-                    first = cutlass.min(first, col)
-        first = cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
+        first = first_outside(mBlockTable[r, None], n, 0, num_pages, lane)
         if first != NO_COLUMN:
             if lane == 0:
                 fail("torch_mla.mla_decode: block_table[{}, {}] = {} is not a page of kv_cache "
                      "(num_blocks = {}): request {} has {} tokens, so its first {} entries must "
                      "be page ids in [0, {})", r, first, mBlockTable[r, first], num_pages, r, L,
                      n, num_pages)
+
+
+@cute.jit
+def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int32,
+                  unroll: cutlass.Constexpr[int] = 1) -> Int32:
+    """One warp (lane 0..31): the first column c < n of row whose value is outside
+    [low, high), in every lane; NO_COLUMN if none is."""
+    first = Int32(NO_COLUMN)
+    for c in cutlass.range(0, n, 32, unroll=unroll):
+        col = c + lane
+        if col < n:
+            v = row[col]
+            if v < low or v >= high:
+                first = cutlass.min(first, col)
+    return cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
 
 
 # --- compile entry (ops/registry.py: CombineKernelConfig) -------------------------------------

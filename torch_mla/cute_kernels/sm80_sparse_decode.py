@@ -39,7 +39,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, PAGE_SIZE
-from .combine import NO_COLUMN, MLACombine
+from .combine import NO_COLUMN, MLACombine, first_outside
 from .decode_step import MLADecodeStep
 from .device_error import fail
 from .sm80_decode import MLADecodeSm80, Sm80DecodeConfig
@@ -118,14 +118,7 @@ class MLASparseCombine(MLACombine):
             if lane == 0:
                 fail("torch_mla.mla_decode_sparse: topk_length[{}] = {}, but it must be in "
                      "[0, topk = {}]", r // s_q, L, topk)
-        first = Int32(NO_COLUMN)
-        for c in cutlass.range(0, cutlass.min(L, topk), 32, unroll=4):
-            k = c + lane
-            if k < L:
-                slot = mIdx[r, k]
-                if slot < -1 or slot >= num_slots:
-                    first = cutlass.min(first, k)
-        first = cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
+        first = first_outside(mIdx[r, None], cutlass.min(L, topk), -1, num_slots, lane, 4)
         if first != NO_COLUMN:
             if lane == 0:
                 fail("torch_mla.mla_decode_sparse: indices[{}, {}, {}] = {} is not a cache "

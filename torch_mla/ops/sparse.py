@@ -5,7 +5,6 @@ exists (none yet: :func:`find_sparse_decode_kernel`), else the reference. Forwar
 from __future__ import annotations
 
 import functools
-import os
 import warnings
 
 import torch
@@ -37,7 +36,7 @@ def _sparse_schedule_args(sched_metadata, num_splits, q):
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm80" (the portable sparse kernel) or "reference", for validated
     inputs on a CUDA device; reason says why the reference runs."""
-    if os.environ.get("TORCH_MLA_FORCE_REFERENCE") == "1":
+    if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
     if arch is None:
@@ -70,7 +69,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     name, reason = sparse_backend(q, kv_cache, d_v)
     if name == "sm80":
         return run_sparse_sm80
-    if reason not in _warned and os.environ.get("TORCH_MLA_FORCE_REFERENCE") != "1":
+    if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)
         warnings.warn("torch_mla.mla_decode_sparse runs the slow plain-PyTorch reference on this "
                       f"GPU: {reason}", stacklevel=3)
