@@ -92,7 +92,6 @@ class IndexerLogitsSm90:
         self.s_q = s_q
         self.n = heads * s_q  # the MMA's N: (token, head) columns
         self.stages = num_stages(self.fp8, head_dim)
-        # Elements a TMA box row holds: one 128-byte swizzle row (bf16 D 128: two boxes).
         self.elem_bytes = 1 if self.fp8 else 2
         self.page_bytes = PAGE_SIZE * head_dim * self.elem_bytes
         # Transaction bytes of one stage: the page, and for e4m3 its scales.
@@ -125,7 +124,8 @@ class IndexerLogitsSm90:
             dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
             (1, 1, 1), (PAGE_SIZE, N))
 
-        # TMA views: Q as (N, D, b), the cache as (64 keys, D, pages), scales as (64, 1, pages).
+        # TMA views: Q as (N, D, b), the cache as (64 keys, D, pages), scales as (64, pages).
+        # (A box row is at most the 128-byte swizzle row: bf16 D 128 takes two boxes a tile.)
         op = cpasync.CopyBulkTensorTileG2SOp()
         mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
         mK_t = cute.make_tensor(mK.iterator, cute.select(mK.layout, mode=[1, 2, 0]))

@@ -26,6 +26,11 @@ def _kernel(dtype: str, head_dim: int, heads: int, s_q: int):
                              registry.SM90_ARCH)
 
 
+def _unit_last(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy where its last stride is not 1 (the kernel's views need it)."""
+    return t if t.stride(-1) == 1 else t.contiguous()
+
+
 @functools.lru_cache(maxsize=None)
 def _num_sms(index: int) -> int:
     return default_num_sms(torch.device("cuda", index))
@@ -60,6 +65,8 @@ def indexer_kernel_unsupported(q: torch.Tensor, weights: torch.Tensor,
         return "the indexer kernel takes float32 weights and out, int32 block_table and lengths"
     if index_cache.dim() != 3 or index_cache.shape[1] != PAGE_SIZE:
         return f"the indexer kernel takes an index cache [num_blocks, {PAGE_SIZE}, D]"
+    if out.dim() != 3 or out.stride(-1) != 1:
+        return "the indexer kernel writes an out [b, s_q, max_len] of last stride 1"
     b, s_q, heads, head_dim = q.shape
     return indexer_unsupported(head_dim, heads, s_q)
 
@@ -85,7 +92,7 @@ def indexer_logits_sm90(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
         block_table: [b, max_blocks] int32; entries past a request's length are never read.
         cache_seqlens: [b] int32, this step's s_q tokens included.
         out: [b, s_q, max_len] float32, last stride 1 (max_len a multiple of 64 that covers
-            every length; written in full).
+            every length; written in full). Other tensors of unsupported strides are copied.
         pages_per_cta: the pages of an output row a CTA takes (tests, tools); default
             IndexerSplit.from_heuristic's choice.
     """
@@ -105,14 +112,13 @@ def indexer_logits_sm90(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
                                                     _num_sms(q.device.index)).pages_per_cta
     # The kernel's views: (token, head) rows of q and weights flattened (a view for the usual
     # contiguous tensors); TMA needs 16-byte aligned rows. e4m3 crosses as bytes.
-    q_rows = _rows16(q.reshape(b, s_q * heads, head_dim))
-    cache = _rows16(index_cache)
-    w = weights.reshape(b, s_q * heads)
-    if w.stride(-1) != 1:
-        w = w.contiguous()
-    args = [q_rows, w, cache, block_table, cache_seqlens, out, pages_per_cta]
+    q_rows = _rows16(_unit_last(q.reshape(b, s_q * heads, head_dim)))
+    cache = _rows16(_unit_last(index_cache))
+    args = [q_rows, _unit_last(weights.reshape(b, s_q * heads)), cache,
+            _unit_last(block_table), cache_seqlens.contiguous(), out,
+            max(int(pages_per_cta), 1)]
     if fp8:
         args[0], args[2] = q_rows.view(torch.uint8), cache.view(torch.uint8)
-        args.append(_rows16(index_scale))
+        args.append(_rows16(_unit_last(index_scale)))
     kernel(*args)
     return out
