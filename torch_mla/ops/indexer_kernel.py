@@ -10,6 +10,7 @@ API (for the indexer op, tests and tools):
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 
@@ -104,6 +105,8 @@ def indexer_logits_sm90(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
     max_len = out.shape[2]
     if b == 0 or max_len == 0:
         return out
+    if index_cache.shape[0] == 0:  # no key anywhere (and no TMA descriptor of an empty cache)
+        return out.fill_(-math.inf)
     fp8 = index_cache.dtype == torch.float8_e4m3fn
     kernel = _kernel("e4m3" if fp8 else "bf16", head_dim, heads, s_q)
     if pages_per_cta is None:
