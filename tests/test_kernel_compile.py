@@ -106,6 +106,60 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert comb["ld.global.nc"] == 0, comb
 
 
+INDEXER_SCRIPT = r"""
+import glob, json, os, re, sys
+from torch_mla.ops import registry
+from torch_mla.cute_kernels.sm90_indexer import IndexerLogitsSm90
+out, seen = [], set()
+for dtype, d, heads, s_q in json.loads(sys.argv[1]):
+    config = registry.IndexerConfig(dtype, d, heads, s_q)
+    registry.build(config, "sm_90a")
+    new = set(glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))) - seen
+    seen |= new
+    (f,) = new
+    ptx = open(f).read()
+    c = {"config": [dtype, d, heads, s_q], "stages": IndexerLogitsSm90(
+        dtype == "e4m3", d, heads, s_q).stages}
+    for k in ["wgmma.mma_async", r"wgmma.mma_async.sync.aligned.m64n(\d+)k(\d+).f32.(\w+).\w+ ",
+              "cp.async.bulk.tensor", "L2::cache_hint", "mbarrier.try_wait", "ld.local",
+              "st.local", "vprintf", "trap;", ".minnctapersm 2", "max.f32", "st.global"]:
+        c[k] = re.findall(k, ptx) if "(" in k else len(re.findall(re.escape(k), ptx))
+    out.append(c)
+print(json.dumps(out))
+"""
+
+INDEXER_CONFIGS = [("bf16", 128, 64, 2), ("e4m3", 128, 64, 1), ("bf16", 64, 8, 1),
+                   ("e4m3", 64, 16, 2)]
+
+
+def test_sm90_indexer_compiles(tmp_path):
+    """The DSA indexer kernel (cute_kernels/sm90_indexer.py) for V3.2's shapes (H 64, D 128,
+    s_q 1-2) and small-model ones: one wgmma chain a page, m64 x (s_q * H) over D (k16 steps in
+    bf16, k32 on e4m3 operands), TMA loads with an L2 hint (the pages' evict_first), mbarrier
+    waits, two CTAs an SM, and no local memory, printf or trap."""
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", INDEXER_SCRIPT, json.dumps(INDEXER_CONFIGS)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    for c in json.loads(res.stdout.strip().splitlines()[-1]):
+        dtype, d, heads, s_q = c["config"]
+        k = 32 if dtype == "e4m3" else 16
+        ab = "e4m3" if dtype == "e4m3" else "bf16"
+        shapes = c[r"wgmma.mma_async.sync.aligned.m64n(\d+)k(\d+).f32.(\w+).\w+ "]
+        assert c["wgmma.mma_async"] == d // k, c
+        assert shapes == [[str(heads * s_q), str(k), ab]] * (d // k), c
+        # Q, then the first pages and the refills (e4m3: each page's scales too)
+        assert c["cp.async.bulk.tensor"] >= 3 + 2 * (dtype == "e4m3"), c
+        assert c["L2::cache_hint"] >= 2 and c["mbarrier.try_wait"] >= 2, c
+        assert (c["ld.local"], c["st.local"], c["vprintf"], c["trap;"]) == (0, 0, 0, 0), c
+        assert c[".minnctapersm 2"] == 1 and c["stages"] % 2 == 0, c
+        # the epilogue: relu of each of a thread's s_q * H / 2 accumulator values
+        assert c["max.f32"] >= heads * s_q // 2, c
+    assert [c["stages"] for c in json.loads(res.stdout.strip().splitlines()[-1])] \
+        == [4, 8, 8, 16]
+
+
 SMALL_SCRIPT = r"""
 import glob, json, os, re
 from torch_mla.ops.registry import AppendKVConfig, ScheduleConfig, build

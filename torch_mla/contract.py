@@ -70,6 +70,14 @@ ARGS = {
     "indices": Arg("i32", ("b", "s_q", "topk"), ("dyn", "dyn", 1), 4),
     "topk_length": Arg("i32", ("b",), (1,), 4),
     "sparse_out": Arg("out", ("b", "s_q", "h_q", D_V), ("row", "row", "row", 1)),
+    # the DSA indexer's logits (cute_kernels/sm90_indexer.py): "rows" (s_q * H), "d" and
+    # "s_q" are compile-time sizes there (fake_args' static)
+    "index_q": Arg("q", ("b", "rows", "d"), ("row", "row", 1)),
+    "index_weights": Arg("f32", ("b", "rows"), ("dyn", 1), 4),
+    "index_cache": Arg("kv", ("n_blocks", PAGE_SIZE, "d"), ("row", "row", 1)),
+    "index_scale": Arg("f32", ("n_blocks", PAGE_SIZE), ("row", 1)),
+    "logits": Arg("f32", ("b", "s_q", "max_len"), ("dyn", "dyn", 1), 4),
+    "pages_per_cta": Arg("i32"),
 }
 
 DECODE_ARGS = ("q", "kv", "block_table", "seqlens", "metadata", "num_splits", "out", "lse",
@@ -86,10 +94,35 @@ SPARSE_STEP_ARGS = ("sparse_q", "kv", "indices", "topk_length", "metadata", "num
                     "sparse_out", "lse", "oacc", "lseacc", "scale_log2", "combine_variant",
                     "stream")
 SPARSE_DIMS = ("b", "s_q", "h_q", "n_blocks", "topk", "parts", "slots", "rows")
+# The indexer's logits: q [b, s_q * H, D] (the op's [b, s_q, H, D] viewed), weights [b, s_q * H],
+# the index cache, block_table, cache_seqlens, logits [b, s_q, max_len], the CTA's page count;
+# over a float8_e4m3fn cache (q and cache as bytes) also index_scale, after the stream.
+INDEXER_ARGS = ("index_q", "index_weights", "index_cache", "block_table", "seqlens", "logits",
+                "pages_per_cta", "stream")
+INDEXER_DIMS = ("b", "n_blocks", "max_blocks", "max_len")
 # The sizes created first, in this order (then the others as they first appear): the order
 # the compile signatures have always had.
 DECODE_DIMS = ("b", "rows", "n_blocks", "max_blocks", "parts", "slots", "h_q", "s_q")
 COMBINE_DIMS = ("b", "rows", "slots", "h_q", "s_q")
+
+
+# --- the DSA indexer kernel's limits (cute_kernels/sm90_indexer.py) ---------------------------
+
+INDEXER_HEAD_DIMS = (64, 128)
+INDEXER_MAX_COLUMNS = 128  # s_q * H: the MMA's N (an accumulator of N / 2 fp32 registers)
+
+
+def indexer_unsupported(head_dim: int, heads: int, s_q: int) -> str | None:
+    """Why the indexer kernel does not take this problem, or None: head_dim 64 or 128, heads a
+    multiple of 8 (>= 8), s_q >= 1 and s_q * heads <= INDEXER_MAX_COLUMNS."""
+    if head_dim not in INDEXER_HEAD_DIMS:
+        return f"the indexer kernel takes head_dim 64 or 128, got {head_dim}"
+    if heads < 8 or heads % 8:
+        return f"the indexer kernel takes a multiple of 8 heads, got {heads}"
+    if s_q < 1 or s_q * heads > INDEXER_MAX_COLUMNS:
+        return (f"the indexer kernel takes s_q * heads <= {INDEXER_MAX_COLUMNS}, got s_q {s_q} "
+                f"x {heads} heads")
+    return None
 
 
 # --- torch side: the shapes of the ops' results (fake_impls, the host launch) ---------------
@@ -132,16 +165,18 @@ def fake_tensor(dtype, shape: tuple, stride: tuple, align: int = 16):
 
 
 def fake_args(names: tuple, dtype=None, *, dims: tuple = (), q_bytes: bool = False,
-              kv_bytes: bool = False) -> list:
+              kv_bytes: bool = False, static: dict | None = None) -> list:
     """The compile-time stand-ins of arguments ``names`` (keys of ARGS), in order.
 
     dtype: the DSL element type of q, kv and out; q_bytes / kv_bytes: q / kv as uint8 (an e4m3
     q in fast mode, an e4m3 cache: the kernels only move and convert the bytes, and DLPack
-    needs no fp8 type). dims: the size names created first, in this order."""
+    needs no fp8 type). dims: the size names created first, in this order. static: size names
+    that are compile-time ints in this build (e.g. {"d": 128})."""
     import cutlass
     import cutlass.cute as cute
 
     sizes = {d: cute.sym_int() for d in dims}
+    sizes.update(static or {})
     elem = {"q": cutlass.Uint8 if q_bytes else dtype, "kv": cutlass.Uint8 if kv_bytes else dtype,
             "out": dtype, "i32": cutlass.Int32, "f32": cutlass.Float32}
 
@@ -238,3 +273,16 @@ def compile_append_kernel(kernel, slot_dtype, arch: str):
         args.append(fake_tensor(cutlass.Float32, (1,), (1,), 4))
     args.append(cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True))
     return compile_kernel(kernel, args, arch)
+
+
+def compile_indexer_kernel(kernel, fp8: bool, head_dim: int, rows: int, s_q: int, arch: str):
+    """Compiles an indexer object (cute_kernels/sm90_indexer.py: INDEXER_ARGS, then
+    index_scale when fp8) for arch: head_dim, rows (s_q * H) and s_q are compile-time sizes;
+    an e4m3 q and cache come as bytes."""
+    import cutlass
+
+    names = INDEXER_ARGS + (("index_scale",) if fp8 else ())
+    return compile_kernel(kernel, fake_args(names, cutlass.BFloat16, dims=INDEXER_DIMS,
+                                            q_bytes=fp8, kv_bytes=fp8,
+                                            static={"d": head_dim, "rows": rows, "s_q": s_q}),
+                          arch)

@@ -23,6 +23,7 @@ request r's partial results live in workspace slots ``num_splits[r] .. num_split
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import torch
 
@@ -78,6 +79,42 @@ class CombineConfig:
         if batch * rows <= 1024:  # 64 x 2048 h16 (~3 pieces, few rows): 65.1-65.6 / 64.5-65.0
             return cls(4)
         return cls(1)  # b=32 h128 (~3 pieces): 92.1 / 96.4 / 122.2; 128 x 8k h16: 326 / 329
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerSplit:
+    """How the DSA indexer kernel (cute_kernels/sm90_indexer.py) cuts the work: CTA (c, r)
+    takes pages [c * pages_per_cta, +pages_per_cta) of request r's output row."""
+
+    pages_per_cta: int
+
+    # A CTA's start (barriers, Q from L2, the first page's latency), in pages' worth of its
+    # streaming time: a guess, not measured yet (the other CTA on its SM hides part of it).
+    OVERHEAD_PAGES = 2
+    CTAS_PER_SM = 2  # the kernel's shared memory (<= 113 KB) and registers (<= 128) allow two
+
+    @classmethod
+    def from_heuristic(cls, batch: int, n_pages: int, num_sms: int) -> "IndexerSplit":
+        """n_pages: pages of the output row (ceil(max_len / 64)); the host knows no lengths
+        (reading them would sync), so every request is taken to fill its row, which is what
+        costs most (a shorter request's CTAs past its end only write -inf). Predicted time of
+        a size: rounds of CTAS_PER_SM * num_sms CTAs, each as long as its CTAs' pages plus
+        OVERHEAD_PAGES. Of the sizes within SLACK of the least, the smallest: more, shorter
+        CTAs even out requests of different lengths, which the prediction cannot see.
+        (Predictions, not measured yet: docs/kernel-notes.md.)"""
+        return cls(_indexer_pages_per_cta(batch, n_pages, num_sms))
+
+    SLACK = 0.03
+
+
+@functools.lru_cache(maxsize=4096)
+def _indexer_pages_per_cta(batch: int, n_pages: int, num_sms: int) -> int:
+    slots = IndexerSplit.CTAS_PER_SM * max(num_sms, 1)
+    sizes = range(1, max(n_pages, 1) + 1)
+    cost = [-(-batch * -(-n_pages // c) // slots) * (c + IndexerSplit.OVERHEAD_PAGES)
+            for c in sizes]
+    least = min(cost)
+    return next(c for c, t in zip(sizes, cost) if t <= least * (1 + IndexerSplit.SLACK))
 
 
 def default_num_sms(device: torch.device) -> int:

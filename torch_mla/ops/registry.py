@@ -7,8 +7,8 @@ in cute_kernels/, taking (config, arch)). The dispatch (ops/dispatch.py), precom
 disk cache (ops/kernel_cache.py) read this module; nothing else spells a key.
 
 API (stable, for the ops, precompile, tests and tools):
-    DecodeStepConfig, DecodeConfig, SparseStepConfig, CombineKernelConfig, ScheduleConfig,
-    AppendKVConfig
+    DecodeStepConfig, DecodeConfig, SparseStepConfig, IndexerConfig, CombineKernelConfig,
+    ScheduleConfig, AppendKVConfig
     compiled(config, arch)    the compiled kernel (memory, disk cache, else compiled and stored)
     build(config, arch)       compiles it now (no cache)
     variants(dtypes, causal, kernels, arch)   what precompile builds, as Variant(config, arch)
@@ -25,6 +25,7 @@ import importlib
 from typing import Any, ClassVar, NamedTuple
 
 from ..constants import COMBINE_WARPS_PER_ROW
+from ..contract import indexer_unsupported
 from . import kernel_cache
 
 
@@ -166,6 +167,28 @@ class SparseStepConfig(_Config):
         return {"dtype": self.dtype}
 
     entry: ClassVar[str] = "sm80_sparse_decode:compile_sparse_step"
+
+
+@dataclasses.dataclass(frozen=True)
+class IndexerConfig(_Config):
+    """The DSA indexer's logits kernel (cute_kernels/sm90_indexer.py, sm_90a): dtype "bf16" or
+    "e4m3" (q's and the index cache's), head_dim, heads and s_q within
+    contract.indexer_unsupported's limits."""
+
+    dtype: str
+    head_dim: int
+    heads: int
+    s_q: int
+
+    name: ClassVar[str] = "indexer_sm90"
+    entry: ClassVar[str] = "sm90_indexer:compile_indexer"
+
+    def __post_init__(self):
+        why = indexer_unsupported(self.head_dim, self.heads, self.s_q)
+        if self.dtype not in ("bf16", "e4m3"):
+            why = f"the indexer kernel takes bf16 or e4m3, got {self.dtype!r}"
+        if why:
+            raise ValueError(why)
 
 
 @dataclasses.dataclass(frozen=True)
