@@ -120,8 +120,10 @@ def indexer_logits_sm90(q: torch.Tensor, weights: torch.Tensor, index_cache: tor
     args = [q_rows, _unit_last(weights.reshape(b, s_q * heads)), cache,
             _unit_last(block_table), cache_seqlens.contiguous(), out,
             max(int(pages_per_cta), 1)]
+    # (The bf16 build's signature keeps the scale's slot: None is passed for it.)
+    scale = None
     if fp8:
         args[0], args[2] = q_rows.view(torch.uint8), cache.view(torch.uint8)
-        args.append(_rows16(_unit_last(index_scale)))
-    kernel(*args)
+        scale = _rows16(_unit_last(index_scale))
+    kernel(*args, scale)
     return out
