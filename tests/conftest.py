@@ -18,3 +18,21 @@ def _fresh_seed(request):
     # Fresh random data per test, reproducible from the test's name when one fails: crc32, not
     # hash(), whose value for a string changes from process to process (PYTHONHASHSEED).
     torch.manual_seed(zlib.crc32(request.node.nodeid.encode()))
+
+
+@pytest.fixture(params=["sm90", "sm80"])
+def dense_backend(request, monkeypatch):
+    """The dense decode kernel under test: the SM90 kernel (on an SM90 GPU), then the portable
+    SM80-class kernel (TORCH_MLA_PORTABLE=1, compute capability 8.0 or newer); a test using it
+    runs once per kernel this GPU has."""
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
+    if request.param == "sm90":
+        if capability != (9, 0):
+            pytest.skip("needs an SM90 GPU")
+        monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
+    else:
+        if capability < (8, 0):
+            pytest.skip("needs a GPU of compute capability 8.0 or newer")
+        monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
+    return request.param

@@ -1,7 +1,6 @@
 """The FP8 latent cache (issue 13, CPU side): float8_e4m3fn cache + kv_scale (and an fp8 q +
 q_scale) through mla_decode, append_kv, the custom ops, dispatch and the FlashMLA/vLLM compat."""
 
-import random
 import types
 import warnings
 
@@ -13,7 +12,7 @@ import torch._dynamo.testing
 import torch_mla
 from torch_mla.ops import dispatch, registry
 from torch_mla.reference import dequantize_fp8, mla_decode_reference, quantize_fp8
-from torch_mla.testing import make_decode_inputs
+from torch_mla.testing import make_decode_inputs, varlen_seqlens
 
 from oracle import mla_decode_fp64
 
@@ -578,10 +577,7 @@ def test_sm90_fp8_page_boundaries(L, compute, kernel_env):
 @COMPUTE
 @pytest.mark.parametrize("b", [1, 6, 128])
 def test_sm90_fp8_batches_varlen(b, compute, kernel_env):
-    rng = random.Random(b)
-    lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
-    if b > 2:
-        lens[rng.randrange(b)] = 0
+    lens = varlen_seqlens(b)
     run_fp8_and_check(lens, 2, 128, True, compute=compute)
     run_fp8_and_check(lens, 1, 16, False, compute=compute)
 

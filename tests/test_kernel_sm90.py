@@ -3,7 +3,6 @@ runs on the SM90 kernel (H100/H200) and on the portable SM80-class kernel (any G
 capability 8.0 or newer; TORCH_MLA_PORTABLE=1 forces it where the SM90 kernel is the default)."""
 
 import os
-import random
 
 import pytest
 import torch
@@ -11,28 +10,10 @@ import torch
 import torch_mla
 from torch_mla.ops.dispatch import decode_backend, find_decode_kernel
 from torch_mla.reference import mla_decode_reference
-from torch_mla.testing import capture_graph, make_decode_inputs
+from torch_mla.testing import capture_graph, make_decode_inputs, varlen_seqlens
 
-pytestmark = pytest.mark.cuda
-
-
-def capability():
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-
-
-@pytest.fixture(autouse=True, params=["sm90", "sm80"])
-def backend(request, monkeypatch):
-    """The kernel under test (each test runs once per kernel this GPU has)."""
-    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
-    if request.param == "sm90":
-        if capability() != (9, 0):
-            pytest.skip("needs an SM90 GPU")
-        monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
-    else:
-        if capability() < (8, 0):
-            pytest.skip("needs a GPU of compute capability 8.0 or newer")
-        monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
-    return request.param
+# Each test runs on each kernel this GPU has (conftest.py's dense_backend).
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("dense_backend")]
 
 
 # bf16 output: the kernel rounds P to bf16 before P @ V (as FlashMLA does); FlashMLA's own test
@@ -72,10 +53,7 @@ def test_heads_and_query_tokens(h_q, s_q, causal):
 
 @pytest.mark.parametrize("b", [1, 2, 6, 64, 128])
 def test_batches_varlen(b):
-    rng = random.Random(b)
-    lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
-    if b > 2:
-        lens[rng.randrange(b)] = 0
+    lens = varlen_seqlens(b)
     run_and_check(lens, 2, 128, True)
     run_and_check(lens, 1, 16, False)
 

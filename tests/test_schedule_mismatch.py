@@ -25,28 +25,11 @@ from torch_mla.reference import mla_decode_reference
 from torch_mla.scheduling import walk_schedule
 from torch_mla.testing import make_decode_inputs
 
-pytestmark = pytest.mark.cuda
+# Each test runs on each kernel this GPU has (conftest.py's dense_backend).
+pytestmark = [pytest.mark.cuda, pytest.mark.usefixtures("dense_backend")]
 
 # As tests/test_kernel_sm90.py: the kernel rounds P to bf16 before P @ V, as FlashMLA does.
 TOL = dict(atol=8e-4, rtol=2.01 / 128)
-
-
-def capability():
-    return torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
-
-
-@pytest.fixture(autouse=True, params=["sm90", "sm80"])
-def backend(request, monkeypatch):
-    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
-    if request.param == "sm90":
-        if capability() != (9, 0):
-            pytest.skip("needs an SM90 GPU")
-        monkeypatch.delenv("TORCH_MLA_PORTABLE", raising=False)
-    else:
-        if capability() < (8, 0):
-            pytest.skip("needs a GPU of compute capability 8.0 or newer")
-        monkeypatch.setenv("TORCH_MLA_PORTABLE", "1")
-    return request.param
 
 
 def check_against_reference(inp, sched, causal):

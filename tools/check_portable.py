@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import functools
-import random
 import sys
 import time
 
@@ -42,6 +41,7 @@ from torch_mla.testing import (
     graph_time_us,
     make_anchor_inputs,
     make_decode_inputs,
+    varlen_seqlens,
 )
 
 # shared/anchors/README.md, Triton split-KV decode (vLLM-style) on the H200, us.
@@ -64,10 +64,7 @@ def grid(quick: bool):
             yield ("s_q 8", f"h_q={h_q} causal={causal}", [300, 7, 8, 2000], 8, h_q, causal, bf16,
                    None, 1)
     for b in ([1, 6, 128] if quick else [1, 2, 6, 64, 128]):
-        rng = random.Random(b)
-        lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
-        if b > 2:
-            lens[rng.randrange(b)] = 0
+        lens = varlen_seqlens(b)
         yield ("varlen batches", f"b={b} s_q=2 h_q=128 causal", lens, 2, 128, True, bf16, None, 1)
         yield ("varlen batches", f"b={b} s_q=1 h_q=16", lens, 1, 16, False, bf16, None, 1)
     for L in ([1, 64, 65, 129] if quick else [1, 63, 64, 65, 127, 128, 129, 191, 192, 193]):

@@ -118,6 +118,16 @@ QUICK_ANCHORS = [(128, 1, 8192, 128, False), (128, 2, 8192, 128, True),
                  (128, 1, 8192, 16, False), (1, 1, 4096, 128, False), (64, 1, 2048, 16, False)]
 
 
+def varlen_seqlens(b: int) -> list[int]:
+    """b lengths drawn around 1500 (normal, sd 750, at least 0; seeded by b, so the same b
+    gives the same batch) and, for b > 2, one of them 0: the kernel tests' varlen batches."""
+    rng = random.Random(b)
+    lens = [max(0, int(rng.normalvariate(1500, 750))) for _ in range(b)]
+    if b > 2:
+        lens[rng.randrange(b)] = 0
+    return lens
+
+
 def anchor_seqlens(b: int, s_k: int, s_q: int) -> list[int]:
     """FlashMLA's dense-decoding test lengths: ``max(int(normalvariate(s_k, s_k / 2)), s_q)``."""
     random.seed(0)

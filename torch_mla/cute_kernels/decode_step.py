@@ -6,15 +6,16 @@ two launches of a step go through one compiled function. The combine is compiled
 warps-per-row variants (combine.CombineConfig) and the host code picks one by a runtime index:
 host-side control flow, no device cost, and one compile per (decode kernel, dtype, causal).
 
-Works with any decode kernel class whose ``__call__`` takes (q, kv, block_table, seqlens, meta,
-num_splits, out, lse, oacc, lseacc, scale_log2, stream) and writes the partial results combine.py
+Works with any decode kernel (decode_base.DecodeKernel): its ``__call__`` takes (q, kv,
+block_table, seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, stream, kv_scale,
+q_scale, q_scaled; the last three None unless kv_fp8) and writes the partial results combine.py
 merges.
 """
 
 from __future__ import annotations
 
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Float32, Int32
 
 from ..constants import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
 from .combine import MLACombine
@@ -50,12 +51,8 @@ class MLADecodeStep:
         mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, read when q_scaled != 0
         q_scaled=None,  # kv_fp8: Int32, 1 when q_scale applies
     ):
-        if const_expr(self.kv_fp8):
-            self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
-                        mLSEacc, scale_log2, stream, mKVScale, mQScale, q_scaled)
-        else:
-            self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
-                        mLSEacc, scale_log2, stream)
+        self.decode(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
+                    scale_log2, stream, mKVScale, mQScale, q_scaled)
         self.combine(combine_variant, (mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable,
                                        mSeqlens, mKV.shape[0], stream))
 

@@ -71,6 +71,7 @@ from cutlass.memory import SmemAllocator
 
 from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
+from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
 from .ptx import L2_EVICT_FIRST, tcgen05_after_sync, tcgen05_before_sync
 
 HALF_V = D_V // 2
@@ -95,7 +96,7 @@ TMEM_CAPACITY = 512
 SMEM_CAPACITY = 227 * 1024  # sm_100's per-block opt-in maximum (232448 bytes)
 
 
-class MLADecodeSm100:
+class MLADecodeSm100(DecodeKernel):
     """Split-KV MLA decode for SM100; see the module docstring for the algorithm."""
 
     num_threads = NUM_THREADS
@@ -103,31 +104,17 @@ class MLADecodeSm100:
     def __init__(self, dtype, causal: bool):
         self.dtype = dtype
         self.causal = bool(causal)
-        # Compile-time budgets (shared memory is checked in __call__, where the layouts exist).
+        # Compile-time budgets (shared memory is checked in _prepare, where the layouts exist).
         assert TMEM_USED <= TMEM_ALLOC <= TMEM_CAPACITY, (TMEM_USED, TMEM_ALLOC)
         assert TMEM_ALLOC & (TMEM_ALLOC - 1) == 0 and TMEM_ALLOC >= 32, TMEM_ALLOC
 
-    can_implement = staticmethod(splitkv.supports)
-
     # ------------------------------------------------------------------------------------------
-    # host side: MMAs, layouts, TMA descriptors, launch
+    # host side: MMAs, layouts, TMA descriptors (DecodeKernel.__call__ launches)
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, rows, 576)
-        mKV: cute.Tensor,  # (num_blocks, 64, 576), rows 16-byte aligned, any page/row stride
-        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
-        mSeqlens: cute.Tensor,  # (b,) int32
-        mMeta: cute.Tensor,  # (num_parts, 8) int32
-        mNumSplits: cute.Tensor,  # (b + 1,) int32
-        mO: cute.Tensor,  # (b, rows, 512)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
-        mOacc: cute.Tensor,  # (slots, rows, 512) fp32
-        mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
-        scale_log2: Float32,
-        stream,
-    ):
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        """The TMA atoms and views of Q and the cache, then the MMAs and shared-memory layouts
+        the kernel takes; self.shared_storage and the byte counts the pipelines expect (traced
+        inside __call__)."""
         dt = self.dtype
         K, MN = OperandMajorMode.K, OperandMajorMode.MN
         one = tcgen05.CtaGroup.ONE
@@ -153,37 +140,25 @@ class MLADecodeSm100:
         tma_kv, tma_mKV = cute.nvgpu.make_tiled_tma_atom_B(
             op, mKV_t, cute.select(sK_layout, mode=[0, 1, 2]), qk_tiler, qk_mma)
 
-        @cute.struct
-        class SharedStorage:
-            bar_kv: cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES]
-            bar_q: cute.struct.MemRange[cutlass.Int64, 2]
-            bar_s: cute.struct.MemRange[cutlass.Int64, 2 * S_STAGES]
-            bar_p: cute.struct.MemRange[cutlass.Int64, 2]
-            bar_o: cute.struct.MemRange[cutlass.Int64, 2]
-            tmem_addr: Int32
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sKV: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
-
-        self.shared_storage = SharedStorage
-        self.smem_bytes = SharedStorage.size_in_bytes()
+        self.shared_storage = shared_struct(
+            bar_kv=cute.struct.MemRange[cutlass.Int64, 2 * KV_STAGES],
+            bar_q=cute.struct.MemRange[cutlass.Int64, 2],
+            bar_s=cute.struct.MemRange[cutlass.Int64, 2 * S_STAGES],
+            bar_p=cute.struct.MemRange[cutlass.Int64, 2],
+            bar_o=cute.struct.MemRange[cutlass.Int64, 2],
+            tmem_addr=Int32,
+            sQ=aligned(dt, cute.cosize(sQ_layout)),
+            sKV=aligned(dt, cute.cosize(sK_layout)),
+            sP=aligned(dt, cute.cosize(sP_layout)),
+        )
+        self.smem_bytes = self.shared_storage.size_in_bytes()
         assert self.smem_bytes <= SMEM_CAPACITY, (self.smem_bytes, SMEM_CAPACITY)
         self.tma_bytes_q = cute.size_in_bytes(dt, sQ_layout)
         self.tma_bytes_page = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1, 2]))
         assert self.tma_bytes_page == PAGE_SIZE * D_QK * dt.width // 8, self.tma_bytes_page
 
-        num_parts = mMeta.shape[0]
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
-        self.kernel(
-            tma_q, tma_mQ, tma_kv, tma_mKV, mBlockTable, mSeqlens, mMeta, mNumSplits,
-            mO, mLSE, mOacc, mLSEacc, scale_log2, qk_mma, pv_mma,
-            sQ_layout, sK_layout, sP_layout, sV_layout,
-        ).launch(
-            grid=[num_m_blocks, num_parts, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        return (tma_q, tma_mQ, tma_kv, tma_mKV), (qk_mma, pv_mma, sQ_layout, sK_layout,
+                                                  sP_layout, sV_layout)
 
     @staticmethod
     def _check_v_aliases_k(sK_layout, sV_layout):
@@ -209,14 +184,7 @@ class MLADecodeSm100:
         tma_mQ: cute.Tensor,
         tma_kv: cute.CopyAtom,
         tma_mKV: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mSeqlens: cute.Tensor,
-        mMeta: cute.Tensor,
-        mNumSplits: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mOacc: cute.Tensor,
-        mLSEacc: cute.Tensor,
+        tensors: SplitKVTensors,
         scale_log2: Float32,
         qk_mma: cute.TiledMma,
         pv_mma: cute.TiledMma,
@@ -282,18 +250,17 @@ class MLADecodeSm100:
         )  # (MMA, 1, 1, stages)
 
         # Query rows are (s_q, h_q) flattened: row = s * h_q + h.
-        walk = splitkv.read_part(mMeta, part)
+        walk = splitkv.read_part(tensors.metadata, part)
 
         if warp == LOAD_WARP:
             self._load(tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
-                       mBlockTable, mSeqlens, mNumSplits, walk, m_block)
+                       tensors, walk, m_block)
         if warp == MMA_WARP:
             self._mma(qk_mma, pv_mma, sQ, sK, sP, sV, tStS, tOtO, q_pipe, kv_pipe, s_pipe,
-                      p_pipe, o_pipe, mBlockTable, mSeqlens, mNumSplits, walk)
+                      p_pipe, o_pipe, tensors, walk)
         if warp < SOFTMAX_WARPS:
             self._softmax(tStS, tOtO, sP, storage.sKV.data_ptr(), s_pipe, p_pipe, o_pipe,
-                          mBlockTable, mSeqlens, mNumSplits, mO, mLSE, mOacc, mLSEacc,
-                          scale_log2, walk, m_block, tidx)
+                          tensors, scale_log2, walk, m_block, tidx)
 
         # Every TMEM reader and writer is done: the softmax warps waited for the last MMA (o
         # full) and for their own loads (tcgen05.wait::ld) before arriving here.
@@ -305,26 +272,26 @@ class MLADecodeSm100:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _segment(self, r: Int32, walk, mBlockTable, mSeqlens, mNumSplits):
+    def _segment(self, r: Int32, walk, t: SplitKVTensors):
         """(L, first block, block count) of request r's segment in this part; the count is
         <= 0 when the part holds none of its blocks. The walk stops at the block table's width
         (a length past it is an input error that the op checks on the device)."""
-        L = mSeqlens[r]
-        pieces = mNumSplits[r + 1] - mNumSplits[r]
-        lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1], pieces)
+        L = t.seqlens[r]
+        pieces = t.num_splits[r + 1] - t.num_splits[r]
+        lo, hi = splitkv.segment(walk, r, L, t.block_table.shape[1], pieces)
         return L, lo, hi - lo
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _load(self, tma_q, tma_mQ, tma_kv, tma_mKV, sQ, sK, qk_mma, q_pipe, kv_pipe,
-              mBlockTable, mSeqlens, mNumSplits, walk, m_block: Int32):
+              t: SplitKVTensors, walk, m_block: Int32):
         """Warp 5: Q of each segment, then its pages, as the buffers free up."""
         thr = qk_mma.get_slice(0)
         q_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, 1)
         kv_state = pipeline.make_pipeline_state(pipeline.PipelineUserType.Producer, KV_STAGES)
         policy = cutlass.Int64(L2_EVICT_FIRST)  # each page and Q tile is read once (sm90_decode)
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
+            L, lo, n = self._segment(r, walk, t)
             if n > 0:
                 gQ = cute.local_tile(tma_mQ[None, None, r], (BLOCK_M, D_QK), (m_block, 0))
                 tQsQ, tQgQ = cpasync.tma_partition(
@@ -335,7 +302,7 @@ class MLADecodeSm100:
                           cache_policy=policy)
                 q_state.advance()
                 for i in cutlass.range(n, unroll=1):
-                    page = mBlockTable[r, lo + i]
+                    page = t.block_table[r, lo + i]
                     tKsK, tKgK = cpasync.tma_partition(
                         tma_kv, 0, cute.make_layout(1), cute.group_modes(sK, 0, 3),
                         cute.group_modes(thr.partition_B(tma_mKV[None, None, page]), 0, 3))
@@ -351,7 +318,7 @@ class MLADecodeSm100:
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _mma(self, qk_mma, pv_mma, sQ, sK, sP, sV, tStS, tOtO, q_pipe, kv_pipe, s_pipe, p_pipe,
-             o_pipe, mBlockTable, mSeqlens, mNumSplits, walk):
+             o_pipe, t: SplitKVTensors, walk):
         """Warp 4: per segment, S_0; then S_{i+1} before O += P_i V_i; then O is complete."""
         tSrQ = qk_mma.make_fragment_A(sQ)  # (MMA, 1, 36)
         tSrK = qk_mma.make_fragment_B(sK)  # (MMA, 1, 36, stages)
@@ -366,7 +333,7 @@ class MLADecodeSm100:
         p_state = pipeline.make_pipeline_state(Consumer, 1)
         o_state = pipeline.make_pipeline_state(Producer, 1)
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
+            L, lo, n = self._segment(r, walk, t)
             if n > 0:
                 q_pipe.consumer_wait(q_state)
                 for i in cutlass.range(n, unroll=1):
@@ -421,12 +388,12 @@ class MLADecodeSm100:
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _softmax(self, tStS, tOtO, sP, kv_base, s_pipe, p_pipe, o_pipe, mBlockTable, mSeqlens,
-                 mNumSplits, mO, mLSE, mOacc, mLSEacc, scale_log2: Float32, walk,
-                 m_block: Int32, tidx: Int32):
+    def _softmax(self, tStS, tOtO, sP, kv_base, s_pipe, p_pipe, o_pipe, t: SplitKVTensors,
+                 scale_log2: Float32, walk, m_block: Int32, tidx: Int32):
         """Warps 0-3: per page, P = softmax numerator of S (masked), O rescaled when needed;
         per segment, the epilogue. Thread (warp w, lane l) owns row 16 w + l % 16 and 32 of the
         64 keys (l // 16 picks which); its partner lane l ^ 16 holds the rest of the row."""
+        mNumSplits, mO, mLSE, mOacc, mLSEacc = t.num_splits, t.out, t.lse, t.oacc, t.lseacc
         # S (64 x 64 fp32) -> 32 registers per thread; O is read and written in 64 x 64 chunks
         # with the same thread layout.
         ld_atom = cute.make_copy_atom(tcgen05.Ld16x32bx2Op(tcgen05.Repetition.x32), Float32)
@@ -464,7 +431,7 @@ class MLADecodeSm100:
         o_state = pipeline.make_pipeline_state(Consumer, 1)
         kv_count = Int32(0)  # pages this CTA has consumed: the page buffer is kv_count % 2
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L, lo, n = self._segment(r, walk, mBlockTable, mSeqlens, mNumSplits)
+            L, lo, n = self._segment(r, walk, t)
             if n > 0:
                 # Horizon of this thread's row: keys < border are visible.
                 border = softmax.row_border(L, g_row, d_rows, h_q, s_q, self.causal)
@@ -584,10 +551,3 @@ def decode_kernel(config, arch: str):
     from ..contract import dsl_dtype
 
     return MLADecodeSm100(dsl_dtype(config.dtype), config.causal)
-
-
-def compile_decode(config, arch: str):
-    """The decode kernel alone (DecodeConfig), compiled for arch."""
-    from ..contract import compile_decode_kernel, dsl_dtype
-
-    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

@@ -105,6 +105,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ..constants import D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
+from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
 from .ptx import bar_arrive, bar_sync
 
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
@@ -253,7 +254,7 @@ class KVSource(NamedTuple):
     bias: cute.Tensor | None
 
 
-class MLADecodeSm80:
+class MLADecodeSm80(DecodeKernel):
     """Split-KV MLA decode on SM80-class instructions; see the module docstring."""
 
     # A subclass whose table can name no key for some entries (sparse decode) sets this: each
@@ -271,36 +272,15 @@ class MLADecodeSm80:
         # dependent launch) start early; it waits for this grid before reading the partials.
         self.use_pdl = bool(use_pdl)
         self.num_threads = config.num_threads
-
-    can_implement = staticmethod(splitkv.supports)
+        self.block_m = config.block_m
 
     # ------------------------------------------------------------------------------------------
-    # host side: layouts, copies, MMAs, launch
+    # host side: layouts, copies, MMAs, shared storage (DecodeKernel.__call__ launches)
     # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, rows, 576), rows 16-byte aligned
-        mKV: cute.Tensor,  # (num_blocks, 64, 576), rows 16-byte aligned, any page/row stride
-        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
-        mSeqlens: cute.Tensor,  # (b,) int32
-        mMeta: cute.Tensor,  # (num_parts, 8) int32
-        mNumSplits: cute.Tensor,  # (b + 1,) int32
-        mO: cute.Tensor,  # (b, rows, 512)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
-        mOacc: cute.Tensor,  # (slots, rows, 512) fp32
-        mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
-        scale_log2: Float32,
-        stream,
-    ):
-        self._launch(mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
-                     scale_log2, stream)
-
-    @cute.jit
-    def _launch(self, mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
-                mLSEacc, scale_log2, stream):
-        """Builds the copies, MMAs and shared storage and launches (traced inside a jit: the
-        arguments are __call__'s, or a subclass's views of the same shapes)."""
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        """(mQ, mKV) and the layouts, copies and MMAs the kernel takes; self.shared_storage
+        (traced inside __call__: mQ, mKV are its arguments, or a subclass's views of the same
+        shapes)."""
         dt = self.dtype
         bm = self.cfg.block_m
         bn, st = self.cfg.block_n, self.cfg.stages
@@ -315,29 +295,16 @@ class MLADecodeSm80:
             cute.make_layout((1, 8)))
         tiled_qk, tiled_pv = tiled_mmas(self.cfg, dt)
 
-        @cute.struct
-        class SharedStorage:
-            sQ: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sQ_layout)], 1024]
-            sK: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sK_layout)], 1024]
-            sP: cute.struct.Align[cute.struct.MemRange[dt, cute.cosize(sP_layout)], 1024]
-            sMax: cute.struct.MemRange[Float32, 2 * bm]
-            sSum: cute.struct.MemRange[Float32, 2 * bm]
-            # (key, stage): 0 or -inf; none without masks_entries (an if here would not
-            # reach the struct: the jit's preprocessor turns it into a function)
-            sBias: cute.struct.MemRange[Float32, bias_len]
-
-        self.shared_storage = SharedStorage
-        num_parts = mMeta.shape[0]
-        num_m_blocks = (mO.shape[1] + bm - 1) // bm
-        self.kernel(
-            mQ, mKV, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
-            scale_log2, sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv,
-        ).launch(
-            grid=[num_m_blocks, num_parts, 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
+        self.shared_storage = shared_struct(
+            sQ=aligned(dt, cute.cosize(sQ_layout)),
+            sK=aligned(dt, cute.cosize(sK_layout)),
+            sP=aligned(dt, cute.cosize(sP_layout)),
+            sMax=cute.struct.MemRange[Float32, 2 * bm],
+            sSum=cute.struct.MemRange[Float32, 2 * bm],
+            # (key, stage): 0 or -inf; empty without masks_entries
+            sBias=cute.struct.MemRange[Float32, bias_len],
         )
+        return (mQ, mKV), (sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -347,14 +314,7 @@ class MLADecodeSm80:
         self,
         mQ: cute.Tensor,
         mKV: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mSeqlens: cute.Tensor,
-        mMeta: cute.Tensor,
-        mNumSplits: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mOacc: cute.Tensor,
-        mLSEacc: cute.Tensor,
+        tensors: SplitKVTensors,
         scale_log2: Float32,
         sQ_layout: cute.ComposedLayout,
         sK_layout: cute.ComposedLayout,
@@ -363,6 +323,7 @@ class MLADecodeSm80:
         tiled_qk: cute.TiledMma,
         tiled_pv: cute.TiledMma,
     ):
+        mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
         dt = self.dtype
         tidx, _, _ = cute.arch.thread_idx()
@@ -849,10 +810,3 @@ def decode_kernel(config, arch: str):
     tiles = (Sm80DecodeConfig(*config.tiles) if config.tiles
              else Sm80DecodeConfig.from_heuristic(arch))
     return MLADecodeSm80(dsl_dtype(config.dtype), config.causal, tiles, use_pdl=has_pdl(arch))
-
-
-def compile_decode(config, arch: str):
-    """The decode kernel alone (DecodeConfig), compiled for arch."""
-    from ..contract import compile_decode_kernel, dsl_dtype
-
-    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

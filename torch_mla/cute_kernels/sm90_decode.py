@@ -55,6 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
+from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
 from .ptx import (
     L2_EVICT_FIRST,
     bulk_s2g,
@@ -192,26 +193,20 @@ def fp8_vt_unit(wtid: int, half: int):
     return loads, stores
 
 
-def _aligned(dtype, n: int):
-    """n elements of dtype in shared memory, 1 KB aligned (the swizzle atoms' period)."""
-    return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
-
-
 def shared_storage(**buffers):
     """The kernel's shared memory: `buffers` (name=type, in order: the operand tiles), then the
     softmax statistics and barriers of both modes: sM (running max), sScale0, sScale1 (the
     pair's rescale factors), sL (both warpgroups' row sums), barK (a mbarrier per tile of the
     two page buffers) and barQ."""
-    fields = dict(buffers, sM=cute.struct.MemRange[Float32, BLOCK_M],
-                  sScale0=cute.struct.MemRange[Float32, BLOCK_M],
-                  sScale1=cute.struct.MemRange[Float32, BLOCK_M],
-                  sL=cute.struct.MemRange[Float32, 2 * BLOCK_M],
-                  barK=cute.struct.MemRange[cutlass.Int64, 2 * N_TILES],
-                  barQ=cute.struct.MemRange[cutlass.Int64, 1])
-    return cute.struct(type("SharedStorage", (), {"__annotations__": fields}))
+    return shared_struct(**buffers, sM=cute.struct.MemRange[Float32, BLOCK_M],
+                         sScale0=cute.struct.MemRange[Float32, BLOCK_M],
+                         sScale1=cute.struct.MemRange[Float32, BLOCK_M],
+                         sL=cute.struct.MemRange[Float32, 2 * BLOCK_M],
+                         barK=cute.struct.MemRange[cutlass.Int64, 2 * N_TILES],
+                         barQ=cute.struct.MemRange[cutlass.Int64, 1])
 
 
-class MLADecodeSm90:
+class MLADecodeSm90(DecodeKernel):
     """Split-KV MLA decode for SM90; see the module docstring for the algorithm."""
 
     num_threads = 256
@@ -229,50 +224,24 @@ class MLADecodeSm90:
         # kv_fp8: the cache is float8_e4m3fn ("exact" mode): each page lands as fp8 bytes in
         # the upper half of its bf16 (fp16) buffer halves and the warpgroup that computes its
         # Q K^T expands it in place (_expand_half); the MMAs are the 16-bit kernel's. The
-        # scales fold into the softmax scale and the epilogue (see __call__).
+        # scales fold into the softmax scale and the epilogue (see _prepare).
         self.kv_fp8 = bool(kv_fp8)
 
-    can_implement = staticmethod(splitkv.supports)
+    # ------------------------------------------------------------------------------------------
+    # host side: layouts, TMA descriptors (DecodeKernel.__call__ launches)
+    # ------------------------------------------------------------------------------------------
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        """The TMA atoms and views (_setup), then what the kernel takes after the scale: the
+        trace table, fp8 (kv_scale, q_scale, q_scaled: None unless kv_fp8) and the layouts and
+        tiled MMAs.
 
-    # ------------------------------------------------------------------------------------------
-    # host side: layouts, TMA descriptors, launch
-    # ------------------------------------------------------------------------------------------
-    @cute.jit
-    def __call__(
-        self,
-        mQ: cute.Tensor,  # (b, rows, 576)
-        mKV: cute.Tensor,  # (num_blocks, 64, 576), rows 16-byte aligned, any page/row stride
-        mBlockTable: cute.Tensor,  # (b, max_blocks) int32
-        mSeqlens: cute.Tensor,  # (b,) int32
-        mMeta: cute.Tensor,  # (num_parts, 8) int32
-        mNumSplits: cute.Tensor,  # (b + 1,) int32
-        mO: cute.Tensor,  # (b, rows, 512)
-        mLSE: cute.Tensor,  # (b, h_q, s_q) fp32
-        mOacc: cute.Tensor,  # (slots, rows, 512) fp32
-        mLSEacc: cute.Tensor,  # (slots, rows) fp32, log2 domain
-        scale_log2: Float32,
-        stream,
-        mKVScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, the cache's dequantization scale
-        mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, q's scale (read if q_scaled != 0)
-        q_scaled=None,  # kv_fp8: Int32, 1 when q was e4m3 (converted to dtype by the host)
-    ):
-        """kv_fp8 builds: the scores use scale_log2 * kv_scale (* q_scale), and O and the
-        partials Oacc are multiplied by kv_scale in the epilogue (the combine is unchanged):
-        e4m3 values are exact in bf16/fp16, so the dequantization itself is a conversion."""
+        kv_fp8 builds: the scores use scale_log2 * kv_scale (* q_scale), and O and the partials
+        Oacc are multiplied by kv_scale in the epilogue (the combine is unchanged): e4m3 values
+        are exact in bf16/fp16, so the dequantization itself is a conversion."""
         tma, layouts = self._setup(mQ, mKV)
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
-        # A CTA per 64 query rows and schedule part, one a SM.
-        num_m_blocks = (mO.shape[1] + BLOCK_M - 1) // BLOCK_M
-        self.kernel(
-            *tma, mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc,
-            scale_log2, self.trace_table, mKVScale, mQScale, q_scaled, *layouts,
-        ).launch(
-            grid=[num_m_blocks, mMeta.shape[0], 1],
-            block=[self.num_threads, 1, 1],
-            stream=stream,
-            min_blocks_per_mp=1,
-        )
+        return tma, (self.trace_table, *fp8, *layouts)
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
         """The TMA atoms and views (Q, cache), the shared-memory layouts and tiled MMAs the
@@ -322,9 +291,9 @@ class MLADecodeSm90:
                                                          (PAGE_SIZE, 64))
 
         self.shared_storage = shared_storage(
-            sQ=_aligned(dt, BLOCK_M * D_QK),
-            sK=_aligned(dt, 2 * PAGE_SIZE * D_QK),
-            sP0=_aligned(dt, BLOCK_M * PAGE_SIZE),
+            sQ=aligned(dt, BLOCK_M * D_QK),
+            sK=aligned(dt, 2 * PAGE_SIZE * D_QK),
+            sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
         )
         return (tma_q, tma_mQ, tma_k, tma_mKV), (
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
@@ -340,14 +309,7 @@ class MLADecodeSm90:
         tma_mQ: cute.Tensor,
         tma_k: cute.CopyAtom,
         tma_mKV: cute.Tensor,
-        mBlockTable: cute.Tensor,
-        mSeqlens: cute.Tensor,
-        mMeta: cute.Tensor,
-        mNumSplits: cute.Tensor,
-        mO: cute.Tensor,
-        mLSE: cute.Tensor,
-        mOacc: cute.Tensor,
-        mLSEacc: cute.Tensor,
+        tensors: SplitKVTensors,
         scale_log2: Float32,
         mTrace,
         mKVScale,
@@ -362,6 +324,7 @@ class MLADecodeSm90:
         tiled_pv_rs: cute.TiledMma,
         tiled_pv_ss: cute.TiledMma,
     ):
+        mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
         wg = cute.arch.make_warp_uniform(tidx // 128)
@@ -450,7 +413,7 @@ class MLADecodeSm90:
             )
         q_scale = Float32(1.0)
         if const_expr(self.kv_fp8):
-            # Folded scales (see __call__): read once, no host synchronisation.
+            # Folded scales (see _prepare): read once, no host synchronisation.
             kv_scale = mKVScale[0]
             if q_scaled != 0:
                 q_scale = mQScale[0]
@@ -1347,12 +1310,12 @@ class MLADecodeSm90Fast(MLADecodeSm90):
 
         u8 = cutlass.Uint8
         self.shared_storage = shared_storage(
-            sQ=_aligned(u8, BLOCK_M * D_QK),
+            sQ=aligned(u8, BLOCK_M * D_QK),
             # sK then sVt, adjacent: the epilogue stages fp32 O (132 KB) across both.
-            sK=_aligned(u8, 2 * PAGE_SIZE * D_QK),
-            sVt=_aligned(u8, 2 * D_V * PAGE_SIZE),
-            sP0=_aligned(u8, BLOCK_M * PAGE_SIZE),
-            sP1=_aligned(u8, BLOCK_M * PAGE_SIZE),
+            sK=aligned(u8, 2 * PAGE_SIZE * D_QK),
+            sVt=aligned(u8, 2 * D_V * PAGE_SIZE),
+            sP0=aligned(u8, BLOCK_M * PAGE_SIZE),
+            sP1=aligned(u8, BLOCK_M * PAGE_SIZE),
             sQScale=cute.struct.MemRange[Float32, BLOCK_M],
         )
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
@@ -1373,10 +1336,3 @@ def decode_kernel(config, arch: str):
     if config.compute == "fp8":
         return MLADecodeSm90Fast(dtype, config.causal, q_fp8=config.q_fp8)
     return MLADecodeSm90(dtype, config.causal, kv_fp8=config.kv_fp8)
-
-
-def compile_decode(config, arch: str):
-    """The decode kernel alone (DecodeConfig), compiled for arch."""
-    from ..contract import compile_decode_kernel, dsl_dtype
-
-    return compile_decode_kernel(decode_kernel(config, arch), dsl_dtype(config.dtype), arch)

@@ -140,9 +140,7 @@ class DecodeConfig(DecodeStepConfig):
             raise ValueError("the decode kernel alone is built for 16-bit caches; a "
                              "float8_e4m3fn cache's runs in its step (DecodeStepConfig)")
 
-    @property
-    def entry(self) -> str:
-        return f"{self.backend}_decode:compile_decode"
+    entry: ClassVar[str] = "decode_base:compile_decode"
 
 
 @dataclasses.dataclass(frozen=True)
