@@ -174,12 +174,9 @@ class IndexerLogitsSm90:
     @cute.kernel
     def kernel(
         self,
-        tma_q: cute.CopyAtom,
-        tma_mQ: cute.Tensor,
-        tma_k: cute.CopyAtom,
-        tma_mK: cute.Tensor,
-        tma_s,
-        tma_mS,
+        tma_q: cute.CopyAtom, tma_mQ: cute.Tensor,  # (TMA atom, its coordinate tensor) pairs
+        tma_k: cute.CopyAtom, tma_mK: cute.Tensor,
+        tma_s, tma_mS,  # e4m3: the scales (None for bf16)
         mW: cute.Tensor,
         mBlockTable: cute.Tensor,
         mSeqlens: cute.Tensor,
