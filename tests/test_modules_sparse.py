@@ -271,3 +271,120 @@ class TestSparseRefusals(expecttest.TestCase):
             ours(torch.randint(2, VOCAB, (1, 1)), **generate_kwargs(ours, cache))
         self.assertExpectedInline(str(e.exception), """layer 0 has an indexer but its MLACache holds no index keys: build the cache from this model's config (MLACache.for_model)""")
 
+
+
+# ---- torch.compile and CUDA graphs -----------------------------------------------------------------
+
+def compile_models(dtype=torch.float32, device="cpu", **overrides):
+    """(transformers', swapped) DeepSeek-V3.2 models with dense MLPs only (transformers' MoE loop
+    has data-dependent shapes: not fullgraph-able)."""
+    hf = family_model("deepseek_v32", first_k_dense_replace=2, **overrides)
+    hf = hf.to(device=device, dtype=dtype)
+    return hf, swapped(hf)
+
+
+def test_compiled_decode_step_is_one_graph_and_matches_eager():
+    from test_modules_compile import decode_step, prefilled
+    from torch._inductor.compile_fx import compile_fx
+
+    torch._dynamo.reset()
+    hf, ours = compile_models()
+    b, s = 3, 20
+    ids, mask = left_padded_prompts(b, s, pads=(0, 3, 9))
+    eager_cache, compiled_cache = (prefilled(ours, ids, mask, 64) for _ in range(2))
+    graphs = []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return compile_fx(gm, example_inputs)
+
+    compiled = torch.compile(decode_step, backend=backend, fullgraph=True)  # no graph breaks
+    with torch.no_grad():
+        hf_cache = returned_cache(hf(ids, attention_mask=mask, use_cache=True))
+        for n_new in (1, 1, 1, 2):  # new lengths every step; s_q 2 is a second graph
+            new = torch.randint(2, VOCAB, (b, n_new))
+            pos = eager_cache.position_ids(b, n_new)
+            mask = torch.cat([mask, torch.ones(b, n_new, dtype=torch.long)], 1)
+            ref = hf(new, attention_mask=mask, position_ids=pos, use_cache=True,
+                     **generate_kwargs(hf, hf_cache)).logits
+            eager = decode_step(ours, eager_cache, new)
+            out = compiled(ours, compiled_cache, new)
+            torch.testing.assert_close(out, eager, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(out, ref, atol=ATOL, rtol=0)
+    assert torch.equal(compiled_cache.cache_seqlens, eager_cache.cache_seqlens)
+    for a, c in zip(eager_cache.index_caches, compiled_cache.index_caches):
+        # (the same keys up to inductor's fusions of the projection and the LayerNorm)
+        torch.testing.assert_close(a, c, atol=1e-5, rtol=1e-5)
+    assert len(graphs) == 2, f"{len(graphs)} graphs"
+    ops = [str(n.target) for n in graphs[0].graph.nodes
+           if n.op == "call_function" and "torch_mla" in str(n.target)]
+    # The sparse schedule once per step, shared by the layers; per layer the latent append (the
+    # index keys' is plain torch ops), the indexer, the sparse decode between the absorbed
+    # projections.
+    assert ops == ["torch_mla.get_decode_schedule"] + [
+        "torch_mla.append_kv", "torch_mla.indexer_topk", "torch_mla._head_matmul",
+        "torch_mla.mla_decode_sparse", "torch_mla._head_matmul"] * 2
+
+
+@pytest.mark.cuda
+def test_gpu_compiled_generate_with_cuda_graphs_gives_transformers_tokens_in_fp32():
+    # The issue's H200 check: a tiny V3.2 model, generate compiling the decode step with CUDA
+    # graphs (mode="reduce-overhead"), fp32 (every op's reference path: the indexer, the sparse
+    # decode), the tokens transformers gives.
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    hf, ours = compile_models(device="cuda")
+    ids, mask = left_padded_prompts(3, 30, pads=(0, 5, 17))
+    ids, mask = ids.cuda(), mask.cuda()
+    cache = MLACache.for_model(ours, 3, 30 + 24)
+    gen = dict(attention_mask=mask, max_new_tokens=24, do_sample=False, output_logits=True,
+               return_dict_in_generate=True)
+    with torch.no_grad():
+        ref = hf.generate(ids, **gen)
+        out = ours.generate(ids, **gen, **generate_kwargs(ours, cache))  # compiles itself
+    assert counters["stats"]["unique_graphs"] >= 1, "generate did not compile"
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert torch.equal(out.sequences, ref.sequences)
+    torch.testing.assert_close(torch.stack(out.logits, 1), torch.stack(ref.logits, 1),
+                               atol=ATOL, rtol=0)
+
+
+@pytest.mark.cuda
+def test_gpu_reduce_overhead_decode_step_on_the_sparse_kernel():
+    # bf16 with DeepSeek's latent (512 + 64): the sparse decode runs the portable sparse kernel
+    # inside CUDA graphs, the indexer its logits kernel where there is one (else the reference),
+    # both held to an fp32 copy of the model.
+    from test_modules_compile import decode_step, prefilled
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    hf, ours = compile_models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
+                              num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512,
+                              qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
+                              index_head_dim=128, index_topk=64)
+    b, s = 4, 150
+    ids, mask = left_padded_prompts(b, s, pads=(0, 37, 90, 3))
+    ids, mask = ids.cuda(), mask.cuda()
+    eager_cache, compiled_cache = (prefilled(ours, ids, mask, 256) for _ in range(2))
+    compiled = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
+    with torch.no_grad():
+        hf32 = copy.deepcopy(hf).float()
+        hf_cache = returned_cache(hf32(ids, attention_mask=mask, use_cache=True))
+        for _ in range(6):  # warm-up, recording, then replays
+            new = torch.randint(2, VOCAB, (b, 1), device="cuda")
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+            pos = eager_cache.position_ids(b, 1)
+            ref = hf32(new, attention_mask=mask, position_ids=pos, use_cache=True,
+                       **generate_kwargs(hf32, hf_cache)).logits
+            eager = decode_step(ours, eager_cache, new)
+            out = compiled(ours, compiled_cache, new).clone()
+            scale = ref.abs().max().item()
+            # bf16 through 2 layers, and a bf16 indexer whose selection may differ from fp32's at
+            # near-ties: the dense model's bound (tests/test_modules_compile.py).
+            torch.testing.assert_close(out.float(), eager.float(), atol=5e-2 * scale, rtol=0)
+            torch.testing.assert_close(out.float(), ref, atol=1e-1 * scale, rtol=0)
+    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
+    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
