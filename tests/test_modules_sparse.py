@@ -388,3 +388,37 @@ def test_gpu_reduce_overhead_decode_step_on_the_sparse_kernel():
             torch.testing.assert_close(out.float(), ref, atol=1e-1 * scale, rtol=0)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+
+
+def test_e2e_benchmark_v32_runs_on_cpu_and_agrees_with_transformers(capsys):
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
+    spec = importlib.util.spec_from_file_location("bench_e2e", path)
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    torch._dynamo.reset()
+    # A context of 130 against an index_topk of 32: the sparse step (one compile).
+    bench.main(["--model", "v32", "--tiny", "--device", "cpu", "--layers", "2", "--batches",
+                "2", "--context", "130", "--steps", "2", "--systems", "hf,torch_mla"])
+    out = capsys.readouterr().out
+    rows = [line.split(" | ") for line in out.splitlines() if line.startswith("| 2 |")]
+    assert [r[1] for r in rows] == ["transformers as shipped (eager, DynamicCache)",
+                                    "torch_mla, compiled (CPU: no CUDA graphs)"]
+    hf, mla = rows
+    assert float(mla[9]) < 1e-5  # first-step logits vs transformers, same cache contents
+    assert mla[10].strip(" |") == "1 graph"
+    # Bytes per token, 2 layers in fp32: the latent (32 + 16) and the index key (32), both.
+    assert hf[5] == mla[5] == f"{2 * (32 + 16 + 32) * 4:,}"
+    assert "indexer 4 heads x 32, index_topk 32" in out
+    # The floor: per layer the indexer reads every index key (and its logits once each way),
+    # the attention only the 32 selected rows; 130 tokens cost the indexer's bytes for 130 -
+    # 70 more tokens than 70 do, and the attention nothing more (memory-bound at this size).
+    config = bench.deepseek_v32_config(**bench.TINY_INDEXER, **bench.TINY, layers=2)
+    model = bench.build_model(config, torch.float32, "cpu")
+    more = bench.floor_ms(model, 2, 130, config) - bench.floor_ms(model, 2, 70, config)
+    assert more == pytest.approx(2 * 2 * 60 * (32 * 4 + 8) / 4246e9 * 1e3, rel=1e-9)
+    fp8 = bench.floor_ms(model, 2, 130, config, cache_el=1)
+    saved = 2 * 2 * (130 * (32 * 3 - 4) + 32 * 48 * 3) / 4246e9 * 1e3
+    assert bench.floor_ms(model, 2, 130, config) - fp8 == pytest.approx(saved, rel=1e-9)
