@@ -417,19 +417,11 @@ def test_gpu_equals_cpu(fmt):
 def test_gpu_cuda_graph_replays_new_queries_and_lengths():
     q, w, cache, scale, table, L = [None if t is None else t.cuda()
                                     for t in op_args("bf16", lens=(200, 100), s_q=1, heads=8)]
+    from torch_mla.testing import capture_graph
+
     static = [q.clone(), w.clone(), L.clone()]
-
-    def step():
-        return torch_mla.indexer_topk(static[0], static[1], cache, table, static[2], 32)
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        step()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = step()
+    g, out = capture_graph(lambda q, w, L: torch_mla.indexer_topk(q, w, cache, table, L, 32),
+                           static)
     for lens in ((150, 128), (1, 64), (128, 2)):
         static[0].copy_(torch.randn(q.shape, device="cuda").bfloat16())
         static[1].copy_(torch.randn(w.shape, device="cuda"))

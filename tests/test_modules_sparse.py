@@ -284,8 +284,7 @@ def compile_models(dtype=torch.float32, device="cpu", **overrides):
 
 
 def test_compiled_decode_step_is_one_graph_and_matches_eager():
-    from test_modules_compile import decode_step, prefilled
-    from torch._inductor.compile_fx import compile_fx
+    from test_modules_compile import decode_step, prefilled, recording_inductor
 
     torch._dynamo.reset()
     hf, ours = compile_models()
@@ -293,12 +292,8 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
     ids, mask = left_padded_prompts(b, s, pads=(0, 3, 9))
     eager_cache, compiled_cache = (prefilled(ours, ids, mask, 64) for _ in range(2))
     graphs = []
-
-    def backend(gm, example_inputs):
-        graphs.append(gm)
-        return compile_fx(gm, example_inputs)
-
-    compiled = torch.compile(decode_step, backend=backend, fullgraph=True)  # no graph breaks
+    compiled = torch.compile(decode_step, backend=recording_inductor(graphs),
+                             fullgraph=True)  # no graph breaks
     with torch.no_grad():
         hf_cache = returned_cache(hf(ids, attention_mask=mask, use_cache=True))
         for n_new in (1, 1, 1, 2):  # new lengths every step; s_q 2 is a second graph
@@ -355,49 +350,23 @@ def test_gpu_compiled_generate_with_cuda_graphs_gives_transformers_tokens_in_fp3
 def test_gpu_reduce_overhead_decode_step_on_the_sparse_kernel():
     # bf16 with DeepSeek's latent (512 + 64): the sparse decode runs the portable sparse kernel
     # inside CUDA graphs, the indexer its logits kernel where there is one (else the reference),
-    # both held to an fp32 copy of the model.
-    from test_modules_compile import decode_step, prefilled
-    from torch._dynamo.utils import counters
+    # both held to an fp32 copy of the model: the dense model's check (test_modules_compile.py),
+    # its bound against fp32 doubled for a bf16 indexer whose selection may part from fp32's at
+    # near-ties.
+    from test_modules_compile import check_reduce_overhead_steps
 
-    torch._dynamo.reset()
-    counters.clear()
     hf, ours = compile_models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
                               num_key_value_heads=16, q_lora_rank=128, kv_lora_rank=512,
                               qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                               index_head_dim=128, index_topk=64)
-    b, s = 4, 150
-    ids, mask = left_padded_prompts(b, s, pads=(0, 37, 90, 3))
-    ids, mask = ids.cuda(), mask.cuda()
-    eager_cache, compiled_cache = (prefilled(ours, ids, mask, 256) for _ in range(2))
-    compiled = torch.compile(decode_step, mode="reduce-overhead", fullgraph=True)
-    with torch.no_grad():
-        hf32 = copy.deepcopy(hf).float()
-        hf_cache = returned_cache(hf32(ids, attention_mask=mask, use_cache=True))
-        for _ in range(6):  # warm-up, recording, then replays
-            new = torch.randint(2, VOCAB, (b, 1), device="cuda")
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
-            pos = eager_cache.position_ids(b, 1)
-            ref = hf32(new, attention_mask=mask, position_ids=pos, use_cache=True,
-                       **generate_kwargs(hf32, hf_cache)).logits
-            eager = decode_step(ours, eager_cache, new)
-            out = compiled(ours, compiled_cache, new).clone()
-            scale = ref.abs().max().item()
-            # bf16 through 2 layers, and a bf16 indexer whose selection may differ from fp32's at
-            # near-ties: the dense model's bound (tests/test_modules_compile.py).
-            torch.testing.assert_close(out.float(), eager.float(), atol=5e-2 * scale, rtol=0)
-            torch.testing.assert_close(out.float(), ref, atol=1e-1 * scale, rtol=0)
-    assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
-    assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
+    ids, mask = left_padded_prompts(4, 150, pads=(0, 37, 90, 3))
+    check_reduce_overhead_steps(hf, ours, ids.cuda(), mask.cuda(), 256, ref_tol=1e-1)
 
 
 def test_e2e_benchmark_v32_runs_on_cpu_and_agrees_with_transformers(capsys):
-    import importlib.util
-    from pathlib import Path
+    from test_modules_compile import load_bench_e2e
 
-    path = Path(__file__).resolve().parents[1] / "benchmarks" / "bench_e2e.py"
-    spec = importlib.util.spec_from_file_location("bench_e2e", path)
-    bench = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(bench)
+    bench = load_bench_e2e()
     torch._dynamo.reset()
     # A context of 130 against an index_topk of 32: the sparse step (one compile).
     bench.main(["--model", "v32", "--tiny", "--device", "cpu", "--layers", "2", "--batches",
