@@ -732,7 +732,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
     def __repr__(self) -> str:
         where = "" if len(self._devices) == 1 else \
             f"devices={[str(d) for d in self._devices]}, "
+        index = "" if self.index_caches is None else \
+            f"index_keys={self.index_head_dim} ({self.index_dtype}), topk={self.index_topk}, "
         return (f"MLACache(layers={self.num_layers}, {where}max_batch_size={self._max_batch}, "
                 f"max_cache_len={self._max_len}, latent={self.kv_lora_rank}+"
-                f"{self.qk_rope_head_dim}, dtype={self.dtype}, "
+                f"{self.qk_rope_head_dim}, dtype={self.dtype}, {index}"
                 f"{self.kv_bytes_per_token} bytes/token)")

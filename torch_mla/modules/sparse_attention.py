@@ -241,6 +241,8 @@ class SparseMultiheadLatentAttention(MultiheadLatentAttention):
                 raise ValueError(f"layer {self.layer_idx} reuses the previous layer's top-k "
                                  "selection (no indexer of its own): pass prev_topk_indices")
             q_idx = k_idx = w_idx = None
+            # (the layer before may sit on another device of a device_map split)
+            prev_topk_indices = prev_topk_indices.to(x.kv_c.device)
         else:
             q_idx, k_idx, w_idx = self.indexer.project(x.hidden_states, x.q_resid, *self._angles(x))
         if isinstance(cache, MLACache):
