@@ -35,8 +35,6 @@ latent cache has the same pages, so a slot names the same token in each).
 
 from __future__ import annotations
 
-import functools
-import math
 from typing import Any
 
 import torch
@@ -53,14 +51,16 @@ from .rope import apply_rope, half_angles
 FP8 = torch.float8_e4m3fn
 
 
-@functools.lru_cache(maxsize=None)
-def hadamard(n: int, device: torch.device) -> torch.Tensor:
-    """float32 [n, n]: the Sylvester Hadamard matrix over sqrt(n) (orthonormal, symmetric), n a
-    power of two: ``x @ hadamard(n)`` is DeepSeek's ``rotate_activation``."""
-    h = torch.ones(1, 1)
+def hadamard_signs(n: int, device: torch.device | str | None = None) -> torch.Tensor | None:
+    """float32 [n, n] of +-1: Sylvester's Hadamard matrix (symmetric, H H = n I), n a power of two;
+    None otherwise. ``x @ H / sqrt(n)`` is DeepSeek's ``rotate_activation``. Its entries are exact
+    in every float dtype (a model cast to bf16 casts the buffer holding it without changing it)."""
+    if n < 1 or n & (n - 1):
+        return None
+    h = torch.ones(1, 1, device=device)
     while h.shape[0] < n:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
-    return (h / math.sqrt(n)).to(device)
+    return h
 
 
 class LightningIndexer(nn.Module):
@@ -77,20 +77,23 @@ class LightningIndexer(nn.Module):
 
     def __init__(self, config: Any, rope_interleave: bool = False):
         super().__init__()
-        self._setup(config, rope_interleave)
+        self._setup(config, rope_interleave, None)
         D, H = self.head_dim, self.n_heads
         self.wq_b = nn.Linear(config.q_lora_rank, H * D, bias=False)
         self.wk = nn.Linear(config.hidden_size, D, bias=False)
         self.k_norm = nn.LayerNorm(D, eps=1e-6)
         self.weights_proj = nn.Linear(config.hidden_size, H, bias=False)
 
-    def _setup(self, config: Any, rope_interleave: bool) -> None:
+    def _setup(self, config: Any, rope_interleave: bool, device) -> None:
         self.n_heads = config.index_n_heads
         self.head_dim = config.index_head_dim
         self.rope_dim = config.qk_rope_head_dim
         self.index_topk = config.index_topk
         self.softmax_scale = self.head_dim ** -0.5
         self.rope_interleave = rope_interleave
+        # The FP8 index cache's rotation: a buffer (it follows the model's .to(device)), not in
+        # the state dict.
+        self.register_buffer("hadamard", hadamard_signs(self.head_dim, device), persistent=False)
 
     @classmethod
     def from_hf(cls, indexer: nn.Module, rope_interleave: bool) -> LightningIndexer:
@@ -98,7 +101,7 @@ class LightningIndexer(nn.Module):
         projections and norm."""
         self = cls.__new__(cls)
         nn.Module.__init__(self)
-        self._setup(indexer.config, rope_interleave)
+        self._setup(indexer.config, rope_interleave, indexer.wq_b.weight.device)
         for name in ("wq_b", "wk", "k_norm", "weights_proj"):
             setattr(self, name, getattr(indexer, name))
         self.train(indexer.training)
@@ -141,9 +144,9 @@ class LightningIndexer(nn.Module):
     def rotate_for_fp8(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., D] in float32, rotated by the Hadamard transform where D is a power of two
         (as DeepSeek does before quantizing to e4m3), else as it is."""
-        if self.head_dim & (self.head_dim - 1):
+        if self.hadamard is None:
             return x.float()
-        return x.float() @ hadamard(self.head_dim, x.device)
+        return (x.float() @ self.hadamard.float()) * self.head_dim ** -0.5
 
     def cache_keys(self, k: torch.Tensor, step_index_dtype: torch.dtype) -> torch.Tensor:
         """What goes into an index cache of this dtype: the keys, rotated for an FP8 one."""
