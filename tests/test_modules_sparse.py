@@ -321,6 +321,28 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
         "torch_mla.mla_decode_sparse", "torch_mla._head_matmul"] * 2
 
 
+def test_fp8_index_cache_decode_step_compiles_as_one_graph():
+    # The FP8 path adds the Hadamard rotation and the per-row quantization of queries and keys
+    # (frexp) to the traced step. (aot_eager: dynamo's graph and functionalization, without
+    # inductor's compile time)
+    from test_modules_compile import decode_step
+
+    torch._dynamo.reset()
+    hf, ours = compile_models()
+    ids, mask = left_padded_prompts(2, 20, pads=(0, 3))
+    eager = MLACache.for_model(ours, 2, 64, index_dtype=torch.float8_e4m3fn)
+    with torch.no_grad():
+        ours(ids, attention_mask=mask, use_cache=True, **generate_kwargs(ours, eager))
+        compiled_cache = copy.deepcopy(eager)
+        compiled = torch.compile(decode_step, backend="aot_eager", fullgraph=True)
+        for _ in range(2):
+            new = torch.randint(2, VOCAB, (2, 1))
+            torch.testing.assert_close(compiled(ours, compiled_cache, new),
+                                       decode_step(ours, eager, new), atol=1e-5, rtol=1e-5)
+    for a, b in zip(eager.index_scales, compiled_cache.index_scales):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.cuda
 def test_gpu_compiled_generate_with_cuda_graphs_gives_transformers_tokens_in_fp32():
     # The H200 check: a tiny V3.2 model, generate compiling the decode step with CUDA
