@@ -78,7 +78,7 @@ def indexer_logits_reference(
     block_table: torch.Tensor,
     cache_seqlens: torch.Tensor,
     index_scale: torch.Tensor | None = None,
-    pages_per_chunk: int = 32,
+    pages_per_chunk: int | None = None,
 ) -> torch.Tensor:
     """Reference indexer logits; arguments as in :func:`torch_mla.indexer_logits` (validated).
 
@@ -89,12 +89,17 @@ def indexer_logits_reference(
 
     Returns float32 [b, s_q, max_blocks * page]: ``sum_h w[h] * relu(q[h] . k_j)`` for
     ``j < cache_seqlens[b] - s_q + t + 1``, -inf elsewhere. Walks every column of the block
-    table (no host sync: CUDA-graph capturable), ``pages_per_chunk`` pages at a time, so memory
-    is one chunk's [b, s_q, H, keys] products.
+    table (no host sync: CUDA-graph capturable), ``pages_per_chunk`` pages at a time (default:
+    as many as keep a chunk's float32 keys and [b, s_q, H, keys] products within 2^25 values
+    each, 128 MiB: at DeepSeek-V3.2's 64 heads x 128 a whole 131072-token context at batch 1,
+    128 pages at batch 32; a GPU without the logits kernel then runs a few dozen kernels a
+    layer, not thousands).
     """
     b, s_q, H, D = q.shape
     page = index_cache.shape[1]
     width = block_table.shape[1] if index_cache.shape[0] > 0 else 0
+    if pages_per_chunk is None:
+        pages_per_chunk = max(1, (1 << 25) // (max(b, 1) * page * max(s_q * H, D)))
     out = torch.full((b, s_q, block_table.shape[1] * page), -math.inf, dtype=torch.float32,
                      device=q.device)
     lens = cache_seqlens.to(torch.int64)
