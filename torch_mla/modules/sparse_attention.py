@@ -148,9 +148,10 @@ class LightningIndexer(nn.Module):
             return x.float()
         return (x.float() @ self.hadamard.float()) * self.head_dim ** -0.5
 
-    def cache_keys(self, k: torch.Tensor, step_index_dtype: torch.dtype) -> torch.Tensor:
-        """What goes into an index cache of this dtype: the keys, rotated for an FP8 one."""
-        return self.rotate_for_fp8(k) if step_index_dtype == FP8 else k
+    def cache_keys(self, k: torch.Tensor, cache_dtype: torch.dtype) -> torch.Tensor:
+        """What goes into an index cache of this dtype: the keys [b, s, D], rotated for an FP8
+        one (the cache quantizes them)."""
+        return self.rotate_for_fp8(k) if cache_dtype == FP8 else k
 
     def cached_topk(self, q: torch.Tensor, weights: torch.Tensor, step: LatentStep
                     ) -> torch.Tensor:
