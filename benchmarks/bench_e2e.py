@@ -8,6 +8,9 @@
                                                              # tensor parallel over 2 GPUs
     python benchmarks/bench_e2e.py --systems torch_mla --profile --timeline out/
                                                              # where each step's time goes
+    python benchmarks/bench_e2e.py --model v32 --out docs/e2e-v32-h200.md
+                                                             # DeepSeek-V3.2: the indexer and
+                                                             # sparse decode, contexts 4k-128k
 
 Tensor parallel (``--tp N``, under ``torchrun --nproc-per-node N``, one GPU per rank): the same
 model, sharded with transformers' tensor parallelism (its plan for the MLPs, torch_mla's
@@ -21,6 +24,15 @@ Model: transformers' DeepseekV3ForCausalLM with DeepSeek-V3's attention shape (h
 heads, q_lora_rank 1536, kv_lora_rank 512, rope 64, nope 128, v 128, YaRN), 4 layers with dense
 MLPs (intermediate 18432), vocab 129280, random bf16 weights. Each request's cache is filled with
 ``--context`` (4096) random latents, the same values for every system, without a prefill.
+
+``--model v32``: DeepSeek-V3.2's shape instead (transformers' DeepseekV32ForCausalLM: the same
+attention plus its lightning indexer, 64 heads x 128, index_topk 2048), at contexts 4096, 32768
+and 131072 (``--context`` takes a list), batches 1 and 32. Each request's cache also holds a
+random index key per token (in the fp8 systems rotated and quantized as the module stores them).
+torch_mla's step runs the indexer (torch_mla.indexer_topk: the logits over every cached index key,
+then the top-k) and the sparse decode over the 2048 selected tokens; transformers scores every
+cached token with its indexer in plain torch, masks all but the top 2048 and attends over the
+whole expanded cache.
 
 Systems, each timed over ``--steps`` decode steps of one token per request after 3 warm-up steps
 (CUDA-synchronised wall clock; the context grows by one token a step):
@@ -43,6 +55,13 @@ copy ceiling and its FLOP over the 679 TFLOP/s bf16 matmul ceiling, summed over 
 layer (weights + activations), the embedding rows and the absorbed attention over the latent
 cache (b * context * (kv_lora_rank + rope) values a layer, 2 bytes each in bf16, 1 in the fp8
 cache); % of floor = floor / step time.
+DeepSeek-V3.2 (``--model v32``): per layer, instead of the dense attention, the indexer (its index
+keys read, b * context * index_head_dim values, 2 bytes each in bf16 or 1 + a 4-byte scale per
+token in fp8; 2 b context index_n_heads index_head_dim FLOP for the products and 2 b context
+index_n_heads for the weighted relu sum; the float32 logits written and read once by the top-k,
+8 b context bytes) and the sparse attention over min(context, topk) gathered latent rows (b k
+(kv_lora_rank + rope) values read; 2 b k heads (2 kv_lora_rank + rope) FLOP). Its projections
+(wq_b, wk, weights_proj) are linear layers, counted with the others.
 KV cache bytes per token: the cache object's bytes over the tokens it has room for (all layers).
 The first step's logits of each system are compared with transformers as shipped (same inputs,
 same cache contents): the relative error is printed.
@@ -60,7 +79,7 @@ import traceback
 
 import torch
 
-from torch_mla.demo import V3_SHAPE, build_model, deepseek_config
+from torch_mla.demo import V3_SHAPE, V32_INDEXER, build_model, deepseek_config, deepseek_v32_config
 
 COPY_GBPS = 4246.0
 MATMUL_TFLOPS = 679.0  # the H200's bf16 dense matmul ceiling (shared/anchors/README.md)
@@ -69,6 +88,9 @@ MATMUL_TFLOPS = 679.0  # the H200's bf16 dense matmul ceiling (shared/anchors/RE
 HF_REFERENCE_MS = {1: 5.86, 32: 75.7, 128: 302.0}
 TINY = dict(hidden=64, heads=4, q_lora_rank=32, kv_lora_rank=32, rope_dim=16, nope_dim=16,
             v_dim=16, intermediate=64, vocab=128)
+TINY_INDEXER = dict(index_n_heads=4, index_head_dim=32, index_topk=32)
+# --model v32's defaults: DeepSeek-V3.2's serving contexts, the batches whose caches fit.
+V32_DEFAULTS = dict(context="4096,32768,131072", batches="1,32")
 WARMUP = 3  # reduce-overhead: a warm-up run, the CUDA-graph recording, then replays
 
 
@@ -91,6 +113,19 @@ def random_latents(layer: int, b: int, ctx: int, d_latent: int, d_rope: int, dty
     return kv, pe
 
 
+def random_index_keys(layer: int, b: int, ctx: int, dim: int, dtype, device):
+    """The context's index keys of one layer, the same for every system: [b, ctx, dim] (randn:
+    the indexer's keys come out of a LayerNorm)."""
+    g = torch.Generator(device=device).manual_seed(2000 + layer)
+    return torch.randn(b, ctx, dim, generator=g, device=device).to(dtype)
+
+
+def index_dim(model) -> int | None:
+    """index_head_dim of a DeepSeek-V3.2 model, None for DeepSeek-V3."""
+    return getattr(model.config, "index_head_dim", None) if hasattr(
+        model.config, "index_topk") else None
+
+
 def forward_fn(model, cache):
     """One decode step: ids int64 [b, 1] -> logits [b, 1, vocab]; positions come from the cache."""
     from torch_mla.modules import generate_kwargs
@@ -110,6 +145,9 @@ def hf_dynamic_cache(model, b, ctx, dims, dtype, device):
     for layer in range(model.config.num_hidden_layers):
         kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
         cache.update(kv[:, None], pe[:, None], layer)
+        if index_dim(model):
+            cache.update_indexer(random_index_keys(layer, b, ctx, index_dim(model), dtype,
+                                                   device), layer)
     return cache
 
 
@@ -123,6 +161,11 @@ def hf_static_cache(model, b, ctx, max_len, dims, dtype, device):
         layer.keys[:, 0, :ctx] = kv
         layer.values[:, 0, :ctx] = pe
         layer.cumulative_length.fill_(ctx)
+        if index_dim(model):
+            keys = random_index_keys(layer_idx, b, ctx, index_dim(model), dtype, device)
+            layer.lazy_initialization_indexer(keys[:, :0])
+            layer.indexer_keys[:, :ctx] = keys
+            layer.indexer_cumulative_length.fill_(ctx)
     return cache
 
 
@@ -133,6 +176,7 @@ def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False,
     ``compute`` mode."""
     from torch_mla.modules import MLACache
     from torch_mla.reference import quantize_fp8
+    from torch_mla.reference_indexer import quantize_index_keys
 
     latents = [torch.cat(random_latents(layer, b, ctx, *dims, dtype, device), dim=-1)
                for layer in range(model.config.num_hidden_layers)]
@@ -145,18 +189,29 @@ def mla_cache(model, b, ctx, max_len, dims, dtype, device, fp8: bool = False,
     for layer, (kv_cache, x) in enumerate(zip(cache.kv_caches, latents)):
         rows = kv_cache.view(b, cache.max_blocks * 64, -1)  # default table: request r's pages
         rows[:, :ctx] = quantize_fp8(x, cache.kv_scales[layer]) if fp8 else x
+    for layer, index_cache in enumerate(cache.index_caches or ()):
+        if index_cache is None:
+            continue
+        keys = random_index_keys(layer, b, ctx, index_dim(model), dtype, device)
+        rows = index_cache.view(b, cache.max_blocks * 64, -1)
+        if fp8:  # as the module stores them: rotated, then e4m3 with a scale per token
+            attn = next(m for m in model.modules() if getattr(m, "indexer", None) is not None)
+            keys, scales = quantize_index_keys(attn.indexer.rotate_for_fp8(keys))
+            cache.index_scales[layer].view(b, -1)[:, :ctx] = scales
+        rows[:, :ctx] = keys
     cache.set_seqlens(torch.full((b,), ctx, dtype=torch.int32, device=device))
     return cache
 
 
 def cache_bytes_per_token(cache) -> float:
-    """The cache's bytes (all layers) over the token slots it holds (a static cache's full
-    length, a dynamic cache's current one)."""
+    """The cache's bytes (all layers; DeepSeek-V3.2's index keys included) over the token slots
+    it holds (a static cache's full length, a dynamic cache's current one)."""
     if hasattr(cache, "kv_bytes_per_token"):
         return cache.kv_bytes_per_token
     total, slots = 0, 0
     for layer in cache.layers:
-        total += sum(t.numel() * t.element_size() for t in (layer.keys, layer.values))
+        tensors = (layer.keys, layer.values, getattr(layer, "indexer_keys", None))
+        total += sum(t.numel() * t.element_size() for t in tensors if t is not None)
         slots = layer.keys.shape[0] * layer.keys.shape[-2]
     return total / slots
 
@@ -214,9 +269,10 @@ def free(device) -> None:
         torch.cuda.reset_peak_memory_stats(device)
 
 
-def run_system(system, model, b, args, dims, dtype, device):
-    """Times one system at batch b. Returns dict(ms, logits, kv_bpt, peak_gib, note)."""
-    ctx, max_len = args.context, args.context + 64
+def run_system(system, model, b, ctx, args, dims, dtype, device):
+    """Times one system at batch b and context ctx. Returns dict(ms, logits, kv_bpt, peak_gib,
+    note)."""
+    max_len = ctx + 64
     token_ids = [torch.randint(2, args.vocab, (b, 1), device=device,
                                generator=torch.Generator(device=device).manual_seed(i))
                  for i in range(WARMUP + args.steps)]
@@ -283,10 +339,31 @@ def floor_ms(model, b, ctx, config, tp: int = 1, cache_el: int | None = None) ->
             op(n_out * n_in * el + b * (n_in + n_out) * el, 2 * b * n_in * n_out)
     op(b * model.get_input_embeddings().weight.shape[1] * el, 0)
     latent = config.kv_lora_rank + config.qk_rope_head_dim
-    for _ in range(config.num_hidden_layers):
-        op(b * ctx * latent * (cache_el or el),
-           2 * b * ctx * config.num_attention_heads // tp * (latent + config.kv_lora_rank))
+    heads = config.num_attention_heads // tp
+    topk = getattr(config, "index_topk", None)
+    kinds = getattr(config, "indexer_types", None) or ["full"] * config.num_hidden_layers
+    for layer in range(config.num_hidden_layers):
+        if not topk:
+            op(b * ctx * latent * (cache_el or el), 2 * b * ctx * heads * (latent +
+                                                                           config.kv_lora_rank))
+            continue
+        if kinds[layer] != "shared":  # the indexer: its keys, the logits read by the top-k
+            H, D = config.index_n_heads, config.index_head_dim
+            key_bytes = D * el if cache_el is None else D * cache_el + 4
+            op(b * ctx * key_bytes + 8 * b * ctx, 2 * b * ctx * H * D + 2 * b * ctx * H)
+        k = min(ctx, topk)  # the sparse attention over the selected rows
+        op(b * k * latent * (cache_el or el), 2 * b * k * heads * (latent + config.kv_lora_rank))
     return total * 1e3
+
+
+def indexer_kernel_found(device, dtype) -> bool:
+    """Whether torch_mla.indexer_topk runs a logits kernel for a bf16/fp16 cache here."""
+    from torch_mla.ops.indexer import find_indexer_kernel
+
+    if device.type != "cuda":
+        return False
+    q = torch.empty(1, 1, 1, 128, dtype=dtype, device=device)
+    return find_indexer_kernel(q, q[0]) is not None
 
 
 NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
@@ -307,11 +384,19 @@ def main(argv=None) -> None:
     ap.add_argument("--dtype", choices=["bf16", "fp32"], default=None,
                     help="default: bf16 on a GPU, fp32 on a CPU")
     ap.add_argument("--tiny", action="store_true", help="tiny layer shape (a CPU check)")
+    ap.add_argument("--model", choices=["v3", "v32"], default="v3",
+                    help="v3: DeepSeek-V3's shape; v32: DeepSeek-V3.2's (its indexer, 64 heads x "
+                         "128, topk 2048; sparse decode) (default: %(default)s)")
     for k, v in V3_SHAPE.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=None, help=f"default {v}")
+    ap.add_argument("--index-topk", type=int, default=None,
+                    help=f"--model v32: default {V32_INDEXER['index_topk']}")
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--batches", default="1,32,128")
-    ap.add_argument("--context", type=int, default=4096)
+    ap.add_argument("--batches", default=None,
+                    help=f"default 1,32,128; {V32_DEFAULTS['batches']} with --model v32")
+    ap.add_argument("--context", default=None,
+                    help="cached tokens per request, or a comma-separated list (default 4096; "
+                         f"{V32_DEFAULTS['context']} with --model v32)")
     ap.add_argument("--steps", type=int, default=10, help="timed decode steps per system")
     ap.add_argument("--systems", default="hf,hf_static,torch_mla",
                     help="comma-separated, of hf, hf_static, torch_mla, torch_mla_fp8 (the fp8 "
@@ -344,7 +429,11 @@ def main(argv=None) -> None:
     device = torch.device(args.device)
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[
         args.dtype or ("bf16" if device.type == "cuda" else "fp32")]
-    batches = [int(x) for x in args.batches.split(",")]
+    v32 = args.model == "v32"
+    batches = [int(x) for x in (args.batches or (V32_DEFAULTS["batches"] if v32 else
+                                                 "1,32,128")).split(",")]
+    contexts = [int(x) for x in str(args.context or (V32_DEFAULTS["context"] if v32 else
+                                                      "4096")).split(",")]
     systems = args.systems.split(",")
     names = NAMES if device.type == "cuda" else CPU_NAMES
     if not set(systems) <= set(NAMES):
@@ -355,9 +444,13 @@ def main(argv=None) -> None:
     from torch_mla.modules import swap_mla_attention
 
     t_start = time.perf_counter()
-    config = deepseek_config(shape["hidden"], shape["heads"], shape["q_lora_rank"],
-                             shape["kv_lora_rank"], shape["rope_dim"], shape["nope_dim"],
-                             shape["v_dim"], shape["intermediate"], shape["vocab"], args.layers)
+    if v32:
+        index = dict(TINY_INDEXER if args.tiny else V32_INDEXER)
+        if args.index_topk:
+            index["index_topk"] = args.index_topk
+        config = deepseek_v32_config(**index, **shape, layers=args.layers)
+    else:
+        config = deepseek_config(**shape, layers=args.layers)
     config._attn_implementation = "sdpa"
     torch.manual_seed(0)
     model = build_model(config, dtype, device)
@@ -368,7 +461,7 @@ def main(argv=None) -> None:
     dims = (config.kv_lora_rank, config.qk_rope_head_dim)
     log(f"built the model: {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
 
-    results: dict[tuple[int, str], dict] = {}
+    results: dict[tuple[int, int, str], dict] = {}
     failed = False
     # torch_mla first (swapped, then the original attention put back), the riskiest last:
     # transformers' static cache expands the whole static length at every step.
@@ -378,25 +471,27 @@ def main(argv=None) -> None:
         originals = None
         if system.startswith("torch_mla"):
             originals = {n: m for n, m in model.named_modules()
-                         if type(m).__name__ == "DeepseekV3Attention"}
+                         if type(m).__name__ in ("DeepseekV3Attention", "DeepseekV32Attention")}
             swap_mla_attention(model)
-        for b in batches:
-            log(f"{names[system]}, batch {b} ...")
-            t0 = time.perf_counter()
-            try:
-                results[b, system] = run_system(system, model, b, args, dims, dtype, device)
-                log(f"  {results[b, system]['ms']:.2f} ms per step "
-                    f"({time.perf_counter() - t0:.0f} s with compile and warm-up)")
-            except Exception as e:  # report it and go on with the other systems
-                oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
-                note = "out of memory" if oom else f"failed: {type(e).__name__}"
-                failed |= system.startswith("torch_mla") or not oom
-                log(f"  {note}: {e}")
-                if not oom:
-                    traceback.print_exc()
-                results[b, system] = dict(ms=None, logits=None, kv_bpt=None, peak_gib=None,
-                                          note=note)
-            free(device)
+        for ctx in contexts:
+            for b in batches:
+                log(f"{names[system]}, batch {b}, context {ctx} ...")
+                t0 = time.perf_counter()
+                try:
+                    r = results[ctx, b, system] = run_system(system, model, b, ctx, args, dims,
+                                                              dtype, device)
+                    log(f"  {r['ms']:.2f} ms per step "
+                        f"({time.perf_counter() - t0:.0f} s with compile and warm-up)")
+                except Exception as e:  # report it and go on with the other systems
+                    oom = isinstance(e, torch.OutOfMemoryError) or "out of memory" in str(e)
+                    note = "out of memory" if oom else f"failed: {type(e).__name__}"
+                    failed |= system.startswith("torch_mla") or not oom
+                    log(f"  {note}: {e}")
+                    if not oom:
+                        traceback.print_exc()
+                    results[ctx, b, system] = dict(ms=None, logits=None, kv_bpt=None,
+                                                   peak_gib=None, note=note)
+                free(device)
         if originals:
             for n, m in originals.items():
                 parent, _, child = n.rpartition(".")
@@ -416,15 +511,21 @@ def main(argv=None) -> None:
         f" ({datetime.date.today()}; torch {torch.__version__}, transformers "
         f"{transformers.__version__}; {str(dtype).replace('torch.', '')}).",
         "",
-        f"Model: DeepseekV3ForCausalLM, {args.layers} layers with dense MLPs "
+        f"Model: {type(model).__name__}, {args.layers} layers with dense MLPs "
         f"(intermediate {shape['intermediate']}), hidden {shape['hidden']}, {shape['heads']} "
         f"heads, q_lora_rank {shape['q_lora_rank']}, kv_lora_rank {shape['kv_lora_rank']} + "
         f"rope {shape['rope_dim']}, nope {shape['nope_dim']}, v {shape['v_dim']}, vocab "
-        f"{shape['vocab']}, random weights. Context {args.context} cached tokens per request; "
+        f"{shape['vocab']}"
+        + (f", indexer {config.index_n_heads} heads x {config.index_head_dim}, index_topk "
+           f"{config.index_topk}" if v32 else "")
+        + f", random weights. Context {', '.join(map(str, contexts))} cached tokens per request; "
         f"one new token per request per step; mean of {args.steps} steps after {WARMUP} "
         "warm-up steps. Floor: per op the larger of bytes / 4246 GB/s and FLOP / 679 TFLOP/s, "
         "summed (every linear layer, the embedding rows, the absorbed attention over the latent "
         "cache; benchmarks/bench_e2e.py floor_ms)."
+        + (" DeepSeek-V3.2's floor counts, per layer, the indexer (its index keys read, its "
+           "products, its float32 logits written and read once) and the attention over the "
+           "min(context, index_topk) selected latent rows." if v32 else "")
         + (" The fp8 latent cache's floor reads 1 byte a cached value; its kv_scale per layer is "
            "amax / 448 of the cached latents, and its logits differ from transformers' by the "
            "e4m3 storage error." if any(s.startswith("torch_mla_fp8") for s in systems)
@@ -434,6 +535,10 @@ def main(argv=None) -> None:
         "| floor (ms) | % of floor | peak memory (GiB) | logits rel. err | note |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    by_context = len(contexts) > 1  # a context column
+    if by_context:
+        lines[-2] = lines[-2].replace("| batch |", "| batch | context |")
+        lines[-1] += "---|"
     if tp > 1:
         one = " ".join(a for a in (argv if argv is not None else sys.argv[1:]))
         one = " ".join(one.replace(f"--tp {tp}", "").replace(f"--tp={tp}", "").split())
@@ -448,30 +553,32 @@ def main(argv=None) -> None:
         ]
         lines[-2] = lines[-2].replace("| tokens/s |", "| tokens/s | per GPU |")
         lines[-1] += "---|"
-    for b in batches:
-        ref = results.get((b, "hf"), {}).get("logits")
-        ref_ms = results.get((b, "hf"), {}).get("ms")
+    for ctx, b in ((ctx, b) for ctx in contexts for b in batches):
+        ref = results.get((ctx, b, "hf"), {}).get("logits")
+        ref_ms = results.get((ctx, b, "hf"), {}).get("ms")
+        head = f"| {b} | {ctx} |" if by_context else f"| {b} |"
         for system in systems:
-            fl = floor_ms(model, b, args.context, config, args.tp,
+            fl = floor_ms(model, b, ctx, config, args.tp,
                           cache_el=1 if system.startswith("torch_mla_fp8") else None)
-            r = results[b, system]
+            r = results[ctx, b, system]
             if r["ms"] is None:
                 dash = "- | " if tp > 1 else ""
-                lines.append(f"| {b} | {names[system]} | - | - | {dash}- | - | {fl:.3g} | - | - "
+                lines.append(f"{head} {names[system]} | - | - | {dash}- | - | {fl:.3g} | - | - "
                              f"| - | {r['note']} |")
                 continue
             err = "-"
             if ref is not None and system != "hf":
                 err = f"{((r['logits'] - ref).abs().max() / ref.abs().max()).item():.1e}"
             note = r["note"]
-            if system == "hf" and b in HF_REFERENCE_MS and args.context == 4096 and not args.tiny:
+            if (system == "hf" and b in HF_REFERENCE_MS and ctx == 4096 and not args.tiny
+                    and not v32):
                 note = f"reference run: {HF_REFERENCE_MS[b]} ms"
             peak = f"{r['peak_gib']:.1f}" if r["peak_gib"] is not None else "-"
             ratio = f"{ref_ms / r['ms']:.2f}x" if ref_ms else "-"
             tps = f"{b / r['ms'] * 1e3:,.0f}" + (
                 f" | {b / r['ms'] * 1e3 / tp:,.0f}" if tp > 1 else "")
             lines.append(
-                f"| {b} | {names[system]} | {r['ms']:.2f} | {tps} | {ratio} | "
+                f"{head} {names[system]} | {r['ms']:.2f} | {tps} | {ratio} | "
                 f"{r['kv_bpt']:,.0f} | {fl:.3g} | {100 * fl / r['ms']:.3g}% | {peak} | {err} | "
                 f"{note} |")
     d = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
@@ -484,6 +591,14 @@ def main(argv=None) -> None:
         f"({config.num_attention_heads * d * el * args.layers:,} bytes per token over all "
         "layers), torch_mla attends to the latent directly (absorbed kv_b_proj).",
     ]
+    if v32:
+        lines[-1] += (f" Both also hold an index key per token ({config.index_head_dim} values). "
+                      "transformers' indexer scores every cached key in plain torch and masks the "
+                      "attention over all of them; torch_mla's runs torch_mla.indexer_topk over "
+                      "the paged index keys (logits kernel: "
+                      + ("yes" if indexer_kernel_found(device, dtype) else "none yet, the "
+                         "reference") + f"; top-k: torch.topk) and attends to the "
+                      f"{config.index_topk} selected rows with torch_mla.mla_decode_sparse.")
     table = "\n".join(lines)
     print(table)
     if args.out:

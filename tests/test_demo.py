@@ -59,12 +59,29 @@ def test_demo_fp32_reproduces_transformers_tokens_with_progress_lines_in_a_pipe(
 def test_demo_every_option_has_help(cuda):
     parser = demo.build_parser(cuda)
     options = [a for a in parser._actions if a.dest != "help"]
-    assert len(options) == 18
+    assert len(options) == 20
     missing = [a.option_strings[0] for a in options if not (a.help or "").strip()]
     assert missing == []
     hidden = next(a for a in options if a.dest == "hidden")
     assert hidden.help % {"default": hidden.default} == (
         f"model width (hidden_size) (default: {7168 if cuda else 256})")
+
+
+def test_demo_v32_reproduces_transformers_tokens_with_sparse_attention(capsys):
+    # DeepSeek-V3.2 on the CPU in fp32: prompts of 40 and an index_topk of 32, so that every
+    # decode step attends to 32 of its 40-50 tokens, through the indexer op and the sparse decode.
+    demo.main([*TINY, "--model", "v32", "--dtype", "fp32", "--prompt-len", "40"])
+    out = capsys.readouterr().out
+    assert ("model: DeepseekV32ForCausalLM, 2 layers, hidden 256, 8 heads, q_lora_rank 128, "
+            "kv_lora_rank 64 + rope 16, indexer 64 heads x 32 selecting 32 tokens") in out, out
+    assert ("its decode runs reference: cpu tensors: the kernels run on NVIDIA GPUs (the "
+            "lightning indexer and the sparse decode: plain PyTorch)") in out, out
+    assert "greedy tokens identical to transformers: 3/3 requests (all tokens)" in out, out
+    # Bytes per token, 2 layers in fp32: the latent (64 + 16) and an index key (32), both caches.
+    bpt = re.findall(r"^\| (transformers|torch_mla) \(eager[^|]*\) \| [0-9,]+ \| ([0-9,]+) \|",
+                     out, flags=re.M)
+    assert bpt == [("transformers", f"{2 * (64 + 16 + 32) * 4:,}"),
+                   ("torch_mla", f"{2 * (64 + 16 + 32) * 4:,}")], out
 
 
 def test_demo_compare_greedy_tells_near_ties_from_disagreements():

@@ -503,11 +503,11 @@ mistral4: layers.0.self_attn (Mistral4Attention) is not DeepSeek-V2/V3's attenti
 longcat_flash: layers.0.self_attn.0 (LongcatFlashMLA) is not DeepSeek-V2/V3's attention: it has attributes DeepSeek-V2/V3's attention does not have (mla_scale_kv_lora, mla_scale_q_lora), which may change its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
 kimi_linear: layers.0.self_attn (KimiLinearAttention) is not DeepSeek-V2/V3's attention: its forward takes no position_embeddings: it applies no RoPE from the model. MultiheadLatentAttention would compute something else, so nothing was swapped
 bailing_hybrid: layers.0.self_attn (BailingHybridAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (g_proj): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
-deepseek_v32: layers.0.self_attn (DeepseekV32Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
-glm_moe_dsa: layers.0.self_attn (GlmMoeDsaAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
-axk2: layers.0.self_attn (AXK2Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer, q_gate_proj): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
-hy_v4: layers.0.self_attn (HYV4Attention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (gate_proj, indexer): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
-mistral_large4: language_model.layers.0.self_attn (MistralLarge4TextAttention) is not DeepSeek-V2/V3's attention: it has submodules DeepSeek-V2/V3's attention does not have (indexer, softmax_scaling): they take part in its forward. MultiheadLatentAttention would compute something else, so nothing was swapped
+deepseek_v32: swapped 2
+glm_moe_dsa: swapped 2
+axk2: layers.0.self_attn (AXK2Attention) is not DeepSeek-V3.2's attention: it has submodules DeepSeek-V3.2's attention does not have (q_gate_proj): they take part in its forward. SparseMultiheadLatentAttention would compute something else, so nothing was swapped
+hy_v4: layers.0.self_attn (HYV4Attention) is not DeepSeek-V3.2's attention: it has submodules DeepSeek-V3.2's attention does not have (gate_proj): they take part in its forward. SparseMultiheadLatentAttention would compute something else, so nothing was swapped
+mistral_large4: language_model.layers.0.self_attn (MistralLarge4TextAttention) is not DeepSeek-V3.2's attention: it has submodules DeepSeek-V3.2's attention does not have (softmax_scaling): they take part in its forward. SparseMultiheadLatentAttention would compute something else, so nothing was swapped
 deepseek_v4: DeepseekV4Model has no MLA attention to swap (a module with kv_a_proj_with_mqa and kv_b_proj, as DeepSeek-V2/V3's)""")
 
 

@@ -2,6 +2,7 @@
 
     python -m torch_mla.demo                    # small on a CPU, DeepSeek-V3's layer shape on a GPU
     python -m torch_mla.demo --layers 2 --batch 8 --new-tokens 64 --hidden 1024 ...
+    python -m torch_mla.demo --model v32        # DeepSeek-V3.2: sparse attention, its indexer
 
 Steps: build a transformers DeepseekV3ForCausalLM from a config (dense MLPs, random weights),
 generate greedily with it as shipped (eager attention, DynamicCache), swap every attention for
@@ -19,6 +20,15 @@ often each one's top-1 token agrees with that run's and how far its logits are, 
 overall. On H100/H200 their decode runs the SM90 kernel: exact mode (fp8 pages expanded to 16 bits
 on chip, 16-bit MMAs over the dequantized cache) and fast mode (Q, quantized per row, and P in
 e4m3 on the fp8 tensor cores); elsewhere the reference, for both.
+
+``--model v32`` builds DeepSeek-V3.2 instead (transformers' DeepseekV32ForCausalLM: the same
+attention shape plus its lightning indexer, 64 heads of 128 on a GPU, each query token attending to
+the ``--index-topk`` cached tokens it scores highest). The swap puts in
+:class:`torch_mla.modules.SparseMultiheadLatentAttention`: decode selects each token's tokens with
+``torch_mla.indexer_topk`` over the cache's index keys and attends to them with
+``torch_mla.mla_decode_sparse``. Its GPU defaults (4 requests, 3072-token prompts, topk 2048) make
+every decode step sparse (about two thirds of the context) while transformers' own prefill, whose
+indexer holds [b, s, 64, s] float32 scores, still fits.
 
 Needs transformers (``pip install -e ".[hf]"``).
 """
@@ -39,6 +49,12 @@ V3_YARN = dict(rope_type="yarn", rope_theta=10000.0, factor=40.0,
                mscale_all_dim=1.0)
 CPU_SHAPE = dict(hidden=256, heads=8, q_lora_rank=128, kv_lora_rank=64, rope_dim=16,
                  nope_dim=32, v_dim=32, intermediate=512, vocab=1000)
+# DeepSeek-V3.2's lightning indexer (config.json of deepseek-ai/DeepSeek-V3.2-Exp): 64 heads of 128,
+# top 2048; on a CPU the same heads, narrower.
+V32_INDEXER = dict(index_n_heads=64, index_head_dim=128, index_topk=2048)
+CPU_INDEXER = dict(index_n_heads=64, index_head_dim=32, index_topk=32)
+# Workload defaults that differ for --model v32 (gpu, cpu): contexts past topk.
+V32_WORKLOAD = {True: dict(batch=4, prompt_len=3072), False: dict(batch=4, prompt_len=48)}
 
 
 def deepseek_config(hidden: int, heads: int, q_lora_rank: int | None, kv_lora_rank: int,
@@ -60,12 +76,31 @@ def deepseek_config(hidden: int, heads: int, q_lora_rank: int | None, kv_lora_ra
     )
 
 
+def deepseek_v32_config(index_n_heads: int, index_head_dim: int, index_topk: int, **shape):
+    """A transformers DeepseekV32Config: :func:`deepseek_config`'s attention and MLP dims (its
+    keyword arguments) plus the lightning indexer's heads, head width and top-k."""
+    from transformers import DeepseekV32Config
+
+    fields = deepseek_config(**shape).to_dict()
+    keep = set(DeepseekV32Config.__dataclass_fields__) - {"layer_types", "mlp_layer_types"}
+    fields = {k: v for k, v in fields.items() if k in keep}
+    return DeepseekV32Config(**fields, index_n_heads=index_n_heads, index_head_dim=index_head_dim,
+                             index_topk=index_topk)
+
+
 def build_model(config, dtype: torch.dtype, device: str | torch.device):
-    """``DeepseekV3ForCausalLM`` with random weights, built directly on ``device``; eval mode."""
+    """The config's ``ForCausalLM`` (DeepSeek-V3 or V3.2) with random weights, built directly on
+    ``device``; eval mode. The padding token's embedding is random too (nn.Embedding zeroes it):
+    a token whose hidden state is 0 has an index key of 0, which ties every other such token in
+    DeepSeek-V3.2's indexer, and trained models have no such row."""
     from transformers import AutoModelForCausalLM
 
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if getattr(config, "index_topk", None) and config.pad_token_id is not None:
+        with torch.no_grad():
+            model.get_input_embeddings().weight[config.pad_token_id].normal_(
+                std=config.initializer_range)
     return model.eval()
 
 
@@ -256,10 +291,11 @@ def fp32_verdict(ours: dict, theirs: dict) -> str:
 
 
 def hf_cache_bytes_per_token(cache, batch: int) -> float:
-    """Bytes of a transformers cache (all layers) divided by the tokens it holds."""
+    """Bytes of a transformers cache (all layers: latents, and DeepSeek-V3.2's index keys)
+    divided by the tokens it holds."""
     total, tokens = 0, 0
     for layer in cache.layers:
-        for t in (layer.keys, layer.values):
+        for t in (layer.keys, layer.values, getattr(layer, "indexer_keys", None)):
             if t is not None:
                 total += t.numel() * t.element_size()
         if layer.keys is not None:
@@ -293,12 +329,23 @@ def build_parser(cuda: bool) -> argparse.ArgumentParser:
     for k, v in shape.items():
         ap.add_argument(f"--{k.replace('_', '-')}", type=int, default=v,
                         help=f"{SHAPE_HELP[k]} (default: %(default)s)")
+    ap.add_argument("--model", choices=["v3", "v32"], default="v3",
+                    help="v3: DeepSeek-V3 (dense MLA); v32: DeepSeek-V3.2 (MLA with its lightning "
+                         "indexer: sparse attention) (default: %(default)s)")
+    index = V32_INDEXER if cuda else CPU_INDEXER
+    ap.add_argument("--index-topk", type=int, default=index["index_topk"],
+                    help=f"--model v32: cached tokens each query token attends to (index_topk; "
+                         f"{index['index_n_heads']} indexer heads of {index['index_head_dim']}) "
+                         "(default: %(default)s)")
     ap.add_argument("--layers", type=int, default=4,
                     help="decoder layers, each with a dense MLP (default: %(default)s)")
-    ap.add_argument("--batch", type=int, default=32 if cuda else 4,
-                    help="requests generated together (default: %(default)s)")
-    ap.add_argument("--prompt-len", type=int, default=512 if cuda else 48,
-                    help="random prompt tokens per request (default: %(default)s)")
+    v32 = V32_WORKLOAD[cuda]
+    ap.add_argument("--batch", type=int, default=None,
+                    help=f"requests generated together (default: {32 if cuda else 4}; "
+                         f"{v32['batch']} with --model v32)")
+    ap.add_argument("--prompt-len", type=int, default=None,
+                    help=f"random prompt tokens per request (default: {512 if cuda else 48}; "
+                         f"{v32['prompt_len']} with --model v32)")
     ap.add_argument("--new-tokens", type=int, default=128 if cuda else 32,
                     help="tokens generated per request (default: %(default)s)")
     ap.add_argument("--kv-cache", choices=["model", "fp8"], default="model",
@@ -313,7 +360,12 @@ def build_parser(cuda: bool) -> argparse.ArgumentParser:
 
 
 def main(argv=None) -> None:
-    args = build_parser(torch.cuda.is_available()).parse_args(argv)
+    cuda = torch.cuda.is_available()
+    args = build_parser(cuda).parse_args(argv)
+    workload = V32_WORKLOAD[cuda] if args.model == "v32" else dict(
+        batch=32 if cuda else 4, prompt_len=512 if cuda else 48)
+    args.batch = args.batch or workload["batch"]
+    args.prompt_len = args.prompt_len or workload["prompt_len"]
     if hasattr(sys.stdout, "reconfigure"):  # piped (tee, a log): each line as it is printed
         sys.stdout.reconfigure(line_buffering=True)
 
@@ -334,16 +386,25 @@ def main(argv=None) -> None:
     name = torch.cuda.get_device_name(device) if on_gpu else "CPU"
     print(f"# torch_mla demo on {name}: torch {torch.__version__}, transformers "
           f"{transformers.__version__}, {str(dtype).replace('torch.', '')}")
-    config = deepseek_config(args.hidden, args.heads, args.q_lora_rank, args.kv_lora_rank,
-                             args.rope_dim, args.nope_dim, args.v_dim, args.intermediate,
-                             args.vocab, args.layers)
+    shape = dict(hidden=args.hidden, heads=args.heads, q_lora_rank=args.q_lora_rank,
+                 kv_lora_rank=args.kv_lora_rank, rope_dim=args.rope_dim, nope_dim=args.nope_dim,
+                 v_dim=args.v_dim, intermediate=args.intermediate, vocab=args.vocab,
+                 layers=args.layers)
+    indexer = ""
+    if args.model == "v32":
+        index = dict(V32_INDEXER if cuda else CPU_INDEXER, index_topk=args.index_topk)
+        config = deepseek_v32_config(**index, **shape)
+        indexer = (f", indexer {index['index_n_heads']} heads x {index['index_head_dim']} "
+                   f"selecting {index['index_topk']} tokens")
+    else:
+        config = deepseek_config(**shape)
     t0 = time.perf_counter()
     model = build_model(config, dtype, device)
     n_params = sum(p.numel() for p in model.parameters())
-    print(f"model: DeepseekV3ForCausalLM, {args.layers} layers, hidden {args.hidden}, "
+    print(f"model: {type(model).__name__}, {args.layers} layers, hidden {args.hidden}, "
           f"{args.heads} heads, q_lora_rank {args.q_lora_rank}, kv_lora_rank "
-          f"{args.kv_lora_rank} + rope {args.rope_dim}, dense MLP {args.intermediate}, vocab "
-          f"{args.vocab}: {n_params / 1e6:,.1f} M random parameters "
+          f"{args.kv_lora_rank} + rope {args.rope_dim}{indexer}, dense MLP {args.intermediate}, "
+          f"vocab {args.vocab}: {n_params / 1e6:,.1f} M random parameters "
           f"(built in {time.perf_counter() - t0:.1f} s)")
     b, s, n = args.batch, args.prompt_len, args.new_tokens
     ids = torch.randint(2, args.vocab, (b, s), device=device)
@@ -377,6 +438,8 @@ def main(argv=None) -> None:
     swap_mla_attention(model)
     backend, why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
                                   args.kv_lora_rank)
+    if args.model == "v32":
+        backend, why = sparse_description(device, dtype, args.kv_lora_rank, args.rope_dim)
     print(f"swapped in torch_mla's attention; its decode runs {backend}: {why}")
     label = "eager" if args.no_compile else (
         "compiled, CUDA graphs" if on_gpu else "compiled")
@@ -454,11 +517,16 @@ def main(argv=None) -> None:
               f"{cache8.kv_bytes_per_token:,} | {fp8_peak} |")
     el = torch.empty((), dtype=dtype).element_size()
     expanded = args.heads * (args.nope_dim + args.rope_dim + args.v_dim) * el * args.layers
+    index_keys = ""
+    if args.model == "v32":
+        index_keys = (f" and one index key ({config.index_head_dim} values), and torch_mla "
+                      f"attends to the {config.index_topk} its indexer selects out of each "
+                      "context")
     print(f"\nspeed-up: {ours_tps / hf_tps:.2f}x. Both caches hold one latent per token and layer "
-          f"({args.kv_lora_rank} + {args.rope_dim} values); at every step transformers expands "
-          f"each cached token to {args.heads} heads x (qk {args.nope_dim + args.rope_dim} + v "
-          f"{args.v_dim}) = {expanded:,} bytes over all layers, torch_mla reads the latent as "
-          "it is.")
+          f"({args.kv_lora_rank} + {args.rope_dim} values){index_keys}; at every step "
+          f"transformers expands each cached token to {args.heads} heads x (qk "
+          f"{args.nope_dim + args.rope_dim} + v {args.v_dim}) = {expanded:,} bytes over all "
+          "layers, torch_mla reads the latent as it is.")
 
     print(f"\nAgainst fp32 (each run's {dtype_name} logits minus fp32's for the same tokens so "
           f"far; top-1: requests whose pick is fp32's, of {b}):\n")
@@ -500,6 +568,24 @@ def main(argv=None) -> None:
         print("on a CPU both paths are plain PyTorch on a tiny model: the numbers show the "
               "plumbing, not the kernel; run it on an H100/H200 for the real comparison")
 
+
+
+def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
+                       rope_dim: int) -> tuple[str, str]:
+    """(name, reason) for a DeepSeek-V3.2 decode step: which implementation
+    torch_mla.mla_decode_sparse runs, and the indexer's logits."""
+    from torch_mla.ops.indexer import find_indexer_kernel
+    from torch_mla.ops.sparse import sparse_backend
+
+    if device.type != "cuda":
+        return "reference", ("cpu tensors: the kernels run on NVIDIA GPUs (the lightning "
+                             "indexer and the sparse decode: plain PyTorch)")
+    q = torch.empty(1, 1, 1, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+    name, why = sparse_backend(q, q.view(1, 1, 1, -1), kv_lora_rank)
+    logits = "a kernel" if find_indexer_kernel(q, q[0, 0]) is not None else "the reference"
+    what = "the portable sparse kernel" if name == "sm80" else f"the reference ({why})"
+    return f"sparse decode {name}", (f"mla_decode_sparse on {what}; the indexer's logits on "
+                                     f"{logits}, its top-k by torch.topk")
 
 
 def report_fp8(steps, fp8_steps, acc, dtype_name: str, label: str, b: int, n: int,

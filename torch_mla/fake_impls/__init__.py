@@ -39,4 +39,4 @@ def _append_kv_fake(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None):
 def _forward_only_grad_fake(grad, shape, dtype, op):
     return grad.new_empty(shape, dtype=dtype)
 
-from . import sparse  # noqa: E402, F401  (sparse decode)
+from . import indexer, sparse  # noqa: E402, F401  (the lightning indexer, sparse decode)

@@ -23,7 +23,7 @@ and o_proj's partial outputs are summed over the ranks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -76,6 +76,22 @@ def _attention_mask(attention_mask: Any, q_len: int, k_len: int, device: torch.d
     if attention_mask is None:
         return causal
     return causal[None, None] & attention_mask[:, None, None, -k_len:].bool()
+
+
+class _Step(NamedTuple):
+    """One forward's projected inputs, as the attention paths take them."""
+
+    hidden_states: torch.Tensor  # [b, s, hidden_size]
+    q_resid: torch.Tensor | None  # [b, s, q_lora_rank], q_a_layernorm's output (None: q_proj)
+    q_nope: torch.Tensor  # [b, H, s, qk_nope_head_dim]
+    q_pe: torch.Tensor  # [b, H, s, qk_rope_head_dim], rotated
+    kv_c: torch.Tensor  # [b, s, kv_lora_rank], normalised
+    k_pe: torch.Tensor  # [b, s, qk_rope_head_dim], rotated
+    cache: Any  # an MLACache, None or another transformers Cache
+    prefill: bool  # (on an MLACache)
+    attention_mask: Any
+    position_embeddings: Any
+    position_ids: torch.Tensor | None
 
 
 class MultiheadLatentAttention(nn.Module):
@@ -195,35 +211,48 @@ class MultiheadLatentAttention(nn.Module):
                 "forms them); run the model without swap_mla_attention to see them")
         cache = cache if cache is not None else past_key_values
         b, s, _ = hidden_states.shape
+        prefill = False
         if isinstance(cache, MLACache):
             prefill = cache.begin_layer(self.layer_idx, b, s, attention_mask)
         H, dn, dr, R = self.num_heads, self.qk_nope_head_dim, self.qk_rope_head_dim, \
             self.kv_lora_rank
+        q_resid = None  # the normalised query latent (DeepSeek-V3.2's indexer reads it too)
         if self.q_proj is not None:
             q = self._linear(self.q_proj, hidden_states)
         else:
-            q = self._linear(self.q_b_proj, self.q_a_layernorm(
-                self._linear(self.q_a_proj, hidden_states)))
+            q_resid = self.q_a_layernorm(self._linear(self.q_a_proj, hidden_states))
+            q = self._linear(self.q_b_proj, q_resid)
         # Heads first, as transformers lays the query out: the same tensors go into the same ops.
         q_nope, q_pe = q.view(b, s, H, dn + dr).transpose(1, 2).split([dn, dr], dim=-1)
         kv_c, k_pe = self._linear(self.kv_a_proj_with_mqa, hidden_states).split([R, dr], dim=-1)
         kv_c = self.kv_a_layernorm(kv_c)  # [b, s, R]
         q_pe, k_pe = self._rotate(q_pe, k_pe, position_embeddings, position_ids)
+        step = _Step(hidden_states, q_resid, q_nope, q_pe, kv_c, k_pe, cache, prefill,
+                     attention_mask, position_embeddings, position_ids)
+        out, extra = self._attend(step, **kwargs)
+        out = self._out(out.reshape(b, s, H * self.v_head_dim))
+        return (out, None) if extra is None else (out, None, extra)
 
+    def _attend(self, x: _Step, **kwargs: Any) -> tuple[torch.Tensor, Any]:
+        """The attention of this step's queries over the cache and themselves: [b, s, H,
+        v_head_dim], and what else the forward returns (None here; DeepSeek-V3.2-style
+        subclasses return their top-k selection)."""
+        b, s = x.kv_c.shape[:2]
+        R, dr, cache = self.kv_lora_rank, self.qk_rope_head_dim, x.cache
         if isinstance(cache, MLACache):
-            step = cache.append_latents(self.layer_idx, kv_c, k_pe, H)
-            if prefill:
-                out = self._attend_expanded(q_nope, q_pe, kv_c, k_pe, attention_mask)
-            else:
-                out = self._attend_absorbed(q_nope, q_pe, step)
-        elif cache is None:
-            out = self._attend_expanded(q_nope, q_pe, kv_c, k_pe, attention_mask)
-        else:
-            _warn_foreign_cache(cache)
-            kv_all, pe_all = cache.update(kv_c.view(b, 1, s, R), k_pe.view(b, 1, s, dr),
-                                          self.layer_idx)
-            out = self._attend_expanded(q_nope, q_pe, kv_all[:, 0], pe_all[:, 0], attention_mask)
-        return self._out(out.reshape(b, s, H * self.v_head_dim)), None
+            step = cache.append_latents(self.layer_idx, x.kv_c, x.k_pe, self.num_heads)
+            if x.prefill:
+                return self._attend_expanded(x.q_nope, x.q_pe, x.kv_c, x.k_pe,
+                                             x.attention_mask), None
+            return self._attend_absorbed(x.q_nope, x.q_pe, step), None
+        if cache is None:
+            return self._attend_expanded(x.q_nope, x.q_pe, x.kv_c, x.k_pe,
+                                         x.attention_mask), None
+        _warn_foreign_cache(cache)
+        kv_all, pe_all = cache.update(x.kv_c.view(b, 1, s, R), x.k_pe.view(b, 1, s, dr),
+                                      self.layer_idx)
+        return self._attend_expanded(x.q_nope, x.q_pe, kv_all[:, 0], pe_all[:, 0],
+                                     x.attention_mask), None
 
     def _linear(self, lin: nn.Linear, x: torch.Tensor) -> torch.Tensor:
         """``lin(x)``; under tensor parallelism on this rank's shard of the weight (its heads'
@@ -263,12 +292,14 @@ class MultiheadLatentAttention(nn.Module):
         return (apply_rope(q_pe, cos[:, None], sin[:, None], self.rope_interleave),
                 apply_rope(k_pe, cos, sin, self.rope_interleave))
 
-    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, attention_mask) -> torch.Tensor:
+    def _attend_expanded(self, q_nope, q_pe, kv_c, k_pe, attention_mask,
+                         mask: torch.Tensor | None = None) -> torch.Tensor:
         """Unabsorbed attention of [b, H, s, *] queries over ``kv_c`` [b, S, R] / ``k_pe``
         [b, S, dr] (the last s of which are the queries' own tokens) -> [b, s, H, v_head_dim].
 
         transformers' computation, op for op and in its layouts (``expand_kv``, then its eager or
-        SDPA attention), so that a bf16 model rounds exactly as the original does."""
+        SDPA attention), so that a bf16 model rounds exactly as the original does. ``mask``, if
+        given, is the 4D mask to use as it is (a sparse attention's, built by the caller)."""
         b, H, s, _ = q_nope.shape
         S = kv_c.shape[1]
         dn, dv = self.qk_nope_head_dim, self.v_head_dim
@@ -278,10 +309,10 @@ class MultiheadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_pe], dim=-1)  # [b, H, s, dqk]
         dropout = self.attention_dropout if self.training else 0.0
         # A prompt without padding: SDPA's own causal masking (its fused kernels need no mask).
-        plain_causal = attention_mask is None and s == S and s > 1
+        plain_causal = attention_mask is None and s == S and s > 1 and mask is None
         eager = getattr(self.config, "_attn_implementation", None) == "eager"
-        mask = None if plain_causal and not eager else _attention_mask(
-            attention_mask, s, S, q.device, q.dtype)
+        if mask is None and not (plain_causal and not eager):
+            mask = _attention_mask(attention_mask, s, S, q.device, q.dtype)
         if eager:
             scores = torch.matmul(q, k.transpose(2, 3)) * self.scaling
             if mask is not None:
@@ -296,14 +327,20 @@ class MultiheadLatentAttention(nn.Module):
                                                  is_causal=plain_causal, scale=self.scaling)
         return out.transpose(1, 2)
 
-    def _attend_absorbed(self, q_nope, q_pe, step: LatentStep) -> torch.Tensor:
-        """Decode: W_UK into the query, torch_mla.mla_decode over the latent cache, W_UV into the
-        output. [b, H, s, *] -> [b, s, H, v_head_dim]."""
+    def _absorbed_query(self, q_nope, q_pe) -> tuple[torch.Tensor, torch.Tensor]:
+        """``([q_nope W_UK | q_pe] per head, token-major: [b, s, H, R + dr], W_UV (H, dv, R))``
+        from [b, H, s, *] queries: the decode's query over the latent cache, and what its output
+        is multiplied by."""
         H, dn, dv, R = self.num_heads, self.qk_nope_head_dim, self.v_head_dim, self.kv_lora_rank
         w = local(self.kv_b_proj.weight).view(H, dn + dv, R)
         w_uk, w_uv = w[:, :dn], w[:, dn:]  # (H, dn, R), (H, dv, R)
-        # [q_nope W_UK | q_pe] per head, token-major: [b, s, H, R + dr], mla_decode's q.
-        q = head_matmul(q_nope.transpose(1, 2), w_uk, q_pe.transpose(1, 2))
+        return head_matmul(q_nope.transpose(1, 2), w_uk, q_pe.transpose(1, 2)), w_uv
+
+    def _attend_absorbed(self, q_nope, q_pe, step: LatentStep) -> torch.Tensor:
+        """Decode: W_UK into the query, torch_mla.mla_decode over the latent cache, W_UV into the
+        output. [b, H, s, *] -> [b, s, H, v_head_dim]."""
+        R = self.kv_lora_rank
+        q, w_uv = self._absorbed_query(q_nope, q_pe)
         if step.kv_scale is None:
             out_lat, _ = mla_decode(q.to(step.kv_cache.dtype), step.kv_cache, step.block_table,
                                     step.cache_seqlens, step.schedule, softmax_scale=self.scaling,
@@ -312,7 +349,12 @@ class MultiheadLatentAttention(nn.Module):
             out_lat, _ = mla_decode(q, step.kv_cache, step.block_table, step.cache_seqlens,
                                     step.schedule, softmax_scale=self.scaling, causal=True, d_v=R,
                                     kv_scale=step.kv_scale, compute=step.compute)
-        return head_matmul(out_lat.to(w.dtype), w_uv.transpose(1, 2))  # [b, s, H, dv]
+        return self._absorbed_output(out_lat, w_uv)
+
+    @staticmethod
+    def _absorbed_output(out_lat: torch.Tensor, w_uv: torch.Tensor) -> torch.Tensor:
+        """``o W_UV^T`` per head: the decode's latent output [b, s, H, R] -> [b, s, H, dv]."""
+        return head_matmul(out_lat.to(w_uv.dtype), w_uv.transpose(1, 2))
 
 
 def _warn_foreign_cache(cache) -> None:

@@ -11,6 +11,20 @@ What it holds (all preallocated at construction, never reallocated):
                    (default: request r owns pages ``r * max_blocks ...``, in order).
     cache_seqlens  int32 [max_batch_size], tokens cached per request, shared by all layers.
 
+For a model with DeepSeek Sparse Attention (DeepSeek-V3.2: a config with ``index_topk`` and
+``index_head_dim``) each layer that runs an indexer also holds
+
+    index_caches[l]  [num_blocks, 64, index_head_dim]: one index key a token, on the same pages
+                     and slots as the latents (``torch_mla.indexer_topk``'s cache); in the
+                     model's dtype, or float8_e4m3fn with
+    index_scales[l]  float32 [num_blocks, 64], one power-of-two scale a token (DeepSeek's
+                     per-token quantization, ``torch_mla.append_index_keys``).
+
+Layers that reuse an earlier layer's selection (``config.indexer_types[l] == "shared"``, GLM-5)
+have none. A decode step of such a model attends through ``torch_mla.mla_decode_sparse`` and
+shares its schedule (the same for every step of the same shape: each query token has ``topk``
+entries) across the layers.
+
 A model split over devices (``device_map``) gets each layer's buffers on the device of that
 layer's attention (``MLACache.for_model`` reads them; ``layer_devices``); the block table and the
 lengths are kept on layer 0's device and mirrored, once a step, on every other device.
@@ -70,6 +84,7 @@ import torch
 
 from ..ops import DecodeSchedule, append_kv, checks, get_decode_schedule
 from ..ops.checks import FP8, FP8_MAX
+from ..ops.indexer import append_index_keys, index_cache_bytes_per_token
 
 try:  # transformers is optional: without it MLACache is a plain object with the same methods.
     from transformers.cache_utils import Cache as _CacheBase
@@ -158,6 +173,10 @@ class LatentStep(NamedTuple):
     schedule: the decode schedule for these lengths (None at prefill).
     kv_scale: float32 [1], the dequantization scale of a float8_e4m3fn kv_cache; None otherwise.
     compute: mla_decode's ``compute`` over a float8_e4m3fn kv_cache ("exact" or "fp8").
+    index_cache: this layer's index-key cache [num_blocks, 64, index_head_dim] (this step's keys
+        in), None for a layer without an indexer; index_scale: its float32 [num_blocks, 64]
+        scales when it is float8_e4m3fn. In a cache with index keys, ``schedule`` is the sparse
+        decode's (``torch_mla.mla_decode_sparse``, ``topk`` entries a query token).
     """
 
     prefill: bool
@@ -167,6 +186,8 @@ class LatentStep(NamedTuple):
     schedule: DecodeSchedule | None
     kv_scale: torch.Tensor | None = None
     compute: str = "exact"
+    index_cache: torch.Tensor | None = None
+    index_scale: torch.Tensor | None = None
 
 
 def _warn_fp32_on_gpu(device: torch.device, dtype: torch.dtype) -> None:
@@ -283,6 +304,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
         block_table: optional int32 [max_batch_size, ceil(max_cache_len / 64)], a custom page
             assignment (pages must be distinct); default: request r owns its own run of pages.
         num_blocks: pages to allocate per layer (default: enough for the block table).
+        index_dtype: the index-key caches' dtype, for a config with an indexer (DeepSeek-V3.2):
+            default ``dtype``; ``torch.float8_e4m3fn`` stores each key in e4m3 with a float32
+            scale per token (``index_head_dim + 4`` bytes a token and layer).
     """
 
     def __init__(
@@ -297,6 +321,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
         num_blocks: int | None = None,
         kv_scale: str | float | torch.Tensor | Sequence[float | torch.Tensor] | None = None,
         compute: str = "exact",
+        index_dtype: torch.dtype | None = None,
     ):
         if max_batch_size < 1 or max_cache_len < 1:
             raise ValueError(f"max_batch_size and max_cache_len must be >= 1, got "
@@ -328,6 +353,7 @@ class MLACache(_RefusesReshaping, _CacheBase):
                           for dev in self.layer_devices]
         # float32 [1] per layer for a float8_e4m3fn cache, else None.
         self.kv_scales, self.auto_scale = self._scales(kv_scale, dtype)
+        self._index_caches(config, num_blocks, index_dtype or dtype)
         if compute not in ("exact", "fp8"):
             raise ValueError(f"compute must be 'exact' or 'fp8', got {compute!r}")
         if compute == "fp8" and dtype != torch.float8_e4m3fn:
@@ -344,8 +370,10 @@ class MLACache(_RefusesReshaping, _CacheBase):
         self._seen = torch.zeros((), dtype=torch.int64, device=self.device)
         if not torch.compiler.is_compiling():
             # In-place updates of these inside a compiled step need fixed addresses for CUDA graphs.
-            for t in (*self.kv_caches, *(self.kv_scales or ()), *self._tables, *self._seqlens,
-                      self._seen):
+            index = [t for t in (*(self.index_caches or ()), *(self.index_scales or ()))
+                     if t is not None]
+            for t in (*self.kv_caches, *(self.kv_scales or ()), *index, *self._tables,
+                      *self._seqlens, self._seen):
                 torch._dynamo.mark_static_address(t)
         self._reset_python_state()
         self._given_to_generate = False
@@ -354,6 +382,29 @@ class MLACache(_RefusesReshaping, _CacheBase):
             super().__init__(layers=layers)
         else:  # pragma: no cover
             self.layers = layers
+
+    def _index_caches(self, config: Any, num_blocks: int, dtype: torch.dtype) -> None:
+        """The index-key caches of a config with an indexer (``index_topk``, ``index_head_dim``):
+        one per layer that runs its own indexer, None for the others; ``index_caches`` None for
+        a config without one."""
+        self.index_topk = getattr(config, "index_topk", None)
+        self.index_head_dim = getattr(config, "index_head_dim", None)
+        self.index_caches = self.index_scales = None
+        if not (self.index_topk and self.index_head_dim):
+            self.index_topk = None
+            return
+        if dtype not in (*checks.DTYPES, FP8):
+            raise ValueError(f"index_dtype must be bfloat16, float16, float32 or "
+                             f"float8_e4m3fn, got {dtype}")
+        kinds = getattr(config, "indexer_types", None) or ["full"] * self.num_layers
+        own = [kinds[i] != "shared" for i in range(self.num_layers)]
+        shape = (num_blocks, PAGE_SIZE)
+        self.index_caches = [torch.zeros(*shape, self.index_head_dim, dtype=dtype, device=dev)
+                             if mine else None for mine, dev in zip(own, self.layer_devices)]
+        if dtype == FP8:
+            self.index_scales = [torch.zeros(shape, dtype=torch.float32, device=dev)
+                                 if mine else None for mine, dev in zip(own, self.layer_devices)]
+        self.index_dtype = dtype
 
     def _scales(self, kv_scale, dtype: torch.dtype) -> tuple[list[torch.Tensor] | None, bool]:
         """(kv_scales, measured at the prefill) from the constructor's ``kv_scale``."""
@@ -425,14 +476,26 @@ class MLACache(_RefusesReshaping, _CacheBase):
         return (self.kv_lora_rank + self.qk_rope_head_dim) * self.kv_caches[0].element_size()
 
     @property
+    def index_bytes_per_token_per_layer(self) -> int:
+        """Bytes one token's index key takes in a layer with an indexer (index_head_dim values,
+        plus a float32 scale in an FP8 index cache); 0 without indexer."""
+        if self.index_caches is None:
+            return 0
+        return index_cache_bytes_per_token(self.index_head_dim, self.index_dtype)
+
+    @property
     def kv_bytes_per_token(self) -> int:
-        """Bytes one cached token takes over all layers."""
-        return self.kv_bytes_per_token_per_layer * self.num_layers
+        """Bytes one cached token takes over all layers (its latents, and its index keys in the
+        layers that have an indexer)."""
+        index = sum(c is not None for c in self.index_caches or ())
+        return (self.kv_bytes_per_token_per_layer * self.num_layers
+                + self.index_bytes_per_token_per_layer * index)
 
     @property
     def nbytes(self) -> int:
-        """Bytes allocated for the latents, all layers."""
-        return sum(t.numel() * t.element_size() for t in self.kv_caches)
+        """Bytes allocated for the latents (and index keys), all layers."""
+        tensors = [*self.kv_caches, *(self.index_caches or ()), *(self.index_scales or ())]
+        return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
     # --- transformers' Cache API ---------------------------------------------------------------
 
@@ -588,13 +651,16 @@ class MLACache(_RefusesReshaping, _CacheBase):
             torch._assert_async(~bad.any(), msg.format(""))
 
     def append_latents(self, layer_idx: int, kv_c: torch.Tensor, k_pe: torch.Tensor,
-                       num_heads: int) -> LatentStep:
+                       num_heads: int, index_k: torch.Tensor | None = None) -> LatentStep:
         """Writes one layer's latents for this step and returns what it attends with.
 
         Args:
             kv_c: [b, s, kv_lora_rank], normalised latents of this step's tokens.
             k_pe: [b, s, qk_rope_head_dim], their rotated RoPE keys.
             num_heads: query heads (sizes the decode schedule).
+            index_k: [b, s, index_head_dim], their index keys, for a layer with an indexer
+                (written to its index cache at the latents' slots; quantized per token in an
+                FP8 one).
         """
         prefill, b, s, key_valid, per_device = self._step
         if per_device[0] is None:  # the step's first layer computes what every layer shares
@@ -602,14 +668,14 @@ class MLACache(_RefusesReshaping, _CacheBase):
                 key_valid = torch.ones(b, s, dtype=torch.bool, device=self.device)
             key_valid = key_valid.to(self.device).expand(b, s)
             slots = self._store(b, s, key_valid, prefill)
-            sched = None if prefill else get_decode_schedule(self.cache_seqlens[:b], s, num_heads)
+            sched = None if prefill else self._schedule(self.cache_seqlens[:b], s, num_heads)
             per_device = ((slots, sched), *per_device[1:])
         k = self._device_of[layer_idx]
         if per_device[k] is None:  # the step's first layer on another device: mirror it there
             lens = self._seqlens[k]
             lens.copy_(self.cache_seqlens)
             slots = per_device[0][0].to(self._devices[k])
-            sched = None if prefill else get_decode_schedule(lens[:b], s, num_heads)
+            sched = None if prefill else self._schedule(lens[:b], s, num_heads)
             per_device = (*per_device[:k], (slots, sched), *per_device[k + 1:])
         self._step = (prefill, b, s, None, per_device)
         slots, sched = per_device[k]
@@ -622,10 +688,28 @@ class MLACache(_RefusesReshaping, _CacheBase):
             append_kv(kv, kv_c, k_pe, slots)
         else:
             append_kv(kv, kv_c, k_pe, slots, kv_scale=scale)
+        index_cache = index_scale = None
+        if self.index_caches is not None and self.index_caches[layer_idx] is not None:
+            index_cache = self.index_caches[layer_idx]
+            index_scale = None if self.index_scales is None else self.index_scales[layer_idx]
+            if index_k is None:
+                raise ValueError(f"layer {layer_idx} has an index-key cache: pass its index keys "
+                                 "(index_k) with its latents")
+            append_index_keys(index_cache, index_k.reshape(b * s, -1), slots, index_scale)
         if layer_idx == self.num_layers - 1:
             self._step = None  # the step is over; hold no tensor past it
         return LatentStep(prefill, kv, self._tables[k][:b], self._seqlens[k][:b], sched, scale,
-                          self.compute)
+                          self.compute, index_cache, index_scale)
+
+    def _schedule(self, lengths: torch.Tensor, s: int, num_heads: int) -> DecodeSchedule:
+        """This step's decode schedule for requests of these lengths (int32 [b], this step
+        included): mla_decode's, or in a cache with index keys mla_decode_sparse's (each of the
+        b * s query tokens a request of topk entries; it does not depend on the lengths)."""
+        if self.index_caches is None:
+            return get_decode_schedule(lengths, s, num_heads)
+        entries = torch.full((lengths.shape[0] * s,), self.index_topk, dtype=torch.int32,
+                             device=lengths.device)
+        return get_decode_schedule(entries, 1, num_heads)
 
     def _store(self, b: int, s: int, key_valid: torch.Tensor, prefill: bool) -> torch.Tensor:
         """The slots of this step's tokens (-1 for padding, which is not stored); advances the
@@ -648,7 +732,9 @@ class MLACache(_RefusesReshaping, _CacheBase):
     def __repr__(self) -> str:
         where = "" if len(self._devices) == 1 else \
             f"devices={[str(d) for d in self._devices]}, "
+        index = "" if self.index_caches is None else \
+            f"index_keys={self.index_head_dim} ({self.index_dtype}), topk={self.index_topk}, "
         return (f"MLACache(layers={self.num_layers}, {where}max_batch_size={self._max_batch}, "
                 f"max_cache_len={self._max_len}, latent={self.kv_lora_rank}+"
-                f"{self.qk_rope_head_dim}, dtype={self.dtype}, "
+                f"{self.qk_rope_head_dim}, dtype={self.dtype}, {index}"
                 f"{self.kv_bytes_per_token} bytes/token)")

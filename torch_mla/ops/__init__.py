@@ -9,4 +9,5 @@ from .schedule import DecodeSchedule, get_decode_schedule
 
 __all__ = ["DecodeSchedule", "append_kv", "get_decode_schedule", "mla_decode", "set_value_checks"]
 
+from .indexer import append_index_keys, indexer_logits, indexer_topk  # noqa: E402, F401
 from .sparse import get_sparse_decode_schedule, mla_decode_sparse  # noqa: E402, F401

@@ -63,3 +63,16 @@ lib.define(
     "Tensor? attn_sink, Tensor sched_metadata, Tensor num_splits, float softmax_scale, int d_v, "
     "Tensor? kv_scale=None) -> (Tensor, Tensor)"
 )
+
+# The lightning indexer (ops/indexer.py): q [b, s_q, H, D] (float8_e4m3fn over an FP8 index
+# cache), weights float32 [b, s_q, H], the index-key cache [num_blocks, 64, D] with its float32
+# [num_blocks, 64] scales when FP8; logits float32 [b, s_q, max_blocks * 64]; the top-k as cache
+# slots, int32 [b, s_q, topk], -1 for none.
+lib.define(
+    "indexer_logits(Tensor q, Tensor weights, Tensor index_cache, Tensor? index_scale, "
+    "Tensor block_table, Tensor cache_seqlens) -> Tensor"
+)
+lib.define(
+    "indexer_topk(Tensor q, Tensor weights, Tensor index_cache, Tensor? index_scale, "
+    "Tensor block_table, Tensor cache_seqlens, int topk) -> Tensor"
+)
