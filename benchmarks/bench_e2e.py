@@ -356,14 +356,16 @@ def floor_ms(model, b, ctx, config, tp: int = 1, cache_el: int | None = None) ->
     return total * 1e3
 
 
-def indexer_kernel_found(device, dtype) -> bool:
-    """Whether torch_mla.indexer_topk runs a logits kernel for a bf16/fp16 cache here."""
+def indexer_kernel_found(device, dtype, config) -> bool:
+    """Whether torch_mla.indexer_topk runs a logits kernel for config's indexer over a cache in
+    dtype here."""
     from torch_mla.ops.indexer import find_indexer_kernel
 
     if device.type != "cuda":
         return False
-    q = torch.empty(1, 1, 1, 128, dtype=dtype, device=device)
-    return find_indexer_kernel(q, q[0]) is not None
+    q = torch.empty(1, 1, config.index_n_heads, config.index_head_dim, dtype=dtype,
+                    device=device)
+    return find_indexer_kernel(q, q.new_empty(1, 64, q.shape[3])) is not None
 
 
 NAMES = {"hf": "transformers as shipped (eager, DynamicCache)",
@@ -596,7 +598,7 @@ def main(argv=None) -> None:
                       "transformers' indexer scores every cached key in plain torch and masks the "
                       "attention over all of them; torch_mla's runs torch_mla.indexer_topk over "
                       "the paged index keys (logits kernel: "
-                      + ("yes" if indexer_kernel_found(device, dtype) else "none yet, the "
+                      + ("yes" if indexer_kernel_found(device, dtype, config) else "none yet, the "
                          "reference") + f"; top-k: torch.topk) and attends to the "
                       f"{config.index_topk} selected rows with torch_mla.mla_decode_sparse.")
     table = "\n".join(lines)

@@ -439,7 +439,8 @@ def main(argv=None) -> None:
     backend, why = decode_backend(device, dtype, args.kv_lora_rank + args.rope_dim,
                                   args.kv_lora_rank)
     if args.model == "v32":
-        backend, why = sparse_description(device, dtype, args.kv_lora_rank, args.rope_dim)
+        backend, why = sparse_description(device, dtype, args.kv_lora_rank, args.rope_dim,
+                                           model.config)
     print(f"swapped in torch_mla's attention; its decode runs {backend}: {why}")
     label = "eager" if args.no_compile else (
         "compiled, CUDA graphs" if on_gpu else "compiled")
@@ -571,9 +572,10 @@ def main(argv=None) -> None:
 
 
 def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
-                       rope_dim: int) -> tuple[str, str]:
+                       rope_dim: int, config) -> tuple[str, str]:
     """(name, reason) for a DeepSeek-V3.2 decode step: which implementation
-    torch_mla.mla_decode_sparse runs, and the indexer's logits."""
+    torch_mla.mla_decode_sparse runs, and the indexer's logits (config: the model's, for its
+    indexer's heads and width)."""
     from torch_mla.ops.indexer import find_indexer_kernel
     from torch_mla.ops.sparse import sparse_backend
 
@@ -582,7 +584,9 @@ def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: i
                              "indexer and the sparse decode: plain PyTorch)")
     q = torch.empty(1, 1, 1, kv_lora_rank + rope_dim, dtype=dtype, device=device)
     name, why = sparse_backend(q, q.view(1, 1, 1, -1), kv_lora_rank)
-    logits = "a kernel" if find_indexer_kernel(q, q[0, 0]) is not None else "the reference"
+    iq = torch.empty(1, 1, config.index_n_heads, config.index_head_dim, dtype=dtype, device=device)
+    logits = ("a kernel" if find_indexer_kernel(iq, iq.new_empty(1, 64, iq.shape[3])) is not None
+              else "the reference")
     what = "the portable sparse kernel" if name == "sm80" else f"the reference ({why})"
     return f"sparse decode {name}", (f"mla_decode_sparse on {what}; the indexer's logits on "
                                      f"{logits}, its top-k by torch.topk")

@@ -10,9 +10,12 @@ indexer compiles with ``fullgraph=True`` and replays in a CUDA graph. Forward-on
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from ..constants import PAGE_SIZE
+from ..contract import indexer_unsupported
 from ..reference import append_kv_reference, visible_lengths
 from ..reference_indexer import (
     indexer_logits_reference,
@@ -22,6 +25,7 @@ from ..reference_indexer import (
 from . import dispatch
 from .checks import FP8, check_decode_values, check_slot_values, checks_values
 from .checks_indexer import check_append_index_args, check_indexer_args
+from .indexer_kernel import indexer_logits_sm90
 from .library import forward_only_grads, grad_like, lib
 
 
@@ -33,11 +37,38 @@ def find_indexer_kernel(q: torch.Tensor, index_cache: torch.Tensor):
     index_cache, index_scale, block_table, cache_seqlens, out)`` and fills ``out`` float32
     [b, s_q, max_blocks * 64] (allocated by the caller, so the launch allocates nothing) with
     the logits :func:`torch_mla.indexer_logits` documents: the same values as the reference up to
-    the order of the float32 sums. None for now: the SM90 kernel
-    (cute_kernels/sm90_indexer.py: wgmma over bf16 keys, e4m3 over FP8 ones) comes separately."""
+    the order of the float32 sums. On SM90 GPUs that is cute_kernels/sm90_indexer.py (bf16 q and
+    keys, or e4m3 q and keys with their scales; D 64 or 128, H a multiple of 8, s_q * H <= 128:
+    ops/indexer_kernel.py); elsewhere, or for other shapes, the reference, with a warning once
+    per reason on a GPU."""
     if not q.is_cuda or dispatch._force_reference():
         return None
+    why = _kernel_unsupported(q, index_cache)
+    if why is None:
+        return indexer_logits_sm90
+    if why not in _warned:
+        _warned.add(why)
+        warnings.warn(f"torch_mla.indexer_logits runs the plain-PyTorch reference on this GPU: "
+                      f"{why}", stacklevel=3)
     return None
+
+
+_warned: set[str] = set()
+
+
+def _kernel_unsupported(q: torch.Tensor, index_cache: torch.Tensor) -> str | None:
+    # What validation leaves open: the device, the dtypes, the sizes (weights, table, lengths
+    # and the caller's out are as the kernel takes them once check_indexer_args passed).
+    cap = dispatch.cuda_capability(q.device)
+    if tuple(cap) != (9, 0):
+        return f"the indexer kernel is built for SM90 (sm_90a), not compute capability {cap}"
+    fp8 = index_cache.dtype == torch.float8_e4m3fn
+    if (q.dtype, index_cache.dtype) not in ((torch.bfloat16, torch.bfloat16),
+                                            (torch.float8_e4m3fn, torch.float8_e4m3fn)):
+        return (f"the indexer kernel takes bf16 q and keys, or float8_e4m3fn q and keys, got "
+                f"{q.dtype} q over {index_cache.dtype} keys" + (" (quantize q as the keys)"
+                                                                   if fp8 else ""))
+    return indexer_unsupported(q.shape[3], q.shape[2], q.shape[1])
 
 
 def _logits_run(q, weights, index_cache, index_scale, block_table, cache_seqlens):
