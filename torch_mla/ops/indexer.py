@@ -232,8 +232,9 @@ def append_index_keys(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
     Torch ops on every device, no host sync (CUDA-graph capturable, compiles with fullgraph).
     """
     check_append_index_args(index_cache, k, slot_mapping, index_scale)
-    if slot_mapping.shape[0] > 0 and checks_values(slot_mapping) \
-            and not torch.compiler.is_compiling():
+    # (is_compiling first: dynamo cannot trace checks_values' stream-capture query)
+    if not torch.compiler.is_compiling() and slot_mapping.shape[0] > 0 \
+            and checks_values(slot_mapping):
         check_slot_values(index_cache.shape[0], slot_mapping)
     nb, page, d = index_cache.shape
     if index_cache.dtype != FP8:
