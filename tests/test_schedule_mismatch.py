@@ -21,6 +21,7 @@ import pytest
 import torch
 
 import torch_mla
+from torch_mla.constants import META_BEGIN_BLK, META_BEGIN_REQ, META_END_BLK, META_END_REQ
 from torch_mla.reference import mla_decode_reference
 from torch_mla.scheduling import walk_schedule
 from torch_mla.testing import make_decode_inputs
@@ -86,6 +87,36 @@ def test_schedule_for_longer_lengths_with_cuts_inside_gives_the_right_output():
                              num_blocks=sum(-(-L // 64) for L in longer) + 2)
     sched = torch_mla.get_decode_schedule(torch.tensor(longer, dtype=torch.int32,
                                                        device="cuda"), 1, 16)
+    check_against_reference(inp, sched, False)
+
+
+def test_schedule_for_longer_lengths_with_parts_starting_on_emptied_requests():
+    """Unsplit requests that begin a part (at block 0) lose all their keys: the SM90 kernel
+    loads a part's first Q before it has read the length, so that load belongs to a segment
+    with no block. Part A: its first two requests emptied, a later one still has keys (the
+    load lands before that segment's own Q load reuses the barrier). Part B: every request it
+    holds blocks of emptied (no segment left: the load lands before the CTA exits). Emptied
+    requests get output 0 and lse +inf. Many short requests, so that parts hold several."""
+    gen = torch.Generator().manual_seed(0)
+    longer = torch.randint(1, 200, (256,), generator=gen).tolist()
+    sched = torch_mla.get_decode_schedule(torch.tensor(longer, dtype=torch.int32,
+                                                       device="cuda"), 1, 16)
+    splits = sched.num_splits.cpu().tolist()
+    unsplit = [splits[r + 1] - splits[r] == 1 for r in range(len(longer))]
+    lens, found = list(longer), []
+    for row in sched.metadata.cpu().tolist():
+        r0, blk0, r1, blk1 = (row[META_BEGIN_REQ], row[META_BEGIN_BLK], row[META_END_REQ],
+                              row[META_END_BLK])
+        if blk0 != 0 or lens[r0] != longer[r0]:
+            continue
+        if "A" not in found and r0 + 1 < r1 and blk1 > 0 and unsplit[r0] and unsplit[r0 + 1]:
+            lens[r0] = lens[r0 + 1] = 0
+            found.append("A")
+        elif "B" not in found and r0 < r1 and blk1 == 0 and all(unsplit[r0:r1]):
+            lens[r0:r1] = [0] * (r1 - r0)
+            found.append("B")
+    assert sorted(found) == ["A", "B"], found
+    inp = make_decode_inputs(lens, 1, 16, device="cuda", max_blocks=max(longer) // 64 + 2)
     check_against_reference(inp, sched, False)
 
 

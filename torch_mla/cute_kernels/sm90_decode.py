@@ -495,7 +495,9 @@ class MLADecodeSm90(DecodeKernel):
         req = cute.make_rmem_tensor(5, Int32)
         self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
                            cutlass.min(walk.begin_req, mSeqlens.shape[0] - 1), walk.begin_blk)
-        q_ready = cute.make_rmem_tensor(1, Int32)  # 1: the next segment's Q is already loading
+        # 1: the next segment's Q is already loading; 2: a Q load is in flight for a segment that
+        # had no block (a schedule made for other lengths): it lands before barQ is reused.
+        q_ready = cute.make_rmem_tensor(1, Int32)
         q_ready.fill(0)
         # The first segment's Q can load now, while the scalars above are still in flight. (A
         # part may lie wholly inside a request's overhead units: then it has no block at all.)
@@ -520,6 +522,11 @@ class MLADecodeSm90(DecodeKernel):
             if lo < hi:
                 n = hi - lo
                 split_idx = splitkv.split_index(walk, r)
+                if const_expr(not self.fast):
+                    if q_ready[0] == 2:  # (see the else branch)
+                        cute.arch.mbarrier_wait(barQ, phase[2])
+                        phase[2] = phase[2] ^ 1
+                        q_ready[0] = 0
                 # Everyone is done with the previous segment's buffers and smem statistics.
                 cute.arch.sync_threads()
                 if tidx < 32:
@@ -628,17 +635,18 @@ class MLADecodeSm90(DecodeKernel):
                 self._stamp(5)
                 self._stamp(9, 128)
             else:
-                if const_expr(not self.fast):
-                    if q_ready[0] == 1:
-                        # Only a schedule made for other lengths predicts a segment to be
-                        # non-empty that is not: the Q load lands before another reuses barQ.
-                        cute.arch.mbarrier_wait(barQ, phase[2])
-                        phase[2] = phase[2] ^ 1
-                q_ready[0] = 0
+                # No wait here, and no loop whose trip count differs between threads
+                # (splitkv.empty_segment): either makes ptxas treat the whole walk as possibly
+                # divergent. (Only the first segment's Q is loaded before its length is known.)
+                if q_ready[0] == 1:
+                    q_ready[0] = 2
                 splitkv.empty_segment(
                     walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * BLOCK_M,
                     cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M), self.d_h_q, tidx,
                     self.num_threads)
+        if const_expr(not self.fast):
+            if q_ready[0] == 2:
+                cute.arch.mbarrier_wait(barQ, phase[2])  # no TMA in flight when the CTA exits
         self._stamp("end")
 
     # ------------------------------------------------------------------------------------------

@@ -108,7 +108,11 @@ def empty_segment(p: Part, r: Int32, lo: Int32, L: Int32, pieces: Int32, slot0: 
         exist. Its lse slot gets +inf, which no partial can hold (a piece with keys has a
         finite lse, one without -inf); the combine reports the schedule and stops the launch
         (MLACombine.check_pieces). The decode kernels cannot print: a printf is a function
-        call, and ptxas then serialises every wgmma of the kernel (device_error.py)."""
+        call, and ptxas then serialises every wgmma of the kernel (device_error.py).
+    Every thread runs the store loop the same number of times (the store is predicated): a
+    loop whose trip count differs between threads, inside the SM90 walk's request loop, costs
+    ptxas its proof that the walk is warp-convergent (a WARPSYNC before each barrier and MMA,
+    the row-max shuffles behind divergence checks)."""
     if lo >= num_blocks(L) and pieces > 0:
         if r != p.end_req or lo < p.end_blk:
             if pieces > 1:
@@ -116,8 +120,11 @@ def empty_segment(p: Part, r: Int32, lo: Int32, L: Int32, pieces: Int32, slot0: 
                     mLSEacc[slot0 + split_index(p, r), row0 + tidx] = Float32.inf
             else:
                 zero = mO.element_type(0.0)
-                for i in cutlass.range(tidx, valid_rows * D_V, num_threads, unroll=1):
-                    mO[r, row0 + i // D_V, i % D_V] = zero
+                count = valid_rows * D_V
+                for j in cutlass.range(0, (count + num_threads - 1) // num_threads, unroll=1):
+                    i = j * num_threads + tidx
+                    if i < count:
+                        mO[r, row0 + i // D_V, i % D_V] = zero
                 if tidx < valid_rows:
                     g = row0 + tidx
                     mLSE[r, g % h_q, g // h_q] = Float32.inf
