@@ -47,16 +47,15 @@ for i in "${!pids[@]}"; do
 done
 echo "precompile: $((SECONDS - t0)) s for ${#names[@]} trees"
 
-# Bench: rounds x trees, each tree's own script over its own package (on PYTHONPATH: the
-# script's directory, not the tree, is first on sys.path; each log's first line says which).
+# Bench: rounds x trees, each tree's own script over its own package (run from the tree, so
+# the tree is first on sys.path; each log's first line says which package was imported).
+BENCH="import runpy, sys, torch_mla; print('# torch_mla from', torch_mla.__file__, flush=True)
+sys.argv[0] = 'benchmarks/bench_decode.py'; runpy.run_path(sys.argv[0], run_name='__main__')"
 for round in $(seq "$ROUNDS"); do
   for i in "${!names[@]}"; do
     log="$OUT/bench_${names[i]}_$round.log"
-    (cd "$OUT" && PYTHONPATH="${dirs[i]}:${PYTHONPATH:-}" python -c \
-       "import torch_mla; print('# torch_mla from', torch_mla.__file__)"
-     cd "${dirs[i]}" && PYTHONPATH="${dirs[i]}:${PYTHONPATH:-}" timeout 200 python \
-       benchmarks/bench_decode.py --no-check $ROWS) > "$log" 2>&1 \
-      || echo "bench ${names[i]} round $round failed: $log"
+    (cd "${dirs[i]}" && PYTHONPATH="${dirs[i]}:${PYTHONPATH:-}" timeout 200 python -c "$BENCH" \
+       --no-check $ROWS) > "$log" 2>&1 || echo "bench ${names[i]} round $round failed: $log"
     grep -m1 '^# torch_mla from' "$log"
   done
 done
