@@ -419,7 +419,12 @@ def test_gpu_equals_cpu(fmt):
                                    rtol=1e-3)
     idx = torch_mla.indexer_topk(cuda[0], cuda[1], cuda[2], cuda[4], cuda[5], 2048,
                                  index_scale=cuda[3])
-    check_selection(idx.cpu(), logits_fp64(q, w, cache, scale, table, L), table, L, 2048)
+    # The selection is a top-k of the logits it was made from: fp64's for bf16 keys; for e4m3
+    # keys the kernel's own (checked above), whose rounding reorders logits closer than 2e-3 of
+    # their magnitude (seen on the H200: neighbours 0.3% apart swapped).
+    order = (logits_fp64(q, w, cache, scale, table, L) if fmt == "bf16"
+             else got_logits.cpu().double())
+    check_selection(idx.cpu(), order, table, L, 2048)
 
 
 @pytest.mark.cuda

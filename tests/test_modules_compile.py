@@ -142,11 +142,15 @@ def test_compiled_generate_matches_transformers_and_stops_at_the_same_limit_as_e
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])
 
 
-def check_reduce_overhead_steps(hf, ours, ids, mask, max_len, ref_tol=5e-2):
+def check_reduce_overhead_steps(hf, ours, ids, mask, max_len, ref_tol=5e-2, hf_factor=None):
     """Six decode steps of the swapped bf16 model under mode="reduce-overhead" (warm-up,
     recording, then replays) against its eager steps and an fp32 copy of transformers' model,
     within a fraction of the logits' scale (eager 5e-2; fp32 ``ref_tol``); one graph, no CUDA
-    graph skipped."""
+    graph skipped. With ``hf_factor``, for models whose bf16 rounding alone moves the logits
+    further (a sparse model's selection parting from fp32's at near-ties), the fp32 bound is
+    instead transformers' own bf16 model's: each step's error (compiled and eager, which may
+    select differently too) within the larger of ``ref_tol`` and 2 * hf_factor times its error
+    that step, the mean over steps within hf_factor times its mean."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
@@ -158,6 +162,10 @@ def check_reduce_overhead_steps(hf, ours, ids, mask, max_len, ref_tol=5e-2):
         hf32 = copy.deepcopy(hf).float()
         hf_out = hf32(ids, attention_mask=mask, use_cache=True)
         hf_cache = hf_out.cache if hasattr(hf_out, "cache") else hf_out.past_key_values
+        if hf_factor is not None:
+            hf16_out = hf(ids, attention_mask=mask, use_cache=True)
+            hf16_cache = hf16_out.cache if hasattr(hf16_out, "cache") else hf16_out.past_key_values
+        errors = []  # (compiled, eager, transformers bf16) against fp32 a step, over the scale
         for _ in range(6):  # warm-up, recording, then replays
             new = torch.randint(2, VOCAB, (b, 1), device="cuda")
             mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
@@ -169,8 +177,18 @@ def check_reduce_overhead_steps(hf, ours, ids, mask, max_len, ref_tol=5e-2):
             scale = ref.abs().max().item()
             # bf16 through 2 layers: inductor's fusions round differently from eager (seen on
             # the H200: 2.2e-2 * scale at worst), so both are held to the fp32 reference's bound.
-            torch.testing.assert_close(out.float(), eager.float(), atol=5e-2 * scale, rtol=0)
-            torch.testing.assert_close(out.float(), ref, atol=ref_tol * scale, rtol=0)
+            if hf_factor is None:
+                torch.testing.assert_close(out.float(), eager.float(), atol=5e-2 * scale, rtol=0)
+                torch.testing.assert_close(out.float(), ref, atol=ref_tol * scale, rtol=0)
+                continue
+            hf16 = hf(new, attention_mask=mask, position_ids=pos, use_cache=True,
+                      **generate_kwargs(hf, hf16_cache)).logits
+            errors.append([(x.float() - ref).abs().max().item() / scale
+                           for x in (out, eager, hf16)])
+            assert max(errors[-1][:2]) <= max(ref_tol, 2 * hf_factor * errors[-1][2]), errors
+        if hf_factor is not None:
+            compiled_err, eager_err, hf_err = (sum(e) / len(errors) for e in zip(*errors))
+            assert max(compiled_err, eager_err) <= hf_factor * hf_err, errors
     assert torch.equal(compiled_cache.cache_seqlens, eager_cache.cache_seqlens)
     assert counters["inductor"]["cudagraph_skips"] == 0, dict(counters["inductor"])
     assert counters["stats"]["unique_graphs"] == 1, dict(counters["stats"])

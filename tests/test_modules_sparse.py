@@ -373,8 +373,10 @@ def test_gpu_reduce_overhead_decode_step_on_the_sparse_kernel():
     # bf16 with DeepSeek's latent (512 + 64): the sparse decode runs the portable sparse kernel
     # inside CUDA graphs, the indexer its logits kernel where there is one (else the reference),
     # both held to an fp32 copy of the model: the dense model's check (test_modules_compile.py),
-    # its bound against fp32 doubled for a bf16 indexer whose selection may part from fp32's at
-    # near-ties.
+    # its bound against fp32 set by transformers' own bf16 model (hf_factor): bf16 selections
+    # part from fp32's at near-ties (index_topk 64 of ~150 tokens), and transformers' bf16 model
+    # is itself up to 0.83 of the logits' scale off at a step (seen on the H200, where ours'
+    # largest error each step was within 6% of transformers').
     from test_modules_compile import check_reduce_overhead_steps
 
     hf, ours = compile_models(torch.bfloat16, "cuda", hidden_size=256, num_attention_heads=16,
@@ -382,7 +384,7 @@ def test_gpu_reduce_overhead_decode_step_on_the_sparse_kernel():
                               qk_rope_head_dim=64, qk_nope_head_dim=32, v_head_dim=32,
                               index_head_dim=128, index_topk=64)
     ids, mask = left_padded_prompts(4, 150, pads=(0, 37, 90, 3))
-    check_reduce_overhead_steps(hf, ours, ids.cuda(), mask.cuda(), 256, ref_tol=1e-1)
+    check_reduce_overhead_steps(hf, ours, ids.cuda(), mask.cuda(), 256, hf_factor=1.5)
 
 
 def test_e2e_benchmark_v32_runs_on_cpu_and_agrees_with_transformers(capsys):
