@@ -138,13 +138,35 @@ def forward_fn(model, cache):
     return step
 
 
+def hf_caches_expanded(model) -> bool:
+    """Whether transformers' attention caches the expanded K/V rather than the latents: its
+    forward updates the cache with ``key_states`` after ``expand_kv`` (DeepSeek-V3.2 in
+    transformers 5.17; 5.24 caches the latents)."""
+    import inspect
+
+    attn = model.model.layers[0].self_attn
+    return hasattr(attn, "expand_kv") and "update(key_states" in inspect.getsource(
+        type(attn).forward)
+
+
+def hf_layer_kv(model, layer: int, b, ctx, dims, dtype, device):
+    """What transformers' cache holds for the context's random latents of one layer, as (keys,
+    values) [b, heads, ctx, d]: the latents themselves (heads 1), or, where the attention caches
+    the expanded K/V (hf_caches_expanded), its ``expand_kv`` of them."""
+    kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
+    attn = model.model.layers[layer].self_attn
+    if hf_caches_expanded(model):
+        with torch.no_grad():
+            return attn.expand_kv(kv[:, None], pe[:, None])
+    return kv[:, None], pe[:, None]
+
+
 def hf_dynamic_cache(model, b, ctx, dims, dtype, device):
     from transformers import DynamicCache
 
     cache = DynamicCache(config=model.config)
     for layer in range(model.config.num_hidden_layers):
-        kv, pe = random_latents(layer, b, ctx, *dims, dtype, device)
-        cache.update(kv[:, None], pe[:, None], layer)
+        cache.update(*hf_layer_kv(model, layer, b, ctx, dims, dtype, device), layer)
         if index_dim(model):
             cache.update_indexer(random_index_keys(layer, b, ctx, index_dim(model), dtype,
                                                    device), layer)
@@ -156,10 +178,10 @@ def hf_static_cache(model, b, ctx, max_len, dims, dtype, device):
 
     cache = StaticCache(config=model.config, max_cache_len=max_len)
     for layer_idx, layer in enumerate(cache.layers):
-        kv, pe = random_latents(layer_idx, b, ctx, *dims, dtype, device)
-        layer.lazy_initialization(kv[:, None, :0], pe[:, None, :0])
-        layer.keys[:, 0, :ctx] = kv
-        layer.values[:, 0, :ctx] = pe
+        keys, values = hf_layer_kv(model, layer_idx, b, ctx, dims, dtype, device)
+        layer.lazy_initialization(keys[:, :, :0], values[:, :, :0])
+        layer.keys[:, :, :ctx] = keys
+        layer.values[:, :, :ctx] = values
         layer.cumulative_length.fill_(ctx)
         if index_dim(model):
             keys = random_index_keys(layer_idx, b, ctx, index_dim(model), dtype, device)
@@ -461,6 +483,7 @@ def main(argv=None) -> None:
 
         model = shard_model(model, mla_tp_plan(config))
     dims = (config.kv_lora_rank, config.qk_rope_head_dim)
+    hf_expands = hf_caches_expanded(model)
     log(f"built the model: {sum(p.numel() for p in model.parameters()) / 1e6:,.1f} M parameters")
 
     results: dict[tuple[int, int, str], dict] = {}
@@ -585,14 +608,18 @@ def main(argv=None) -> None:
                 f"{note} |")
     d = config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim
     el = torch.empty((), dtype=dtype).element_size()
-    lines += [
-        "",
-        f"Both caches hold one latent row per token and layer ({config.kv_lora_rank} + "
-        f"{config.qk_rope_head_dim} values); at every step transformers expands each cached "
-        f"token into {config.num_attention_heads} heads x {d} values of K and V "
-        f"({config.num_attention_heads * d * el * args.layers:,} bytes per token over all "
-        "layers), torch_mla attends to the latent directly (absorbed kv_b_proj).",
-    ]
+    expanded = (f"{config.num_attention_heads} heads x {d} values of K and V "
+                f"({config.num_attention_heads * d * el * args.layers:,} bytes per token over all "
+                "layers)")
+    latent = (f"one latent row per token and layer ({config.kv_lora_rank} + "
+              f"{config.qk_rope_head_dim} values)")
+    import transformers
+
+    lines += ["", (
+        f"transformers {transformers.__version__} caches each token expanded into {expanded}, "
+        f"torch_mla {latent}" if hf_expands else
+        f"Both caches hold {latent}; at every step transformers expands each cached token into "
+        f"{expanded}") + "; torch_mla attends to the latent directly (absorbed kv_b_proj)."]
     if v32:
         lines[-1] += (f" Both also hold an index key per token ({config.index_head_dim} values). "
                       "transformers' indexer scores every cached key in plain torch and masks the "
