@@ -313,11 +313,12 @@ def test_compiled_decode_step_is_one_graph_and_matches_eager():
     assert len(graphs) == 2, f"{len(graphs)} graphs"
     ops = [str(n.target) for n in graphs[0].graph.nodes
            if n.op == "call_function" and "torch_mla" in str(n.target)]
-    # The sparse schedule once per step, shared by the layers; per layer the latent append (the
-    # index keys' is plain torch ops), the indexer, the sparse decode between the absorbed
-    # projections.
+    # The sparse schedule once per step, shared by the layers; per layer the latent and index-key
+    # appends (each one op, writing its cache in place), the indexer, the sparse decode between
+    # the absorbed projections.
     assert ops == ["torch_mla.get_decode_schedule"] + [
-        "torch_mla.append_kv", "torch_mla.indexer_topk", "torch_mla._head_matmul",
+        "torch_mla.append_kv", "torch_mla.append_index_keys", "torch_mla.indexer_topk",
+        "torch_mla._head_matmul",
         "torch_mla.mla_decode_sparse", "torch_mla._head_matmul"] * 2
 
 

@@ -16,3 +16,8 @@ def _indexer_logits_fake(q, weights, index_cache, index_scale, block_table, cach
 def _indexer_topk_fake(q, weights, index_cache, index_scale, block_table, cache_seqlens, topk):
     b, s_q = q.shape[:2]
     return q.new_empty((b, s_q, topk), dtype=torch.int32)
+
+
+@torch.library.register_fake("torch_mla::append_index_keys")
+def _append_index_keys_fake(index_cache, k, slot_mapping, index_scale=None):
+    return None

@@ -62,18 +62,19 @@ def _rows_16b(x: torch.Tensor) -> torch.Tensor:
 lib.impl("append_kv", _append_impl, "CompositeExplicitAutograd")
 
 
-class _ForwardOnlyWrite(torch.autograd.Function):
-    """Marks kv_cache as written from the sources: a backward through it raises."""
+class ForwardOnlyWrite(torch.autograd.Function):
+    """Marks a cache as written from the sources by the op named ``op``: a backward through it
+    raises."""
 
     @staticmethod
-    def forward(ctx, kv_cache, *sources):
-        ctx.mark_dirty(kv_cache)
-        ctx.like = grad_like(sources)
-        return kv_cache
+    def forward(ctx, op, cache, *sources):
+        ctx.mark_dirty(cache)
+        ctx.like, ctx.op = grad_like(sources), op
+        return cache
 
     @staticmethod
     def backward(ctx, grad):
-        return (None, *forward_only_grads(grad, ctx.like, "append_kv"))
+        return (None, None, *forward_only_grads(grad, ctx.like, ctx.op))
 
 
 def _append_autograd(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
@@ -82,7 +83,7 @@ def _append_autograd(kv_cache, kv_c, k_pe, slot_mapping, kv_scale=None) -> None:
         torch.ops.torch_mla.append_kv(kv_cache, kv_c, k_pe, slot_mapping, kv_scale)
     if torch.is_grad_enabled() and (kv_cache.requires_grad or kv_c.requires_grad
                                     or k_pe.requires_grad):
-        _ForwardOnlyWrite.apply(kv_cache, kv_c, k_pe)
+        ForwardOnlyWrite.apply("append_kv", kv_cache, kv_c, k_pe)
 
 
 lib.impl("append_kv", _append_autograd, "Autograd")

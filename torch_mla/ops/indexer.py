@@ -23,6 +23,7 @@ from ..reference_indexer import (
     slots_of_positions,
 )
 from . import dispatch
+from .cache import ForwardOnlyWrite
 from .checks import FP8, check_decode_values, check_slot_values, checks_values
 from .checks_indexer import check_append_index_args, check_indexer_args
 from .indexer_kernel import indexer_logits_sm90
@@ -229,9 +230,18 @@ def append_index_keys(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
             are skipped: padding; slots >= 0 distinct).
         index_scale: float32 [num_blocks, 64], written at the same slots; None for a float cache.
 
-    Torch ops on every device, no host sync (CUDA-graph capturable, compiles with fullgraph).
+    Torch ops on every device, no host sync (CUDA-graph capturable, compiles with fullgraph:
+    under torch.compile the op ``torch_mla::append_index_keys``, which writes the rows in place).
+    Forward-only, as append_kv: the keys may require grad, a backward through the cache raises.
     """
     check_append_index_args(index_cache, k, slot_mapping, index_scale)
+    if torch.compiler.is_compiling() or (torch.is_grad_enabled() and k.requires_grad):
+        torch.ops.torch_mla.append_index_keys(index_cache, k, slot_mapping, index_scale)
+    else:
+        _append_index_impl(index_cache, k, slot_mapping, index_scale)
+
+
+def _append_index_impl(index_cache, k, slot_mapping, index_scale=None) -> None:
     # (is_compiling first: dynamo cannot trace checks_values' stream-capture query)
     if not torch.compiler.is_compiling() and slot_mapping.shape[0] > 0 \
             and checks_values(slot_mapping):
@@ -248,6 +258,17 @@ def append_index_keys(index_cache: torch.Tensor, k: torch.Tensor, slot_mapping: 
                         slot_mapping)
     scale = scale[:, None]
     append_kv_reference(index_scale.view(nb, page, 1, 1), scale, scale[:, :0], slot_mapping)
+
+
+def _append_index_autograd(index_cache, k, slot_mapping, index_scale=None) -> None:
+    with torch._C._AutoDispatchBelowAutograd():
+        torch.ops.torch_mla.append_index_keys(index_cache, k, slot_mapping, index_scale)
+    if torch.is_grad_enabled() and (index_cache.requires_grad or k.requires_grad):
+        ForwardOnlyWrite.apply("append_index_keys", index_cache, k)
+
+
+lib.impl("append_index_keys", _append_index_impl, "CompositeExplicitAutograd")
+lib.impl("append_index_keys", _append_index_autograd, "Autograd")
 
 
 def index_cache_bytes_per_token(index_head_dim: int, dtype: torch.dtype) -> int:
