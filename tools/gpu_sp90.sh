@@ -13,25 +13,14 @@
 #   bench       benchmarks/bench_decode.py --sparse on the SM90 kernel, FlashMLA's sparse decode
 #               timed beside it when .peers/flashmla-sm90-sparse holds it
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
-# "ERROR SUMMARY: 0 errors"; the bench log's first line is "# sparse kernel: sm90".
+# "ERROR SUMMARY: 0 errors"; the bench log has "# sparse kernel: sm90" and a row per configuration.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=$(pwd)
 export PYTHONUNBUFFERED=1
 summary=()
 
-# run NAME TIMEOUT CMD...: CMD's output to $OUT/NAME.log (and its tail here), its status and
-# time to the summary.
-run() {
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "== $name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 15 "$OUT/$name.log"
-  summary+=("$(printf '%-10s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$OUT/$name.log")")
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # run
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [[ -d .peers/flashmla-sm90-sparse ]]; then
@@ -48,7 +37,7 @@ if command -v compute-sanitizer > /dev/null; then
   run memcheck 60 env TORCH_MLA_SPARSE_SM90=1 compute-sanitizer --tool memcheck \
     python -m tools.sparse_memcheck
 else
-  summary+=("memcheck   skipped: no compute-sanitizer on PATH")
+  summary+=("memcheck         skipped: no compute-sanitizer on PATH")
 fi
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 run bench 100 env TORCH_MLA_SPARSE_SM90=1 python benchmarks/bench_decode.py --sparse
