@@ -13,7 +13,8 @@
 #   bench       benchmarks/bench_decode.py --sparse on the SM90 kernel, FlashMLA's sparse decode
 #               timed beside it when .peers/flashmla-sm90-sparse holds it
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
-# "ERROR SUMMARY: 0 errors"; the bench log has "# sparse kernel: sm90" and a row per configuration.
+# "ERROR SUMMARY: 0 errors"; the bench log has "# sparse kernel: sm90" and a row per
+# configuration.
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 ROOT=$(pwd)
