@@ -26,6 +26,7 @@ import torch
 import torch_mla
 from torch_mla.constants import PAGE_SIZE
 from torch_mla.devtools import breakdown_us
+from torch_mla.ops.sparse import sparse_backend
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
     ANCHORS,
@@ -104,6 +105,11 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
 
 
 def main_sparse(flash_mla) -> None:
+    # The kernel mla_decode_sparse picks (TORCH_MLA_SPARSE_SM90=1: the SM90 one on an H200).
+    q = torch.empty(1, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
+    kernel, why = sparse_backend(q, torch.empty(1, PAGE_SIZE, 1, 576, dtype=q.dtype,
+                                                device="cuda"), 512)
+    print(f"# sparse kernel: {kernel}{' (' + why + ')' if why else ''}")
     print("| b | s_q | h_q | topk | us | TFLOP/s | GB/s | % matmul | % copy | FlashMLA fp8 us "
           "(same run) | FlashMLA / ours |")
     print("|---|---|---|---|---|---|---|---|---|---|---|")

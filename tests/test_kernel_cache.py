@@ -325,9 +325,15 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 1 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
-    # portable steps, fp8 steps, the sparse step, decode, combine, append_kv; fast-mode fp8
-    # steps (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
+        == 1 + 2 * (2 * 2 + 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
+    # portable steps, fp8 steps, the sparse steps (portable, SM90), decode, combine, append_kv;
+    # fast-mode fp8 steps (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an
+    # e4m3 cache
+    # The SM90 sparse step only for sm_90a (its run is opt-in: TORCH_MLA_SPARSE_SM90=1).
+    assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
+        ("sparse_step_sm80", {"dtype": "fp16"}), ("sparse_step_sm90", {"dtype": "fp16"})]
+    assert registry.SparseStepConfig("sm90", "bf16").entry == \
+        "sm90_sparse_decode:compile_sparse_step"
     fp8_append = {arch: sorted((v.config.source, v.config.slot) for v in registry.variants(
         ["bf16"], (False,), ["append_kv"], arch) if v.config.cache == "e4m3")
         for arch in ("sm_80", "sm_86", "sm_89", "sm_90a", "sm_100a", "sm_120a")}

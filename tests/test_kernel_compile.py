@@ -106,6 +106,63 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert comb["ld.global.nc"] == 0, comb
 
 
+SPARSE_SCRIPT = r"""
+import glob, json, os, re, sys
+from torch_mla.ops import registry
+registry.build(registry.SparseStepConfig("sm90", sys.argv[1]), "sm_90a")
+counts = {"decode": {}, "combine": {}}
+entries = {"decode": 0, "combine": 0}
+for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+    for ptx in open(f).read().split(".entry ")[1:]:
+        name = ptx.split("(", 1)[0]
+        kind = "decode" if "MLASparseDecodeSm90" in name else "combine"
+        assert kind == "decode" or "MLASparseCombine" in name, name
+        entries[kind] += 1
+        for k in ["wgmma.mma_async", "wgmma.mma_async.*bf16", "wgmma.mma_async.*f16.f16",
+                  r"cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx",
+                  "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx", "elect.sync",
+                  "shfl.sync.idx", "stmatrix", "ldmatrix",
+                  "cp.async.bulk.global", "griddepcontrol.launch_dependents", "ld.local",
+                  "st.local", r"call.uni \(retval0\), vprintf", "trap;", "%globaltimer"]:
+            counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
+assert entries == {"decode": 1, "combine": 3}, entries
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
+def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
+    """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
+    kernel's 16-bit MMAs, its cache tiles gathered by one 3-d TMA copy (1 row x 64 columns,
+    completing on the tile's mbarrier) per key row, issued by an elected lane with the slots
+    shuffled across the loading warp; the sparse combine's checks; no local memory, no call in
+    the decode kernel."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", SPARSE_SCRIPT, dtype], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    counts = json.loads(res.stdout.strip().splitlines()[-1])
+    dec, comb = counts["decode"], counts["combine"]
+    mma = dec["wgmma.mma_async.*bf16" if dtype == "bf16" else "wgmma.mma_async.*f16.f16"]
+    assert mma == dec["wgmma.mma_async"] >= 100, dec
+    # Per-row copies: a loop over 32 lanes' slots, unrolled 4 times, two rows (lane, lane + 32)
+    # an iteration, for each tile of each load site; Q's (4-d: tokens and requests are two
+    # modes of the folded view) are the only other TMA loads.
+    rows = dec[r"cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx"]
+    assert rows > 0 and rows % 8 == 0, dec
+    assert dec["cp.async.bulk.tensor"] - rows == 27, dec  # Q: 9 boxes, 3 load sites
+    assert dec["elect.sync"] >= rows and dec["shfl.sync.idx"] >= 2 * rows, dec
+    assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
+    assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
+    assert dec["ld.local"] == dec["st.local"] == dec["%globaltimer"] == 0, dec
+    assert dec[r"call.uni \(retval0\), vprintf"] == dec["trap;"] == 0, dec
+    # the sparse combine (sm80_sparse_decode.MLASparseCombine): topk_length, a bad entry, a
+    # schedule for other lengths, in each of the 3 variants
+    assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 3, comb
+    assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
+
+
 INDEXER_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry

@@ -312,6 +312,25 @@ def test_schedule_is_the_dense_one_over_each_tokens_entry_count():
         assert torch.equal(got.num_splits, want.num_splits)
 
 
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_86", "sm_100a"])
+def test_sm90_kernel_only_on_sm90a_with_the_flag(monkeypatch, arch):
+    # The SM90 sparse kernel has not run on a GPU: never picked without TORCH_MLA_SPARSE_SM90=1,
+    # and only on sm_90a (the arch lookup stubbed: no GPU needed).
+    from torch_mla.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    q = torch.empty(1, 1, 16, 576, dtype=torch.bfloat16)
+    cache = torch.empty(2, 64, 1, 576, dtype=torch.bfloat16)
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
+    want = "sm90" if arch == "sm_90a" else "sm80"
+    assert sparse_ops.sparse_backend(q, cache, 512) == (want, "")
+    # (the FP8 formats still run the reference)
+    assert sparse_ops.sparse_backend(q, cache.to(torch.float8_e4m3fn), 512)[0] == "reference"
+
+
 # ---- the 656-byte layout: quantization, dequantization, append ---------------------------------
 
 def test_scale_rule_is_a_power_of_two_rounded_up():

@@ -1,5 +1,6 @@
-"""The sparse decode kernel (cute_kernels/sm80_sparse_decode.py, the portable kernel's gather
-path) on a GPU, against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
+"""The sparse decode kernels on a GPU, each test for both: the portable kernel's gather path
+(cute_kernels/sm80_sparse_decode.py) and the SM90 one (cute_kernels/sm90_sparse_decode.py,
+H100/H200 only, opt-in by TORCH_MLA_SPARSE_SM90=1, which the "sm90" cases set), against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
 topk, repeated and -1 entries, topk_length 0 and partial (garbage past it), NaN in every slot
 no entry names, splits over the entries, the sink, CUDA-graph replays with new indices, and the
 device-side message for a bad entry."""
@@ -24,6 +25,18 @@ from torch_mla.ops import sparse as sparse_ops
 from torch_mla.testing import DECODE_TOL, LSE_TOL
 
 pytestmark = pytest.mark.cuda
+
+@pytest.fixture(params=["sm80", "sm90"])
+def backend(request, monkeypatch):
+    """The kernel mla_decode_sparse runs: "sm90" sets TORCH_MLA_SPARSE_SM90=1 (sm_90a only)."""
+    if request.param == "sm90":
+        if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
+            pytest.skip("the SM90 sparse kernel needs compute capability 9.0")
+        monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
+    else:
+        monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    return request.param
+
 
 GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
 
@@ -68,40 +81,40 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None):
     return out, lse
 
 
-def test_the_kernel_runs_not_the_reference():
+def test_the_kernel_runs_not_the_reference(backend):
     q, cache, idx, lens, _ = _case(16, 1, 64)
-    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
+    assert sparse_ops.sparse_backend(q, cache, 512) == (backend, "")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
 
 
 @pytest.mark.parametrize("h_q,s_q,topk", GRID)
-def test_grid_matches_fp64(h_q, s_q, topk):
+def test_grid_matches_fp64(backend, h_q, s_q, topk):
     q, cache, idx, lens, _ = _case(h_q, s_q, topk)
     check_against_fp64(q, cache, idx, lens)
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp16"])
 @pytest.mark.parametrize("sink", [False, True])
-def test_formats_and_sink(fmt, sink):
+def test_formats_and_sink(backend, fmt, sink):
     q, cache, idx, lens, attn_sink = _case(32, 2, 256, fmt, b=3, sink=sink)
     check_against_fp64(q, cache, idx, lens, attn_sink)
 
 
 @pytest.mark.parametrize("b,topk", [(1, 16384), (2, 4096), (64, 2048), (128, 512)])
-def test_splits_and_long_rows(b, topk):
+def test_splits_and_long_rows(backend, b, topk):
     # Few requests: each token's entries are cut across parts and merged by the combine.
     q, cache, idx, lens, _ = _case(64, 1, topk, b=b, num_blocks=64)
     check_against_fp64(q, cache, idx, lens)
 
 
-def test_no_topk_length_and_odd_topk():
+def test_no_topk_length_and_odd_topk(backend):
     q, cache, idx, _, _ = _case(8, 2, 100, lengths=False)
     check_against_fp64(q, cache, idx, None)
 
 
-def test_zero_lengths_and_all_minus_one():
+def test_zero_lengths_and_all_minus_one(backend):
     q, cache, idx, lens, _ = _case(16, 2, 128, b=3)
     lens[1] = 0
     idx[2, 1] = -1
@@ -110,7 +123,7 @@ def test_zero_lengths_and_all_minus_one():
     assert (out[2, 1] == 0).all() and (lse[2, :, 1] == float("inf")).all()
 
 
-def test_cuda_graph_replays_new_indices():
+def test_cuda_graph_replays_new_indices(backend):
     cache, _ = make_cache(8, "bf16", torch.ones(8 * PAGE, dtype=torch.bool))
     cache = cache.cuda()
     static = [torch.randn(4, 2, 16, 576, device="cuda").bfloat16(),
@@ -155,9 +168,20 @@ torch.cuda.synchronize()
 """
 
 
-def test_bad_entry_stops_with_a_message():
+def test_bad_entry_stops_with_a_message(backend):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", BAD], cwd=root, capture_output=True, text=True,
-                         timeout=600)
+                         timeout=600, env=dict(os.environ))
     assert res.returncode != 0
     assert "indices[0, 1, 5] = 128 is not a cache slot" in res.stdout + res.stderr, res
+
+
+@pytest.mark.parametrize("h_q", [63, 65, 100])
+def test_m_block_edges_and_every_entry_kind(backend, h_q):
+    # Rows across two 64-row m-blocks (the second partial), entries -1, repeated, in the
+    # request's last partial block, and topk_length cutting a block.
+    q, cache, idx, lens, _ = _case(h_q, 3, 200, b=3)
+    idx[0, :, 7] = idx[0, :, 3]
+    idx[2, 2, 150:] = -1
+    lens[2] = 131
+    check_against_fp64(q, cache, idx, lens)

@@ -26,18 +26,7 @@ export PYTHONUNBUFFERED=1
 stages=${*:-precompile record bench tests}
 summary=()
 
-# run NAME TIMEOUT CMD...: CMD's output to $OUT/NAME.log (and its tail here), its status and
-# time to the summary.
-run() {
-  local name=$1 limit=$2; shift 2
-  local t0=$SECONDS
-  echo "== $name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
-  local rc=$?
-  tail -n 15 "$OUT/$name.log"
-  summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$OUT/$name.log")")
-  return $rc
-}
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # run
 
 # precompile_tree NAME DIR: every variant the record stage runs, of the torch_mla in DIR (run
 # from DIR: `python -m` puts the working directory first on sys.path), one process per

@@ -587,7 +587,9 @@ def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: i
     iq = torch.empty(1, 1, config.index_n_heads, config.index_head_dim, dtype=dtype, device=device)
     logits = ("a kernel" if find_indexer_kernel(iq, iq.new_empty(1, 64, iq.shape[3])) is not None
               else "the reference")
-    what = "the portable sparse kernel" if name == "sm80" else f"the reference ({why})"
+    what = {"sm80": "the portable sparse kernel",
+            "sm90": "the SM90 sparse kernel (TORCH_MLA_SPARSE_SM90=1)"}.get(
+        name, f"the reference ({why})")
     return f"sparse decode {name}", (f"mla_decode_sparse on {what}; the indexer's logits on "
                                      f"{logits}, its top-k by torch.topk")
 

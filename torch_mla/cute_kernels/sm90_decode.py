@@ -333,6 +333,8 @@ class MLADecodeSm90(DecodeKernel):
 
         smem = cutlass.utils.SmemAllocator()
         storage = smem.allocate(self.shared_storage)
+        # (for the sparse subclass's hooks: its bias rows, topk_length)
+        self.d_storage, self.d_tensors = storage, tensors
         sw = sQ_layout.inner
         # Device-side handles for the helper methods below (IR values of this kernel's region).
         self.d_swizzle = sw
@@ -406,11 +408,7 @@ class MLADecodeSm90(DecodeKernel):
                 )
                 tKsK.append(tKsK_h)
         else:
-            sK_tiles = cute.flat_divide(sK_tma, (PAGE_SIZE, 64))  # (64, 64, 1, 9, 2)
-            tKsK, tKgK = cpasync.tma_partition(
-                tma_k, 0, cute.make_layout(1),
-                cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
-            )
+            tKsK, tKgK = self._cache_partitions(tma_k, tma_mKV, sK_tma)
         q_scale = Float32(1.0)
         if const_expr(self.kv_fp8):
             # Folded scales (see _prepare): read once, no host synchronisation.
@@ -494,7 +492,7 @@ class MLADecodeSm90(DecodeKernel):
         # loaded one segment ahead so that their latency hides behind the previous segment.
         req = cute.make_rmem_tensor(5, Int32)
         self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
-                           cutlass.min(walk.begin_req, mSeqlens.shape[0] - 1), walk.begin_blk)
+                           cutlass.min(walk.begin_req, cute.size(mSeqlens) - 1), walk.begin_blk)
         # 1: the next segment's Q is already loading; 2: a Q load is in flight for a segment that
         # had no block (a schedule made for other lengths): it lands before barQ is reused.
         q_ready = cute.make_rmem_tensor(1, Int32)
@@ -516,7 +514,7 @@ class MLADecodeSm90(DecodeKernel):
             nb_req = splitkv.num_blocks(L)
             # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
             # id never reads outside the cache.
-            lo, hi = splitkv.segment(walk, r, L, mBlockTable.shape[1], pieces)
+            lo, hi = splitkv.segment(walk, r, L, self._table_blocks(mBlockTable), pieces)
             r_next = cutlass.min(r + 1, walk.end_req)
             self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
             if lo < hi:
@@ -621,7 +619,8 @@ class MLADecodeSm90(DecodeKernel):
                 # The next segment's Q can load while this one's output is written.
                 next_q = cutlass.Boolean(False)
                 if r + 1 <= walk.end_req:
-                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0], mBlockTable.shape[1],
+                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0],
+                                                       self._table_blocks(mBlockTable),
                                                        req[4] - req[3])
                     next_q = lo_next < hi_next
                 q_ready[0] = 0
@@ -648,6 +647,18 @@ class MLADecodeSm90(DecodeKernel):
             if q_ready[0] == 2:
                 cute.arch.mbarrier_wait(barQ, phase[2])  # no TMA in flight when the CTA exits
         self._stamp("end")
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
+        """TMA partitions of the 16-bit cache's copies, as _load_tiles indexes them: the
+        buffers' tiles (TMA, 1, 9 tiles, 2 buffers) and the cache's (TMA, 9 tiles, pages)."""
+        gK_tiles = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
+        sK_tiles = cute.flat_divide(sK_tma, (PAGE_SIZE, 64))  # (64, 64, 1, 9, 2)
+        return cpasync.tma_partition(
+            tma_k, 0, cute.make_layout(1),
+            cute.group_modes(sK_tiles, 0, 2), cute.group_modes(gK_tiles, 0, 2),
+        )
 
     # ------------------------------------------------------------------------------------------
     def _stamp(self, event, who: int = 0, i=None) -> None:
@@ -800,8 +811,10 @@ class MLADecodeSm90(DecodeKernel):
         warpgroup.commit_group()
 
     @cute.jit
-    def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32):
-        """-inf for keys at or past each row's horizon (only where this block reaches one)."""
+    def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
+              s: cutlass.Constexpr[int]):
+        """-inf for keys at or past each row's horizon (only where this block reaches one);
+        s: the buffer block blk is in (the sparse subclass masks by it)."""
         base = blk * PAGE_SIZE
         if base + PAGE_SIZE > min_border:
             softmax.mask_keys(acc_S, base, border[0], border[1],
@@ -1016,10 +1029,10 @@ class MLADecodeSm90(DecodeKernel):
         self._stamp("pair", 0, i)
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
-        page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
-        page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
+        page2 = self._page(mBlockTable, r, cutlass.min(blk0 + 2, last))
+        page3 = self._page(mBlockTable, r, cutlass.min(blk0 + 3, last))
         tail = L % PAGE_SIZE
-        self._mask(acc_S, blk0, border, min_border, c0)
+        self._mask(acc_S, blk0, border, min_border, c0, 0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
         cute.arch.sync_warp()
         if wtid % 4 == 0:
@@ -1114,12 +1127,12 @@ class MLADecodeSm90(DecodeKernel):
         """WG1's share of pair i; has1/has3: blocks 2i+1 and 2i+3 exist (compile-time)."""
         blk0 = lo + 2 * i
         last = lo + n - 1
-        page2 = mBlockTable[r, cutlass.min(blk0 + 2, last)]
-        page3 = mBlockTable[r, cutlass.min(blk0 + 3, last)]
+        page2 = self._page(mBlockTable, r, cutlass.min(blk0 + 2, last))
+        page3 = self._page(mBlockTable, r, cutlass.min(blk0 + 3, last))
         tail = L % PAGE_SIZE
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
         if const_expr(has1):
-            self._mask(acc_S, blk0 + 1, border, min_border, c0)
+            self._mask(acc_S, blk0 + 1, border, min_border, c0, 1)
         else:
             acc_S.fill(-Float32.inf)
         m_new, m_use, scale1 = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -1263,15 +1276,25 @@ class MLADecodeSm90(DecodeKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._stamp(8)
 
+    def _table_blocks(self, mBlockTable) -> Int32:
+        """How many 64-key blocks the table's rows cover (the walk stops there)."""
+        return mBlockTable.shape[1]
+
+    @cute.jit
+    def _page(self, mBlockTable, r: Int32, blk: Int32) -> Int32:
+        """What _load_tiles takes for block blk of request r: its cache page (the sparse
+        subclass: the block itself, see there)."""
+        return mBlockTable[r, blk]
+
     @cute.jit
     def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):
         """req <- (L, pages lo and lo + 1, slot range start and end) of request r (loads only:
         the values are read a segment later). Page indices are clamped to the table's row."""
-        last_col = mBlockTable.shape[1] - 1
+        last_col = self._table_blocks(mBlockTable) - 1
         req[0] = mSeqlens[r]
         if last_col >= 0:
-            req[1] = mBlockTable[r, cutlass.min(lo, last_col)]
-            req[2] = mBlockTable[r, cutlass.min(lo + 1, last_col)]
+            req[1] = self._page(mBlockTable, r, cutlass.min(lo, last_col))
+            req[2] = self._page(mBlockTable, r, cutlass.min(lo + 1, last_col))
         req[3] = mNumSplits[r]
         req[4] = mNumSplits[r + 1]
 

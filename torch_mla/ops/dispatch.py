@@ -61,6 +61,8 @@ def _env_flag(name: str):
 
 _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
+# TORCH_MLA_SPARSE_SM90=1: the SM90 sparse decode kernel on sm_90a (not yet run on a GPU).
+sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 

@@ -146,14 +146,15 @@ class DecodeConfig(DecodeStepConfig):
 @dataclasses.dataclass(frozen=True)
 class SparseStepConfig(_Config):
     """Sparse decode and its combine behind one host call (mla_decode_sparse;
-    cute_kernels/sm80_sparse_decode.py): backend "sm80" (the portable kernel, any arch from
-    sm_80), dtype "bf16" or "fp16" (q's, the cache's and out's)."""
+    cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
+    from sm_80) or "sm90" (the wgmma/TMA kernel, sm_90a; opt-in, TORCH_MLA_SPARSE_SM90=1),
+    dtype "bf16" or "fp16" (q's, the cache's and out's)."""
 
     backend: str
     dtype: str
 
     def __post_init__(self):
-        if self.backend != "sm80" or self.dtype not in ("bf16", "fp16"):
+        if self.backend not in ("sm80", "sm90") or self.dtype not in ("bf16", "fp16"):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}")
 
@@ -164,7 +165,9 @@ class SparseStepConfig(_Config):
     def key(self) -> dict:
         return {"dtype": self.dtype}
 
-    entry: ClassVar[str] = "sm80_sparse_decode:compile_sparse_step"
+    @property
+    def entry(self) -> str:
+        return f"{self.backend}_sparse_decode:compile_sparse_step"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -266,8 +269,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     SM90 kernel on sm_90a, the portable one elsewhere; "portable" adds the portable step on
     sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
     cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
-    float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch), the
-    schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
+    float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
+    sm_90a the SM90 one), the schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
     SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64 slots; "decode"
     and "combine" alone serve benchmarks."""
     out = []
@@ -288,6 +291,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                         for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
+            if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)
+                out.append(SparseStepConfig("sm90", dt))
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

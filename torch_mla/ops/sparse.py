@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import warnings
+from functools import partial
 
 import torch
 
@@ -34,7 +35,8 @@ def _sparse_schedule_args(sched_metadata, num_splits, q):
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm80" (the portable sparse kernel) or "reference", for validated
+    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: sm_90a with
+    TORCH_MLA_SPARSE_SM90=1 only, it has not run on a GPU yet) or "reference", for validated
     inputs on a CUDA device; reason says why the reference runs."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
@@ -51,6 +53,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         return "reference", (f"the sparse kernel takes d_qk {D_QK}, d_v {D_V} and pages of "
                              f"{PAGE_SIZE} tokens, got {q.shape[-1]}, {d_v}, "
                              f"{kv_cache.shape[1]}")
+    if arch == registry.SM90_ARCH and dispatch.sparse_sm90_enabled():
+        return "sm90", ""
     return "sm80", ""
 
 
@@ -58,8 +62,10 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     """A callable running the sparse decode kernel for these inputs, or None (the reference).
 
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
-    (bf16/fp16); the FP8 formats run the reference, which warns once per reason (it gathers
-    every key in float32 and is far slower than a kernel). A kernel is called as
+    (bf16/fp16), or on sm_90a with TORCH_MLA_SPARSE_SM90=1 the SM90 kernel
+    (cute_kernels/sm90_sparse_decode.py, not yet run on a GPU); the FP8 formats run the
+    reference, which warns once per reason (it gathers every key in float32 and is far slower
+    than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
     softmax_scale, d_v, kv_scale)`` on validated arguments and returns ``(out, lse)`` as
     :func:`torch_mla.mla_decode_sparse` documents; it checks the index values itself (its
@@ -67,8 +73,8 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     if not q.is_cuda:
         return None
     name, reason = sparse_backend(q, kv_cache, d_v)
-    if name == "sm80":
-        return run_sparse_sm80
+    if name in ("sm80", "sm90"):
+        return partial(run_sparse_step, name)
     if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)
         warnings.warn("torch_mla.mla_decode_sparse runs the slow plain-PyTorch reference on this "
@@ -77,8 +83,8 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_step(dtype: torch.dtype, arch: str):
-    return registry.compiled(registry.SparseStepConfig("sm80", registry.dtype_name(dtype)), arch)
+def _sparse_step(backend: str, dtype: torch.dtype, arch: str):
+    return registry.compiled(registry.SparseStepConfig(backend, registry.dtype_name(dtype)), arch)
 
 
 def _rows16(t: torch.Tensor) -> torch.Tensor:
@@ -90,18 +96,18 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def run_sparse_sm80(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
-                    softmax_scale: float, d_v: int, kv_scale=None):
-    """The portable sparse decode step (decode, then combine) on validated arguments; the
-    sink, if any, scales the output afterwards. Allocates nothing whose size depends on data
-    (CUDA-graph safe)."""
+def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
+                    sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
+    """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one;
+    decode, then combine) on validated arguments; the sink, if any, scales the output
+    afterwards. Allocates nothing whose size depends on data (CUDA-graph safe)."""
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
-            return run_sparse_sm80(q, kv_cache, indices, topk_length, attn_sink, sched_metadata,
-                                   num_splits, softmax_scale, d_v, kv_scale)
+            return run_sparse_step(backend, q, kv_cache, indices, topk_length, attn_sink,
+                                   sched_metadata, num_splits, softmax_scale, d_v, kv_scale)
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    step = _sparse_step(q.dtype, dispatch.device_arch(q.device.index))
+    step = _sparse_step(backend, q.dtype, dispatch.device_arch(q.device.index))
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
     parts = sched_metadata.shape[0]
@@ -117,6 +123,9 @@ def run_sparse_sm80(q, kv_cache, indices, topk_length, attn_sink, sched_metadata
     if attn_sink is not None:
         out = apply_attn_sink(out, lse, attn_sink)
     return out, lse
+
+
+run_sparse_sm80 = partial(run_sparse_step, "sm80")
 
 
 def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
