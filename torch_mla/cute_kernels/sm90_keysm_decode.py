@@ -73,6 +73,9 @@ PAGE_ELEMS = PAGE_SIZE * D_QK
 # Named barrier ids (0 is __syncthreads).
 NB_CONSUMERS = 1  # every consumer thread: a page buffer prepared (expanded, tail zeroed)
 NB_WG = 2  # + consumer warpgroup index: its column maxima / sums exchanged, its P^T written
+# setmaxnreg with two consumer warpgroups (384 threads): producer, consumers (40 x 128 + 232 x 256
+# <= 64K registers).
+REGS = (40, 232)
 
 
 def columns_for(rows: int) -> int | None:
@@ -142,7 +145,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
         self.kv_fp8 = bool(kv_fp8)
         self.block_m = columns  # query rows a CTA (DecodeKernel's grid)
         self.consumers, self.n_wg = plan(columns)
-        self.num_threads = 128 * self.consumers + 32  # + the producer warp
+        # + the producer warp; with two consumer warpgroups a whole producer warpgroup, whose
+        # registers setmaxnreg hands to the consumers (REGS: 288 threads would cap every thread
+        # at 168 registers, and O^T alone takes 128).
+        self.num_threads = 128 * self.consumers + (32 if self.consumers == 1 else 128)
         self.stages = stages(columns, self.kv_fp8)
         # 16-bit page buffers the MMAs read: the ring itself, or one work buffer (fp8)
         self.buffers = 1 if self.kv_fp8 else self.stages
@@ -274,20 +280,25 @@ class MLADecodeSm90KeysM(DecodeKernel):
             stride=(self.n_wg, 1, 4 * self.n_wg, 4 * self.n_wg * self.consumers)))
 
         walk = splitkv.read_part(tensors.metadata, part)
-        if warp == 4 * self.consumers:
-            # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
-            if const_expr(self.kv_fp8):
-                k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
-                sK_tma = cute.make_tensor(k8, cute.make_layout(
-                    (PAGE_SIZE, 64, 1, N_TILES, self.stages),
-                    stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
-            else:
-                sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
-            self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
-                           bar_full, bar_empty, bar_q)
+        if warp >= 4 * self.consumers:
+            if const_expr(self.consumers > 1):
+                cute.arch.setmaxregister_decrease(REGS[0])
+            if warp == 4 * self.consumers:
+                # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
+                if const_expr(self.kv_fp8):
+                    k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
+                    sK_tma = cute.make_tensor(k8, cute.make_layout(
+                        (PAGE_SIZE, 64, 1, N_TILES, self.stages),
+                        stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
+                else:
+                    sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
+                self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
+                               bar_full, bar_empty, bar_q)
         else:
-            self._consumer(walk, tensors, scale_log2, m_block, tidx, warp, sQ, sK, sVt, sPt, sMax,
-                           bar_full, bar_empty, bar_q)
+            if const_expr(self.consumers > 1):
+                cute.arch.setmaxregister_increase(REGS[1])
+            self._consumer(walk, tensors, scale_log2, m_block, tidx, warp, sQ, sK, sVt, sPt,
+                           sMax, bar_full, bar_empty, bar_q)
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -352,6 +363,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         rows = mO.shape[1]
         h_q = mLSE.shape[1]
         s_q = mLSE.shape[2]
+        self.d_rows, self.d_h_q, self.d_s_q = rows, h_q, s_q
         width = mBlockTable.shape[1]
 
         thr_s = self.d_tiled_s.get_slice(wtid)
@@ -377,9 +389,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
             pieces = mNumSplits[r + 1] - slot0
             lo, hi = splitkv.segment(walk, r, L, width, pieces)
             if lo < hi:
-                # Horizon of each of this thread's columns (query rows): keys < border visible.
-                border = [softmax.row_border(L, col0 + 8 * (jc // 2) + 2 * (lane % 4) + jc % 2,
-                                             rows, h_q, s_q, self.causal) for jc in range(ncol)]
                 min_border = softmax.row_border(L, m_block * self.block_m, rows, h_q, s_q,
                                                 self.causal)
                 m_run.fill(-Float32.inf)
@@ -392,7 +401,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                     if blk == nb_req - 1:
                         if L % PAGE_SIZE != 0:
                             valid = L % PAGE_SIZE
-                    self._block(blk, valid, border, min_border, scale_log2, cnt, tidx, wg, wq,
+                    self._block(blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq,
                                 lane, tSrK, tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run,
                                 sMax, bar_full, bar_empty)
                 # Q is free once every consumer warp is past its last S^T.
@@ -411,7 +420,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def _block(self, blk, valid, border, min_border, scale_log2, cnt, tidx, wg, wq, lane, tSrK,
+    def _block(self, blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq, lane, tSrK,
                tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run, sMax, bar_full, bar_empty):
         """One page: wait for its ring stage, prepare it (fp8: expand; tail: zero), S^T, the
         column softmax, P^T, O^T; release the stage. Loop-carried state lives in the register
@@ -450,9 +459,13 @@ class MLADecodeSm90KeysM(DecodeKernel):
         warpgroup.wait_group(0)
         fence_operand(acc_S)
 
-        # Keys at or past each column's horizon: -inf (only where this page reaches one).
+        # Keys at or past each column's horizon: -inf (only where this page reaches one; the
+        # horizons are computed here, not kept: registers are short beside O^T).
         key0 = blk * PAGE_SIZE
         if key0 + PAGE_SIZE > min_border:
+            border = [softmax.row_border(L, col0 + 8 * (jc // 2) + 2 * (lane % 4) + jc % 2,
+                                         self.d_rows, self.d_h_q, self.d_s_q, self.causal)
+                      for jc in range(ncol)]
             for idx in cutlass.range_constexpr(cute.size(acc_S)):
                 jc = 2 * (idx // 4) + idx % 2
                 key = 16 * wq + lane // 4 + 8 * ((idx // 2) % 2)
