@@ -112,12 +112,13 @@ def acc_coord(lane, warp, idx):
 def pt_offset(key, col, n_wg: int):
     """Element offset of P^T[col][key] in a consumer's P^T tile (n_wg columns x 64 keys,
     MN-major: the column index contiguous), the DSL's MN_INTER / MN_SW32 / MN_SW64 atom for
-    n_wg = 8 / 16 / 32 tiled over the keys: linear col + n_wg key, then bits 4.. (16-element
-    chunks) XOR bits 7.. of it (Swizzle<log2(n_wg / 8), 4, 3>). Adjacent columns 2q, 2q + 1
+    n_wg = 8 / 16 / 32 tiled over the keys: linear col + n_wg key, then the atom's swizzle
+    Swizzle<log2(n_wg / 8), 4, 3>, which (as TMA and wgmma) acts on byte addresses: 16-byte
+    chunk bits 4.. ^= bits 7.., i.e. element bits 3.. ^= bits 6... Adjacent columns 2q, 2q + 1
     stay adjacent (a 32-bit store)."""
     bits = {8: 0, 16: 1, 32: 2}[n_wg]
     o = col + n_wg * key
-    return o ^ ((o >> 3) & (((1 << bits) - 1) << 4))
+    return o ^ ((o >> 3) & (((1 << bits) - 1) << 3))
 
 
 def fp8_unit(u):
@@ -133,6 +134,31 @@ def fp8_unit(u):
     row = tile * (PAGE_SIZE * 128) + key * 128
     return (tile * (PAGE_SIZE * 64) + key * 64 + part * 16,
             row + ((2 * part) ^ (key % 8)) * 16, row + ((2 * part + 1) ^ (key % 8)) * 16, key)
+
+
+def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
+    """The shared-memory layouts (called while tracing; tests/test_keysm.py checks them against
+    the models above): the Q TMA tile (n_wg x 576) and Q (n_wg, 576, consumers), K-major with
+    the 128-byte swizzle; the 16-bit page buffers (64 keys, 576, buffers), likewise; V^T of
+    them, (512 d, 64 keys, buffers), MN-major, the same bytes (the buffer's swizzle); P^T
+    (n_wg, 64 keys, consumers), MN-major (pt_offset); a 64 x 64 page tile (TMA)."""
+    k_atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+    p_kind = {8: warpgroup.SmemLayoutAtomKind.MN_INTER,
+              16: warpgroup.SmemLayoutAtomKind.MN_SW32,
+              32: warpgroup.SmemLayoutAtomKind.MN_SW64}[n_wg]
+    p_atom = warpgroup.make_smem_layout_atom(p_kind, dt)
+    q_tile = cute.tile_to_shape(k_atom, (n_wg, D_QK), order=(0, 1))
+    sQ_layout = cute.tile_to_shape(k_atom, (n_wg, D_QK, consumers), order=(0, 1, 2))
+    sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D_QK, buffers), order=(0, 1, 2))
+    # V^T of a buffer: (512 d, 64 keys), d contiguous inside a K-major page tile: 64-column
+    # tiles 8 KB apart, groups of 8 keys 1 KB apart; buffers a page apart.
+    vt = cute.tile_to_shape(mn_atom, (D_V, PAGE_SIZE), order=(1, 0))
+    sVt_layout = cute.append(vt.outer, cute.make_layout(buffers, stride=PAGE_ELEMS))
+    sPt_layout = cute.tile_to_shape(p_atom, (n_wg, PAGE_SIZE, consumers), order=(0, 1, 2))
+    tile_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, 64), order=(0, 1))
+    return q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout
 
 
 class MLADecodeSm90KeysM(DecodeKernel):
@@ -158,22 +184,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # ------------------------------------------------------------------------------------------
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
         dt, n_wg, C = self.dtype, self.n_wg, self.consumers
-        k_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
-        mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
-        p_kind = {8: warpgroup.SmemLayoutAtomKind.MN_INTER,
-                  16: warpgroup.SmemLayoutAtomKind.MN_SW32,
-                  32: warpgroup.SmemLayoutAtomKind.MN_SW64}[n_wg]
-        p_atom = warpgroup.make_smem_layout_atom(p_kind, dt)
-        q_tile = cute.tile_to_shape(k_atom, (n_wg, D_QK), order=(0, 1))
-        sQ_layout = cute.tile_to_shape(k_atom, (n_wg, D_QK, C), order=(0, 1, 2))
-        sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D_QK, self.buffers), order=(0, 1, 2))
-        # V^T of a buffer: (512 d, 64 keys), d contiguous inside a K-major page tile: 64-column
-        # tiles 8 KB apart, groups of 8 keys 1 KB apart; buffers a page apart.
-        vt = cute.tile_to_shape(mn_atom, (D_V, PAGE_SIZE), order=(1, 0))
-        sVt_layout = cute.append(vt.outer, cute.make_layout(self.buffers, stride=PAGE_ELEMS))
-        sPt_layout = cute.tile_to_shape(p_atom, (n_wg, PAGE_SIZE, C), order=(0, 1, 2))
-        tile_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, 64), order=(0, 1))
+        q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout = smem_layouts(
+            dt, n_wg, C, self.buffers)
 
         kmode, mnmode = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
         tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),

@@ -282,9 +282,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
     float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
     sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a, every column count, both cache
-    formats, not built by default), the schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
-    SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64 slots; "decode"
-    and "combine" alone serve benchmarks."""
+    formats, not built by default), the schedule kernel, append_kv for each cache dtype of
+    ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64
+    slots; "decode" and "combine" alone serve benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
     steps = [native] if "step" in kernels else []
