@@ -183,6 +183,9 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # host side
     # ------------------------------------------------------------------------------------------
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        """TMA atoms and views (Q, cache), then what the kernel takes after the scale: fp8
+        (kv_scale, q_scale, q_scaled: None unless kv_fp8), the shared-memory layouts and the
+        two tiled MMAs; sets self.shared_storage (traced inside DecodeKernel.__call__)."""
         dt, n_wg, C = self.dtype, self.n_wg, self.consumers
         q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout = smem_layouts(
             dt, n_wg, C, self.buffers)
@@ -222,7 +225,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
         return (tma_q, tma_mQ, tma_k, tma_mKV), (
-            *fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout, tiled_s, tiled_o)
+            *fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -243,7 +246,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
         sK_layout: cute.ComposedLayout,
         sVt_layout: cute.Layout,
         sPt_layout: cute.ComposedLayout,
-        tile_layout: cute.ComposedLayout,
         tiled_s: cute.TiledMma,
         tiled_o: cute.TiledMma,
     ):
