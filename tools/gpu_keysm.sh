@@ -19,13 +19,7 @@
 #               to FlashMLA, error against the reference)
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
 # "ERROR SUMMARY: 0 errors"; each bench row has its keys-on-M line with rel err ~1e-3 or below.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
-summary=()
-
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # run
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # set -u, $OUT, $ROOT, run, summary
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [[ -d .peers/flashmla-sm90 ]]; then export PYTHONPATH="$ROOT/.peers/flashmla-sm90:$PYTHONPATH"; fi

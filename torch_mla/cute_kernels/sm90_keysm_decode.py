@@ -486,24 +486,17 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 if key0 + key >= border[jc]:
                     acc_S[idx] = -Float32.inf
 
-        # Column maxima: the two row halves, the 8 lanes of a column (lane bits 2-4), then the
-        # 4 warps through smem (slot cnt % 2: the next write to it is two pages later, past a
-        # barrier every reader meets after reading).
+        # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
+        # smem slot cnt % 2: the next write to it is two pages later, past a barrier every
+        # reader meets after reading).
         p = cnt[0] % 2
-        for jc in cutlass.range_constexpr(ncol):
-            i0 = jc % 2 + 4 * (jc // 2)
-            m = cute.arch.fmax(acc_S[i0], acc_S[i0 + 2])
-            for off in cutlass.range_constexpr(3):
-                m = cute.arch.fmax(m, cute.arch.shuffle_sync_bfly(m, offset=4 << off))
-            if lane < 4:
-                sMax[wq, 8 * (jc // 2) + 2 * lane + jc % 2, wg, p] = m
-        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+        m_thr = [cute.arch.fmax(acc_S[jc % 2 + 4 * (jc // 2)], acc_S[jc % 2 + 4 * (jc // 2) + 2])
+                 for jc in range(ncol)]
+        m_col = self._across_keys(m_thr, cute.arch.fmax, sMax, p, wg, wq, lane)
         m_use = [None] * ncol
         factor = [None] * ncol
         for jc in cutlass.range_constexpr(ncol):
-            col = 8 * (jc // 2) + 2 * (lane % 4) + jc % 2
-            m_blk = cute.arch.fmax(cute.arch.fmax(sMax[0, col, wg, p], sMax[1, col, wg, p]),
-                                   cute.arch.fmax(sMax[2, col, wg, p], sMax[3, col, wg, p]))
+            m_blk = m_col[jc]
             m_new, m_use[jc], factor[jc] = softmax.online_max(m_run[jc], m_blk * scale_log2)
             m_run[jc] = m_new
 
@@ -551,6 +544,26 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cnt[0] = cnt[0] + 1
 
     @cute.jit
+    def _across_keys(self, part, op, sMax, p, wg, wq, lane):
+        """op over a column's 64 keys: part[jc] is this thread's value for its column jc (its
+        rows combined); op over the column's 8 lanes (butterflies on lane bits 2-4), then over
+        the 4 warps through sMax slot p (one warpgroup barrier). Returns the column values, in
+        the same order on every thread that holds the column."""
+        out = []
+        for jc in cutlass.range_constexpr(len(part)):
+            v = part[jc]
+            for off in cutlass.range_constexpr(3):
+                v = op(v, cute.arch.shuffle_sync_bfly(v, offset=4 << off))
+            if lane < 4:
+                sMax[wq, 8 * (jc // 2) + 2 * lane + jc % 2, wg, p] = v
+        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+        for jc in cutlass.range_constexpr(len(part)):
+            col = 8 * (jc // 2) + 2 * (lane % 4) + jc % 2
+            out.append(op(op(sMax[0, col, wg, p], sMax[1, col, wg, p]),
+                          op(sMax[2, col, wg, p], sMax[3, col, wg, p])))
+        return out
+
+    @cute.jit
     def _expand(self, s, valid, tidx):
         """kv_fp8: ring stage s (9 tiles of 64 keys x 64 e4m3 bytes) -> the 16-bit work buffer
         in the swizzled layout the MMAs read (fp8_unit), keys at or past `valid` as 0. Every
@@ -589,23 +602,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
     @cute.jit
     def _epilogue(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, acc_O, m_run,
                   l_run, sMax, mO, mLSE, mOacc, mLSEacc):
-        """Column sums over lanes and warps (through the max slot the last page did not use
-        last); O^T / sum (dtype, or the fp32 partial) and the lse of every real column."""
+        """Column sums over lanes and warps (through the sMax slot of the segment's last page,
+        whose readers all passed that page's P^T barrier); O^T / sum (dtype, or the fp32
+        partial) and the lse of every real column."""
         ncol = self.n_wg // 4
-        p = (cnt[0] + 1) % 2
-        for jc in cutlass.range_constexpr(ncol):
-            t = l_run[jc]
-            for off in cutlass.range_constexpr(3):
-                t = t + cute.arch.shuffle_sync_bfly(t, offset=4 << off)
-            if lane < 4:
-                sMax[wq, 8 * (jc // 2) + 2 * lane + jc % 2, wg, p] = t
-        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
-        total = [None] * ncol
+        total = self._across_keys([l_run[jc] for jc in range(ncol)], lambda a, b: a + b, sMax,
+                                  (cnt[0] + 1) % 2, wg, wq, lane)
         inv = [None] * ncol
         for jc in cutlass.range_constexpr(ncol):
-            col = 8 * (jc // 2) + 2 * (lane % 4) + jc % 2
-            total[jc] = (sMax[0, col, wg, p] + sMax[1, col, wg, p]) + (
-                sMax[2, col, wg, p] + sMax[3, col, wg, p])
             inv[jc] = softmax.inv_sum(total[jc])
             if const_expr(self.kv_fp8):
                 inv[jc] = inv[jc] * self.d_kv_scale  # V's scale
