@@ -303,10 +303,11 @@ def test_page_boundaries(keysm, L):
 @pytest.mark.cuda
 @sm90
 def test_fp16_and_odd_head_counts(keysm):
-    run_and_check(keysm, LENS, 2, 16, True, dtype=torch.float16)
+    run_and_check(keysm, LENS, 2, 16, True, dtype=torch.float16)  # 32 rows
     run_and_check(keysm, LENS, 1, 3, False)  # 3 rows in 8 columns
     run_and_check(keysm, LENS, 3, 7, True, fp8=True)  # 21 rows in 32 columns
-    assert {c for _, c in keysm} >= {8, 16, 32}
+    run_and_check(keysm, LENS, 1, 40, False, fp8=True)  # 40 rows in 64 columns
+    assert {c for _, c in keysm} == {8, 32, 64}
 
 
 @pytest.mark.cuda
