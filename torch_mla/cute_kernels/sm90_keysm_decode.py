@@ -121,6 +121,13 @@ def pt_offset(key, col, n_wg: int):
     return o ^ ((o >> 3) & (((1 << bits) - 1) << 3))
 
 
+def ring_slot(count, stages: int):
+    """The ring stage of the count-th use (page or segment) and the parity of its full barrier's
+    phase that use waits for; the producer waits for the empty barrier's other parity (a fresh
+    barrier passes it: the first lap never waits). tests/test_keysm.py runs the protocol."""
+    return count % stages, (count // stages) % 2
+
+
 def fp8_unit(u):
     """The u-th 16-byte unit (0..2303) of a page's fp8 expansion: (byte offset of its 16 e4m3
     values in the ring stage (9 tiles of 64 keys x 64 bytes, unswizzled, 4 KB apart), byte
@@ -337,7 +344,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
             pieces = mNumSplits[r + 1] - mNumSplits[r]
             lo, hi = splitkv.segment(walk, r, L, width, pieces)
             if lo < hi:
-                cute.arch.mbarrier_wait(bar_q + 1, (cnt[1] & 1) ^ 1)
+                cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
                 with cute.arch.elect_one():
                     cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
                 for c in cutlass.range_constexpr(self.consumers):
@@ -351,8 +358,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 cnt[1] = cnt[1] + 1
                 for blk in cutlass.range(lo, hi, unroll=1):
                     page = mBlockTable[r, blk]
-                    s = cnt[0] % self.stages
-                    cute.arch.mbarrier_wait(bar_empty + s, ((cnt[0] // self.stages) & 1) ^ 1)
+                    s, parity = ring_slot(cnt[0], self.stages)
+                    cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
                     with cute.arch.elect_one():
                         cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
                     # Each page is read once by one CTA: evict_first (sm90_decode.py, ptx.py).
@@ -408,7 +415,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 m_run.fill(-Float32.inf)
                 l_run.fill(0.0)
                 acc_O.fill(0.0)
-                cute.arch.mbarrier_wait(bar_q, cnt[1] & 1)
+                cute.arch.mbarrier_wait(bar_q, ring_slot(cnt[1], 1)[1])
                 nb_req = splitkv.num_blocks(L)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     valid = Int32(PAGE_SIZE)
@@ -442,8 +449,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         n_wg = self.n_wg
         ncol = n_wg // 4
         n_cons = 128 * self.consumers
-        s = cnt[0] % self.stages
-        cute.arch.mbarrier_wait(bar_full + s, (cnt[0] // self.stages) & 1)
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_full + s, parity)
         ob = s  # the 16-bit buffer the MMAs read
         if const_expr(self.kv_fp8):
             ob = 0
