@@ -266,7 +266,20 @@ def check(n: cutlass.Constexpr, buffers: cutlass.Constexpr):
             for i in cutlass.range_constexpr(n // 2):
                 m, c = acc_coord(t % 32, t // 32, i)
                 bad_c += cute.crd2idx((t, i), tv) != m + 64 * c
-    print(f"n {n} buffers {buffers}: P^T {bad_p}, V^T {bad_v}, fp8 {bad_8}, C {bad_c} wrong")
+    # O^T's registers as the epilogue stores them: value i of thread t is d 64 (i // (n / 2)) +
+    # m, column c for (m, c) = acc_coord(value i % (n / 2))
+    tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.MN,
+                                                warpgroup.OperandMajorMode.MN, cutlass.Float32,
+                                                (1, 1, 1), (64, n))
+    cO = cute.make_identity_tensor((512, n))
+    bad_o = 0
+    for t in cutlass.range_constexpr(0, 128, 5):
+        part = tiled_o.get_slice(t).partition_C(cO)
+        for i in cutlass.range_constexpr(cute.size(part)):
+            m, c = acc_coord(t % 32, t // 32, i % (n // 2))
+            bad_o += tuple(part[i]) != (64 * (i // (n // 2)) + m, c)
+    print(f"n {n} buffers {buffers}: P^T {bad_p}, V^T {bad_v}, fp8 {bad_8}, C {bad_c}, "
+          f"O^T {bad_o} wrong")
 
 for n in (8, 16, 32):
     for buffers in (1, 2):
@@ -276,7 +289,8 @@ for n in (8, 16, 32):
 
 def test_layouts_match_the_models(tmp_path):
     """P^T's offsets (pt_offset), V^T over the page buffers, the fp8 expansion's destinations
-    (fp8_unit) and the accumulator order of both MMAs (acc_coord) are the DSL's own."""
+    (fp8_unit), the accumulator order of both MMAs (acc_coord) and O^T's m-tiles (the
+    epilogue's d of each register) are the DSL's own."""
     script = tmp_path / "layouts.py"  # the DSL compiles from source files only
     script.write_text(LAYOUT_SCRIPT)
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -287,12 +301,12 @@ def test_layouts_match_the_models(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [x for x in res.stdout.splitlines() if "wrong" in x]
     assert_expected_inline("\n".join(lines), """\
-n 8 buffers 1: P^T 0, V^T 0, fp8 0, C 0 wrong
-n 8 buffers 2: P^T 0, V^T 0, fp8 0, C 0 wrong
-n 16 buffers 1: P^T 0, V^T 0, fp8 0, C 0 wrong
-n 16 buffers 2: P^T 0, V^T 0, fp8 0, C 0 wrong
-n 32 buffers 1: P^T 0, V^T 0, fp8 0, C 0 wrong
-n 32 buffers 2: P^T 0, V^T 0, fp8 0, C 0 wrong""")
+n 8 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 8 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 16 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 16 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 32 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 32 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong""")
 
 
 # ---- registry and dispatch --------------------------------------------------------------------
