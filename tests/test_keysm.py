@@ -128,8 +128,8 @@ class MBarrier:
 
 
 def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot):
-    """The kernel's ring and Q protocol under a random interleaving: a producer (Q per non-empty
-    segment, then its pages), TMA completing the loads in any order, 4 x consumers warps that
+    """The kernel's ring and Q protocol under a random interleaving: a producer (per non-empty
+    segment its first page, Q, its other pages), TMA completing the loads in any order, 4 x consumers warps that
     wait, read, release. Checks that every warp reads the page (and Q) it expects, that no
     load lands in a stage or Q buffer a warp still reads, and that nothing deadlocks. Actors
     yield True while blocked on a barrier, False when they made progress."""
@@ -145,12 +145,9 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot):
     pages = [(seg, j) for seg, n in enumerate(segments) for j in range(n)]
     segs = [seg for seg, n in enumerate(segments) if n]
 
-    def producer():
+    def producer():  # a segment's first page, its Q, its other pages
         cnt = 0
         for qcnt, seg in enumerate(segs):
-            while not q_empty.passed(slot(qcnt, 1)[1] ^ 1):
-                yield True
-            in_flight.append(("q", seg))
             for j in range(segments[seg]):
                 stage, parity = slot(cnt, n_stages)
                 while not empty[stage].passed(parity ^ 1):
@@ -158,6 +155,10 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot):
                 in_flight.append((stage, (seg, j)))
                 cnt += 1
                 yield False
+                if j == 0:
+                    while not q_empty.passed(slot(qcnt, 1)[1] ^ 1):
+                        yield True
+                    in_flight.append(("q", seg))
 
     def warp(w):
         cnt = 0

@@ -73,9 +73,11 @@ PAGE_ELEMS = PAGE_SIZE * D_QK
 # Named barrier ids (0 is __syncthreads).
 NB_CONSUMERS = 1  # every consumer thread: a page buffer prepared (expanded, tail zeroed)
 NB_WG = 2  # + consumer warpgroup index: its column maxima / sums exchanged, its P^T written
-# setmaxnreg with two consumer warpgroups (384 threads): producer, consumers (40 x 128 + 232 x 256
-# <= 64K registers).
-REGS = (40, 232)
+# setmaxnreg with two consumer warpgroups (384 threads, 168 registers each at launch): (producer,
+# consumers), 128 p + 256 c = 168 x 384, by cache format (kv_fp8): the fp8 consumers' expansion
+# needs 240 and their producer 24 suffices; the 16-bit producer spills below 56 (ptxas, no spill
+# either way).
+REGS = {False: (56, 224), True: (24, 240)}
 
 
 def columns_for(rows: int) -> int | None:
@@ -303,7 +305,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         walk = splitkv.read_part(tensors.metadata, part)
         if warp >= 4 * self.consumers:
             if const_expr(self.consumers > 1):
-                cute.arch.setmaxregister_decrease(REGS[0])
+                cute.arch.setmaxregister_decrease(REGS[self.kv_fp8][0])
             if warp == 4 * self.consumers:
                 # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
                 if const_expr(self.kv_fp8):
@@ -317,7 +319,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                                bar_full, bar_empty, bar_q)
         else:
             if const_expr(self.consumers > 1):
-                cute.arch.setmaxregister_increase(REGS[1])
+                cute.arch.setmaxregister_increase(REGS[self.kv_fp8][1])
             self._consumer(walk, tensors, scale_log2, m_block, tidx, warp, sQ, sK, sVt, sPt,
                            sMax, bar_full, bar_empty, bar_q)
 
@@ -325,9 +327,9 @@ class MLADecodeSm90KeysM(DecodeKernel):
     @cute.jit
     def _producer(self, walk, tensors: SplitKVTensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV,
                   sQ, sK_tma, bar_full, bar_empty, bar_q):
-        """The producer warp: the same walk as the consumers; per non-empty segment Q (once the
-        consumers released the last one), then each block's page into the next ring stage
-        (once its last reader released it)."""
+        """The producer warp: the same walk as the consumers; per non-empty segment its first
+        page, Q (once the consumers released the last segment's), then its other pages, each
+        into the next ring stage once its last reader released it."""
         mBlockTable, mSeqlens, mNumSplits = tensors.block_table, tensors.seqlens, tensors.num_splits
         gK = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
         tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
@@ -343,31 +345,38 @@ class MLADecodeSm90KeysM(DecodeKernel):
             L = mSeqlens[r]
             pieces = mNumSplits[r + 1] - mNumSplits[r]
             lo, hi = splitkv.segment(walk, r, L, width, pieces)
-            if lo < hi:
-                cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
-                with cute.arch.elect_one():
-                    cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
-                for c in cutlass.range_constexpr(self.consumers):
-                    gQ = cute.local_tile(tma_mQ[None, None, r], (self.n_wg, D_QK),
-                                         (m_block * self.consumers + c, 0))
-                    tQsQ, tQgQ = cpasync.tma_partition(
-                        tma_q, 0, cute.make_layout(1), cute.group_modes(sQ[None, None, c], 0, 2),
-                        cute.group_modes(gQ, 0, 2))
-                    cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
-                              cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                cnt[1] = cnt[1] + 1
-                for blk in cutlass.range(lo, hi, unroll=1):
-                    page = mBlockTable[r, blk]
-                    s, parity = ring_slot(cnt[0], self.stages)
-                    cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+            # The segment's first page goes before its Q: a ring stage frees up before the
+            # last segment's Q does, so one page loads across the segment boundary.
+            for blk in cutlass.range(lo, hi, unroll=1):
+                self._load_page(tma_k, tKgK, tKsK, mBlockTable[r, blk], cnt, bar_full, bar_empty,
+                                page_bytes)
+                if blk == lo:
+                    cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
                     with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
-                    # Each page is read once by one CTA: evict_first (sm90_decode.py, ptx.py).
-                    for t in cutlass.range_constexpr(N_TILES):
-                        cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s],
-                                  tma_bar_ptr=bar_full + s,
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
+                    for c in cutlass.range_constexpr(self.consumers):
+                        gQ = cute.local_tile(tma_mQ[None, None, r], (self.n_wg, D_QK),
+                                             (m_block * self.consumers + c, 0))
+                        tQsQ, tQgQ = cpasync.tma_partition(
+                            tma_q, 0, cute.make_layout(1),
+                            cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2))
+                        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
                                   cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                    cnt[0] = cnt[0] + 1
+                    cnt[1] = cnt[1] + 1
+
+    @cute.jit
+    def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
+        """The producer warp: cache page `page` into the ring stage of use cnt[0], once its
+        last reader released it; cnt[0] += 1."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        # Each page is read once by one CTA: evict_first (sm90_decode.py, ptx.py).
+        for t in cutlass.range_constexpr(N_TILES):
+            cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar_full + s,
+                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        cnt[0] = cnt[0] + 1
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
