@@ -415,6 +415,18 @@ def test_varlen_batches_whole_and_split(keysm, h_q, s_q, causal, fp8):
 
 @pytest.mark.cuda
 @sm90
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_whole_requests(keysm, fp8):
+    # Two equal requests per SM: the schedule cuts only at request boundaries, so every request
+    # is written by the decode kernel itself (no partials, the combine skips them all).
+    parts = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [640 - 7] * (2 * parts)
+    sched = run_and_check(keysm, lens, 1, 16, False, fp8=fp8)
+    assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
+
+
+@pytest.mark.cuda
+@sm90
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
 def test_page_boundaries(keysm, L):
     for fp8 in (False, True):
