@@ -8,7 +8,7 @@
 # whose TMA transactions or mbarriers never complete hangs rather than fails):
 #   precompile  the keys-on-M steps (every column count, both cache formats) and the current
 #               SM90 steps they are timed beside, schedule and append_kv: parallel processes
-#   smoke       one small case on the keys-on-M kernel (a hang shows here, in 60 s)
+#   smoke       one small case on the keys-on-M kernel (a hang shows here, in 90 s)
 #   tests       tests/test_keysm.py on the GPU (the grid against the fp32 reference)
 #   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py
 #   bench_bf16, bench_fp8
@@ -32,7 +32,7 @@ for args in "--kernels keysm --dtypes bf16 --causal false" \
             "--kernels keysm --dtypes fp16 --causal true" \
             "--kernels step,fp8_step,schedule,append_kv --dtypes bf16"; do
   # shellcheck disable=SC2086
-  timeout 150 python -m torch_mla.precompile --arch sm_90a --jobs 4 $args \
+  timeout 120 python -m torch_mla.precompile --arch sm_90a --jobs 4 $args \
     >> "$OUT/precompile.log" 2>&1 &
   pids+=($!)
 done
@@ -40,9 +40,9 @@ rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
 grep -E "variants in" "$OUT/precompile.log"
 summary+=("$(printf '%-16s rc=%-3s %4ss  %s' precompile "$rc" $((SECONDS - t0)) "$OUT/precompile.log")")
 
-run smoke 60 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_keysm.py \
+run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_keysm.py \
   -k "test_grid and bf16 and 16-1-False"
-run tests 170 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm.py
+run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm.py
 if command -v compute-sanitizer > /dev/null; then
   run memcheck 60 compute-sanitizer --tool memcheck python -m tools.keysm_memcheck
 else
@@ -51,9 +51,9 @@ fi
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 ROWS="128,1,8192,16 128,1,8192,32 64,1,16384,16 128,2,8192,16"
 # shellcheck disable=SC2086
-run bench_bf16 75 python benchmarks/bench_decode.py --keysm $ROWS
+run bench_bf16 60 python benchmarks/bench_decode.py --keysm $ROWS
 # shellcheck disable=SC2086
-run bench_fp8 75 python benchmarks/bench_decode.py --keysm --fp8 $ROWS
+run bench_fp8 60 python benchmarks/bench_decode.py --keysm --fp8 $ROWS
 
 echo; echo "== summary ($OUT)"
 printf '%s\n' "${summary[@]}"
