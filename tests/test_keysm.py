@@ -14,9 +14,9 @@ from expecttest import assert_expected_inline
 
 import torch_mla
 from torch_mla.constants import KEYSM_COLUMNS
+from torch_mla.contract import keysm_columns_for
 from torch_mla.cute_kernels.sm90_keysm_decode import (
     acc_coord,
-    columns_for,
     fp8_unit,
     plan,
     pt_offset,
@@ -219,8 +219,8 @@ def test_ring_protocol(n_stages, consumers):
 
 
 def test_plan_and_stages():
-    assert [columns_for(r) for r in (1, 8, 9, 16, 17, 33, 64, 65)] == [8, 8, 16, 16, 32, 64, 64,
-                                                                       None]
+    assert [keysm_columns_for(r) for r in (1, 8, 9, 16, 17, 33, 64, 65)] == [8, 8, 16, 16, 32, 64,
+                                                                             64, 0]
     assert [plan(n) for n in KEYSM_COLUMNS] == [(1, 8), (1, 16), (1, 32), (2, 32)]
     assert [stages(n, f) for n in (16, 64) for f in (False, True)] == [2, 3, 2, 2]
 

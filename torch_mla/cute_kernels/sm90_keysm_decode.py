@@ -20,7 +20,8 @@ Tiles: a CTA takes N = `columns` query rows (8, 16, 32 or 64; rows padded to N, 
 columns are zero (TMA fills rows past q's end) and never stored). A consumer warpgroup owns up
 to 32 columns: O^T (512 x 32 fp32) is 128 registers a thread; 64 columns are two consumer
 warpgroups, each with its own 32 columns, its own softmax and O^T, both reading the same page
-(the columns are independent: nothing else is exchanged). One producer warp issues the TMA.
+(the columns are independent: nothing else is exchanged). One producer warp issues the TMA
+(at 64 columns the first warp of a producer warpgroup whose registers go to the consumers).
 
 Pipeline: a ring of `stages` page buffers filled by the producer warp (full mbarrier: TMA
 transaction count; empty mbarrier: one arrival per consumer warp). Per page, each consumer
@@ -38,8 +39,8 @@ release the buffer. Q (N x 576) is loaded by the producer per segment (q_full / 
     copy of every page.
 
 Epilogue (per segment): column sums over lanes and warps, O^T / sum written from the accumulator
-registers straight to global memory (a thread holds 8 consecutive d of 4 columns per
-instruction: the output is 1/64 of the bytes a request reads at s_k 8192), fp32 partials and a
+registers straight to global memory (a warp's store covers 8 consecutive d of 4 columns; the
+output is 1/64 of the bytes a request reads at s_k 8192), fp32 partials and a
 log2 lse for a split request (splitkv.py), the combine merges them.
 
 Masking, empty rows, bad inputs: as sm90_decode.py. Keys at or past a column's horizon get -inf;
@@ -78,11 +79,6 @@ NB_WG = 2  # + consumer warpgroup index: its column maxima / sums exchanged, its
 # needs 240 and their producer 24 suffices; the 16-bit producer spills below 56 (ptxas, no spill
 # either way).
 REGS = {False: (56, 224), True: (24, 240)}
-
-
-def columns_for(rows: int) -> int | None:
-    """The smallest KEYSM_COLUMNS >= rows (s_q * h_q of one KV head), or None past 64."""
-    return next((n for n in KEYSM_COLUMNS if n >= rows), None)
 
 
 def plan(columns: int) -> tuple[int, int]:

@@ -29,7 +29,8 @@ import warnings
 
 import torch
 
-from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, KEYSM_COLUMNS, LOG2_E, PAGE_SIZE
+from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..contract import keysm_columns_for
 from . import registry, selfcheck
 from .checks import decode_out_dtype
 from .registry import SM90_ARCH, SM100_ARCH, gpu_arch  # noqa: F401  (gpu_arch: __main__'s)
@@ -78,7 +79,7 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact") -> int:
     holds them)."""
     if backend != "sm90" or compute != "exact" or not keysm_enabled():
         return 0
-    return next((n for n in KEYSM_COLUMNS if n >= rows), 0)
+    return keysm_columns_for(rows)
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
