@@ -4,6 +4,7 @@
     python benchmarks/bench_decode.py --quick      # a few of them
     python benchmarks/bench_decode.py 8,1,4096,128 # chosen ones (b,s_q,s_k,h_q; causal if s_q > 1)
     python benchmarks/bench_decode.py --fp8        # torch_mla over a float8_e4m3fn cache
+    python benchmarks/bench_decode.py --keysm ...  # also the keys-on-M kernel (TORCH_MLA_KEYSM=1)
 
 Per configuration: the schedule is computed once (as in serving, shared by all layers), one decode
 call (split-KV kernel + combine) is captured in a CUDA graph, and the replay is timed with
@@ -19,6 +20,7 @@ shared/anchors/flashmla-sm90 on PYTHONPATH; torch_mla.testing.load_flash_mla).
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 
 import torch
@@ -133,6 +135,9 @@ def main(argv=None):
                     help="configurations to time instead of the anchor table")
     ap.add_argument("--sparse", action="store_true",
                     help="sparse decode (V3.2 shapes) beside FlashMLA's sparse decode")
+    ap.add_argument("--keysm", action="store_true",
+                    help="also time the keys-on-M SM90 kernel (TORCH_MLA_KEYSM=1, rows <= 64) in "
+                         "the same run, with its error against the reference")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
     if args.sparse:
@@ -157,6 +162,18 @@ def main(argv=None):
         print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "
               f"{tflops:.0f} | {gbps:.0f} | {100 * tflops / MATMUL_TFLOPS:.0f} | "
               f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {ratio:.3f} | {err:.1e} |")
+        if args.keysm:
+            os.environ["TORCH_MLA_KEYSM"] = "1"
+            try:
+                k_us, _, k_gbps, k_err, _ = run_config(*cfg, check=check, fp8=args.fp8)
+                print(f"|   | keys-on-M {k_us:.1f} us, {k_gbps:.0f} GB/s "
+                      f"({100 * k_gbps / COPY_GBPS:.0f} % copy), {k_us / us:.3f} x the row above"
+                      + (f", {k_us / fm_us:.3f} x FlashMLA" if fm_us == fm_us else "")
+                      + f", rel err {k_err:.1e} |")
+            except AssertionError as e:  # (the next rows still run)
+                print(f"|   | keys-on-M: {e} |")
+            finally:
+                os.environ.pop("TORCH_MLA_KEYSM")
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
             sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)

@@ -325,8 +325,9 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 2 + 2 + 3 + 6) + 2 + 2 + 2 + 6  # schedule; per dtype: sm90 +
-    # portable steps, fp8 steps, the sparse steps (portable, SM90), decode, combine, append_kv;
+        == 1 + 2 * (2 * 2 + 2 + 2 + 2 + 3 + 6 + 16) + 2 + 2 + 2 + 6  # schedule; per dtype:
+    # sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90), decode, combine,
+    # append_kv, the keys-on-M steps (4 column counts x 2 cache formats x causal or not);
     # fast-mode fp8 steps (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an
     # e4m3 cache
     # The SM90 sparse step only for sm_90a (its run is opt-in: TORCH_MLA_SPARSE_SM90=1).

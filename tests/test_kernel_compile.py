@@ -106,6 +106,71 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert comb["ld.global.nc"] == 0, comb
 
 
+KEYSM_SCRIPT = r"""
+import glob, json, os, re, shutil, subprocess, sys
+from torch_mla.ops import registry
+dtype, causal, cache, columns = sys.argv[1], sys.argv[2] == "causal", sys.argv[3], int(sys.argv[4])
+registry.build(registry.DecodeStepConfig("sm90_keysm", dtype, causal, kv_fp8=cache == "fp8",
+                                         columns=columns), "sm_90a")
+counts, ptxas = {}, {}
+for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+    text = open(f).read()
+    for ptx in text.split(".entry ")[1:]:
+        if "MLADecodeSm90KeysM" not in ptx.split("(", 1)[0]:
+            continue
+        for k in ["wgmma.mma_async", r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)",
+                  "cp.async.bulk.tensor", "ld.local", "st.local", "cvt.rn.f16x2.e4m3x2",
+                  "setmaxnreg", "griddepcontrol.launch_dependents", "vprintf", "trap;",
+                  "mbarrier.try_wait"]:
+            found = re.findall(k, ptx)
+            counts[k] = sorted(set(found)) if "(" in k else len(found)
+        if shutil.which("ptxas"):
+            res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
+                                 capture_output=True, text=True)
+            info = res.stderr.split("MLADecodeSm90KeysM", 1)[1]
+            ptxas["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
+            ptxas["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+            ptxas["serialised"] = "C7512" in res.stderr or "C7520" in res.stderr
+print(json.dumps({"counts": counts, "ptxas": ptxas}))
+"""
+
+
+@pytest.mark.parametrize("dtype,causal,cache,columns", [("bf16", "causal", "same", 16),
+                                                        ("fp16", "plain", "same", 8),
+                                                        ("bf16", "causal", "fp8", 32),
+                                                        ("bf16", "plain", "fp8", 64),
+                                                        ("bf16", "causal", "same", 64)])
+def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
+    """The keys-on-M kernel (sm90_keysm_decode.py, opt-in): per page 36 wgmma m64nNk16 of S^T
+    and 32 of O^T with N the warpgroup's columns (at most 32: 64 columns are two consumer
+    warpgroups, which take the producer warpgroup's registers by setmaxnreg), 9 TMA tile loads
+    a page and 9 for Q a consumer, the fp8 expansion (8 cvt per 16 bytes, 18 units a page per
+    128 consumer threads), no local memory in the PTX, no call. ptxas (where installed):
+    registers printed, no spill and no serialised wgmma (at 64 columns with the setmaxnreg split
+    of REGS)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, cache,
+                          str(columns)], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    c, p = got["counts"], got["ptxas"]
+    consumers, n_wg = (2, 32) if columns == 64 else (1, columns)
+    assert c["wgmma.mma_async"] == 36 + 32, c
+    mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
+    ptx_type = {"bf16": "bf16", "fp16": "f16"}[dtype]
+    assert c[mma] == [f"m64n{n_wg}k16.f32.{ptx_type}.{ptx_type}"], c
+    assert c["cp.async.bulk.tensor"] == 9 + 9 * consumers, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    assert c["griddepcontrol.launch_dependents"] == 1, c
+    assert c["setmaxnreg"] == (2 if consumers == 2 else 0), c
+    assert c["cvt.rn.f16x2.e4m3x2"] == (8 * 18 // consumers if cache == "fp8" else 0), c
+    print(f"keysm {dtype} {causal} {cache} {columns} columns (N = {n_wg}): ptxas {p}")
+    if p:
+        assert not p["serialised"], p
+        assert p["spill"] == 0, p
+
+
 SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry

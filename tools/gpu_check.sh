@@ -19,14 +19,8 @@
 #   .baseline/torch_mla   the old tree's package:  mkdir -p .baseline &&
 #                         cp -r /work/baseline/torch_mla .baseline/   (~0.6 MB)
 #   .peers/flashmla-sm90  FlashMLA, shared/anchors/flashmla-sm90/README.md (13 MB)
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # set -u, $OUT, $ROOT, run, summary
 stages=${*:-precompile record bench tests}
-summary=()
-
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # run
 
 # precompile_tree NAME DIR: every variant the record stage runs, of the torch_mla in DIR (run
 # from DIR: `python -m` puts the working directory first on sys.path), one process per

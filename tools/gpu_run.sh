@@ -1,5 +1,12 @@
-# Sourced by the GPU scripts (tools/gpu_check.sh, tools/gpu_sp90.sh): `run`, which records each
-# stage's log in $OUT and its status and time in the array `summary`.
+# Sourced by the GPU scripts (tools/gpu_check.sh, tools/gpu_sp90.sh, tools/gpu_keysm.sh), from
+# the repository root: strict variables, $OUT (default /tmp/out, created), $ROOT (the working
+# directory), unbuffered Python, and `run`, which records each stage's log in $OUT and its
+# status and time in the array `summary`.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+ROOT=$(pwd)
+export PYTHONUNBUFFERED=1
+summary=()
 
 # run NAME TIMEOUT CMD...: CMD's output to $OUT/NAME.log (and its tail here), its status and
 # time to the summary.

@@ -15,13 +15,7 @@
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
 # "ERROR SUMMARY: 0 errors"; the bench log has "# sparse kernel: sm90" and a row per
 # configuration.
-set -u
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-ROOT=$(pwd)
-export PYTHONUNBUFFERED=1
-summary=()
-
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # run
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # set -u, $OUT, $ROOT, run, summary
 
 nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
 if [[ -d .peers/flashmla-sm90-sparse ]]; then

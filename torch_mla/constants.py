@@ -12,6 +12,9 @@ D_ROPE = 64  # the RoPE part of the key
 D_QK = D_V + D_ROPE  # 576: query / key width
 PAGE_SIZE = 64  # tokens a cache page (block) holds
 BLOCK_M = 64  # query rows (s_q * h_q) a decode CTA tile holds
+# The keys-on-M SM90 kernel's query columns a CTA (cute_kernels/sm90_keysm_decode.py): rows
+# padded up to one of these; wgmma's N from 8 up, two consumer warpgroups of 32 at 64.
+KEYSM_COLUMNS = (8, 16, 32, 64)
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
 META_BEGIN_REQ = 0  # first request of the part

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .constants import D_QK, D_ROPE, D_V, METADATA_WIDTH, PAGE_SIZE
+from .constants import D_QK, D_ROPE, D_V, KEYSM_COLUMNS, METADATA_WIDTH, PAGE_SIZE
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +123,14 @@ def indexer_unsupported(head_dim: int, heads: int, s_q: int) -> str | None:
         return (f"the indexer kernel takes s_q * heads <= {INDEXER_MAX_COLUMNS}, got s_q {s_q} "
                 f"x {heads} heads")
     return None
+
+
+# --- the keys-on-M SM90 kernel's query columns (cute_kernels/sm90_keysm_decode.py) ------------
+
+def keysm_columns_for(rows: int) -> int:
+    """The query columns (KEYSM_COLUMNS: 8, 16, 32, 64) a keys-on-M CTA takes for ``rows``
+    (s_q * h_q of one KV head): the smallest that holds them, or 0 past 64."""
+    return next((n for n in KEYSM_COLUMNS if n >= rows), 0)
 
 
 # --- torch side: the shapes of the ops' results (fake_impls, the host launch) ---------------

@@ -12,6 +12,7 @@ API (stable, for the ops, tests and tools):
     find_decode_kernel / find_schedule_kernel / find_append_kernel   the ops' kernel choice
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
+    keysm_columns(backend, rows, compute)   the keys-on-M variant's columns, or 0 (opt-in)
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
@@ -29,6 +30,7 @@ import warnings
 import torch
 
 from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..contract import keysm_columns_for
 from . import registry, selfcheck
 from .checks import decode_out_dtype
 from .registry import SM90_ARCH, SM100_ARCH, gpu_arch  # noqa: F401  (gpu_arch: __main__'s)
@@ -65,6 +67,19 @@ _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
+# TORCH_MLA_KEYSM=1: the keys-on-M SM90 kernel where s_q * h_q <= 64 (not yet run on a GPU).
+keysm_enabled = _env_flag("TORCH_MLA_KEYSM")
+
+
+def keysm_columns(backend: str, rows: int, compute: str = "exact") -> int:
+    """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
+    ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: only with
+    TORCH_MLA_KEYSM=1, on the SM90 backend (compute capability 9.0, sm_90a), a bf16/fp16 or
+    float8_e4m3fn cache in exact mode, and 1 <= rows <= 64 (the smallest of 8, 16, 32, 64 that
+    holds them)."""
+    if backend != "sm90" or compute != "exact" or not keysm_enabled():
+        return 0
+    return keysm_columns_for(rows)
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
@@ -106,7 +121,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", (f"compute capability {major}.{minor}: the kernels need 8.0 "
                              "(Ampere) or newer")
     if (major, minor) == (9, 0) and not portable_forced():
-        return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel"
+        return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel" + _keysm_note()
     if (major, minor) == (10, 0) and _sm100_enabled() and not portable_forced():
         return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
                          "kernel (not yet run on a Blackwell GPU; checked against the "
@@ -144,7 +159,15 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
     if compute == "fp8":
         why = ("fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 "
                "tensor cores)")
+    if compute != "fp8":
+        why += _keysm_note()
     return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"
+
+
+def _keysm_note() -> str:
+    return ("" if not keysm_enabled() else
+            " (TORCH_MLA_KEYSM=1: its keys-on-M variant where s_q * h_q <= 64, not yet run on a "
+            "GPU)")
 
 
 _warned: set[str] = set()
@@ -268,7 +291,12 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
+    columns = keysm_columns(backend, rows, compute)
+    if columns:
+        step = STEPS[f"sm90_keysm{'_fp8' if scales is not None else ''}"](
+            out_dtype, bool(causal) and s_q > 1, index, columns)
+    else:
+        step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
     variant = combine_variant(b, parts, rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
@@ -340,15 +368,17 @@ _STEP_KINDS = {
     "sm90_fp8_fast_q8": {"backend": "sm90", "kv_fp8": True, "compute": "fp8", "q_fp8": True},
     "sm100": {"backend": "sm100"},
     "sm80": {"backend": "sm80"},
+    "sm90_keysm": {"backend": "sm90_keysm"},
+    "sm90_keysm_fp8": {"backend": "sm90_keysm", "kv_fp8": True},
 }
 
 
 @functools.lru_cache(maxsize=None)
-def _step(kind: str, dtype: torch.dtype, causal: bool, arch: str):
+def _step(kind: str, dtype: torch.dtype, causal: bool, arch: str, columns: int = 0):
     # Keyed by plain values: a config object built and hashed on every eager call would cost
-    # ~1 us more.
+    # ~1 us more. (columns: the keys-on-M kernel's, keysm_columns.)
     config = registry.DecodeStepConfig(dtype=registry.dtype_name(dtype), causal=causal,
-                                       **_STEP_KINDS[kind])
+                                       columns=columns, **_STEP_KINDS[kind])
     return registry.compiled(config, arch)
 
 
@@ -363,6 +393,11 @@ STEPS = {
                                                            SM90_ARCH),
     "sm100": lambda dtype, causal, index: _step("sm100", dtype, causal, SM100_ARCH),
     "sm80": lambda dtype, causal, index: _step("sm80", dtype, causal, device_arch(index)),
+    # (the keys-on-M steps take their column count too: keysm_columns)
+    "sm90_keysm": lambda dtype, causal, index, columns: _step("sm90_keysm", dtype, causal,
+                                                              SM90_ARCH, columns),
+    "sm90_keysm_fp8": lambda dtype, causal, index, columns: _step("sm90_keysm_fp8", dtype,
+                                                                  causal, SM90_ARCH, columns),
 }
 
 

@@ -24,7 +24,7 @@ import functools
 import importlib
 from typing import Any, ClassVar, NamedTuple
 
-from ..constants import COMBINE_WARPS_PER_ROW
+from ..constants import COMBINE_WARPS_PER_ROW, KEYSM_COLUMNS
 from ..contract import indexer_unsupported
 from . import kernel_cache
 
@@ -76,9 +76,11 @@ class DecodeStepConfig(_Config):
     """The decode kernel of ``backend`` and the combine behind one host call (what mla_decode
     runs; cute_kernels/decode_step.py).
 
-    backend: "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a) or "sm80" (the
-    portable MLADecodeSm80, any arch from sm_80). dtype: "bf16" or "fp16", q's and out's.
-    kv_fp8 (sm90 only): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast mode
+    backend: "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a), "sm80" (the
+    portable MLADecodeSm80, any arch from sm_80) or "sm90_keysm" (MLADecodeSm90KeysM, sm_90a,
+    keys on the MMA's M side: opt-in, TORCH_MLA_KEYSM=1; ``columns``, the query rows a CTA
+    takes, 8, 16, 32 or 64, is part of its build). dtype: "bf16" or "fp16", q's and out's.
+    kv_fp8 (sm90, sm90_keysm): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast mode
     (MLADecodeSm90Fast); q_fp8: its q is float8_e4m3fn (passed as bytes; out is dtype).
     tiles (sm80 only): the portable kernel's (block_m, block_n, stages) instead of
     Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes."""
@@ -90,15 +92,22 @@ class DecodeStepConfig(_Config):
     compute: str = "exact"
     q_fp8: bool = False
     tiles: tuple[int, int, int] | None = None
+    columns: int = 0
 
     kind: ClassVar[str] = "step"
 
     def __post_init__(self):
         object.__setattr__(self, "causal", bool(self.causal))
-        if self.backend not in ("sm90", "sm80", "sm100") or self.dtype not in ("bf16", "fp16"):
+        if (self.backend not in ("sm90", "sm80", "sm100", "sm90_keysm")
+                or self.dtype not in ("bf16", "fp16")):
             raise ValueError(f"no decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}")
-        if self.kv_fp8 and self.backend != "sm90":
+        if (self.backend == "sm90_keysm") != (self.columns in KEYSM_COLUMNS):
+            raise ValueError(f"columns={self.columns}: the sm90_keysm kernel takes one of "
+                             f"{KEYSM_COLUMNS}, the others none")
+        if self.backend == "sm90_keysm" and self.compute != "exact":
+            raise ValueError("the sm90_keysm kernel has no fp8-MMA (fast) mode")
+        if self.kv_fp8 and self.backend not in ("sm90", "sm90_keysm"):
             raise ValueError(f"no float8_e4m3fn-cache kernel for backend {self.backend!r}")
         if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
             raise ValueError(f"compute={self.compute!r}, q_fp8={self.q_fp8} needs kv_fp8 and "
@@ -124,6 +133,8 @@ class DecodeStepConfig(_Config):
             config["q"] = "e4m3"
         if self.tiles:
             config["tiles"] = "x".join(map(str, self.tiles))
+        if self.columns:
+            config["columns"] = self.columns
         return config
 
 
@@ -255,7 +266,7 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "decode", "combine", "portable",
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "decode", "combine", "portable",
            "schedule", "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
@@ -270,9 +281,10 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
     cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
     float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
-    sm_90a the SM90 one), the schedule kernel, append_kv for each cache dtype of ``dtypes`` (from
-    SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64 slots; "decode"
-    and "combine" alone serve benchmarks."""
+    sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a, every column count, both cache
+    formats, not built by default), the schedule kernel, append_kv for each cache dtype of
+    ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64
+    slots; "decode" and "combine" alone serve benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
     steps = [native] if "step" in kernels else []
@@ -289,6 +301,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             for q8 in (False, True) if dt == "bf16" else (False,):
                 out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8)
                         for c in causal]
+        if "keysm" in kernels and native == "sm90":  # (opt-in at run time: TORCH_MLA_KEYSM=1)
+            out += [DecodeStepConfig("sm90_keysm", dt, c, kv_fp8=f8, columns=n)
+                    for n in KEYSM_COLUMNS for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
             if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)

@@ -1,0 +1,488 @@
+"""The keys-on-M SM90 decode kernel (cute_kernels/sm90_keysm_decode.py; opt-in,
+TORCH_MLA_KEYSM=1): its index arithmetic modelled in Python and checked against the DSL's
+layouts on the CPU, the registry and dispatch wiring, and on an SM90 GPU the kernel against the
+fp32 reference over a grid (bf16 and float8_e4m3fn caches, NaN past each length, huge unused
+block ids). The compile and PTX checks are in test_kernel_compile.py."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import torch_mla
+from torch_mla.constants import KEYSM_COLUMNS
+from torch_mla.contract import keysm_columns_for
+from torch_mla.cute_kernels.sm90_keysm_decode import (
+    acc_coord,
+    fp8_unit,
+    plan,
+    pt_offset,
+    ring_slot,
+    stages,
+)
+from torch_mla.ops import dispatch, registry
+from torch_mla.reference import mla_decode_reference
+from torch_mla.testing import capture_graph, make_decode_inputs, varlen_seqlens
+
+N_WG = (8, 16, 32)  # a consumer warpgroup's columns
+
+
+def sw128(o: int) -> int:
+    """The 128-byte swizzle of a 16-bit tile (Swizzle<3, 4, 3> on byte addresses: 16-byte chunk
+    ^= 128-byte row % 8), on element offsets."""
+    return o ^ ((o >> 3) & (7 << 3))
+
+
+# ---- models ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", N_WG)
+def test_accumulator_values_cover_the_tile_once(n):
+    # 128 threads x n / 2 values: every (key or d row, column) of a 64 x n tile once.
+    seen = [acc_coord(t % 32, t // 32, i) for t in range(128) for i in range(n // 2)]
+    assert sorted(seen) == [(m, c) for m in range(64) for c in range(n)]
+
+
+@pytest.mark.parametrize("n", N_WG)
+def test_column_max_and_sum_reach_every_key_of_the_column(n):
+    # A thread's value jc (column 8 (jc // 2) + 2 (lane % 4) + jc % 2) is combined over its two
+    # row halves, the lanes lane ^ 4, ^ 8, ^ 16 (butterflies), then the 4 warps' smem slots: the
+    # keys that reach each column are all 64, and only that column's.
+    for _warp in range(4):
+        for lane in range(32):
+            for jc in range(n // 4):
+                group = {lane ^ x for x in (0, 4, 8, 12, 16, 20, 24, 28)}
+                keys, cols = set(), set()
+                for w in range(4):
+                    for ln in group:
+                        for h in range(2):
+                            m, c = acc_coord(ln, w, jc % 2 + 2 * h + 4 * (jc // 2))
+                            keys.add(m)
+                            cols.add(c)
+                assert keys == set(range(64)) and cols == {8 * (jc // 2) + 2 * (lane % 4) + jc % 2}
+
+
+@pytest.mark.parametrize("n", N_WG)
+def test_p_transpose_layout(n):
+    offs = [pt_offset(k, c, n) for k in range(64) for c in range(n)]
+    assert sorted(offs) == list(range(64 * n))  # a bijection onto the tile
+    # a thread's columns 2q, 2q + 1 are adjacent: one 32-bit store
+    assert all(pt_offset(k, c + 1, n) == pt_offset(k, c, n) + 1
+               for k in range(64) for c in range(0, n, 2))
+
+
+def store_ways(n: int) -> int:
+    """The most lanes of a warp whose P^T word stores (one per (h, j)) share a bank."""
+    worst = 0
+    for warp in range(4):
+        for h in range(2):
+            for j in range(n // 8):
+                banks = {}
+                for lane in range(32):
+                    key = 16 * warp + lane // 4 + 8 * h
+                    word = pt_offset(key, 8 * j + 2 * (lane % 4), n) // 2
+                    banks.setdefault(word % 32, set()).add(word)
+                worst = max(worst, max(len(w) for w in banks.values()))
+    return worst
+
+
+def test_p_transpose_store_bank_conflicts():
+    # Conflict-free at every width: the MN atoms' swizzle spreads a warp's 8 keys over the banks
+    # (with the swizzle applied to element offsets instead, 16 and 32 would be 2-way).
+    assert_expected_inline(str({n: store_ways(n) for n in N_WG}), """{8: 1, 16: 1, 32: 1}""")
+
+
+def test_fp8_expansion_units():
+    units = [fp8_unit(u) for u in range(2304)]
+    # every source byte read once, every destination chunk written once
+    assert sorted(a for a, _, _, _ in units) == list(range(0, 9 * 4096, 16))
+    assert sorted(d for _, d0, d1, _ in units for d in (d0, d1)) == list(range(0, 9 * 8192, 16))
+    for a, d0, d1, key in units:
+        tile, col = a // 4096, a % 64  # the fp8 tile is unswizzled: (key, column) rows
+        assert key == (a % 4096) // 64
+        for v in range(16):
+            o = sw128(tile * 64 * 64 + key * 64 + col + v)  # element (key, 64 tile + col + v)
+            assert 2 * o == (d0 if v < 8 else d1) + 2 * (v % 8)
+    # a store phase (8 lanes of 16 bytes) covers 32 distinct banks
+    for u0 in range(0, 2304, 8):
+        banks = [(d // 4 + i) % 32 for _, d, _, _ in units[u0:u0 + 8] for i in range(4)]
+        assert len(set(banks)) == 32
+
+
+class MBarrier:
+    """An mbarrier: `count` arrivals complete a phase; a wait for parity p passes once the
+    phase of that parity has completed (a fresh barrier: parity 1, the phase before 0)."""
+
+    def __init__(self, count):
+        self.count, self.left, self.completed = count, count, 0
+
+    def arrive(self):
+        self.left -= 1
+        if self.left == 0:
+            self.completed, self.left = self.completed + 1, self.count
+
+    def passed(self, parity):
+        return self.completed % 2 != parity
+
+
+def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot):
+    """The kernel's ring and Q protocol under a random interleaving: a producer (per non-empty
+    segment its first page, Q, its other pages), TMA completing the loads in any order, 4 x consumers warps that
+    wait, read, release. Checks that every warp reads the page (and Q) it expects, that no
+    load lands in a stage or Q buffer a warp still reads, and that nothing deadlocks. Actors
+    yield True while blocked on a barrier, False when they made progress."""
+    import random
+
+    rng = random.Random(seed)
+    full = [MBarrier(1) for _ in range(n_stages)]
+    empty = [MBarrier(4 * consumers) for _ in range(n_stages)]
+    q_full, q_empty = MBarrier(1), MBarrier(4 * consumers)
+    data, q_data = [None] * n_stages, [None]
+    in_flight = []  # loads issued, not landed: (buffer, value)
+    readers = {}  # buffer -> the warps reading it
+    pages = [(seg, j) for seg, n in enumerate(segments) for j in range(n)]
+    segs = [seg for seg, n in enumerate(segments) if n]
+
+    def producer():  # a segment's first page, its Q, its other pages
+        cnt = 0
+        for qcnt, seg in enumerate(segs):
+            for j in range(segments[seg]):
+                stage, parity = slot(cnt, n_stages)
+                while not empty[stage].passed(parity ^ 1):
+                    yield True
+                in_flight.append((stage, (seg, j)))
+                cnt += 1
+                yield False
+                if j == 0:
+                    while not q_empty.passed(slot(qcnt, 1)[1] ^ 1):
+                        yield True
+                    in_flight.append(("q", seg))
+
+    def warp(w):
+        cnt = 0
+        for qcnt, seg in enumerate(segs):
+            while not q_full.passed(slot(qcnt, 1)[1]):
+                yield True
+            readers.setdefault("q", set()).add(w)
+            assert q_data[0] == seg
+            for _ in range(segments[seg]):
+                stage, parity = slot(cnt, n_stages)
+                while not full[stage].passed(parity):
+                    yield True
+                readers.setdefault(stage, set()).add(w)
+                assert data[stage] == pages[cnt]
+                yield False  # (the MMAs)
+                readers[stage].discard(w)
+                empty[stage].arrive()
+                cnt += 1
+            readers["q"].discard(w)
+            q_empty.arrive()
+        assert cnt == len(pages)
+
+    actors = [producer()] + [warp(w) for w in range(4 * consumers)]
+    blocked = 0  # actor steps in a row that made no progress, with nothing in flight
+    while actors or in_flight:
+        if in_flight and rng.random() < 0.3 or not actors:
+            buf, value = in_flight.pop(rng.randrange(len(in_flight)))
+            assert not readers.get(buf), f"a load landed in {buf} while it is read"
+            if buf == "q":
+                q_data[0] = value
+                q_full.arrive()
+            else:
+                data[buf] = value
+                full[buf].arrive()
+            blocked = 0
+            continue
+        a = rng.choice(actors)
+        try:
+            waiting = next(a)
+        except StopIteration:
+            actors.remove(a)
+            waiting = False
+        blocked = blocked + 1 if waiting and not in_flight else 0
+        assert blocked < 1000, "deadlock"
+
+
+@pytest.mark.parametrize("n_stages,consumers", [(2, 1), (3, 1), (2, 2)])
+def test_ring_protocol(n_stages, consumers):
+    for seed in range(40):
+        segments = [[5, 0, 1, 3, 0, 0, 7], [1], [0, 2, 2], [9, 9]][seed % 4]
+        run_protocol(segments, n_stages, consumers, seed)
+    # the model catches parities one phase off (a consumer passes a fresh full barrier and
+    # reads a stage before its page lands) and a fixed parity (the second lap passes at once)
+    with pytest.raises(AssertionError):
+        run_protocol([3, 4], n_stages, consumers, 0, lambda c, s: (c % s, (c // s) % 2 ^ 1))
+    with pytest.raises(AssertionError):
+        run_protocol([3, 4], n_stages, consumers, 0, lambda c, s: (c % s, 0))
+
+
+def test_plan_and_stages():
+    assert [keysm_columns_for(r) for r in (1, 8, 9, 16, 17, 33, 64, 65)] == [8, 8, 16, 16, 32, 64,
+                                                                             64, 0]
+    assert [plan(n) for n in KEYSM_COLUMNS] == [(1, 8), (1, 16), (1, 32), (2, 32)]
+    assert [stages(n, f) for n in (16, 64) for f in (False, True)] == [2, 3, 2, 2]
+
+
+# ---- the layouts the kernel builds, against the models (host-side CuTe DSL) -------------------
+
+LAYOUT_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from torch_mla.cute_kernels.sm90_keysm_decode import acc_coord, fp8_unit, pt_offset, smem_layouts
+
+def byte(layout, coord):
+    # The byte offset of coord (16-bit elements): the atom's swizzle (printed as DSL and CuTe
+    # C++ define it, on byte addresses, as TMA and wgmma apply it) of the outer offset.
+    sw, o = layout.inner, 2 * cute.crd2idx(coord, layout.outer)
+    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+    return o ^ ((o & mask) >> sw.num_shift)
+
+@cute.jit
+def check(n: cutlass.Constexpr, buffers: cutlass.Constexpr):
+    dt = cutlass.BFloat16
+    _, _, sK, sVt, sPt, _ = smem_layouts(dt, n, 2, buffers)
+    bad_p = sum(byte(sPt, (c, k, w)) != 2 * (w * 64 * n + pt_offset(k, c, n))
+                for w in range(2) for k in range(64) for c in range(n))
+    # V^T (d, key) is the page's (key, d): the same outer offset under the same swizzle
+    bad_v = sum(cute.crd2idx((d, k, b), sVt) != cute.crd2idx((k, d, b), sK.outer)
+                for b in range(buffers) for k in range(64) for d in range(0, 512, 3))
+    bad_8 = 0
+    for u in cutlass.range_constexpr(0, 2304, 7):  # (a plain range is a loop on the device)
+        a, d0, d1, key = fp8_unit(u)
+        col = (a // 4096) * 64 + a % 64
+        bad_8 += byte(sK, (key, col, 0)) != d0
+        bad_8 += byte(sK, (key, col + 8, 0)) != d1
+    bad_c = 0
+    for mma in (sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.K,
+                                                  warpgroup.OperandMajorMode.K,
+                                                  cutlass.Float32, (1, 1, 1), (64, n)),
+                sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.MN,
+                                                  warpgroup.OperandMajorMode.MN,
+                                                  cutlass.Float32, (1, 1, 1), (64, n))):
+        tv = mma.tv_layout_C
+        for t in cutlass.range_constexpr(128):
+            for i in cutlass.range_constexpr(n // 2):
+                m, c = acc_coord(t % 32, t // 32, i)
+                bad_c += cute.crd2idx((t, i), tv) != m + 64 * c
+    # O^T's registers as the epilogue stores them: value i of thread t is d 64 (i // (n / 2)) +
+    # m, column c for (m, c) = acc_coord(value i % (n / 2))
+    tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, warpgroup.OperandMajorMode.MN,
+                                                warpgroup.OperandMajorMode.MN, cutlass.Float32,
+                                                (1, 1, 1), (64, n))
+    cO = cute.make_identity_tensor((512, n))
+    bad_o = 0
+    for t in cutlass.range_constexpr(0, 128, 5):
+        part = tiled_o.get_slice(t).partition_C(cO)
+        for i in cutlass.range_constexpr(cute.size(part)):
+            m, c = acc_coord(t % 32, t // 32, i % (n // 2))
+            bad_o += tuple(part[i]) != (64 * (i // (n // 2)) + m, c)
+    print(f"n {n} buffers {buffers}: P^T {bad_p}, V^T {bad_v}, fp8 {bad_8}, C {bad_c}, "
+          f"O^T {bad_o} wrong")
+
+for n in (8, 16, 32):
+    for buffers in (1, 2):
+        check(n, buffers)
+"""
+
+
+def test_layouts_match_the_models(tmp_path):
+    """P^T's offsets (pt_offset), V^T over the page buffers, the fp8 expansion's destinations
+    (fp8_unit), the accumulator order of both MMAs (acc_coord) and O^T's m-tiles (the
+    epilogue's d of each register) are the DSL's own."""
+    script = tmp_path / "layouts.py"  # the DSL compiles from source files only
+    script.write_text(LAYOUT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if "wrong" in x]
+    assert_expected_inline("\n".join(lines), """\
+n 8 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 8 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 16 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 16 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 32 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
+n 32 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong""")
+
+
+# ---- registry and dispatch --------------------------------------------------------------------
+
+def test_registry_config():
+    c = registry.DecodeStepConfig("sm90_keysm", "bf16", True, kv_fp8=True, columns=16)
+    assert (c.name, c.key(), c.entry) == (
+        "step_sm90_keysm", {"dtype": "bf16", "causal": True, "kv": "e4m3", "columns": 16},
+        "decode_step:compile_step")
+    for bad in (dict(columns=0), dict(columns=48), dict(columns=16, kv_fp8=True, compute="fp8")):
+        with pytest.raises(ValueError):
+            registry.DecodeStepConfig("sm90_keysm", "bf16", False, **bad)
+    with pytest.raises(ValueError):
+        registry.DecodeStepConfig("sm90", "bf16", False, columns=16)
+    # built only when asked for (precompile --kernels keysm): every column count, both caches
+    got = registry.variants(("bf16",), (False,), ("keysm",))
+    assert sorted((v.config.columns, v.config.kv_fp8) for v in got) == sorted(
+        (n, f) for n in KEYSM_COLUMNS for f in (False, True))
+    assert not [v for v in registry.variants() if v.config.name == "step_sm90_keysm"]
+
+
+def test_dispatch_only_with_the_flag(monkeypatch):
+    monkeypatch.delenv("TORCH_MLA_KEYSM", raising=False)
+    assert dispatch.keysm_columns("sm90", 16) == 0
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
+    assert [dispatch.keysm_columns("sm90", r) for r in (1, 16, 17, 64, 65, 128)] == [8, 16, 32,
+                                                                                     64, 0, 0]
+    # not the portable or SM100 kernels, not fast mode
+    assert dispatch.keysm_columns("sm80", 16) == dispatch.keysm_columns("sm100", 16) == 0
+    assert dispatch.keysm_columns("sm90", 16, "fp8") == 0
+
+
+# ---- on an SM90 GPU -----------------------------------------------------------------------------
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available()
+                          or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an SM90 GPU")
+
+
+@pytest.fixture
+def keysm(monkeypatch):
+    """TORCH_MLA_KEYSM=1, and a count of the keys-on-M steps launched by (kind, columns)."""
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
+    for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE"):
+        monkeypatch.delenv(name, raising=False)
+    launched = {}
+    for kind in ("sm90_keysm", "sm90_keysm_fp8"):
+        def count(dtype, causal, index, columns, kind=kind, orig=dispatch.STEPS[kind]):
+            launched[kind, columns] = launched.get((kind, columns), 0) + 1
+            return orig(dtype, causal, index, columns)
+        monkeypatch.setitem(dispatch.STEPS, kind, count)
+    return launched
+
+
+def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16):
+    """The kernel against the fp32 reference (the SM90 kernel's tolerances: bf16 P, as
+    FlashMLA's test); fp8: over the same dequantized cache."""
+    from test_fp8 import fp8_inputs
+    from test_kernel_sm90 import TOL
+
+    scale = 576**-0.5
+    if fp8:
+        inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, device="cuda")
+    else:
+        inp = make_decode_inputs(lens, s_q, h_q, dtype=dtype, device="cuda")
+        cache, kv_scale = inp.kv_cache, None
+    q = inp.q.to(dtype)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    before = sum(keysm.values())
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
+                                    softmax_scale=scale, causal=causal, kv_scale=kv_scale)
+    assert sum(keysm.values()) == before + 1, "the keys-on-M kernel did not run"
+    ref_out, ref_lse = mla_decode_reference(q, cache, inp.block_table, inp.cache_seqlens, scale,
+                                            causal, 512, kv_scale=kv_scale)
+    assert not out.isnan().any(), "NaN in output"
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)  # +inf must match +inf
+    return sched
+
+
+# h_q * s_q <= 64 (what the dispatch gives this kernel): 8, 16, 32 and 64 columns; lengths off
+# the page size, 0 and 1; split requests (few, long) and whole ones (many, short).
+GRID = [(h, s, c) for h in (8, 16, 32, 64) for s, c in ((1, False), (2, True)) if h * s <= 64]
+LENS = [20, 140, 4096, 0, 1, 65, 1000]
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("h_q,s_q,causal", GRID)
+def test_grid(keysm, h_q, s_q, causal, fp8):
+    sched = run_and_check(keysm, LENS, s_q, h_q, causal, fp8=fp8)
+    # few long requests over 132 SMs: they are split (partials and the combine)
+    assert sched.num_splits[-1].item() > len(LENS)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("h_q,s_q,causal", [(16, 1, False), (16, 2, True), (32, 2, True)])
+def test_varlen_batches_whole_and_split(keysm, h_q, s_q, causal, fp8):
+    for b in (1, 6, 128, 300):
+        run_and_check(keysm, varlen_seqlens(b), s_q, h_q, causal, fp8=fp8)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_whole_requests(keysm, fp8):
+    # Two equal requests per SM: the schedule cuts only at request boundaries, so every request
+    # is written by the decode kernel itself (no partials, the combine skips them all).
+    parts = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [640 - 7] * (2 * parts)
+    sched = run_and_check(keysm, lens, 1, 16, False, fp8=fp8)
+    assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
+def test_page_boundaries(keysm, L):
+    for fp8 in (False, True):
+        run_and_check(keysm, [L, L + 1, max(L - 1, 0)], 1, 16, False, fp8=fp8)
+        run_and_check(keysm, [L, L + 1, max(L - 1, 0)], 2, 32, True, fp8=fp8)
+
+
+@pytest.mark.cuda
+@sm90
+def test_fp16_and_odd_head_counts(keysm):
+    run_and_check(keysm, LENS, 2, 16, True, dtype=torch.float16)  # 32 rows
+    run_and_check(keysm, LENS, 1, 3, False)  # 3 rows in 8 columns
+    run_and_check(keysm, LENS, 3, 7, True, fp8=True)  # 21 rows in 32 columns
+    run_and_check(keysm, LENS, 1, 40, False, fp8=True)  # 40 rows in 64 columns
+    assert {c for _, c in keysm} == {8, 32, 64}
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_graph_replays_with_new_lengths(keysm, fp8):
+    """One step (schedule and decode) captured in a CUDA graph, replayed on new lengths, pages
+    and queries of the same shapes: each replay matches the reference."""
+    from test_fp8 import fp8_inputs
+
+    shapes = dict(device="cuda", max_blocks=6, num_blocks=14)
+    lens = ([70, 3, 300], [129, 64, 0], [5, 250, 190])
+    if fp8:
+        steps = [fp8_inputs(x, 2, 16, **shapes) for x in lens]
+        steps = [(i.q, c, i.block_table, i.cache_seqlens, s) for i, c, s in steps]
+    else:
+        steps = [make_decode_inputs(x, 2, 16, **shapes) for x in lens]
+        steps = [(i.q, i.kv_cache, i.block_table, i.cache_seqlens, None) for i in steps]
+    static = [t.clone() for t in steps[0][:4]]
+    kv_scale = steps[0][4]
+
+    def step(q, kv_cache, block_table, cache_seqlens):
+        sched = torch_mla.get_decode_schedule(cache_seqlens, 2, 16)
+        return torch_mla.mla_decode(q, kv_cache, block_table, cache_seqlens, sched, causal=True,
+                                    kv_scale=kv_scale)
+
+    torch_mla.set_value_checks(False)
+    try:
+        graph, (out, lse) = capture_graph(step, static)
+        for inp in steps:
+            for dst, src in zip(static, inp[:4]):
+                dst.copy_(src)
+            if fp8:
+                kv_scale.copy_(inp[4])
+            graph.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = mla_decode_reference(*static, 576**-0.5, True, 512,
+                                                    kv_scale=kv_scale)
+            assert not out.isnan().any()
+            torch.testing.assert_close(out.float(), ref_out.float(), atol=8e-4, rtol=2.01 / 128)
+            torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    finally:
+        torch_mla.set_value_checks(True)
+    assert keysm

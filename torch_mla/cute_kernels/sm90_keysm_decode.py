@@ -1,0 +1,663 @@
+"""MLA decode on Hopper with the keys on the wgmma's M side, for few query rows (s_q * h_q <= 64).
+
+Problem (as sm90_decode.py): for each request r with L_r cached latents and s_q * h_q query rows,
+    out = softmax(scale * Q K^T) V,   K = latent (576 columns), V = its first 512 columns.
+
+Why another kernel: the heads-on-M kernel (sm90_decode.py) pads the query rows to wgmma's M = 64,
+so at h_q 16 three quarters of its tensor work is padding, and its FP8 exact mode expands each page
+in place on the critical path (issue 31: 1.12x the bf16 time at h_q 16 while reading half the
+bytes). Here a CTA computes the transposed products, with the query rows ("columns") on N, which
+wgmma allows from 8 up:
+
+    S^T = K Q^T        A = the page (64 keys x 576, K-major: the latent is contiguous), from smem
+                       B = Q^T (N columns x 576, K-major: q rows are contiguous), from smem
+    softmax per column (a query row's maximum and sum run over the 64 keys = over M)
+    O^T += V^T P^T     A = V^T (512 x 64 keys), MN-major: the same page tile read transposed
+                       (allowed for 16-bit wgmma); B = P^T (N x 64 keys), MN-major, written to smem
+                       by the consumer in the S^T accumulator's own order
+
+Tiles: a CTA takes N = `columns` query rows (8, 16, 32 or 64; rows padded to N, the padding
+columns are zero (TMA fills rows past q's end) and never stored). A consumer warpgroup owns up
+to 32 columns: O^T (512 x 32 fp32) is 128 registers a thread; 64 columns are two consumer
+warpgroups, each with its own 32 columns, its own softmax and O^T, both reading the same page
+(the columns are independent: nothing else is exchanged). One producer warp issues the TMA
+(at 64 columns the first warp of a producer warpgroup whose registers go to the consumers).
+
+Pipeline: a ring of `stages` page buffers filled by the producer warp (full mbarrier: TMA
+transaction count; empty mbarrier: one arrival per consumer warp). Per page, each consumer
+warpgroup: S^T (36 wgmma m64nNk16), mask, column max (lanes, the two row halves, then the 4
+warps through smem), online softmax, P^T -> smem (16-bit), O^T (32 wgmma: 8 m-tiles x 4 k-steps),
+release the buffer. Q (N x 576) is loaded by the producer per segment (q_full / q_empty).
+  - bf16/fp16 cache: TMA lands each 64 x 64 tile in the 128-byte-swizzled layout the MMAs read;
+    2 stages (3 do not fit beside Q at 32 columns).
+  - float8_e4m3fn cache (exact mode, kv_fp8): the ring holds the fp8 bytes (3 stages of 36 KB at
+    <= 32 columns, 2 at 64); the consumer threads expand a page into one 16-bit work buffer
+    (exact conversions, keys past the request's length written as 0) before its S^T, and release
+    the ring stage right after, so the TMA of later pages runs under the MMAs. kv_scale (and
+    q_scale) fold into the softmax scale and the epilogue, as in sm90_decode.py. No fp8-MMA fast
+    mode: e4m3 wgmma takes both operands K-major, fine for S^T but V^T would need a transposed
+    copy of every page.
+
+Epilogue (per segment): column sums over lanes and warps, O^T / sum written from the accumulator
+registers straight to global memory (a warp's store covers 8 consecutive d of 4 columns; the
+output is 1/64 of the bytes a request reads at s_k 8192), fp32 partials and a
+log2 lse for a split request (splitkv.py), the combine merges them.
+
+Masking, empty rows, bad inputs: as sm90_decode.py. Keys at or past a column's horizon get -inf;
+rows of the page past L in a request's last page are zeroed in smem before the MMAs (the cache
+may hold NaN there, 0 * NaN = NaN); TMA zero-fills page ids outside the cache; no printf.
+
+Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode), one
+latent head per launch. Any s_q * h_q runs (a CTA per N rows and part), but the schedule gives a
+part per SM only for <= 64 rows, where the dispatch uses it (TORCH_MLA_KEYSM=1).
+Status: compiled and PTX-checked on the CPU; not yet run on a GPU.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..constants import D_QK, D_V, KEYSM_COLUMNS, PAGE_SIZE
+from . import softmax, splitkv
+from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
+from .ptx import L2_EVICT_FIRST, e4m3_store16, fence_operand, lds128, sts
+
+WG_COLUMNS = 32  # at most a consumer warpgroup's columns: O^T 512 x 32 fp32 = 128 registers
+N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
+TILE_ELEMS = PAGE_SIZE * 64  # elements of a 64-key x 64-column tile
+PAGE_ELEMS = PAGE_SIZE * D_QK
+
+# Named barrier ids (0 is __syncthreads).
+NB_CONSUMERS = 1  # every consumer thread: a page buffer prepared (expanded, tail zeroed)
+NB_WG = 2  # + consumer warpgroup index: its column maxima / sums exchanged, its P^T written
+# setmaxnreg with two consumer warpgroups (384 threads, 168 registers each at launch): (producer,
+# consumers), 128 p + 256 c = 168 x 384, by cache format (kv_fp8): the fp8 consumers' expansion
+# needs 240 and their producer 24 suffices; the 16-bit producer spills below 56 (ptxas, no spill
+# either way).
+REGS = {False: (56, 224), True: (24, 240)}
+
+
+def plan(columns: int) -> tuple[int, int]:
+    """(consumer warpgroups, columns each) of a CTA taking `columns` query rows."""
+    n_wg = min(columns, WG_COLUMNS)
+    return columns // n_wg, n_wg
+
+
+def stages(columns: int, kv_fp8: bool) -> int:
+    """Ring stages that fit in 227 KB beside Q (columns x 576), P^T and the work buffer: 16-bit
+    pages (72 KB) 2; fp8 pages (36 KB, plus one 72 KB work buffer) 3, or 2 at 64 columns."""
+    if not kv_fp8:
+        return 2
+    return 2 if columns > WG_COLUMNS else 3
+
+
+# ---- index arithmetic, modelled in Python (tests/test_keysm.py checks it) ---------------------
+
+
+def acc_coord(lane, warp, idx):
+    """(m, n) of value idx of a wgmma m64nN fp32 accumulator held by lane `lane` of warp `warp`
+    (0..3) of the warpgroup: m = 16 warp + lane / 4 + 8 h, n = 8 j + 2 (lane % 4) + c for
+    idx = c + 2 h + 4 j (the DSL's tv_layout_C; softmax.py's MMA fragment). Here m is a key of
+    the page (S^T) or a d row of an m-tile (O^T), n a query column."""
+    c, h, j = idx % 2, (idx // 2) % 2, idx // 4
+    return 16 * warp + lane // 4 + 8 * h, 8 * j + 2 * (lane % 4) + c
+
+
+def pt_offset(key, col, n_wg: int):
+    """Element offset of P^T[col][key] in a consumer's P^T tile (n_wg columns x 64 keys,
+    MN-major: the column index contiguous), the DSL's MN_INTER / MN_SW32 / MN_SW64 atom for
+    n_wg = 8 / 16 / 32 tiled over the keys: linear col + n_wg key, then the atom's swizzle
+    Swizzle<log2(n_wg / 8), 4, 3>, which (as TMA and wgmma) acts on byte addresses: 16-byte
+    chunk bits 4.. ^= bits 7.., i.e. element bits 3.. ^= bits 6... Adjacent columns 2q, 2q + 1
+    stay adjacent (a 32-bit store)."""
+    bits = {8: 0, 16: 1, 32: 2}[n_wg]
+    o = col + n_wg * key
+    return o ^ ((o >> 3) & (((1 << bits) - 1) << 3))
+
+
+def ring_slot(count, stages: int):
+    """The ring stage of the count-th use (page or segment) and the parity of its full barrier's
+    phase that use waits for; the producer waits for the empty barrier's other parity (a fresh
+    barrier passes it: the first lap never waits). tests/test_keysm.py runs the protocol."""
+    return count % stages, (count // stages) % 2
+
+
+def fp8_unit(u):
+    """The u-th 16-byte unit (0..2303) of a page's fp8 expansion: (byte offset of its 16 e4m3
+    values in the ring stage (9 tiles of 64 keys x 64 bytes, unswizzled, 4 KB apart), byte
+    offsets of the two 16-byte chunks its values 0-7 and 8-15 go to in the 16-bit page buffer
+    (9 tiles of 64 keys x 128 bytes, 8 KB apart, 128-byte swizzle: chunk ^= key % 8), key).
+    Consecutive units are consecutive source bytes (conflict-free 16-byte loads); the 8 lanes of
+    a store phase write rows key, key + 1 in chunks {0, 2, 4, 6} ^ key and ^ (key + 1), which
+    are distinct banks."""
+    tile, rem = u // 256, u % 256
+    key, part = rem // 4, rem % 4
+    row = tile * (PAGE_SIZE * 128) + key * 128
+    return (tile * (PAGE_SIZE * 64) + key * 64 + part * 16,
+            row + ((2 * part) ^ (key % 8)) * 16, row + ((2 * part + 1) ^ (key % 8)) * 16, key)
+
+
+def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
+    """The shared-memory layouts (called while tracing; tests/test_keysm.py checks them against
+    the models above): the Q TMA tile (n_wg x 576) and Q (n_wg, 576, consumers), K-major with
+    the 128-byte swizzle; the 16-bit page buffers (64 keys, 576, buffers), likewise; V^T of
+    them, (512 d, 64 keys, buffers), MN-major, the same bytes (the buffer's swizzle); P^T
+    (n_wg, 64 keys, consumers), MN-major (pt_offset); a 64 x 64 page tile (TMA)."""
+    k_atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
+    mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
+    p_kind = {8: warpgroup.SmemLayoutAtomKind.MN_INTER,
+              16: warpgroup.SmemLayoutAtomKind.MN_SW32,
+              32: warpgroup.SmemLayoutAtomKind.MN_SW64}[n_wg]
+    p_atom = warpgroup.make_smem_layout_atom(p_kind, dt)
+    q_tile = cute.tile_to_shape(k_atom, (n_wg, D_QK), order=(0, 1))
+    sQ_layout = cute.tile_to_shape(k_atom, (n_wg, D_QK, consumers), order=(0, 1, 2))
+    sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D_QK, buffers), order=(0, 1, 2))
+    # V^T of a buffer: (512 d, 64 keys), d contiguous inside a K-major page tile: 64-column
+    # tiles 8 KB apart, groups of 8 keys 1 KB apart; buffers a page apart.
+    vt = cute.tile_to_shape(mn_atom, (D_V, PAGE_SIZE), order=(1, 0))
+    sVt_layout = cute.append(vt.outer, cute.make_layout(buffers, stride=PAGE_ELEMS))
+    sPt_layout = cute.tile_to_shape(p_atom, (n_wg, PAGE_SIZE, consumers), order=(0, 1, 2))
+    tile_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, 64), order=(0, 1))
+    return q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout
+
+
+class MLADecodeSm90KeysM(DecodeKernel):
+    """Split-KV MLA decode for SM90 with keys on M; see the module docstring."""
+
+    def __init__(self, dtype, causal: bool, columns: int, kv_fp8: bool = False):
+        assert columns in KEYSM_COLUMNS, columns
+        self.dtype = dtype
+        self.causal = bool(causal)
+        self.kv_fp8 = bool(kv_fp8)
+        self.block_m = columns  # query rows a CTA (DecodeKernel's grid)
+        self.consumers, self.n_wg = plan(columns)
+        # + the producer warp; with two consumer warpgroups a whole producer warpgroup, whose
+        # registers setmaxnreg hands to the consumers (REGS: 288 threads would cap every thread
+        # at 168 registers, and O^T alone takes 128).
+        self.num_threads = 128 * self.consumers + (32 if self.consumers == 1 else 128)
+        self.stages = stages(columns, self.kv_fp8)
+        # 16-bit page buffers the MMAs read: the ring itself, or one work buffer (fp8)
+        self.buffers = 1 if self.kv_fp8 else self.stages
+
+    # ------------------------------------------------------------------------------------------
+    # host side
+    # ------------------------------------------------------------------------------------------
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        """TMA atoms and views (Q, cache), then what the kernel takes after the scale: fp8
+        (kv_scale, q_scale, q_scaled: None unless kv_fp8), the shared-memory layouts and the
+        two tiled MMAs; sets self.shared_storage (traced inside DecodeKernel.__call__)."""
+        dt, n_wg, C = self.dtype, self.n_wg, self.consumers
+        q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout = smem_layouts(
+            dt, n_wg, C, self.buffers)
+
+        kmode, mnmode = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
+                                                    (PAGE_SIZE, n_wg))
+        tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, mnmode, mnmode, Float32, (1, 1, 1),
+                                                    (PAGE_SIZE, n_wg))
+
+        # TMA views: Q as (rows, 576, b), the cache as (64 keys, 576, pages).
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, q_tile, (n_wg, D_QK))
+        if const_expr(self.kv_fp8):
+            # fp8 tiles land unswizzled (64-byte rows): the expansion reads them linearly.
+            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
+            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
+        else:
+            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile_layout, (PAGE_SIZE, 64))
+
+        i64 = cutlass.Int64
+        fields = dict(
+            sQ=aligned(dt, C * n_wg * D_QK),
+            sK=aligned(dt, self.buffers * PAGE_ELEMS),
+            sP=aligned(dt, C * n_wg * PAGE_SIZE),
+        )
+        if const_expr(self.kv_fp8):
+            fields["sK8"] = aligned(cutlass.Uint8, self.stages * PAGE_ELEMS)
+        # Column maxima (two blocks' worth: one barrier a block suffices), reused for the sums.
+        fields["sMax"] = cute.struct.MemRange[Float32, 2 * C * 4 * n_wg]
+        fields["barFull"] = cute.struct.MemRange[i64, self.stages]
+        fields["barEmpty"] = cute.struct.MemRange[i64, self.stages]
+        fields["barQ"] = cute.struct.MemRange[i64, 2]  # full, empty
+        self.shared_storage = shared_struct(**fields)
+        size = self.shared_storage.size_in_bytes()
+        assert size <= 227 * 1024, size
+        return (tma_q, tma_mQ, tma_k, tma_mKV), (
+            *fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
+
+    # ------------------------------------------------------------------------------------------
+    # device side
+    # ------------------------------------------------------------------------------------------
+    @cute.kernel
+    def kernel(
+        self,
+        tma_q: cute.CopyAtom,
+        tma_mQ: cute.Tensor,
+        tma_k: cute.CopyAtom,
+        tma_mKV: cute.Tensor,
+        tensors: SplitKVTensors,
+        scale_log2: Float32,
+        mKVScale,
+        mQScale,
+        q_scaled,
+        sQ_layout: cute.ComposedLayout,
+        sK_layout: cute.ComposedLayout,
+        sVt_layout: cute.Layout,
+        sPt_layout: cute.ComposedLayout,
+        tiled_s: cute.TiledMma,
+        tiled_o: cute.TiledMma,
+    ):
+        tidx, _, _ = cute.arch.thread_idx()
+        m_block, part, _ = cute.arch.block_idx()
+        warp = cute.arch.make_warp_uniform(tidx // 32)
+
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        sw = sK_layout.inner
+        sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), sw), sQ_layout.outer)
+        sK = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sK_layout.outer)
+        sVt = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sVt_layout)
+        sPt = cute.make_tensor(cute.recast_ptr(storage.sP.data_ptr(), sPt_layout.inner),
+                               sPt_layout.outer)
+        bar_full = storage.barFull.data_ptr()
+        bar_empty = storage.barEmpty.data_ptr()
+        bar_q = storage.barQ.data_ptr()
+        if tidx == 0:
+            cpasync.prefetch_descriptor(tma_q)
+            cpasync.prefetch_descriptor(tma_k)
+            for i in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(bar_full + i, 1)
+                cute.arch.mbarrier_init(bar_empty + i, 4 * self.consumers)
+            cute.arch.mbarrier_init(bar_q, 1)
+            cute.arch.mbarrier_init(bar_q + 1, 4 * self.consumers)
+        cute.arch.mbarrier_init_fence()
+        cute.arch.sync_threads()
+        # The combine (PDL) may launch now: it waits for this grid before reading its results.
+        cute.arch.griddepcontrol_launch_dependents()
+
+        # Device-side handles for the helper methods (IR values of this kernel's region).
+        self.d_k_base = storage.sK.data_ptr().toint()
+        self.d_p_base = storage.sP.data_ptr().toint()
+        self.d_tiled_s, self.d_tiled_o = tiled_s, tiled_o
+        if const_expr(self.kv_fp8):
+            # Folded scales (see sm90_decode.py): read once, no host synchronisation.
+            kv_scale = mKVScale[0]
+            q_scale = Float32(1.0)
+            if q_scaled != 0:
+                q_scale = mQScale[0]
+            scale_log2 = scale_log2 * kv_scale * q_scale
+            self.d_kv_scale = kv_scale
+            self.d_k8 = storage.sK8.data_ptr().toint()
+        sMax = storage.sMax.get_tensor(cute.make_layout(
+            (4, self.n_wg, self.consumers, 2),
+            stride=(self.n_wg, 1, 4 * self.n_wg, 4 * self.n_wg * self.consumers)))
+
+        walk = splitkv.read_part(tensors.metadata, part)
+        if warp >= 4 * self.consumers:
+            if const_expr(self.consumers > 1):
+                cute.arch.setmaxregister_decrease(REGS[self.kv_fp8][0])
+            if warp == 4 * self.consumers:
+                # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
+                if const_expr(self.kv_fp8):
+                    k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
+                    sK_tma = cute.make_tensor(k8, cute.make_layout(
+                        (PAGE_SIZE, 64, 1, N_TILES, self.stages),
+                        stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
+                else:
+                    sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
+                self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
+                               bar_full, bar_empty, bar_q)
+        else:
+            if const_expr(self.consumers > 1):
+                cute.arch.setmaxregister_increase(REGS[self.kv_fp8][1])
+            self._consumer(walk, tensors, scale_log2, m_block, tidx, warp, sQ, sK, sVt, sPt,
+                           sMax, bar_full, bar_empty, bar_q)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _producer(self, walk, tensors: SplitKVTensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV,
+                  sQ, sK_tma, bar_full, bar_empty, bar_q):
+        """The producer warp: the same walk as the consumers; per non-empty segment its first
+        page, Q (once the consumers released the last segment's), then its other pages, each
+        into the next ring stage once its last reader released it."""
+        mBlockTable, mSeqlens, mNumSplits = tensors.block_table, tensors.seqlens, tensors.num_splits
+        gK = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
+        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                           cute.group_modes(sK_tma, 0, 2),
+                                           cute.group_modes(gK, 0, 2))
+        elem_bytes = 1 if const_expr(self.kv_fp8) else self.dtype.width // 8
+        page_bytes = PAGE_ELEMS * elem_bytes
+        q_bytes = self.consumers * self.n_wg * D_QK * self.dtype.width // 8
+        width = mBlockTable.shape[1]
+        cnt = cute.make_rmem_tensor(2, Int32)  # blocks issued, segments issued
+        cnt.fill(0)
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
+            L = mSeqlens[r]
+            pieces = mNumSplits[r + 1] - mNumSplits[r]
+            lo, hi = splitkv.segment(walk, r, L, width, pieces)
+            # The segment's first page goes before its Q: a ring stage frees up before the
+            # last segment's Q does, so one page loads across the segment boundary.
+            for blk in cutlass.range(lo, hi, unroll=1):
+                self._load_page(tma_k, tKgK, tKsK, mBlockTable[r, blk], cnt, bar_full, bar_empty,
+                                page_bytes)
+                if blk == lo:
+                    cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
+                    with cute.arch.elect_one():
+                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
+                    for c in cutlass.range_constexpr(self.consumers):
+                        gQ = cute.local_tile(tma_mQ[None, None, r], (self.n_wg, D_QK),
+                                             (m_block * self.consumers + c, 0))
+                        tQsQ, tQgQ = cpasync.tma_partition(
+                            tma_q, 0, cute.make_layout(1),
+                            cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2))
+                        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
+                                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+                    cnt[1] = cnt[1] + 1
+
+    @cute.jit
+    def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
+        """The producer warp: cache page `page` into the ring stage of use cnt[0], once its
+        last reader released it; cnt[0] += 1."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        # Each page is read once by one CTA: evict_first (sm90_decode.py, ptx.py).
+        for t in cutlass.range_constexpr(N_TILES):
+            cute.copy(tma_k, tKgK[None, t, page], tKsK[None, 0, t, s], tma_bar_ptr=bar_full + s,
+                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        cnt[0] = cnt[0] + 1
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _consumer(self, walk, tensors: SplitKVTensors, scale_log2: Float32, m_block, tidx, warp,
+                  sQ, sK, sVt, sPt, sMax, bar_full, bar_empty, bar_q):
+        """A consumer warpgroup (wg): columns [n_wg wg, n_wg (wg + 1)) of the CTA's N."""
+        mBlockTable, mSeqlens, mNumSplits = tensors.block_table, tensors.seqlens, tensors.num_splits
+        mO, mLSE, mOacc, mLSEacc = tensors.out, tensors.lse, tensors.oacc, tensors.lseacc
+        n_wg = self.n_wg
+        wg = warp // 4
+        wq = warp % 4
+        wtid = tidx % 128
+        lane = tidx % 32
+        rows = mO.shape[1]
+        h_q = mLSE.shape[1]
+        s_q = mLSE.shape[2]
+        self.d_rows, self.d_h_q, self.d_s_q = rows, h_q, s_q
+        width = mBlockTable.shape[1]
+
+        thr_s = self.d_tiled_s.get_slice(wtid)
+        thr_o = self.d_tiled_o.get_slice(wtid)
+        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))  # (MMA, 1, 36, buffers)
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, wg]))  # (MMA, 1, 36)
+        tOrV = thr_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, 8, 4, buffers)
+        tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
+        acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n_wg)), Float32)
+        acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((D_V, n_wg)), Float32)
+        rP = cute.make_rmem_tensor(cute.size(acc_S), self.dtype)
+
+        ncol = n_wg // 4  # columns a thread holds: jc = 2 j + c is column 8 j + 2 (lane % 4) + c
+        m_run = cute.make_rmem_tensor(ncol, Float32)  # running max per column (log2 domain)
+        l_run = cute.make_rmem_tensor(ncol, Float32)  # this thread's partial sums per column
+        cnt = cute.make_rmem_tensor(2, Int32)  # blocks consumed, segments consumed
+        cnt.fill(0)
+        col0 = m_block * self.block_m + wg * n_wg  # the query row of this warpgroup's column 0
+
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
+            L = mSeqlens[r]
+            slot0 = mNumSplits[r]
+            pieces = mNumSplits[r + 1] - slot0
+            lo, hi = splitkv.segment(walk, r, L, width, pieces)
+            if lo < hi:
+                min_border = softmax.row_border(L, m_block * self.block_m, rows, h_q, s_q,
+                                                self.causal)
+                m_run.fill(-Float32.inf)
+                l_run.fill(0.0)
+                acc_O.fill(0.0)
+                cute.arch.mbarrier_wait(bar_q, ring_slot(cnt[1], 1)[1])
+                nb_req = splitkv.num_blocks(L)
+                for blk in cutlass.range(lo, hi, unroll=1):
+                    valid = Int32(PAGE_SIZE)
+                    if blk == nb_req - 1:
+                        if L % PAGE_SIZE != 0:
+                            valid = L % PAGE_SIZE
+                    self._block(blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq,
+                                lane, tSrK, tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run,
+                                sMax, bar_full, bar_empty)
+                # Q is free once every consumer warp is past its last S^T.
+                cute.arch.sync_warp()
+                if lane == 0:
+                    cute.arch.mbarrier_arrive(bar_q + 1)
+                cnt[1] = cnt[1] + 1
+                self._epilogue(r, slot0 + splitkv.split_index(walk, r), pieces, col0, rows, h_q,
+                               cnt, wg, wq, lane, acc_O, m_run, l_run, sMax, mO, mLSE, mOacc,
+                               mLSEacc)
+            else:
+                splitkv.empty_segment(
+                    walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * self.block_m,
+                    cutlass.min(rows - m_block * self.block_m, self.block_m), h_q, tidx,
+                    128 * self.consumers)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _block(self, blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq, lane, tSrK,
+               tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run, sMax, bar_full, bar_empty):
+        """One page: wait for its ring stage, prepare it (fp8: expand; tail: zero), S^T, the
+        column softmax, P^T, O^T; release the stage. Loop-carried state lives in the register
+        tensors (cnt, acc_O, m_run, l_run)."""
+        n_wg = self.n_wg
+        ncol = n_wg // 4
+        n_cons = 128 * self.consumers
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_full + s, parity)
+        ob = s  # the 16-bit buffer the MMAs read
+        if const_expr(self.kv_fp8):
+            ob = 0
+            # Every consumer warpgroup is past the previous page's O^T (its wait_group(0)):
+            # the work buffer may be overwritten.
+            cute.arch.barrier(barrier_id=NB_CONSUMERS, number_of_threads=n_cons)
+            self._expand(s, valid, tidx)
+            cute.arch.fence_view_async_shared()
+            cute.arch.barrier(barrier_id=NB_CONSUMERS, number_of_threads=n_cons)
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bar_empty + s)  # the fp8 stage is free already
+        else:
+            if valid < PAGE_SIZE:
+                self._zero_tail(s, valid, tidx)
+                cute.arch.fence_view_async_shared()
+                cute.arch.barrier(barrier_id=NB_CONSUMERS, number_of_threads=n_cons)
+
+        # S^T = K Q^T: 9 tiles x 4 k-steps of 16.
+        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
+        fence_operand(acc_S)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(N_TILES * 4):
+            atom_s.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom_s, acc_S, tSrK[None, None, k, ob], tSrQ[None, None, k], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_S)
+
+        # Keys at or past each column's horizon: -inf (only where this page reaches one; the
+        # horizons are computed here, not kept: registers are short beside O^T).
+        key0 = blk * PAGE_SIZE
+        if key0 + PAGE_SIZE > min_border:
+            border = [softmax.row_border(L, col0 + 8 * (jc // 2) + 2 * (lane % 4) + jc % 2,
+                                         self.d_rows, self.d_h_q, self.d_s_q, self.causal)
+                      for jc in range(ncol)]
+            for idx in cutlass.range_constexpr(cute.size(acc_S)):
+                jc = 2 * (idx // 4) + idx % 2
+                key = 16 * wq + lane // 4 + 8 * ((idx // 2) % 2)
+                if key0 + key >= border[jc]:
+                    acc_S[idx] = -Float32.inf
+
+        # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
+        # smem slot cnt % 2: the next write to it is two pages later, past a barrier every
+        # reader meets after reading).
+        p = cnt[0] % 2
+        m_thr = [cute.arch.fmax(acc_S[jc % 2 + 4 * (jc // 2)], acc_S[jc % 2 + 4 * (jc // 2) + 2])
+                 for jc in range(ncol)]
+        m_col = self._across_keys(m_thr, cute.arch.fmax, sMax, p, wg, wq, lane)
+        m_use = [None] * ncol
+        factor = [None] * ncol
+        for jc in cutlass.range_constexpr(ncol):
+            m_blk = m_col[jc]
+            m_new, m_use[jc], factor[jc] = softmax.online_max(m_run[jc], m_blk * scale_log2)
+            m_run[jc] = m_new
+
+        # P = 2^(S scale - m); partial column sums; O^T columns rescaled.
+        part_sum = [Float32(0.0)] * ncol
+        for idx in cutlass.range_constexpr(cute.size(acc_S)):
+            jc = 2 * (idx // 4) + idx % 2
+            pv = softmax.exp_scaled(acc_S[idx], scale_log2, m_use[jc])
+            acc_S[idx] = pv
+            part_sum[jc] = part_sum[jc] + pv
+        for jc in cutlass.range_constexpr(ncol):
+            l_run[jc] = l_run[jc] * factor[jc] + part_sum[jc]
+        per_tile = cute.size(acc_O) // (D_V // 64)
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % per_tile
+            acc_O[i] = acc_O[i] * factor[2 * (v // 4) + v % 2]
+
+        # P^T -> smem in 16 bits: word h + 2 j holds key 16 wq + lane / 4 + 8 h, columns
+        # 8 j + 2 (lane % 4) + {0, 1} (adjacent in the MN-major tile).
+        for i in cutlass.range_constexpr(cute.size(acc_S)):
+            rP[i] = acc_S[i].to(self.dtype)
+        rP32 = cute.recast_tensor(rP, Int32)
+        p_base = self.d_p_base + wg * (n_wg * PAGE_SIZE * 2)
+        for w in cutlass.range_constexpr(cute.size(rP32)):
+            h, j = w % 2, w // 2
+            key = 16 * wq + lane // 4 + 8 * h
+            sts(p_base + 2 * pt_offset(key, 8 * j + 2 * (lane % 4), n_wg), [rP32[w]])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+
+        # O^T += V^T P^T: 4 k-steps of 16 keys x 8 m-tiles of 64 d.
+        atom_o = cute.make_mma_atom(self.d_tiled_o.op)
+        atom_o.set(warpgroup.Field.ACCUMULATE, True)
+        fence_operand(acc_O)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(PAGE_SIZE // 16):
+            cute.gemm(atom_o, acc_O, tOrV[None, None, k, ob], tOrP[None, None, k], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_O)
+        if const_expr(not self.kv_fp8):
+            cute.arch.sync_warp()
+            if lane == 0:
+                cute.arch.mbarrier_arrive(bar_empty + s)
+        cnt[0] = cnt[0] + 1
+
+    @cute.jit
+    def _across_keys(self, part, op, sMax, p, wg, wq, lane):
+        """op over a column's 64 keys: part[jc] is this thread's value for its column jc (its
+        rows combined); op over the column's 8 lanes (butterflies on lane bits 2-4), then over
+        the 4 warps through sMax slot p (one warpgroup barrier). Returns the column values, in
+        the same order on every thread that holds the column."""
+        out = []
+        for jc in cutlass.range_constexpr(len(part)):
+            v = part[jc]
+            for off in cutlass.range_constexpr(3):
+                v = op(v, cute.arch.shuffle_sync_bfly(v, offset=4 << off))
+            if lane < 4:
+                sMax[wq, 8 * (jc // 2) + 2 * lane + jc % 2, wg, p] = v
+        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+        for jc in cutlass.range_constexpr(len(part)):
+            col = 8 * (jc // 2) + 2 * (lane % 4) + jc % 2
+            out.append(op(op(sMax[0, col, wg, p], sMax[1, col, wg, p]),
+                          op(sMax[2, col, wg, p], sMax[3, col, wg, p])))
+        return out
+
+    @cute.jit
+    def _expand(self, s, valid, tidx):
+        """kv_fp8: ring stage s (9 tiles of 64 keys x 64 e4m3 bytes) -> the 16-bit work buffer
+        in the swizzled layout the MMAs read (fp8_unit), keys at or past `valid` as 0. Every
+        consumer thread takes units tidx + 128 C w, loads before stores in groups of 6."""
+        n_cons = 128 * self.consumers
+        waves = PAGE_ELEMS // 16 // n_cons
+        src = self.d_k8 + s * PAGE_ELEMS
+        dst = self.d_k_base
+        bf16 = self.dtype == cutlass.BFloat16
+        for g in cutlass.range_constexpr(0, waves, 6):
+            words = []
+            for w in cutlass.range_constexpr(g, min(g + 6, waves)):
+                a, _, _, key = fp8_unit(w * n_cons + tidx)
+                x = lds128(src + a)
+                words.append([cutlass.select_(key < valid, x[i], Int32(0)) for i in range(4)])
+            for w in cutlass.range_constexpr(g, min(g + 6, waves)):
+                _, d0, d1, _ = fp8_unit(w * n_cons + tidx)
+                e4m3_store16(dst + d0, dst + d1, words[w - g], bf16)
+
+    @cute.jit
+    def _zero_tail(self, s, valid, tidx):
+        """16-bit cache: keys [valid, 64) of ring stage s -> 0 in every tile (whole 128-byte
+        rows: the swizzle does not matter)."""
+        n_cons = 128 * self.consumers
+        chunks = N_TILES * PAGE_SIZE * 8  # 16-byte chunks of a page
+        base = self.d_k_base + s * (PAGE_ELEMS * 2)
+        zero = [Int32(0)] * 4
+        for w in cutlass.range_constexpr(chunks // n_cons):
+            i = w * n_cons + tidx
+            key = (i // 8) % PAGE_SIZE
+            if key >= valid:
+                sts(base + (i // (8 * PAGE_SIZE)) * (TILE_ELEMS * 2) + key * 128 + (i % 8) * 16,
+                    zero)
+
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _epilogue(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, acc_O, m_run,
+                  l_run, sMax, mO, mLSE, mOacc, mLSEacc):
+        """Column sums over lanes and warps (through the sMax slot of the segment's last page,
+        whose readers all passed that page's P^T barrier); O^T / sum (dtype, or the fp32
+        partial) and the lse of every real column."""
+        ncol = self.n_wg // 4
+        total = self._across_keys([l_run[jc] for jc in range(ncol)], lambda a, b: a + b, sMax,
+                                  (cnt[0] + 1) % 2, wg, wq, lane)
+        inv = [None] * ncol
+        for jc in cutlass.range_constexpr(ncol):
+            inv[jc] = softmax.inv_sum(total[jc])
+            if const_expr(self.kv_fp8):
+                inv[jc] = inv[jc] * self.d_kv_scale  # V's scale
+        splitkv.store_result(
+            pieces, lambda t, i, dt: self._store_o(acc_O, inv, t[i, None, None], dt, col0, rows,
+                                                   wq, lane),
+            mO, mOacc, r, slot, self.dtype)
+        if wq == 0:
+            if lane < 4:
+                for jc in cutlass.range_constexpr(ncol):
+                    row = col0 + 8 * (jc // 2) + 2 * lane + jc % 2
+                    if row < rows:
+                        splitkv.store_lse(mLSE, mLSEacc, r, slot, row, pieces, h_q, total[jc],
+                                          m_run[jc])
+
+    @cute.jit
+    def _store_o(self, acc_O, inv, gOut, out_dtype: cutlass.Constexpr, col0, rows, wq, lane):
+        """gOut (rows, 512) of out_dtype: row col0 + column, d of each O^T value (acc_coord per
+        64-row m-tile), scaled by the column's inv."""
+        per_tile = cute.size(acc_O) // (D_V // 64)
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v, mt = i % per_tile, i // per_tile
+            jc = 2 * (v // 4) + v % 2
+            row = col0 + 8 * (v // 4) + 2 * (lane % 4) + v % 2
+            d = 64 * mt + 16 * wq + lane // 4 + 8 * ((v // 2) % 2)
+            if row < rows:
+                gOut[row, d] = (acc_O[i] * inv[jc]).to(out_dtype)
+
+
+# --- compile entry (ops/registry.py: DecodeStepConfig, backend "sm90_keysm") -------------------
+
+
+def decode_kernel(config, arch: str):
+    """The keys-on-M kernel a registry config asks for (dtype, causal, kv_fp8, columns); arch
+    is sm_90a."""
+    from ..contract import dsl_dtype
+
+    return MLADecodeSm90KeysM(dsl_dtype(config.dtype), config.causal, config.columns,
+                              kv_fp8=config.kv_fp8)
