@@ -21,7 +21,7 @@ def main() -> None:
             inp = make_decode_inputs([3000, 65, 0, 130], s_q, h_q, device="cuda")
             cache, kw = inp.kv_cache, {}
             if fp8:
-                kw["kv_scale"] = (cache.nan_to_num(0).abs().amax() / 448).reshape(1)
+                kw["kv_scale"] = (cache.float().nan_to_num(0).abs().amax() / 448).reshape(1)
                 cache = quantize_fp8(cache.float(), kw["kv_scale"])
             out, lse = torch_mla.mla_decode(inp.q, cache, inp.block_table, inp.cache_seqlens,
                                             causal=s_q > 1, **kw)
