@@ -63,11 +63,12 @@ def _env_flag(name: str):
 
 _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
-# TORCH_MLA_SPARSE_SM90=1: the SM90 sparse decode kernel on sm_90a (not yet run on a GPU).
+# TORCH_MLA_SPARSE_SM90=1: the SM90 sparse decode kernel on sm_90a (correct on the H200, slower
+# than the portable kernel).
 sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
-# TORCH_MLA_KEYSM=1: the keys-on-M SM90 kernel where s_q * h_q <= 64 (not yet run on a GPU).
+# TORCH_MLA_KEYSM=1: the keys-on-M SM90 kernel where s_q * h_q <= 64 (verified on the H200).
 keysm_enabled = _env_flag("TORCH_MLA_KEYSM")
 
 

@@ -63,7 +63,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
     (bf16/fp16), or on sm_90a with TORCH_MLA_SPARSE_SM90=1 the SM90 kernel
-    (cute_kernels/sm90_sparse_decode.py, not yet run on a GPU); the FP8 formats run the
+    (cute_kernels/sm90_sparse_decode.py, correct on the H200 but slower); the FP8 formats run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
