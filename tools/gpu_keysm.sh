@@ -25,20 +25,8 @@ nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,no
 if [[ -d .peers/flashmla-sm90 ]]; then export PYTHONPATH="$ROOT/.peers/flashmla-sm90:$PYTHONPATH"; fi
 python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
 
-# precompile: one process per group, all at once (the machine has 16 cores)
-t0=$SECONDS; pids=(); : > "$OUT/precompile.log"
-for args in "--kernels keysm --dtypes bf16 --causal false" \
-            "--kernels keysm --dtypes bf16 --causal true" \
-            "--kernels keysm --dtypes fp16 --causal true" \
-            "--kernels step,fp8_step,schedule,append_kv --dtypes bf16"; do
-  # shellcheck disable=SC2086
-  timeout 120 python -m torch_mla.precompile --arch sm_90a --jobs 4 $args \
-    >> "$OUT/precompile.log" 2>&1 &
-  pids+=($!)
-done
-rc=0; for p in "${pids[@]}"; do wait "$p" || rc=1; done
-grep -E "variants in" "$OUT/precompile.log"
-summary+=("$(printf '%-16s rc=%-3s %4ss  %s' precompile "$rc" $((SECONDS - t0)) "$OUT/precompile.log")")
+run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+  --kernels keysm,step,fp8_step,schedule,append_kv
 
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_keysm.py \
   -k "test_grid and bf16 and 16-1-False"

@@ -167,8 +167,7 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
 
 def _keysm_note() -> str:
     return ("" if not keysm_enabled() else
-            " (TORCH_MLA_KEYSM=1: its keys-on-M variant where s_q * h_q <= 64, not yet run on a "
-            "GPU)")
+            " (TORCH_MLA_KEYSM=1: its keys-on-M variant where s_q * h_q <= 64)")
 
 
 _warned: set[str] = set()
