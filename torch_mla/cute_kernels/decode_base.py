@@ -5,11 +5,13 @@ torch_mla/contract.py (DECODE_KERNEL_ARGS, then FP8_ARGS for a float8_e4m3fn-cac
 launches the kernel's device function on a grid of (m-blocks of block_m query rows, schedule
 parts) CTAs, one wave (torch_mla.scheduling):
 
-    kernel(*inputs, tensors, scale_log2, *extra)
+    kernel(inputs, tensors, scale_log2, extra)  ->  body(inputs, tensors, scale_log2, *extra)
 
-where the kernel's ``_prepare(mQ, mKV, fp8)`` returns (inputs, extra): how Q and the cache reach
-the device (TMA atoms and views, or the tensors themselves), and the layouts, copies and MMAs
-the kernel takes after the scale; it also sets ``self.shared_storage`` (shared_struct).
+``kernel`` (the one device entry, defined here) calls the subclass's ``body``, which holds the
+kernel's code. The kernel's ``_prepare(mQ, mKV, fp8)`` returns (inputs, extra): how Q and the
+cache reach the device (a TmaLoads, or the tensors themselves), and what the kernel takes after
+the scale (the Fp8Args where it reads them, its layouts, copies and MMAs); it also sets
+``self.shared_storage`` (shared_struct).
 ``tensors`` (SplitKVTensors) are the schedule's and the outputs' tensors, which every kernel
 reads and writes the same way (splitkv.py).
 """
@@ -39,6 +41,25 @@ class SplitKVTensors(NamedTuple):
     lseacc: cute.Tensor  # (slots, rows) fp32, log2 domain
 
 
+class TmaLoads(NamedTuple):
+    """How Q and the cache reach a TMA kernel: each one's TMA atom and the tensor view its
+    coordinates index (cpasync.make_tiled_tma_atom's pair)."""
+
+    q_atom: cute.CopyAtom
+    q_view: cute.Tensor
+    kv_atom: cute.CopyAtom
+    kv_view: cute.Tensor
+
+
+class Fp8Args(NamedTuple):
+    """The float8_e4m3fn-cache arguments (contract.py's FP8_ARGS), all None for a 16-bit
+    cache."""
+
+    kv_scale: cute.Tensor  # (1,) fp32, the cache's dequantization scale
+    q_scale: cute.Tensor  # (1,) fp32, q's scale, read where q_scaled != 0
+    q_scaled: object  # Int32
+
+
 def aligned(dtype, n: int):
     """A shared_struct field: n elements of dtype, 1 KB aligned (the swizzle atoms' period)."""
     return cute.struct.Align[cute.struct.MemRange[dtype, n], 1024]
@@ -52,7 +73,7 @@ def shared_struct(**fields):
 class DecodeKernel:
     """A split-KV decode kernel: a subclass sets num_threads (and block_m where a CTA takes
     other than the schedule's 64 query rows) and defines _prepare and the device function
-    ``kernel``; kv_fp8 kernels take FP8_ARGS."""
+    ``body`` (the device code, called by ``kernel``); kv_fp8 kernels take FP8_ARGS."""
 
     block_m = BLOCK_M  # query rows a CTA
     kv_fp8 = False  # over a float8_e4m3fn cache: takes kv_scale, q_scale, q_scaled
@@ -78,7 +99,7 @@ class DecodeKernel:
         mQScale: cute.Tensor = None,  # kv_fp8: (1,) fp32, q's scale (read if q_scaled != 0)
         q_scaled=None,  # kv_fp8: Int32, 1 when q_scale applies
     ):
-        fp8 = (mKVScale, mQScale, q_scaled)
+        fp8 = Fp8Args(mKVScale, mQScale, q_scaled)
         # A kernel without kv_fp8 would ignore the scales: refused at compile time.
         assert self.kv_fp8 or all(x is None for x in fp8), (
             f"{type(self).__name__} takes no float8_e4m3fn-cache arguments")
@@ -87,12 +108,19 @@ class DecodeKernel:
                                  mLSEacc)
         # A CTA per block_m query rows and schedule part.
         num_m_blocks = (mO.shape[1] + self.block_m - 1) // self.block_m
-        self.kernel(*inputs, tensors, scale_log2, *extra).launch(
+        self.kernel(inputs, tensors, scale_log2, extra).launch(
             grid=[num_m_blocks, mMeta.shape[0], 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
         )
+
+
+    @cute.kernel
+    def kernel(self, inputs: tuple, tensors: SplitKVTensors, scale_log2: Float32, extra: tuple):
+        """The device function of every decode kernel (the arguments of the module docstring):
+        the subclass's ``body``."""
+        self.body(inputs, tensors, scale_log2, *extra)
 
 
 # --- compile entry (ops/registry.py: DecodeConfig) ---------------------------------------------

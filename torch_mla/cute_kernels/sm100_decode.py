@@ -71,7 +71,7 @@ from cutlass.memory import SmemAllocator
 
 from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
-from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
+from .decode_base import DecodeKernel, SplitKVTensors, TmaLoads, aligned, shared_struct
 from .ptx import L2_EVICT_FIRST, tcgen05_after_sync, tcgen05_before_sync
 
 HALF_V = D_V // 2
@@ -157,7 +157,7 @@ class MLADecodeSm100(DecodeKernel):
         self.tma_bytes_page = cute.size_in_bytes(dt, cute.select(sK_layout, mode=[0, 1, 2]))
         assert self.tma_bytes_page == PAGE_SIZE * D_QK * dt.width // 8, self.tma_bytes_page
 
-        return (tma_q, tma_mQ, tma_kv, tma_mKV), (qk_mma, pv_mma, sQ_layout, sK_layout,
+        return TmaLoads(tma_q, tma_mQ, tma_kv, tma_mKV), (qk_mma, pv_mma, sQ_layout, sK_layout,
                                                   sP_layout, sV_layout)
 
     @staticmethod
@@ -177,22 +177,10 @@ class MLADecodeSm100(DecodeKernel):
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom,
-        tma_mQ: cute.Tensor,
-        tma_kv: cute.CopyAtom,
-        tma_mKV: cute.Tensor,
-        tensors: SplitKVTensors,
-        scale_log2: Float32,
-        qk_mma: cute.TiledMma,
-        pv_mma: cute.TiledMma,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        sV_layout: cute.ComposedLayout,
-    ):
+    @cute.jit
+    def body(self, loads: TmaLoads, tensors: SplitKVTensors, scale_log2: Float32, qk_mma,
+             pv_mma, sQ_layout, sK_layout, sP_layout, sV_layout):
+        tma_q, tma_mQ, tma_kv, tma_mKV = loads
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())

@@ -309,20 +309,10 @@ class MLADecodeSm80(DecodeKernel):
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(
-        self,
-        mQ: cute.Tensor,
-        mKV: cute.Tensor,
-        tensors: SplitKVTensors,
-        scale_log2: Float32,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sP_layout: cute.ComposedLayout,
-        gmem_copy: cute.TiledCopy,
-        tiled_qk: cute.TiledMma,
-        tiled_pv: cute.TiledMma,
-    ):
+    @cute.jit
+    def body(self, inputs: tuple, tensors: SplitKVTensors, scale_log2: Float32, sQ_layout,
+             sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv):
+        mQ, mKV = inputs  # the tensors themselves: the kernel copies with cp.async
         mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
         dt = self.dtype

@@ -55,7 +55,7 @@ from cutlass.cute.nvgpu import cpasync, warp, warpgroup
 
 from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
-from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
+from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligned, shared_struct
 from .ptx import (
     L2_EVICT_FIRST,
     bulk_s2g,
@@ -241,7 +241,7 @@ class MLADecodeSm90(DecodeKernel):
         tma, layouts = self._setup(mQ, mKV)
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
-        return tma, (self.trace_table, *fp8, *layouts)
+        return tma, (self.trace_table, fp8, *layouts)
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
         """The TMA atoms and views (Q, cache), the shared-memory layouts and tiled MMAs the
@@ -295,35 +295,19 @@ class MLADecodeSm90(DecodeKernel):
             sK=aligned(dt, 2 * PAGE_SIZE * D_QK),
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
         )
-        return (tma_q, tma_mQ, tma_k, tma_mKV), (
+        return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss)
 
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom,
-        tma_mQ: cute.Tensor,
-        tma_k: cute.CopyAtom,
-        tma_mKV: cute.Tensor,
-        tensors: SplitKVTensors,
-        scale_log2: Float32,
-        mTrace,
-        mKVScale,
-        mQScale,
-        q_scaled,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        tile_layout: cute.ComposedLayout,
-        vhalf_layout: cute.ComposedLayout,
-        tiled_qk_ss: cute.TiledMma,
-        tiled_qk_rs: cute.TiledMma,
-        tiled_pv_rs: cute.TiledMma,
-        tiled_pv_ss: cute.TiledMma,
-    ):
+    @cute.jit
+    def body(self, loads: TmaLoads, tensors: SplitKVTensors, scale_log2: Float32, mTrace,
+             fp8: Fp8Args, sQ_layout, sK_layout, tile_layout, vhalf_layout, tiled_qk_ss,
+             tiled_qk_rs, tiled_pv_rs, tiled_pv_ss):
+        tma_q, tma_mQ, tma_k, tma_mKV = loads
+        mKVScale, mQScale, q_scaled = fp8
         mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
@@ -1350,7 +1334,7 @@ class MLADecodeSm90Fast(MLADecodeSm90):
             sQScale=cute.struct.MemRange[Float32, BLOCK_M],
         )
         # (No Q TMA: the tma_q slot carries the cache's atom, unused; tma_mQ is q itself.)
-        return (tma_k, mQ, tma_k, tma_mKV), (
+        return TmaLoads(tma_k, mQ, tma_k, tma_mKV), (
             sQ_layout, sK_layout, tile_layout, vt_layout, tiled_qk, tiled_qk, tiled_pv_rs,
             tiled_pv_ss)
 

@@ -63,7 +63,7 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..constants import D_QK, D_V, KEYSM_COLUMNS, PAGE_SIZE
 from . import softmax, splitkv
-from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
+from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligned, shared_struct
 from .ptx import L2_EVICT_FIRST, e4m3_store16, fence_operand, lds128, sts
 
 WG_COLUMNS = 32  # at most a consumer warpgroup's columns: O^T 512 x 32 fp32 = 128 registers
@@ -229,31 +229,17 @@ class MLADecodeSm90KeysM(DecodeKernel):
         self.shared_storage = shared_struct(**fields)
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
-        return (tma_q, tma_mQ, tma_k, tma_mKV), (
-            *fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
+        return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
+            fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
 
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
-    @cute.kernel
-    def kernel(
-        self,
-        tma_q: cute.CopyAtom,
-        tma_mQ: cute.Tensor,
-        tma_k: cute.CopyAtom,
-        tma_mKV: cute.Tensor,
-        tensors: SplitKVTensors,
-        scale_log2: Float32,
-        mKVScale,
-        mQScale,
-        q_scaled,
-        sQ_layout: cute.ComposedLayout,
-        sK_layout: cute.ComposedLayout,
-        sVt_layout: cute.Layout,
-        sPt_layout: cute.ComposedLayout,
-        tiled_s: cute.TiledMma,
-        tiled_o: cute.TiledMma,
-    ):
+    @cute.jit
+    def body(self, loads: TmaLoads, tensors: SplitKVTensors, scale_log2: Float32, fp8: Fp8Args,
+             sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o):
+        tma_q, tma_mQ, tma_k, tma_mKV = loads
+        mKVScale, mQScale, q_scaled = fp8
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32)

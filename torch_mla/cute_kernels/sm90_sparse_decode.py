@@ -45,7 +45,7 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync
 
 from ..constants import BLOCK_M, D_QK, PAGE_SIZE
-from .decode_base import aligned
+from .decode_base import TmaLoads, aligned
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
 
@@ -75,7 +75,7 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
             sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],  # (key, buffer): 0 or -inf
         )
-        return (tma_q, tma_mQ, tma_k, tma_mKV), layouts
+        return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), layouts
 
     @cute.jit
     def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
