@@ -4,7 +4,7 @@
     python benchmarks/bench_decode.py --quick      # a few of them
     python benchmarks/bench_decode.py 8,1,4096,128 # chosen ones (b,s_q,s_k,h_q; causal if s_q > 1)
     python benchmarks/bench_decode.py --fp8        # torch_mla over a float8_e4m3fn cache
-    python benchmarks/bench_decode.py --keysm ...  # also the keys-on-M kernel (TORCH_MLA_KEYSM=1)
+    python benchmarks/bench_decode.py --keysm ...  # heads-on-M (TORCH_MLA_KEYSM=0), then keys-on-M
 
 Per configuration: the schedule is computed once (as in serving, shared by all layers), one decode
 call (split-KV kernel + combine) is captured in a CUDA graph, and the replay is timed with
@@ -136,8 +136,9 @@ def main(argv=None):
     ap.add_argument("--sparse", action="store_true",
                     help="sparse decode (V3.2 shapes) beside FlashMLA's sparse decode")
     ap.add_argument("--keysm", action="store_true",
-                    help="also time the keys-on-M SM90 kernel (TORCH_MLA_KEYSM=1, rows <= 64) in "
-                         "the same run, with its error against the reference")
+                    help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
+                         "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64) in the same run, with its "
+                         "error against the reference")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
     if args.sparse:
@@ -148,6 +149,8 @@ def main(argv=None):
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
           "| FlashMLA us (anchor) | FlashMLA / ours (same run; else the anchor's) | rel err |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    if args.keysm:  # the row: the heads-on-M kernel, whatever the dispatch's default
+        os.environ["TORCH_MLA_KEYSM"] = "0"
     configs = QUICK_ANCHORS if args.quick else list(ANCHORS)
     if args.configs:
         configs = [(*dims, dims[1] > 1) for dims in map(parse_config, args.configs)]
@@ -173,7 +176,7 @@ def main(argv=None):
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
             finally:
-                os.environ.pop("TORCH_MLA_KEYSM")
+                os.environ["TORCH_MLA_KEYSM"] = "0"
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
             sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)

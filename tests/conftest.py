@@ -22,10 +22,12 @@ def _fresh_seed(request):
 
 @pytest.fixture(params=["sm90", "sm80"])
 def dense_backend(request, monkeypatch):
-    """The dense decode kernel under test: the SM90 kernel (on an SM90 GPU), then the portable
+    """The dense decode kernel under test: the SM90 kernels as the dispatch picks them (on an
+    SM90 GPU: keys-on-M where s_q * h_q <= 32, heads-on-M elsewhere), then the portable
     SM80-class kernel (TORCH_MLA_PORTABLE=1, compute capability 8.0 or newer); a test using it
     runs once per kernel this GPU has."""
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("TORCH_MLA_KEYSM", raising=False)
     capability = torch.cuda.get_device_capability() if torch.cuda.is_available() else (0, 0)
     if request.param == "sm90":
         if capability != (9, 0):

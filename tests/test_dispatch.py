@@ -59,8 +59,8 @@ class TestBackend(expecttest.TestCase):
             mp.undo()
         self.assertExpectedInline("\n".join(f"{n}: {r}" for n, r in rows), """\
 reference: cpu tensors: the kernels run on NVIDIA GPUs
-sm90: compute capability 9.0: the SM90 CuTe DSL kernel
-sm90: compute capability 9.0: the SM90 CuTe DSL kernel
+sm90: compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
+sm90: compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
 reference: torch.float32 inputs: the kernels take bfloat16 or float16
 reference: d_qk=192, d_v=128, page size 64: the kernels are built for d_qk=576, d_v=512, page size 64
 reference: compute capability 7.5: the kernels need 8.0 (Ampere) or newer
@@ -369,6 +369,7 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     workspace reach the step in the layouts the kernels were compiled for, and what the step
     writes comes back as out [b, s_q, h_q, 512] and lse [b, h_q, s_q] in the right places."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "0")  # the heads-on-M step (4 heads: keys-on-M else)
     inp = make_decode_inputs([3, 70, 130], s_q, 4, h_kv=h_kv)
     if misaligned:  # a contiguous q 2 bytes past a 16-byte boundary: the step gets a copy
         inp.q = torch.empty(inp.q.numel() + 1, dtype=inp.q.dtype)[1:].view(inp.q.shape).copy_(
@@ -418,6 +419,7 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
     bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
     scales behind the combine variant."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "0")  # the heads-on-M step (8 rows: keys-on-M else)
     inp = make_decode_inputs([3, 70], 2, 4)
     q8, kv8 = inp.q.to(torch.float8_e4m3fn), inp.kv_cache.to(torch.float8_e4m3fn)
     kv_scale, q_scale = torch.full((1,), 0.5), torch.full((1,), 0.25)

@@ -322,19 +322,31 @@ def test_registry_config():
             registry.DecodeStepConfig("sm90_keysm", "bf16", False, **bad)
     with pytest.raises(ValueError):
         registry.DecodeStepConfig("sm90", "bf16", False, columns=16)
-    # built only when asked for (precompile --kernels keysm): every column count, both caches
-    got = registry.variants(("bf16",), (False,), ("keysm",))
+    # precompile's default builds the columns the dispatch picks by default (8, 16, 32), both
+    # caches; --kernels keysm64 the 64-column ones (TORCH_MLA_KEYSM=1)
+    got = registry.variants(("bf16",), (False,), ("keysm", "keysm64"))
     assert sorted((v.config.columns, v.config.kv_fp8) for v in got) == sorted(
         (n, f) for n in KEYSM_COLUMNS for f in (False, True))
-    assert not [v for v in registry.variants() if v.config.name == "step_sm90_keysm"]
+    default = [v.config for v in registry.variants(("bf16",), (False,))
+               if v.config.name == "step_sm90_keysm"]
+    assert sorted((c.columns, c.kv_fp8) for c in default) == sorted(
+        (n, f) for n in (8, 16, 32) for f in (False, True))
+    assert not [v for v in registry.variants(arch="sm_86") if v.config.name == "step_sm90_keysm"]
 
 
-def test_dispatch_only_with_the_flag(monkeypatch):
+def test_dispatch_choice(monkeypatch):
+    """By default up to 32 rows (docs/kernels/keysm.md "Kernel choice"), TORCH_MLA_KEYSM=1 up
+    to 64, TORCH_MLA_KEYSM=0 never."""
+    rows = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)
     monkeypatch.delenv("TORCH_MLA_KEYSM", raising=False)
-    assert dispatch.keysm_columns("sm90", 16) == 0
+    assert [dispatch.keysm_columns("sm90", r) for r in rows] == [8, 8, 16, 16, 32, 32, 0, 0, 0,
+                                                                 0]
     monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
-    assert [dispatch.keysm_columns("sm90", r) for r in (1, 16, 17, 64, 65, 128)] == [8, 16, 32,
-                                                                                     64, 0, 0]
+    assert [dispatch.keysm_columns("sm90", r) for r in rows] == [8, 8, 16, 16, 32, 32, 64, 64, 0,
+                                                                 0]
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "0")
+    assert [dispatch.keysm_columns("sm90", r) for r in rows] == [0] * len(rows)
+    monkeypatch.delenv("TORCH_MLA_KEYSM")
     # not the portable or SM100 kernels, not fast mode
     assert dispatch.keysm_columns("sm80", 16) == dispatch.keysm_columns("sm100", 16) == 0
     assert dispatch.keysm_columns("sm90", 16, "fp8") == 0

@@ -74,8 +74,8 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
         self.assertExpectedInline(table(text), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
   device                          q dtype   cache dtype  runs       why
-  cuda:0 (NVIDIA H200)            bfloat16  bfloat16     sm90       compute capability 9.0: the SM90 CuTe DSL kernel
-  cuda:0 (NVIDIA H200)            float16   float16      sm90       compute capability 9.0: the SM90 CuTe DSL kernel
+  cuda:0 (NVIDIA H200)            bfloat16  bfloat16     sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
+  cuda:0 (NVIDIA H200)            float16   float16      sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
   cuda:0 (NVIDIA H200)            float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
   cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
   cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)

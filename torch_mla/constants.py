@@ -15,6 +15,11 @@ BLOCK_M = 64  # query rows (s_q * h_q) a decode CTA tile holds
 # The keys-on-M SM90 kernel's query columns a CTA (cute_kernels/sm90_keysm_decode.py): rows
 # padded up to one of these; wgmma's N from 8 up, two consumer warpgroups of 32 at 64.
 KEYSM_COLUMNS = (8, 16, 32, 64)
+# Where the dispatch picks it by default: s_q * h_q <= 32 (measured on the H200, bf16 and e4m3
+# caches, b 1-128: 0.57-0.96x the heads-on-M kernel's time at 8-32 rows, 1.11-1.27x at 64 rows
+# and b 128; docs/kernels/keysm.md "Kernel choice"). TORCH_MLA_KEYSM=1 extends it to 64 rows,
+# TORCH_MLA_KEYSM=0 turns it off.
+KEYSM_DEFAULT_ROWS = 32
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
 META_BEGIN_REQ = 0  # first request of the part

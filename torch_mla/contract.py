@@ -127,10 +127,10 @@ def indexer_unsupported(head_dim: int, heads: int, s_q: int) -> str | None:
 
 # --- the keys-on-M SM90 kernel's query columns (cute_kernels/sm90_keysm_decode.py) ------------
 
-def keysm_columns_for(rows: int) -> int:
+def keysm_columns_for(rows: int, max_rows: int = KEYSM_COLUMNS[-1]) -> int:
     """The query columns (KEYSM_COLUMNS: 8, 16, 32, 64) a keys-on-M CTA takes for ``rows``
-    (s_q * h_q of one KV head): the smallest that holds them, or 0 past 64."""
-    return next((n for n in KEYSM_COLUMNS if n >= rows), 0)
+    (s_q * h_q of one KV head): the smallest that holds them, or 0 past ``max_rows``."""
+    return next((n for n in KEYSM_COLUMNS if n >= rows), 0) if rows <= max_rows else 0
 
 
 # --- torch side: the shapes of the ops' results (fake_impls, the host launch) ---------------

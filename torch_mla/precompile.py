@@ -1,18 +1,20 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,fp8_step,fp8_fast,sparse,keysm,decode,
+                                   [--kernels step,fp8_step,fp8_fast,sparse,keysm,keysm64,decode,
                                               combine,portable,schedule,append_kv] [--jobs N]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
 sm_90a): the decode step (the decode kernel and the combine behind one call: the SM90 kernel on
 sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m3fn cache
 (``fp8_step``: q and output in each dtype; ``fp8_fast``: its fast mode, compute="fp8", with q
-in each dtype and in float8_e4m3fn), the schedule kernel and append_kv in each cache dtype of
-``--dtypes`` (and, from SM89 up, float8_e4m3fn) for bf16/fp16/fp32 sources and int32/int64
-slots. ``portable`` adds the portable decode step on sm_90a (``TORCH_MLA_PORTABLE=1``),
-``keysm`` the keys-on-M steps (``TORCH_MLA_KEYSM=1``; every column count, both cache formats);
-decode and combine alone serve benchmarks. The variants are listed in torch_mla/ops/registry.py.
+in each dtype and in float8_e4m3fn; ``keysm``: the keys-on-M steps of 8, 16 and 32 columns,
+both cache formats, which the dispatch runs where s_q * h_q <= 32), the schedule kernel and
+append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for
+bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
+sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
+(``TORCH_MLA_KEYSM=1``); decode and combine alone serve benchmarks. The variants are listed in
+torch_mla/ops/registry.py.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container
 image or a CI job can bake the cache; a process that later finds an entry loads it in

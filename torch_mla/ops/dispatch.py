@@ -12,7 +12,7 @@ API (stable, for the ops, tests and tools):
     find_decode_kernel / find_schedule_kernel / find_append_kernel   the ops' kernel choice
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
-    keysm_columns(backend, rows, compute)   the keys-on-M variant's columns, or 0 (opt-in)
+    keysm_columns(backend, rows, compute)   the keys-on-M variant's columns, or 0
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
@@ -29,7 +29,15 @@ import warnings
 
 import torch
 
-from ..constants import COMBINE_WARPS_PER_ROW, D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..constants import (
+    COMBINE_WARPS_PER_ROW,
+    D_QK,
+    D_V,
+    KEYSM_COLUMNS,
+    KEYSM_DEFAULT_ROWS,
+    LOG2_E,
+    PAGE_SIZE,
+)
 from ..contract import keysm_columns_for
 from . import registry, selfcheck
 from .checks import decode_out_dtype
@@ -48,16 +56,16 @@ def cuda_capability(device: torch.device) -> tuple[int, int]:
     return cap
 
 
-def _env_flag(name: str):
-    """A function telling whether the environment variable `name` is "1", read live at each
+def _env_flag(name: str, value: str = "1"):
+    """A function telling whether the environment variable `name` is `value`, read live at each
     call. os.environ.get of an unset name costs ~1 us (a KeyError raised and caught inside the
     mapping), and eager decode calls read two of them; the dict beneath os.environ answers in
     ~0.05 us and is the live environment (os.environ[...] =, monkeypatch.setenv and
     mock.patch.dict all write through to it)."""
     data = getattr(os.environ, "_data", None)
     if not isinstance(data, dict):
-        return lambda: os.environ.get(name) == "1"
-    key, one = os.environ.encodekey(name), os.environ.encodevalue("1")
+        return lambda: os.environ.get(name) == value
+    key, one = os.environ.encodekey(name), os.environ.encodevalue(value)
     return lambda: data.get(key) == one
 
 
@@ -68,19 +76,26 @@ _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
-# TORCH_MLA_KEYSM=1: the keys-on-M SM90 kernel where s_q * h_q <= 64 (verified on the H200).
-keysm_enabled = _env_flag("TORCH_MLA_KEYSM")
+# The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;
+# TORCH_MLA_KEYSM=1 up to 64 rows, TORCH_MLA_KEYSM=0 never.
+keysm_wide = _env_flag("TORCH_MLA_KEYSM")
+_keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
+
+
+def keysm_max_rows() -> int:
+    """The most query rows (s_q * h_q of one KV head) the dispatch gives the keys-on-M kernel
+    now: KEYSM_DEFAULT_ROWS (32), 64 with TORCH_MLA_KEYSM=1, 0 with TORCH_MLA_KEYSM=0."""
+    return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
 def keysm_columns(backend: str, rows: int, compute: str = "exact") -> int:
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
-    ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: only with
-    TORCH_MLA_KEYSM=1, on the SM90 backend (compute capability 9.0, sm_90a), a bf16/fp16 or
-    float8_e4m3fn cache in exact mode, and 1 <= rows <= 64 (the smallest of 8, 16, 32, 64 that
-    holds them)."""
-    if backend != "sm90" or compute != "exact" or not keysm_enabled():
+    ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
+    backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
+    mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them)."""
+    if backend != "sm90" or compute != "exact":
         return 0
-    return keysm_columns_for(rows)
+    return keysm_columns_for(rows, keysm_max_rows())
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
@@ -166,8 +181,8 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
 
 
 def _keysm_note() -> str:
-    return ("" if not keysm_enabled() else
-            " (TORCH_MLA_KEYSM=1: its keys-on-M variant where s_q * h_q <= 64)")
+    n = keysm_max_rows()
+    return f" (its keys-on-M variant where s_q * h_q <= {n})" if n else ""
 
 
 _warned: set[str] = set()

@@ -24,7 +24,7 @@ import functools
 import importlib
 from typing import Any, ClassVar, NamedTuple
 
-from ..constants import COMBINE_WARPS_PER_ROW, KEYSM_COLUMNS
+from ..constants import COMBINE_WARPS_PER_ROW, KEYSM_COLUMNS, KEYSM_DEFAULT_ROWS
 from ..contract import indexer_unsupported
 from . import kernel_cache
 
@@ -78,8 +78,9 @@ class DecodeStepConfig(_Config):
 
     backend: "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a), "sm80" (the
     portable MLADecodeSm80, any arch from sm_80) or "sm90_keysm" (MLADecodeSm90KeysM, sm_90a,
-    keys on the MMA's M side: opt-in, TORCH_MLA_KEYSM=1; ``columns``, the query rows a CTA
-    takes, 8, 16, 32 or 64, is part of its build). dtype: "bf16" or "fp16", q's and out's.
+    keys on the MMA's M side, by default where s_q * h_q <= 32: dispatch.keysm_columns;
+    ``columns``, the query rows a CTA takes, 8, 16, 32 or 64, is part of its build). dtype:
+    "bf16" or "fp16", q's and out's.
     kv_fp8 (sm90, sm90_keysm): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast mode
     (MLADecodeSm90Fast); q_fp8: its q is float8_e4m3fn (passed as bytes; out is dtype).
     tiles (sm80 only): the portable kernel's (block_m, block_n, stages) instead of
@@ -266,9 +267,9 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "decode", "combine", "portable",
-           "schedule", "append_kv")
-DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "decode", "combine",
+           "portable", "schedule", "append_kv")
+DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "sparse", "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
 APPEND_SLOTS = ("int32", "int64")
 
@@ -281,10 +282,11 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
     cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
     float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
-    sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a, every column count, both cache
-    formats, not built by default), the schedule kernel, append_kv for each cache dtype of
-    ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64
-    slots; "decode" and "combine" alone serve benchmarks."""
+    sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
+    cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
+    TORCH_MLA_KEYSM=1 adds, not built by default), the schedule kernel, append_kv for each
+    cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with
+    int32/int64 slots; "decode" and "combine" alone serve benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
     steps = [native] if "step" in kernels else []
@@ -301,9 +303,11 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             for q8 in (False, True) if dt == "bf16" else (False,):
                 out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8)
                         for c in causal]
-        if "keysm" in kernels and native == "sm90":  # (opt-in at run time: TORCH_MLA_KEYSM=1)
+        if native == "sm90":
+            cols = [n for n in KEYSM_COLUMNS if ("keysm" in kernels and n <= KEYSM_DEFAULT_ROWS)
+                    or ("keysm64" in kernels and n > KEYSM_DEFAULT_ROWS)]
             out += [DecodeStepConfig("sm90_keysm", dt, c, kv_fp8=f8, columns=n)
-                    for n in KEYSM_COLUMNS for f8 in (False, True) for c in causal]
+                    for n in cols for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
             if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)
