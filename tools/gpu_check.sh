@@ -57,7 +57,7 @@ for stage in $stages; do
     precompile)  # (the two trees one after the other: each already fills the 16 cores)
       # This tree: one precompile call, its own worker processes (--jobs: the CPU count).
       run precompile_new 400 python -m torch_mla.precompile --arch sm_90a \
-        --kernels step,fp8_step,fp8_fast,portable,schedule,append_kv
+        --kernels step,fp8_step,fp8_fast,keysm,keysm64,sparse,portable,schedule,append_kv
       (( have_old )) && precompile_tree precompile_old "$ROOT/.baseline"
       ;;
     record)
