@@ -45,7 +45,6 @@ from ..constants import (
     FP8_DS_MLA_BYTES,
     FP8_DS_MLA_ROPE_AT,
     FP8_DS_MLA_SCALES_AT,
-    FP8_TILE,
     PAGE_SIZE,
 )
 from .combine import NO_COLUMN, MLACombine, first_outside
