@@ -12,6 +12,8 @@ import sys
 import pytest
 from expecttest import assert_expected_inline
 
+from torch_mla.constants import D_QK
+
 SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry
@@ -226,6 +228,91 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     # schedule for other lengths, in each of the 3 variants
     assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 3, comb
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
+
+
+PORTABLE_SPARSE_SCRIPT = r"""
+import glob, json, os, re, shutil, subprocess, sys
+from torch_mla.ops import registry
+from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
+dtype, cache = sys.argv[1], sys.argv[2]
+out = {}
+for arch in sys.argv[3].split(","):
+    cfg = Sm80DecodeConfig.from_heuristic(arch)
+    registry.build(registry.SparseStepConfig("sm80", dtype, cache), arch)
+    (f,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"*.{arch}.ptx"))
+    c = {"tiles": [cfg.block_m, cfg.block_n, cfg.stages], "threads": cfg.num_threads}
+    for ptx in open(f).read().split(".entry ")[1:]:
+        if "MLASparseDecodeSm80" not in ptx.split("(", 1)[0]:
+            continue
+        for k in ["cvt.rn.f16x2.e4m3x2", "prmt.b32", "mul.rn.f16x2", "mul.rn.f32",
+                  "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32", "ld.global.nc.v4.b32",
+                  "cp.async.cg.shared.global", "st.shared.v4.b32",
+                  "mma.sync.aligned.m16n8k16.row.col.f32", "ld.local", "st.local", "call.uni"]:
+            c[k] = len(re.findall(re.escape(k), ptx))
+    if shutil.which("ptxas"):
+        res = subprocess.run(["ptxas", f"-arch={arch}", "-v", f, "-o", os.devnull],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        info = res.stderr.split("MLASparseDecodeSm80", 2)[2]
+        c["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
+        c["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*")):
+        os.remove(g)
+    out[arch] = c
+print(json.dumps(out))
+"""
+
+
+# The portable sparse step over each cache format: sm_90a (64x64x2 tiles, the e4m3 cvt) and
+# sm_86 (32x16x3, no e4m3 cvt before SM89: the integer path); ~5 s a compile.
+@pytest.mark.parametrize("dtype,cache,archs", [("bf16", "fp8_ds_mla", ["sm_90a", "sm_86"]),
+                                               ("bf16", "e4m3", ["sm_90a"]),
+                                               ("fp16", "e4m3", ["sm_86", "sm_90a"]),
+                                               ("bf16", "plain", ["sm_90a"])])
+def test_portable_sparse_kernel_compiles(tmp_path, dtype, cache, archs):
+    """The portable sparse decode step (cute_kernels/sm80_sparse_decode.py) over its cache
+    formats: the 16-bit MMAs of the portable kernel; over an FP8 cache the gather's 16-byte
+    global loads (latent units: 4 a row and load site; a 656-byte row's scales, one load; an
+    e4m3 row's rope, one load by threads 0-3), each unit's 8 conversions (cvt, or prmt and
+    integer ops before SM89) and two 16-byte shared stores, the 656-byte rows' scale multiply
+    (f32) and bf16 rope by cp.async; no local memory; ptxas (where installed): registers,
+    spill (sm_90a's 255-register build spills 8 bytes, as the dense portable kernel does)."""
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", PORTABLE_SPARSE_SCRIPT, dtype, cache,
+                          ",".join(archs)], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for arch, c in got.items():
+        bm, bn, st = c["tiles"]
+        rows = bn * 8 // c["threads"]  # key rows a thread gathers per stage
+        # load sites: the prologue's st - 1 stages, a turn's rope tile, its latent tiles (by
+        # the late quad, or all) and, with two quads (lag), the early quad's in _stage
+        latent_sites = (st - 1) + 1 + (1 if bm == 64 else 0)
+        rope_sites = (st - 1) + 1
+        units = 4 * latent_sites * rows + (rope_sites * rows if cache == "e4m3" else 0)
+        steps = bn // 16
+        assert c["mma.sync.aligned.m16n8k16.row.col.f32"] == 36 * steps + 32 * steps, c
+        assert c["ld.local"] == c["st.local"] == c["call.uni"] == 0, c
+        q_copies = bm * D_QK // 8 // c["threads"]
+        if cache == "plain":
+            assert c["ld.global.nc.v4.b32"] == c["cvt.rn.f16x2.e4m3x2"] == c["prmt.b32"] == 0, c
+            assert c["cp.async.cg.shared.global"] > q_copies, c
+            continue
+        scales = latent_sites * rows if cache == "fp8_ds_mla" else 0
+        assert c["ld.global.nc.v4.b32"] == units + scales, c
+        assert c["st.shared.v4.b32"] >= 2 * units, c
+        hw = arch == "sm_90a"
+        assert c["cvt.rn.f16x2.e4m3x2"] == (8 * units if hw else 0), c
+        assert c["prmt.b32"] == c["mul.rn.f16x2"] == (0 if hw else 8 * units), c
+        assert c["mul.rn.f32"] == (16 * units if cache == "fp8_ds_mla" else 0), c
+        pack = "cvt.rn.bf16x2.f32" if dtype == "bf16" else "cvt.rn.f16x2.f32"
+        assert c[pack] >= (8 * units if dtype == "bf16" or cache == "fp8_ds_mla" else 0), c
+        rope_copies = rope_sites * rows if cache == "fp8_ds_mla" else 0
+        assert c["cp.async.cg.shared.global"] == q_copies + rope_copies, c
+        if "registers" in c:
+            assert c["registers"] <= 255 and c["spill"] <= (8 if hw else 0), (arch, c)
+        print(arch, dtype, cache, c)
 
 
 INDEXER_SCRIPT = r"""
