@@ -15,6 +15,7 @@ from expecttest import assert_expected_inline
 
 import torch_mla
 from torch_mla.ops import sparse as sparse_ops
+from torch_mla.reference import quantize_fp8
 from torch_mla.reference_sparse import (
     dequantize_fp8_ds_mla,
     fp8_ds_mla_scales,
@@ -139,7 +140,7 @@ def make_cache(num_blocks, fmt, named, page=PAGE):
         return rows.view(num_blocks, page, 1, 656), None
     if fmt == "fp8":
         kv_scale = torch.tensor([lat.abs().max() / 448])
-        flat = (lat / kv_scale).to(torch.float8_e4m3fn)
+        flat = quantize_fp8(lat, kv_scale)  # (torch_mla's quantizer: testing.quantize_per_tensor)
         flat.view(torch.uint8)[~named] = NAN_BYTE
     else:
         flat = lat.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
