@@ -26,10 +26,29 @@ What differs from the dense kernel:
     stops the launch with a message naming the first bad one (MLASparseCombine), as the dense
     combine checks lengths and page ids.
 
+FP8 caches (cache="e4m3": float8_e4m3fn with a per-tensor kv_scale; cache="fp8_ds_mla":
+DeepSeek-V3.2's 656-byte rows, 512 e4m3 latent values, four float32 scales, 64 bf16 rope
+values), passed as bytes: the 8 threads of a key row read its bytes by 16-byte global loads
+into registers (unit u = bytes [16 u, 16 u + 16), thread j of the row units 8 g + j, g = 0..3,
+so that each unit of group g needs the row's scale g; fp8_units), all issued before the first
+conversion, convert them to the 16-bit type (cvt.rn.f16x2.e4m3x2 from SM89 on, integer ops
+before; bf16 through f32) and store them where the 16-bit path's cp.async would have put them
+(fp8_unit_offsets: two 16-byte chunks of the swizzled tile a unit). The 656-byte rows' values
+are multiplied by their group's scale on the way (f32, one rounding to bf16: exact for the
+power-of-two scales DeepSeek's quantizer writes) and their rope chunk goes by cp.async; an
+e4m3 row's 64 rope values are units 32-35 (threads 0-3 of the row), and its kv_scale is
+folded, not multiplied: the scores use scale_log2 * kv_scale and the epilogue multiplies O by
+it (MLADecodeSm80.kernel, as the SM90 kernels fold it), the stored e4m3 values being exact in
+16 bits. An entry that names no key reads nothing (its row is zero-filled, as above). The
+register loads make each gathering thread wait for its bytes before its next instruction
+(cp.async did not): with two quads the lag puts one quad's wait beside the other's MMAs.
+
 Not causal (each token has its own entries). The attention sink is applied by the host after
-the step (torch_mla.ops.sparse). Limits: bf16/fp16, d_qk 576, d_v 512, caches of q's dtype in
-64-token pages (the FP8 formats run the reference for now); h_q any (64-row m-blocks of one
-token), s_q any, topk any (entries past topk_length are never read).
+the step (torch_mla.ops.sparse). Limits: bf16/fp16 q, d_qk 576, d_v 512, 64-token pages of
+q's dtype, float8_e4m3fn + kv_scale, or the 656-byte rows (bf16 q only: the rope values are
+bf16); the FP8 caches' rows 16-byte aligned (the host checks); h_q any (64-row m-blocks of one
+token), s_q any, topk any (entries past topk_length are never read). The FP8 gather is
+compiled and PTX-checked on the CPU, not yet run on a GPU (opt-in: TORCH_MLA_SPARSE_FP8=1).
 """
 
 from __future__ import annotations
@@ -42,7 +61,6 @@ from ..constants import (
     COMBINE_WARPS_PER_ROW,
     D_QK,
     D_V,
-    FP8_DS_MLA_BYTES,
     FP8_DS_MLA_ROPE_AT,
     FP8_DS_MLA_SCALES_AT,
     PAGE_SIZE,
@@ -57,7 +75,6 @@ ROPE_TILE = D_V // 64  # the 64-column tile of the rope values (copied by every 
 # Cache formats: the 16-bit cache, a float8_e4m3fn one with a per-tensor scale, DeepSeek-V3.2's
 # 656-byte rows (registry.SparseStepConfig.cache).
 CACHE_FORMATS = ("plain", "e4m3", "fp8_ds_mla")
-CACHE_BYTES = {"e4m3": D_QK, "fp8_ds_mla": FP8_DS_MLA_BYTES}  # bytes a row
 
 
 def fp8_units(cache: str, j: int, cols: tuple = (0, 9)) -> list:
