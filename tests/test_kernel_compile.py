@@ -649,6 +649,19 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert (comb["griddepcontrol.wait"] > 0) == pdl, (arch, comb)
 
 
+def host_dsl_script(tmp_path, name: str, text: str) -> str:
+    """The stdout of a host-side CuTe DSL script (run on the CPU; the DSL compiles from source
+    files only, so it is written to tmp_path / name), with this tree first on PYTHONPATH."""
+    script = tmp_path / name
+    script.write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res.stdout
+
+
 # Host-side CuTe DSL (runs on the CPU): every element of each view the portable kernel takes at
 # a runtime index (warp `quarter` of a quad) against its buffer's layout at the element's
 # coordinate, and where each view starts (keys and P columns of its half, V^T of its columns);
@@ -717,14 +730,8 @@ def test_portable_warp_views_address_their_buffers(tmp_path):
     view at an offset inside a swizzle atom is addressed with the offset twice
     (nvidia-cutlass-dsl 4.8.1); with P in block_n-wide atoms, the second warp's P went to the
     wrong place (all of it at 64x64 and 64x32 tiles), found on the H200."""
-    script = tmp_path / "views.py"  # the DSL compiles from source files only
-    script.write_text(PORTABLE_VIEWS_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
+    stdout = host_dsl_script(tmp_path, "views.py", PORTABLE_VIEWS_SCRIPT)
+    lines = [x for x in stdout.splitlines() if "misplaced" in x]
     assert_expected_inline("\n".join(lines), """\
 64x64x2 quarter 0: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 0, 64: 0 of 16384 misplaced
 64x64x2 quarter 1: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 128, 192: 0 of 16384 misplaced
@@ -857,14 +864,8 @@ def test_portable_qk_views_and_exchange_slots(tmp_path):
     """Each warp's Q K^T sources at its half of the k-steps (a runtime pointer offset of whole
     swizzle atoms) address the right elements, and the S exchange slots cover only memory that
     is dead when they are used (exchange_offsets says why)."""
-    script = tmp_path / "qk_views.py"  # the DSL compiles from source files only
-    script.write_text(PORTABLE_QK_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "misplaced" in x or "slots" in x]
+    stdout = host_dsl_script(tmp_path, "qk_views.py", PORTABLE_QK_SCRIPT)
+    lines = [x for x in stdout.splitlines() if "misplaced" in x or "slots" in x]
     assert_expected_inline("\n".join(lines), """\
 64x64x2 quad 0 k half 0: Q 0, K 0 misplaced
 64x64x2 quad 0 k half 1: Q 0, K 0 misplaced

@@ -4,16 +4,14 @@ swizzled 16-bit tile (pure Python, then against the DSL's own layout of the stag
 the e4m3 -> 16-bit conversion's PTX (ptx._e4m3_asm, SM89's cvt and the integer path before it)
 run by a small interpreter of the instructions it uses, byte for byte against torch."""
 
-import os
 import re
 import struct
-import subprocess
-import sys
 
 import numpy as np
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from test_kernel_compile import host_dsl_script
 
 from torch_mla.constants import D_QK, D_V, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT
 from torch_mla.cute_kernels.ptx import _e4m3_asm
@@ -86,14 +84,8 @@ for tiles in [(64, 64, 2), (64, 32, 2), (32, 16, 3)]:
 
 
 def test_gather_destinations_match_the_stage_buffer_layout(tmp_path):
-    script = tmp_path / "fp8_layout.py"  # the DSL compiles from source files only
-    script.write_text(LAYOUT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
+    stdout = host_dsl_script(tmp_path, "fp8_layout.py", LAYOUT_SCRIPT)
+    lines = [x for x in stdout.splitlines() if "misplaced" in x]
     assert_expected_inline("\n".join(lines), """\
 64x64x2: 0 of 73728 values misplaced
 64x32x2: 0 of 36864 values misplaced
