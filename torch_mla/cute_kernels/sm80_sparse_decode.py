@@ -30,8 +30,8 @@ FP8 caches (cache="e4m3": float8_e4m3fn with a per-tensor kv_scale; cache="fp8_d
 DeepSeek-V3.2's 656-byte rows, 512 e4m3 latent values, four float32 scales, 64 bf16 rope
 values), passed as bytes: the 8 threads of a key row read its bytes by 16-byte global loads
 into registers (unit u = bytes [16 u, 16 u + 16), thread j of the row units 8 g + j, g = 0..3,
-so that each unit of group g needs the row's scale g; fp8_units), all issued before the first
-conversion, convert them to the 16-bit type (cvt.rn.f16x2.e4m3x2 from SM89 on, integer ops
+so that each unit of group g needs the row's scale g; fp8_units), a row's all issued before
+its first conversion, convert them to the 16-bit type (cvt.rn.f16x2.e4m3x2 from SM89 on, integer ops
 before; bf16 through f32) and store them where the 16-bit path's cp.async would have put them
 (fp8_unit_offsets: two 16-byte chunks of the swizzled tile a unit). The 656-byte rows' values
 are multiplied by their group's scale on the way (f32, one rounding to bf16: exact for the
@@ -178,7 +178,8 @@ class MLASparseDecodeSm80(MLADecodeSm80):
                     gmem_copy, cols: cutlass.Constexpr):
         """Key `row` of buffer `stage` from FP8 cache slot `slot`, this thread's part (thread j
         of the row's 8; tiles [cols[0], cols[1])): its 16-byte units (fp8_units) by plain
-        global loads, all issued before the first conversion, converted to the 16-bit type
+        global loads, all issued before the first conversion (a thread's other rows wait:
+        both rows' loads at once spilled 120 bytes at sm_90a), converted to the 16-bit type
         (times the unit's row scale in the 656-byte format) and stored where the 16-bit path's
         cp.async would put them (fp8_unit_offsets); a 656-byte row's bf16 rope chunk j by
         cp.async into sRope, this thread's chunk of the rope tile."""
