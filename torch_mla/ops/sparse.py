@@ -136,10 +136,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
-    if cache == "plain":
-        kv, extra = _rows16(kv_cache[:, :, 0]), ()
-    else:  # (kv_scale: the float8_e4m3fn cache's; the 656-byte rows carry theirs)
-        kv, extra = fp8_cache_bytes(kv_cache), (() if kv_scale is None else (kv_scale,))
+    kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index))
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
@@ -151,8 +148,11 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
     if b > 0 and s_q > 0:
         variant = dispatch.combine_variant(b * s_q, parts, h_q)
+        # kv_scale: the float8_e4m3fn cache's, else None (the 656-byte rows carry their
+        # scales), passed either way: a step loaded from the disk cache takes its defaulted
+        # trailing arguments explicitly (dispatch.run_split_kv's fp8 arguments likewise)
         step(_rows16(q), kv, indices, topk_length, sched_metadata, num_splits, out, lse, oacc,
-             lseacc, softmax_scale * LOG2_E, variant, *extra)
+             lseacc, softmax_scale * LOG2_E, variant, kv_scale)
     if attn_sink is not None:
         out = apply_attn_sink(out, lse, attn_sink)
     return out, lse
