@@ -315,6 +315,38 @@ def test_portable_sparse_kernel_compiles(tmp_path, dtype, cache, archs):
         print(arch, dtype, cache, c)
 
 
+SPARSE_SIGNATURE_SCRIPT = r"""
+import re
+from torch_mla.ops import registry
+for cache in ("plain", "e4m3", "fp8_ds_mla"):
+    fn = registry.compiled(registry.SparseStepConfig("sm80", "bf16", cache), "sm_86")
+    try:
+        fn()
+    except Exception as e:  # the message names the parameters the loaded function takes
+        print(cache, re.search(r"Expects (\d+) parameters", str(e)).group(1),
+              re.search(r"mKV: ([^)]*\))", str(e)).group(1),
+              re.search(r"mKVScale: ([^)]*\)?)\)`", str(e)).group(1))
+"""
+
+
+def test_loaded_sparse_steps_take_kv_scale_explicitly(tmp_path):
+    """A step loaded from the disk cache takes every defaulted argument of its __call__
+    (TVM-FFI): the sparse steps' last, kv_scale, is a tensor for an e4m3 cache and None
+    otherwise, and run_sparse_step passes it either way (the dense steps' fp8 arguments
+    failed on the H200 for want of this)."""
+    env = dict(os.environ, TORCH_MLA_CACHE_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", SPARSE_SIGNATURE_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if x.split(" ")[0] in ("plain", "e4m3",
+                                                                        "fp8_ds_mla")]
+    assert_expected_inline("\n".join(lines), """\
+plain 13 Tensor([n3, 64, 576], bfloat16) None
+e4m3 13 Tensor([n3, 64, 576], uint8) Tensor([1], float32)
+fp8_ds_mla 13 Tensor([n3, 64, 656], uint8) None""")
+
+
 INDEXER_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry

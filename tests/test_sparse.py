@@ -763,3 +763,32 @@ def test_gpu_cuda_graph_replays_new_indices():
         ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2], sink.cpu())
         torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-3, rtol=2e-2)
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
+def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fmt):
+    # The host side of the kernel path, on CPU tensors with the device lookups and the compiled
+    # step stubbed: the step of the cache's format gets the cache as its kernel reads it (16-bit
+    # rows, or bytes) and kv_scale as its 13th argument, None without an e4m3 cache (a step
+    # loaded from the disk cache takes it explicitly: test_kernel_compile.py).
+    from torch_mla.ops import dispatch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(dispatch, "device_arch", lambda index: "sm_86")
+    monkeypatch.setattr(sparse_ops, "_sparse_step",
+                        lambda *key: lambda *args: calls.append((key, args)))
+    named = torch.ones(2 * PAGE, dtype=torch.bool)
+    cache, kv_scale = make_cache(2, fmt, named)
+    q = torch.randn(1, 2, 16, 576).bfloat16()
+    idx = poisoned_indices(1, 2, 64, 2 * PAGE)
+    sched = torch_mla.get_sparse_decode_schedule(idx, 16)
+    sparse_ops.run_sparse_step("sm80", q, cache, idx, None, None, sched.metadata,
+                               sched.num_splits, 0.1, 512, kv_scale)
+    ((key, args),) = calls
+    assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86")
+    assert len(args) == 13 and args[-1] is kv_scale
+    width = 656 if fmt == "fp8_ds_mla" else 576
+    assert args[1].shape == (2, PAGE, width)
+    assert args[1].dtype == (torch.bfloat16 if fmt == "bf16" else torch.uint8)
+    assert args[1].data_ptr() == cache.data_ptr()  # (no copy)
