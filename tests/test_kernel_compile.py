@@ -12,6 +12,8 @@ import sys
 import pytest
 from expecttest import assert_expected_inline
 
+from torch_mla.constants import D_QK
+
 SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry
@@ -226,6 +228,123 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     # schedule for other lengths, in each of the 3 variants
     assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 3, comb
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
+
+
+PORTABLE_SPARSE_SCRIPT = r"""
+import glob, json, os, re, shutil, subprocess, sys
+from torch_mla.ops import registry
+from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
+dtype, cache = sys.argv[1], sys.argv[2]
+out = {}
+for arch in sys.argv[3].split(","):
+    cfg = Sm80DecodeConfig.from_heuristic(arch)
+    registry.build(registry.SparseStepConfig("sm80", dtype, cache), arch)
+    (f,) = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], f"*.{arch}.ptx"))
+    c = {"tiles": [cfg.block_m, cfg.block_n, cfg.stages], "threads": cfg.num_threads}
+    for ptx in open(f).read().split(".entry ")[1:]:
+        if "MLASparseDecodeSm80" not in ptx.split("(", 1)[0]:
+            continue
+        for k in ["cvt.rn.f16x2.e4m3x2", "prmt.b32", "mul.rn.f16x2", "mul.rn.f32",
+                  "cvt.rn.bf16x2.f32", "cvt.rn.f16x2.f32", "ld.global.nc.v4.b32",
+                  "cp.async.cg.shared.global", "st.shared.v4.b32",
+                  "mma.sync.aligned.m16n8k16.row.col.f32", "ld.local", "st.local", "call.uni"]:
+            c[k] = len(re.findall(re.escape(k), ptx))
+    if shutil.which("ptxas"):
+        res = subprocess.run(["ptxas", f"-arch={arch}", "-v", f, "-o", os.devnull],
+                             capture_output=True, text=True)
+        assert res.returncode == 0, res.stderr[-2000:]
+        info = res.stderr.split("MLASparseDecodeSm80", 2)[2]
+        c["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
+        c["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*")):
+        os.remove(g)
+    out[arch] = c
+print(json.dumps(out))
+"""
+
+
+# The portable sparse step over each cache format: sm_90a (64x64x2 tiles, the e4m3 cvt) and
+# sm_86 (32x16x3, no e4m3 cvt before SM89: the integer path); ~5 s a compile.
+@pytest.mark.parametrize("dtype,cache,archs", [("bf16", "fp8_ds_mla", ["sm_90a", "sm_86"]),
+                                               ("bf16", "e4m3", ["sm_90a"]),
+                                               ("fp16", "e4m3", ["sm_86", "sm_90a"]),
+                                               ("bf16", "plain", ["sm_90a"])])
+def test_portable_sparse_kernel_compiles(tmp_path, dtype, cache, archs):
+    """The portable sparse decode step (cute_kernels/sm80_sparse_decode.py) over its cache
+    formats: the 16-bit MMAs of the portable kernel; over an FP8 cache the gather's 16-byte
+    global loads (latent units: 4 a row and load site; a 656-byte row's scales, one load; an
+    e4m3 row's rope, one load by threads 0-3), each unit's 8 conversions (cvt, or prmt and
+    integer ops before SM89) and two 16-byte shared stores, the 656-byte rows' scale multiply
+    (f32) and bf16 rope by cp.async; no local memory; ptxas (where installed): registers,
+    spill (sm_90a's 255-register build spills 8 bytes, as the dense portable kernel does)."""
+    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", PORTABLE_SPARSE_SCRIPT, dtype, cache,
+                          ",".join(archs)], env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    for arch, c in got.items():
+        bm, bn, st = c["tiles"]
+        rows = bn * 8 // c["threads"]  # key rows a thread gathers per stage
+        # load sites: the prologue's st - 1 stages, a turn's rope tile, its latent tiles (by
+        # the late quad, or all) and, with two quads (lag), the early quad's in _stage
+        latent_sites = (st - 1) + 1 + (1 if bm == 64 else 0)
+        rope_sites = (st - 1) + 1
+        units = 4 * latent_sites * rows + (rope_sites * rows if cache == "e4m3" else 0)
+        steps = bn // 16
+        assert c["mma.sync.aligned.m16n8k16.row.col.f32"] == 36 * steps + 32 * steps, c
+        assert c["ld.local"] == c["st.local"] == c["call.uni"] == 0, c
+        q_copies = bm * D_QK // 8 // c["threads"]
+        if cache == "plain":
+            assert c["ld.global.nc.v4.b32"] == c["cvt.rn.f16x2.e4m3x2"] == c["prmt.b32"] == 0, c
+            assert c["cp.async.cg.shared.global"] > q_copies, c
+            continue
+        scales = latent_sites * rows if cache == "fp8_ds_mla" else 0
+        assert c["ld.global.nc.v4.b32"] == units + scales, c
+        assert c["st.shared.v4.b32"] >= 2 * units, c
+        hw = arch == "sm_90a"
+        assert c["cvt.rn.f16x2.e4m3x2"] == (8 * units if hw else 0), c
+        assert c["prmt.b32"] == c["mul.rn.f16x2"] == (0 if hw else 8 * units), c
+        assert c["mul.rn.f32"] == (16 * units if cache == "fp8_ds_mla" else 0), c
+        pack = "cvt.rn.bf16x2.f32" if dtype == "bf16" else "cvt.rn.f16x2.f32"
+        assert c[pack] >= (8 * units if dtype == "bf16" or cache == "fp8_ds_mla" else 0), c
+        rope_copies = rope_sites * rows if cache == "fp8_ds_mla" else 0
+        assert c["cp.async.cg.shared.global"] == q_copies + rope_copies, c
+        if "registers" in c:
+            assert c["registers"] <= 255 and c["spill"] <= (8 if hw else 0), (arch, c)
+        print(arch, dtype, cache, c)
+
+
+SPARSE_SIGNATURE_SCRIPT = r"""
+import re
+from torch_mla.ops import registry
+for cache in ("plain", "e4m3", "fp8_ds_mla"):
+    fn = registry.compiled(registry.SparseStepConfig("sm80", "bf16", cache), "sm_86")
+    try:
+        fn()
+    except Exception as e:  # the message names the parameters the loaded function takes
+        print(cache, re.search(r"Expects (\d+) parameters", str(e)).group(1),
+              re.search(r"mKV: ([^)]*\))", str(e)).group(1),
+              re.search(r"mKVScale: ([^)]*\)?)\)`", str(e)).group(1))
+"""
+
+
+def test_loaded_sparse_steps_take_kv_scale_explicitly(tmp_path):
+    """A step loaded from the disk cache takes every defaulted argument of its __call__
+    (TVM-FFI): the sparse steps' last, kv_scale, is a tensor for an e4m3 cache and None
+    otherwise, and run_sparse_step passes it either way (the dense steps' fp8 arguments
+    failed on the H200 for want of this)."""
+    env = dict(os.environ, TORCH_MLA_CACHE_DIR=str(tmp_path))
+    env.pop("CUTE_DSL_ARCH", None)
+    res = subprocess.run([sys.executable, "-c", SPARSE_SIGNATURE_SCRIPT], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if x.split(" ")[0] in ("plain", "e4m3",
+                                                                        "fp8_ds_mla")]
+    assert_expected_inline("\n".join(lines), """\
+plain 13 Tensor([n3, 64, 576], bfloat16) None
+e4m3 13 Tensor([n3, 64, 576], uint8) Tensor([1], float32)
+fp8_ds_mla 13 Tensor([n3, 64, 656], uint8) None""")
 
 
 INDEXER_SCRIPT = r"""
@@ -562,6 +681,19 @@ def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
         assert (comb["griddepcontrol.wait"] > 0) == pdl, (arch, comb)
 
 
+def host_dsl_script(tmp_path, name: str, text: str) -> str:
+    """The stdout of a host-side CuTe DSL script (run on the CPU; the DSL compiles from source
+    files only, so it is written to tmp_path / name), with this tree first on PYTHONPATH."""
+    script = tmp_path / name
+    script.write_text(text)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return res.stdout
+
+
 # Host-side CuTe DSL (runs on the CPU): every element of each view the portable kernel takes at
 # a runtime index (warp `quarter` of a quad) against its buffer's layout at the element's
 # coordinate, and where each view starts (keys and P columns of its half, V^T of its columns);
@@ -630,14 +762,8 @@ def test_portable_warp_views_address_their_buffers(tmp_path):
     view at an offset inside a swizzle atom is addressed with the offset twice
     (nvidia-cutlass-dsl 4.8.1); with P in block_n-wide atoms, the second warp's P went to the
     wrong place (all of it at 64x64 and 64x32 tiles), found on the H200."""
-    script = tmp_path / "views.py"  # the DSL compiles from source files only
-    script.write_text(PORTABLE_VIEWS_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "misplaced" in x]
+    stdout = host_dsl_script(tmp_path, "views.py", PORTABLE_VIEWS_SCRIPT)
+    lines = [x for x in stdout.splitlines() if "misplaced" in x]
     assert_expected_inline("\n".join(lines), """\
 64x64x2 quarter 0: K from key 0: 0 of 36864, P from column 0: 0 of 2048, V^T from d 0, 64: 0 of 16384 misplaced
 64x64x2 quarter 1: K from key 32: 0 of 36864, P from column 32: 0 of 2048, V^T from d 128, 192: 0 of 16384 misplaced
@@ -770,14 +896,8 @@ def test_portable_qk_views_and_exchange_slots(tmp_path):
     """Each warp's Q K^T sources at its half of the k-steps (a runtime pointer offset of whole
     swizzle atoms) address the right elements, and the S exchange slots cover only memory that
     is dead when they are used (exchange_offsets says why)."""
-    script = tmp_path / "qk_views.py"  # the DSL compiles from source files only
-    script.write_text(PORTABLE_QK_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "misplaced" in x or "slots" in x]
+    stdout = host_dsl_script(tmp_path, "qk_views.py", PORTABLE_QK_SCRIPT)
+    lines = [x for x in stdout.splitlines() if "misplaced" in x or "slots" in x]
     assert_expected_inline("\n".join(lines), """\
 64x64x2 quad 0 k half 0: Q 0, K 0 misplaced
 64x64x2 quad 0 k half 1: Q 0, K 0 misplaced

@@ -11,9 +11,11 @@ import expecttest
 import pytest
 import torch
 import torch._dynamo.testing
+from expecttest import assert_expected_inline
 
 import torch_mla
 from torch_mla.ops import sparse as sparse_ops
+from torch_mla.reference import quantize_fp8
 from torch_mla.reference_sparse import (
     dequantize_fp8_ds_mla,
     fp8_ds_mla_scales,
@@ -138,7 +140,7 @@ def make_cache(num_blocks, fmt, named, page=PAGE):
         return rows.view(num_blocks, page, 1, 656), None
     if fmt == "fp8":
         kv_scale = torch.tensor([lat.abs().max() / 448])
-        flat = (lat / kv_scale).to(torch.float8_e4m3fn)
+        flat = quantize_fp8(lat, kv_scale)  # (torch_mla's quantizer: testing.quantize_per_tensor)
         flat.view(torch.uint8)[~named] = NAN_BYTE
     else:
         flat = lat.to({"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[fmt])
@@ -327,8 +329,54 @@ def test_sm90_kernel_only_on_sm90a_with_the_flag(monkeypatch, arch):
     monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
     want = "sm90" if arch == "sm_90a" else "sm80"
     assert sparse_ops.sparse_backend(q, cache, 512) == (want, "")
-    # (the FP8 formats still run the reference)
-    assert sparse_ops.sparse_backend(q, cache.to(torch.float8_e4m3fn), 512)[0] == "reference"
+
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
+def test_fp8_caches_run_the_portable_kernel_only_with_their_flag(monkeypatch, arch):
+    # The FP8 gather has not run on a GPU: the reference (with a reason naming the flag) unless
+    # TORCH_MLA_SPARSE_FP8=1, then the portable kernel (the SM90 one reads 16-bit caches
+    # only); the 656-byte rows with bf16 q only (their RoPE values are bf16).
+    from torch_mla.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
+    e4m3 = torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn)
+    rows = torch.empty(2, 64, 1, 656, dtype=torch.uint8)
+    for dtype in (torch.bfloat16, torch.float16):
+        q = torch.empty(1, 1, 16, 576, dtype=dtype)
+        monkeypatch.delenv("TORCH_MLA_SPARSE_FP8", raising=False)
+        for cache, fmt in ((e4m3, "fp8"), (rows, "fp8_ds_mla")):
+            assert sparse_ops.sparse_backend(q, cache, 512) == (
+                "reference", f"the sparse kernel over a {fmt} cache has not run on a GPU yet "
+                             "(TORCH_MLA_SPARSE_FP8=1 runs it)")
+        monkeypatch.setenv("TORCH_MLA_SPARSE_FP8", "1")
+        assert sparse_ops.sparse_backend(q, e4m3, 512) == ("sm80", "")
+        want = ("sm80", "") if dtype == torch.bfloat16 else (
+            "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' RoPE "
+                         "values are bf16), got torch.float16")
+        assert sparse_ops.sparse_backend(q, rows, 512) == want
+    q = torch.empty(1, 1, 16, 576)  # fp32 q: the reference, whatever the cache
+    assert sparse_ops.sparse_backend(q, rows, 512)[0] == "reference"
+
+
+def test_fp8_cache_rows_must_be_16_byte_aligned_for_the_kernel():
+    # The kernel's 16-byte loads: a contiguous cache passes as it is (its bytes, no copy); a
+    # misaligned one is an error naming what to fix, never a silent copy of the cache.
+    rows = torch.zeros(3, 64, 1, 656, dtype=torch.uint8)
+    assert sparse_ops.fp8_cache_bytes(rows).data_ptr() == rows.data_ptr()
+    assert sparse_ops.fp8_cache_bytes(rows).shape == (3, 64, 656)
+    e4m3 = torch.zeros(3, 64, 1, 576, dtype=torch.float8_e4m3fn)
+    assert sparse_ops.fp8_cache_bytes(e4m3).dtype == torch.uint8
+    # rows 664 bytes apart (a padded buffer) and a cache starting 8 bytes into its storage
+    padded = torch.zeros(3, 64, 1, 664, dtype=torch.uint8)[..., :656]
+    shifted = torch.zeros(3 * 64 * 656 + 8, dtype=torch.uint8)[8:].view(3, 64, 1, 656)
+    with pytest.raises(ValueError) as e:
+        sparse_ops.fp8_cache_bytes(padded)
+    assert_expected_inline(str(e.value), """torch_mla.mla_decode_sparse: the sparse kernel reads the fp8_ds_mla cache in 16-byte loads: kv_cache's data pointer and its page and row strides must be multiples of 16 bytes, got data pointer % 16 = 0, strides [42496, 664] bytes (a contiguous cache qualifies)""")
+    with pytest.raises(ValueError, match="data pointer % 16 = 8"):
+        sparse_ops.fp8_cache_bytes(shifted)
 
 
 # ---- the 656-byte layout: quantization, dequantization, append ---------------------------------
@@ -715,3 +763,32 @@ def test_gpu_cuda_graph_replays_new_indices():
         ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2], sink.cpu())
         torch.testing.assert_close(out.double().cpu(), ref_out, atol=2e-3, rtol=2e-2)
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "fp8_ds_mla"])
+def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fmt):
+    # The host side of the kernel path, on CPU tensors with the device lookups and the compiled
+    # step stubbed: the step of the cache's format gets the cache as its kernel reads it (16-bit
+    # rows, or bytes) and kv_scale as its 13th argument, None without an e4m3 cache (a step
+    # loaded from the disk cache takes it explicitly: test_kernel_compile.py).
+    from torch_mla.ops import dispatch
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(dispatch, "device_arch", lambda index: "sm_86")
+    monkeypatch.setattr(sparse_ops, "_sparse_step",
+                        lambda *key: lambda *args: calls.append((key, args)))
+    named = torch.ones(2 * PAGE, dtype=torch.bool)
+    cache, kv_scale = make_cache(2, fmt, named)
+    q = torch.randn(1, 2, 16, 576).bfloat16()
+    idx = poisoned_indices(1, 2, 64, 2 * PAGE)
+    sched = torch_mla.get_sparse_decode_schedule(idx, 16)
+    sparse_ops.run_sparse_step("sm80", q, cache, idx, None, None, sched.metadata,
+                               sched.num_splits, 0.1, 512, kv_scale)
+    ((key, args),) = calls
+    assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86")
+    assert len(args) == 13 and args[-1] is kv_scale
+    width = 656 if fmt == "fp8_ds_mla" else 576
+    assert args[1].shape == (2, PAGE, width)
+    assert args[1].dtype == (torch.bfloat16 if fmt == "bf16" else torch.uint8)
+    assert args[1].data_ptr() == cache.data_ptr()  # (no copy)

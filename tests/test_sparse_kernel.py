@@ -14,6 +14,7 @@ import pytest
 import torch
 from test_sparse import (
     PAGE,
+    cache_to_f64,
     make_cache,
     poisoned_indices,
     sparse_decode_fp64,
@@ -41,41 +42,48 @@ def backend(request, monkeypatch):
 GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
 
 
-def _case(h_q, s_q, topk, fmt="bf16", b=2, lengths=True, sink=False, num_blocks=None):
+def _case(h_q, s_q, topk, fmt="bf16", b=2, lengths=True, sink=False, num_blocks=None,
+          dtype=None, scale=False):
+    """CUDA (q, cache, indices, topk_length, attn_sink), and the cache's kv_scale if `scale`;
+    fmt: make_cache's ("fp8": float8_e4m3fn, "fp8_ds_mla": the 656-byte rows, NaN bytes in
+    the slots no entry names); dtype: q's (default bf16, fp16 for an fp16 cache)."""
     num_blocks = num_blocks or 3 + topk // PAGE
     lens = None
     if lengths:
         lens = torch.tensor([topk, int(torch.randint(0, topk, ()))] + [topk] * (b - 2),
                             dtype=torch.int32)[:b]
     idx = poisoned_indices(b, s_q, topk, num_blocks * PAGE, lens)
-    cache, _ = make_cache(num_blocks, fmt, used_slots(idx, lens, num_blocks * PAGE))
-    dtype = torch.float16 if fmt == "fp16" else torch.bfloat16
+    cache, kv_scale = make_cache(num_blocks, fmt, used_slots(idx, lens, num_blocks * PAGE))
+    dtype = dtype or (torch.float16 if fmt == "fp16" else torch.bfloat16)
     q = torch.randn(b, s_q, h_q, 576).to(dtype)
     attn_sink = torch.randn(h_q) if sink else None
-    return [None if t is None else t.cuda() for t in (q, cache, idx, lens, attn_sink)]
+    out = (q, cache, idx, lens, attn_sink) + ((kv_scale,) if scale else ())
+    return [None if t is None else t.cuda() for t in out]
 
 
-def p_atol(dtype, kv_cache) -> float:
+def p_atol(dtype, kv_cache, kv_scale=None) -> float:
     """The kernel rounds each probability to dtype (relative 2^-9 in bf16, 2^-12 in fp16) before
     P V, so an output value may be off by up to max|v| times that (the probabilities sum to 1);
     make_cache's latents reach |v| ~ 4 (tiles of differing ranges), the dense tests' ~1. Never
-    below the dense kernels' DECODE_TOL."""
-    v = kv_cache[..., :512].float()
+    below the dense kernels' DECODE_TOL. (v: the values the cache stands for, dequantized.)"""
+    v = cache_to_f64(kv_cache, kv_scale)[:, :512]
     vmax = float(v[v.isfinite()].abs().max())
     return max(DECODE_TOL[dtype][0], vmax * (2 ** -9 if dtype == torch.bfloat16 else 2 ** -12))
 
 
-def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None):
+def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, kv_scale=None):
     """The kernel's (out, lse) on these CUDA tensors against the float64 loop on their CPU
-    copies: bf16/fp16 output rounding, fp32 lse; +inf exactly where a token uses no entry."""
+    copies (an FP8 cache decoded from its bytes): bf16/fp16 output rounding, fp32 lse; +inf
+    exactly where a token uses no entry."""
     out, lse = torch_mla.mla_decode_sparse(q, kv_cache, indices, topk_length=topk_length,
-                                           attn_sink=attn_sink)
-    cpu = [None if t is None else t.cpu() for t in (q, kv_cache, indices, topk_length, attn_sink)]
-    ref_out, ref_lse = sparse_decode_fp64(*cpu)
+                                           attn_sink=attn_sink, kv_scale=kv_scale)
+    cpu = [None if t is None else t.cpu()
+           for t in (q, kv_cache, indices, topk_length, attn_sink, kv_scale)]
+    ref_out, ref_lse = sparse_decode_fp64(*cpu[:5], kv_scale=cpu[5])
     assert out.dtype == q.dtype and out.shape == ref_out.shape and lse.shape == ref_lse.shape
     out, lse = out.cpu(), lse.cpu()
     assert torch.isfinite(out).all()
-    torch.testing.assert_close(out.double(), ref_out, atol=p_atol(q.dtype, cpu[1]),
+    torch.testing.assert_close(out.double(), ref_out, atol=p_atol(q.dtype, cpu[1], cpu[5]),
                                rtol=DECODE_TOL[q.dtype][1])
     torch.testing.assert_close(lse.double(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
     return out, lse
@@ -124,15 +132,21 @@ def test_zero_lengths_and_all_minus_one(backend):
 
 
 def test_cuda_graph_replays_new_indices(backend):
-    cache, _ = make_cache(8, "bf16", torch.ones(8 * PAGE, dtype=torch.bool))
+    graph_replays_new_indices("bf16")
+
+
+def graph_replays_new_indices(fmt: str):
+    cache, kv_scale = make_cache(8, fmt, torch.ones(8 * PAGE, dtype=torch.bool))
     cache = cache.cuda()
+    scale = None if kv_scale is None else kv_scale.cuda()
     static = [torch.randn(4, 2, 16, 576, device="cuda").bfloat16(),
               torch.zeros(4, 2, 256, dtype=torch.int32, device="cuda"),
               torch.full((4,), 256, dtype=torch.int32, device="cuda")]
 
     def step(q, idx, lens):
         sched = torch_mla.get_sparse_decode_schedule(idx, 16, lens)
-        return torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, schedule=sched)
+        return torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, schedule=sched,
+                                           kv_scale=scale)
 
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
@@ -149,9 +163,10 @@ def test_cuda_graph_replays_new_indices(backend):
             dst.copy_(src)
         g.replay()
         torch.cuda.synchronize()
-        ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2])
+        ref_out, ref_lse = sparse_decode_fp64(new[0], cache.cpu(), new[1], new[2],
+                                              kv_scale=kv_scale)
         torch.testing.assert_close(out.double().cpu(), ref_out,
-                                   atol=p_atol(torch.bfloat16, cache.cpu()),
+                                   atol=p_atol(torch.bfloat16, cache.cpu(), kv_scale),
                                    rtol=DECODE_TOL[torch.bfloat16][1])
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
@@ -185,3 +200,64 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
     idx[2, 2, 150:] = -1
     lens[2] = 131
     check_against_fp64(q, cache, idx, lens)
+
+
+# ---- the FP8 caches (the portable kernel's gather dequantizes; TORCH_MLA_SPARSE_FP8=1) -------
+
+FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
+
+
+@pytest.fixture
+def fp8_kernel(monkeypatch):
+    """The FP8 formats on the portable kernel (opt-in until it has run on a GPU)."""
+    monkeypatch.setenv("TORCH_MLA_SPARSE_FP8", "1")
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+
+
+@pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
+def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
+    q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
+    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)
+
+
+# The issue's grid on both formats in bf16 (h_q 1, 16, 64, 128 x s_q 1, 2 x topk 64, 2048),
+# fp16 q over the e4m3 cache on its corners (the conversion differs, not the walk).
+FP8_GRID = ([(f, torch.bfloat16, h, s, k) for f in ("fp8", "fp8_ds_mla") for h in (1, 16, 64, 128)
+             for s in (1, 2) for k in (64, 2048)]
+            + [("fp8", torch.float16, h, s, k) for h, s, k in ((1, 1, 64), (128, 2, 2048),
+                                                              (64, 1, 512))])
+
+
+@pytest.mark.parametrize("fmt,dtype,h_q,s_q,topk", FP8_GRID)
+def test_fp8_grid_matches_fp64(fp8_kernel, fmt, dtype, h_q, s_q, topk):
+    q, cache, idx, lens, _, kv_scale = _case(h_q, s_q, topk, fmt, dtype=dtype, scale=True)
+    check_against_fp64(q, cache, idx, lens, kv_scale=kv_scale)
+
+
+@pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
+def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype):
+    # -1 and repeated entries (poisoned_indices), a repeat across positions, a token with all
+    # -1, a request with topk_length 0, one cut inside a block, rows over two m-blocks, splits.
+    q, cache, idx, lens, sink, kv_scale = _case(100, 3, 200, fmt, b=4, sink=True, dtype=dtype,
+                                                scale=True)
+    idx[0, :, 7] = idx[0, :, 3]
+    idx[2, 1] = -1
+    lens[1] = 0
+    lens[3] = 131
+    out, lse = check_against_fp64(q, cache, idx, lens, sink, kv_scale)
+    assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
+    assert (out[2, 1] == 0).all() and (lse[2, :, 1] == float("inf")).all()
+
+
+@pytest.mark.parametrize("b,topk", [(1, 16384), (64, 2048)])
+def test_fp8_ds_mla_splits_and_long_rows(fp8_kernel, b, topk):
+    q, cache, idx, lens, _ = _case(64, 1, topk, "fp8_ds_mla", b=b, num_blocks=64)
+    check_against_fp64(q, cache, idx, lens)
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
+def test_fp8_cuda_graph_replays_new_indices(fp8_kernel, fmt):
+    graph_replays_new_indices(fmt)

@@ -19,11 +19,9 @@
 #               to FlashMLA, error against the reference)
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
 # "ERROR SUMMARY: 0 errors"; each bench row has its keys-on-M line with rel err ~1e-3 or below.
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # set -u, $OUT, $ROOT, run, summary
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
 
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-if [[ -d .peers/flashmla-sm90 ]]; then export PYTHONPATH="$ROOT/.peers/flashmla-sm90:$PYTHONPATH"; fi
-python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
+preamble flashmla-sm90
 
 run precompile 150 python -m torch_mla.precompile --arch sm_90a \
   --kernels keysm,step,fp8_step,schedule,append_kv
@@ -31,20 +29,12 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a \
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_keysm.py \
   -k "test_grid and bf16 and 16-1-False"
 run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm.py
-if command -v compute-sanitizer > /dev/null; then
-  run memcheck 60 compute-sanitizer --tool memcheck python -m tools.keysm_memcheck
-else
-  summary+=("memcheck         skipped: no compute-sanitizer on PATH")
-fi
+memcheck 60 python -m tools.keysm_memcheck
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 ROWS="128,1,8192,16 128,1,8192,32 64,1,16384,16 128,2,8192,16"
 # shellcheck disable=SC2086
 run bench_bf16 60 python benchmarks/bench_decode.py --keysm $ROWS
 # shellcheck disable=SC2086
 run bench_fp8 60 python benchmarks/bench_decode.py --keysm --fp8 $ROWS
-
-echo; echo "== summary ($OUT)"
-printf '%s\n' "${summary[@]}"
-grep -h "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
-grep -h -E "passed|failed" "$OUT/tests.log" | tail -1
+finish
 grep -h "keys-on-M" "$OUT"/bench_*.log

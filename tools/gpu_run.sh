@@ -20,3 +20,30 @@ run() {
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$OUT/$name.log")")
   return $rc
 }
+
+# preamble PEER: the GPU and its clocks, .peers/PEER on PYTHONPATH when it is there (a FlashMLA
+# build to time beside ours), the torch_mla this run imports.
+preamble() {
+  nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
+  if [[ -d ".peers/$1" ]]; then export PYTHONPATH="$ROOT/.peers/$1:${PYTHONPATH:-}"; fi
+  python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
+}
+
+# memcheck TIMEOUT CMD...: stage "memcheck", CMD under compute-sanitizer's memcheck (skipped,
+# with a summary line, where compute-sanitizer is not on PATH).
+memcheck() {
+  local limit=$1; shift
+  if command -v compute-sanitizer > /dev/null; then
+    run memcheck "$limit" compute-sanitizer --tool memcheck "$@"
+  else
+    summary+=("memcheck         skipped: no compute-sanitizer on PATH")
+  fi
+}
+
+# finish: the summary, memcheck's error count and the tests' last pass/fail line.
+finish() {
+  echo; echo "== summary ($OUT)"
+  printf '%s\n' "${summary[@]}"
+  grep -h "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
+  grep -h -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+}

@@ -15,29 +15,16 @@
 # Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
 # "ERROR SUMMARY: 0 errors"; the bench log has "# sparse kernel: sm90" and a row per
 # configuration.
-source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # set -u, $OUT, $ROOT, run, summary
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
 
-nvidia-smi --query-gpu=name,clocks.sm,clocks.mem,temperature.gpu --format=csv,noheader
-if [[ -d .peers/flashmla-sm90-sparse ]]; then
-  export PYTHONPATH="$ROOT/.peers/flashmla-sm90-sparse:$PYTHONPATH"
-fi
-python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
+preamble flashmla-sm90-sparse
 
 run precompile 150 python -m torch_mla.precompile --arch sm_90a \
   --kernels sparse,schedule,append_kv
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "sm90 and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
 run tests 170 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k sm90
-if command -v compute-sanitizer > /dev/null; then
-  run memcheck 60 env TORCH_MLA_SPARSE_SM90=1 compute-sanitizer --tool memcheck \
-    python -m tools.sparse_memcheck
-else
-  summary+=("memcheck         skipped: no compute-sanitizer on PATH")
-fi
+TORCH_MLA_SPARSE_SM90=1 memcheck 60 python -m tools.sparse_memcheck
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 run bench 100 env TORCH_MLA_SPARSE_SM90=1 python benchmarks/bench_decode.py --sparse
-
-echo; echo "== summary ($OUT)"
-printf '%s\n' "${summary[@]}"
-grep -h "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
-grep -h -E "passed|failed" "$OUT/tests.log" | tail -1
+finish

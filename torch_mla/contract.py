@@ -30,7 +30,15 @@ from __future__ import annotations
 
 import dataclasses
 
-from .constants import D_QK, D_ROPE, D_V, KEYSM_COLUMNS, METADATA_WIDTH, PAGE_SIZE
+from .constants import (
+    D_QK,
+    D_ROPE,
+    D_V,
+    FP8_DS_MLA_BYTES,
+    KEYSM_COLUMNS,
+    METADATA_WIDTH,
+    PAGE_SIZE,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,6 +78,8 @@ ARGS = {
     "indices": Arg("i32", ("b", "s_q", "topk"), ("dyn", "dyn", 1), 4),
     "topk_length": Arg("i32", ("b",), (1,), 4),
     "sparse_out": Arg("out", ("b", "s_q", "h_q", D_V), ("row", "row", "row", 1)),
+    # DeepSeek-V3.2's 656-byte FP8 rows, as bytes
+    "kv_fp8_ds_mla": Arg("kv", ("n_blocks", PAGE_SIZE, FP8_DS_MLA_BYTES), ("row", "row", 1)),
     # the DSA indexer's logits (cute_kernels/sm90_indexer.py): "rows" (s_q * H), "d" and
     # "s_q" are compile-time sizes there (fake_args' static)
     "index_q": Arg("q", ("b", "rows", "d"), ("row", "row", 1)),
@@ -89,7 +99,8 @@ COMBINE_ARGS = ("num_splits", "oacc", "lseacc", "out", "lse", "block_table", "se
                 "num_pages", "stream")
 SCHEDULE_ARGS = ("seqlens", "metadata", "num_splits", "check", "stream")
 # Sparse decode's step: the schedule is over b * s_q one-token requests (num_splits has
-# b * s_q + 1 entries), oacc and lseacc have h_q rows.
+# b * s_q + 1 entries), oacc and lseacc have h_q rows. The FP8 caches come as bytes: a
+# float8_e4m3fn one (then kv_scale follows the stream) or the 656-byte rows (sparse_step_args).
 SPARSE_STEP_ARGS = ("sparse_q", "kv", "indices", "topk_length", "metadata", "num_splits",
                     "sparse_out", "lse", "oacc", "lseacc", "scale_log2", "combine_variant",
                     "stream")
@@ -155,6 +166,19 @@ def schedule_shapes(batch: int, num_parts: int) -> tuple[tuple, tuple]:
 def has_pdl(arch: str) -> bool:
     """Programmatic dependent launch (griddepcontrol) exists from sm_90 on."""
     return int(arch[3:].rstrip("af")) >= 90
+
+
+def has_e4m3_cvt(arch: str) -> bool:
+    """The e4m3 conversions (cvt ... e4m3x2) exist from sm_89 on."""
+    return int(arch[3:].rstrip("af")) >= 89
+
+
+def sparse_step_args(cache: str = "plain") -> tuple:
+    """The sparse decode step's arguments over a cache format ("plain", "e4m3",
+    "fp8_ds_mla")."""
+    if cache == "fp8_ds_mla":
+        return tuple("kv_fp8_ds_mla" if a == "kv" else a for a in SPARSE_STEP_ARGS)
+    return SPARSE_STEP_ARGS + (("kv_scale",) if cache == "e4m3" else ())
 
 
 def dsl_dtype(name: str):
@@ -241,8 +265,11 @@ def compile_step_kernel(step, dtype, arch: str):
 
 
 def compile_sparse_step_kernel(step, dtype, arch: str):
-    """Compiles a sparse decode step object (SPARSE_STEP_ARGS) for arch."""
-    return compile_kernel(step, fake_args(SPARSE_STEP_ARGS, dtype, dims=SPARSE_DIMS), arch)
+    """Compiles a sparse decode step object (sparse_step_args of its decode kernel's cache
+    format; an FP8 cache as bytes) for arch."""
+    cache = getattr(step.decode, "cache", "plain")
+    return compile_kernel(step, fake_args(sparse_step_args(cache), dtype, dims=SPARSE_DIMS,
+                                          kv_bytes=cache != "plain"), arch)
 
 
 def compile_combine_kernel(kernel, dtype, arch: str):

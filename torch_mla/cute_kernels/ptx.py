@@ -73,37 +73,63 @@ def lds128(addr: Int32, *, loc=None, ip=None):
     return _load_words(4, Int32(addr), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "r", loc, ip)
 
 
-def _e4m3_asm(to_bf16: bool) -> str:
+def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
-    two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15).
+    two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
+    value times the float32 in $6 first (one rounding, to the 16-bit type).
 
     cvt.rn.f16x2.e4m3x2 is exact (every e4m3 value, subnormals included, is a normal f16).
     For bf16: f16 -> f32 (exact) -> bf16x2 (exact: 3 significant bits, exponents -9..8, so
     neither a denormal nor a rounding ever occurs). Of cvt's x2 forms the upper half of the
     result comes from the upper input (upper byte; first f32 operand), so value k of the
-    chunk sits in bits 16 (k % 2) of word k // 2, as in memory."""
-    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>;", ".reg .f32 fl<8>, fu<8>;"]
+    chunk sits in bits 16 (k % 2) of word k // 2, as in memory.
+
+    hw=False (before SM89, which has no e4m3 cvt): a pair's bytes are spread to the low bytes
+    of the two halves (prmt) and moved into f16 fields: sign to bit 15, exponent and mantissa
+    (7 bits) to bits 7-13. That f16 is the e4m3 value times 2^-8 exactly (the exponent biases
+    are 7 and 15; an e4m3 subnormal lands as an f16 subnormal of the same digits), and the
+    multiply by 256 (mul.rn.f16x2) is exact. NaN bytes (0x7f, 0xff) become +-480, not NaN:
+    the kernels never read a byte that no entry names."""
+    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>;",
+             ".reg .f32 fl<8>, fu<8>, sc;"]
+    if not hw:
+        lines += [".reg .b32 k256;", "mov.b32 k256, 0x5c005c00;"]  # 256.0 in both f16 halves
+    if scaled:
+        lines.append("mov.b32 sc, $6;")
     for w in range(4):
         lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
     for i in range(8):
-        if to_bf16:
-            lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};", f"mov.b32 {{l{i}, u{i}}}, h{i};",
-                      f"cvt.f32.f16 fl{i}, l{i};", f"cvt.f32.f16 fu{i}, u{i};",
-                      f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};"]
-        else:
+        if hw:
             lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
+        else:
+            sel = "0x4140" if i % 2 == 0 else "0x4342"  # bytes 0, 1 (or 2, 3) -> bytes 0, 2
+            lines += [f"prmt.b32 x{i}, ${2 + i // 2}, 0, {sel};",
+                      f"and.b32 s{i}, x{i}, 0x00800080;", f"shl.b32 s{i}, s{i}, 8;",
+                      f"and.b32 x{i}, x{i}, 0x007f007f;", f"shl.b32 x{i}, x{i}, 7;",
+                      f"or.b32 h{i}, s{i}, x{i};", f"mul.rn.f16x2 h{i}, h{i}, k256;"]
+        if to_bf16 or scaled:
+            lines += [f"mov.b32 {{l{i}, u{i}}}, h{i};", f"cvt.f32.f16 fl{i}, l{i};",
+                      f"cvt.f32.f16 fu{i}, u{i};"]
+            if scaled:
+                lines += [f"mul.rn.f32 fl{i}, fl{i}, sc;", f"mul.rn.f32 fu{i}, fu{i}, sc;"]
+            pack = "bf16x2" if to_bf16 else "f16x2"
+            lines.append(f"cvt.rn.{pack}.f32 h{i}, fu{i}, fl{i};")
     lines += ["st.shared.v4.b32 [$0], {h0, h1, h2, h3};",
               "st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
     return "\n".join(lines)
 
 
 @dsl_user_op
-def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, *, loc=None, ip=None) -> None:
+def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
+                 *, loc=None, ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
-    (values 8-15); see _e4m3_asm."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (dst0, dst1, *words)]
-    llvm.inline_asm(None, args, _e4m3_asm(to_bf16), "r,r,r,r,r,r", has_side_effects=True,
-                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
+    integer ops (see _e4m3_asm)."""
+    regs = [dst0, dst1, *words] + ([] if scale is None else [scale])
+    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw),
+                    ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op

@@ -105,7 +105,7 @@ from cutlass.cute.nvgpu import cpasync, warp
 
 from ..constants import D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
-from .decode_base import DecodeKernel, SplitKVTensors, aligned, shared_struct
+from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, aligned, shared_struct
 from .ptx import bar_arrive, bar_sync
 
 K_STEPS = D_QK // 16  # mma k-steps of Q K^T
@@ -245,13 +245,16 @@ def tiled_mmas(cfg: Sm80DecodeConfig, dtype):
 
 
 class KVSource(NamedTuple):
-    """Where a stage's keys come from: the cache (num_blocks, 64, 576), the table the walk
-    reads (the block table; sparse decode's index rows) and, for kernels that mask entries
-    (masks_entries), the per-stage key bias in shared memory (block_n, stages), else None."""
+    """Where a stage's keys come from: the cache (num_blocks, 64, 576; a subclass's bytes), the
+    table the walk reads (the block table; sparse decode's index rows), for kernels that mask
+    entries (masks_entries) the per-stage key bias in shared memory (block_n, stages), else
+    None, and the shared-memory byte address of the stage buffers (for stores that do not go
+    through tKsK: sparse decode's FP8 gather)."""
 
     kv: cute.Tensor
     table: cute.Tensor
     bias: cute.Tensor | None
+    k_base: Int32
 
 
 class MLADecodeSm80(DecodeKernel):
@@ -304,15 +307,17 @@ class MLADecodeSm80(DecodeKernel):
             # (key, stage): 0 or -inf; empty without masks_entries
             sBias=cute.struct.MemRange[Float32, bias_len],
         )
-        return (mQ, mKV), (sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv)
+        # (fp8: kv_fp8 subclasses read its kv_scale, the cache's per-tensor scale)
+        return (mQ, mKV), (fp8, sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv)
 
     # ------------------------------------------------------------------------------------------
     # device side
     # ------------------------------------------------------------------------------------------
     @cute.jit
-    def body(self, inputs: tuple, tensors: SplitKVTensors, scale_log2: Float32, sQ_layout,
-             sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv):
+    def body(self, inputs: tuple, tensors: SplitKVTensors, scale_log2: Float32, fp8: Fp8Args,
+             sQ_layout, sK_layout, sP_layout, gmem_copy, tiled_qk, tiled_pv):
         mQ, mKV = inputs  # the tensors themselves: the kernel copies with cp.async
+        mKVScale = fp8.kv_scale  # kv_fp8: (1,) fp32, the cache's scale; else None
         mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         bm, bn, st = self.cfg.block_m, self.cfg.block_n, self.cfg.stages
         dt = self.dtype
@@ -337,7 +342,15 @@ class MLADecodeSm80(DecodeKernel):
         sBias = None
         if const_expr(self.masks_entries):
             sBias = storage.sBias.get_tensor(cute.make_layout((bn, st)))
-        src = KVSource(mKV, mBlockTable, sBias)
+        sP_base = storage.sP.data_ptr().toint()
+        sK_base = storage.sK.data_ptr().toint()
+        src = KVSource(mKV, mBlockTable, sBias, sK_base)
+        if const_expr(self.kv_fp8):
+            # A per-tensor scaled e4m3 cache lands as its exact e4m3 values: K's scale joins the
+            # scores' and V's the epilogue's factor (as the SM90 kernels fold it).
+            kv_scale = mKVScale[0]
+            scale_log2 = scale_log2 * kv_scale
+            self.d_v_scale = kv_scale
 
         if const_expr(self.use_pdl):
             # The combine kernel may start now; it waits for this grid before reading.
@@ -380,8 +393,6 @@ class MLADecodeSm80(DecodeKernel):
         tSsK = ld_K.partition_S(sK_half)  # (CPY, CPY_N, 36, stages)
         tSsK_lo = k_half_view(tSsK, bn, kh)
         tSrK_v = ld_K.retile(tSrK)
-        sP_base = storage.sP.data_ptr().toint()
-        sK_base = storage.sK.data_ptr().toint()
 
         # P: this warp's keys of its row group (accumulator order) -> smem; the quad's two row
         # groups, all keys, back as A: the thread stands in for lane `lane` of the warp of row
@@ -764,6 +775,8 @@ class MLADecodeSm80(DecodeKernel):
             total = sSum[row, 0] + sSum[row, 1]
             # A row that saw no key has sum 0: output 0 (and lse +inf below).
             inv = softmax.inv_sum(total)
+            if const_expr(self.kv_fp8):
+                inv = inv * self.d_v_scale  # V's scale (body())
             g = m_block * bm + row
             if g < rows:
                 splitkv.store_result(

@@ -155,27 +155,41 @@ class DecodeConfig(DecodeStepConfig):
     entry: ClassVar[str] = "decode_base:compile_decode"
 
 
+# The cache formats each sparse backend reads (SparseStepConfig.cache).
+SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"), "sm90": ("plain",)}
+
+
 @dataclasses.dataclass(frozen=True)
 class SparseStepConfig(_Config):
     """Sparse decode and its combine behind one host call (mla_decode_sparse;
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80) or "sm90" (the wgmma/TMA kernel, sm_90a; opt-in, TORCH_MLA_SPARSE_SM90=1),
-    dtype "bf16" or "fp16" (q's, the cache's and out's)."""
+    dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3" (float8_e4m3fn
+    with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows, bf16 only): the
+    FP8 formats on the portable kernel only (opt-in, TORCH_MLA_SPARSE_FP8=1)."""
 
     backend: str
     dtype: str
+    cache: str = "plain"
 
     def __post_init__(self):
         if self.backend not in ("sm80", "sm90") or self.dtype not in ("bf16", "fp16"):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}")
+        if self.cache not in SPARSE_CACHES[self.backend] or (
+                self.cache == "fp8_ds_mla" and self.dtype != "bf16"):
+            raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
+                             f"{self.dtype!r} over a {self.cache!r} cache")
 
     @property
     def name(self) -> str:
         return f"sparse_step_{self.backend}"
 
     def key(self) -> dict:
-        return {"dtype": self.dtype}
+        config = {"dtype": self.dtype}
+        if self.cache != "plain":
+            config["kv"] = self.cache  # (16-bit-cache entries keep their names)
+        return config
 
     @property
     def entry(self) -> str:
@@ -310,6 +324,10 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     for n in cols for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
+            # over FP8 caches (opt-in at run time: TORCH_MLA_SPARSE_FP8=1); the 656-byte
+            # rows' rope is bf16: bf16 only
+            out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
+                    if c != "fp8_ds_mla" or dt == "bf16"]
             if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)
                 out.append(SparseStepConfig("sm90", dt))
         if "decode" in kernels:

@@ -1,6 +1,6 @@
 """``torch_mla::mla_decode_sparse``: sparse MLA decode (DeepSeek Sparse Attention) over the latent
 cache, and appending to DeepSeek-V3.2's 656-byte FP8 cache. Validation, then the kernel where one
-exists (none yet: :func:`find_sparse_decode_kernel`), else the reference. Forward-only."""
+takes the inputs (:func:`find_sparse_decode_kernel`), else the reference. Forward-only."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from ..constants import D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
-from .checks import check_schedule_args, checks_values, unpack_schedule
+from .checks import _fail, check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
     cache_format,
     check_fp8_ds_mla_append_args,
@@ -34,10 +34,16 @@ def _sparse_schedule_args(sched_metadata, num_splits, q):
                         "torch_mla.get_sparse_decode_schedule")
 
 
+# cache_format's names -> the registry's (SparseStepConfig.cache)
+_STEP_CACHE = {"plain": "plain", "fp8": "e4m3", "fp8_ds_mla": "fp8_ds_mla"}
+
+
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: sm_90a with
-    TORCH_MLA_SPARSE_SM90=1 only, it has not run on a GPU yet) or "reference", for validated
-    inputs on a CUDA device; reason says why the reference runs."""
+    TORCH_MLA_SPARSE_SM90=1 only; 16-bit caches) or "reference", for validated inputs on a
+    CUDA device; reason says why the reference runs. The FP8 caches run the portable kernel
+    with TORCH_MLA_SPARSE_FP8=1 only (it has not run on a GPU yet); the 656-byte one with bf16
+    q only (its RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -45,14 +51,20 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         return "reference", f"no kernel arch for compute capability " \
                             f"{dispatch.cuda_capability(q.device)}"
     fmt = cache_format(kv_cache)
-    if fmt != "plain":
-        return "reference", f"the sparse kernel reads caches of q's dtype; this one is {fmt}"
     if q.dtype not in (torch.bfloat16, torch.float16):
         return "reference", f"the sparse kernel takes bf16/fp16 q, got {q.dtype}"
     if q.shape[-1] != D_QK or d_v != D_V or kv_cache.shape[1] != PAGE_SIZE:
         return "reference", (f"the sparse kernel takes d_qk {D_QK}, d_v {D_V} and pages of "
                              f"{PAGE_SIZE} tokens, got {q.shape[-1]}, {d_v}, "
                              f"{kv_cache.shape[1]}")
+    if fmt != "plain":
+        if not dispatch.sparse_fp8_enabled():
+            return "reference", (f"the sparse kernel over a {fmt} cache has not run on a GPU "
+                                 "yet (TORCH_MLA_SPARSE_FP8=1 runs it)")
+        if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
+            return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
+                                 f"rows' RoPE values are bf16), got {q.dtype}")
+        return "sm80", ""
     if arch == registry.SM90_ARCH and dispatch.sparse_sm90_enabled():
         return "sm90", ""
     return "sm80", ""
@@ -63,7 +75,8 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
     (bf16/fp16), or on sm_90a with TORCH_MLA_SPARSE_SM90=1 the SM90 kernel
-    (cute_kernels/sm90_sparse_decode.py, correct on the H200 but slower); the FP8 formats run the
+    (cute_kernels/sm90_sparse_decode.py, correct on the H200 but slower); the FP8 formats run
+    the portable kernel with TORCH_MLA_SPARSE_FP8=1 (its gather dequantizes), else the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
@@ -83,8 +96,9 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_step(backend: str, dtype: torch.dtype, arch: str):
-    return registry.compiled(registry.SparseStepConfig(backend, registry.dtype_name(dtype)), arch)
+def _sparse_step(backend: str, dtype: torch.dtype, cache: str, arch: str):
+    return registry.compiled(
+        registry.SparseStepConfig(backend, registry.dtype_name(dtype), cache), arch)
 
 
 def _rows16(t: torch.Tensor) -> torch.Tensor:
@@ -94,6 +108,20 @@ def _rows16(t: torch.Tensor) -> torch.Tensor:
     if t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
         return t.contiguous() if not t.is_contiguous() else t.clone()
     return t
+
+
+def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
+    """The bytes (uint8 [num_blocks, 64, width]) of an FP8 sparse cache (float8_e4m3fn or the
+    656-byte rows, [num_blocks, 64, 1, width]) as the kernel reads them: 16 bytes a load, so
+    its data pointer and page and row strides must be multiples of 16 bytes (a contiguous
+    cache's are: 576 and 656 bytes a row); ValueError otherwise (no silent copy of a cache)."""
+    rows = kv_cache[:, :, 0].view(torch.uint8)
+    if rows.data_ptr() % 16 or rows.stride(0) % 16 or rows.stride(1) % 16:
+        _fail(f"torch_mla.mla_decode_sparse: the sparse kernel reads the {cache_format(kv_cache)} "
+              "cache in 16-byte loads: kv_cache's data pointer and its page and row strides must "
+              f"be multiples of 16 bytes, got data pointer % 16 = {rows.data_ptr() % 16}, "
+              f"strides {list(rows.stride()[:2])} bytes (a contiguous cache qualifies)")
+    return rows
 
 
 def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
@@ -107,7 +135,9 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                                    sched_metadata, num_splits, softmax_scale, d_v, kv_scale)
     b, s_q, h_q, _ = q.shape
     topk = indices.shape[2]
-    step = _sparse_step(backend, q.dtype, dispatch.device_arch(q.device.index))
+    cache = _STEP_CACHE[cache_format(kv_cache)]
+    kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
+    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index))
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
     parts = sched_metadata.shape[0]
@@ -118,8 +148,11 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
     if b > 0 and s_q > 0:
         variant = dispatch.combine_variant(b * s_q, parts, h_q)
-        step(_rows16(q), _rows16(kv_cache[:, :, 0]), indices, topk_length, sched_metadata,
-             num_splits, out, lse, oacc, lseacc, softmax_scale * LOG2_E, variant)
+        # kv_scale: the float8_e4m3fn cache's, else None (the 656-byte rows carry their
+        # scales), passed either way: a step loaded from the disk cache takes its defaulted
+        # trailing arguments explicitly (dispatch.run_split_kv's fp8 arguments likewise)
+        step(_rows16(q), kv, indices, topk_length, sched_metadata, num_splits, out, lse, oacc,
+             lseacc, softmax_scale * LOG2_E, variant, kv_scale)
     if attn_sink is not None:
         out = apply_attn_sink(out, lse, attn_sink)
     return out, lse
@@ -262,8 +295,10 @@ def mla_decode_sparse(
     ValueError naming the entry, on other devices by device-side asserts (see
     :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
 
-    Runs the fp32 reference (torch_mla.reference_sparse) on every device for now; on a GPU it
-    warns once that the sparse kernel is not built yet.
+    On a GPU the portable sparse kernel runs (cute_kernels/sm80_sparse_decode.py; over the FP8
+    caches with TORCH_MLA_SPARSE_FP8=1 only, docs/kernels/sparse.md); elsewhere, and where no
+    kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a GPU with a
+    warning once per reason.
     """
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
     if schedule is None:
