@@ -78,8 +78,8 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
     """(us, TFLOP/s, GB/s, FlashMLA us or nan, ours over the 656-byte cache: us, GB/s, or nan)
     of mla_decode_sparse over a bf16 cache, b requests of s_k tokens, topk distinct random
     slots of each request per query token; over the same tokens in the 656-byte FP8 layout
-    where a kernel takes it (TORCH_MLA_SPARSE_FP8=1: the portable kernel's FP8 gather; never
-    the reference, far too slow here). FlashMLA runs its sparse decode over the 656-byte
+    where a kernel takes it (the portable kernel's FP8 gather; never the reference, far too
+    slow here). FlashMLA runs its sparse decode over the 656-byte
     cache (its only sparse format), at h_q 64 or 128 (it takes no other)."""
     pages = s_k // PAGE_SIZE
     kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()

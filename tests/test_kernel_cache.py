@@ -333,7 +333,7 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not); fast-mode fp8 steps
     # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
     # The SM90 sparse step only for sm_90a (its run is opt-in: TORCH_MLA_SPARSE_SM90=1), the
-    # FP8 caches' only on the portable kernel (TORCH_MLA_SPARSE_FP8=1).
+    # FP8 caches' only on the portable kernel.
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
         ("sparse_step_sm80", {"dtype": "fp16"}),
         ("sparse_step_sm80", {"dtype": "fp16", "kv": "e4m3"}),

@@ -333,10 +333,9 @@ def test_sm90_kernel_only_on_sm90a_with_the_flag(monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
-def test_fp8_caches_run_the_portable_kernel_only_with_their_flag(monkeypatch, arch):
-    # The FP8 gather has not run on a GPU: the reference (with a reason naming the flag) unless
-    # TORCH_MLA_SPARSE_FP8=1, then the portable kernel (the SM90 one reads 16-bit caches
-    # only); the 656-byte rows with bf16 q only (their RoPE values are bf16).
+def test_fp8_caches_run_the_portable_kernel(monkeypatch, arch):
+    # The FP8 caches run the portable kernel (the SM90 one reads 16-bit caches only); the
+    # 656-byte rows with bf16 q only (their RoPE values are bf16).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -346,12 +345,6 @@ def test_fp8_caches_run_the_portable_kernel_only_with_their_flag(monkeypatch, ar
     rows = torch.empty(2, 64, 1, 656, dtype=torch.uint8)
     for dtype in (torch.bfloat16, torch.float16):
         q = torch.empty(1, 1, 16, 576, dtype=dtype)
-        monkeypatch.delenv("TORCH_MLA_SPARSE_FP8", raising=False)
-        for cache, fmt in ((e4m3, "fp8"), (rows, "fp8_ds_mla")):
-            assert sparse_ops.sparse_backend(q, cache, 512) == (
-                "reference", f"the sparse kernel over a {fmt} cache has not run on a GPU yet "
-                             "(TORCH_MLA_SPARSE_FP8=1 runs it)")
-        monkeypatch.setenv("TORCH_MLA_SPARSE_FP8", "1")
         assert sparse_ops.sparse_backend(q, e4m3, 512) == ("sm80", "")
         want = ("sm80", "") if dtype == torch.bfloat16 else (
             "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' RoPE "
@@ -713,8 +706,9 @@ def test_gpu_warns_once_for_a_cache_the_kernel_does_not_read(monkeypatch):
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)  # (which silences it)
     # (topk_length given: op_args poisons the entries past it, which the checks would reject)
     q, cache, idx, lens = [t.cuda() for t in op_args(b=1, s_q=1, h_q=8, topk=64)[:4]]
+    q = q.half()  # the 656-byte rows' RoPE values are bf16: the kernel takes bf16 q over them
     sparse_ops._warned.clear()
-    with pytest.warns(UserWarning, match="the sparse kernel reads caches of q's dtype"):
+    with pytest.warns(UserWarning, match="the sparse kernel over the 656-byte cache takes bf16"):
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -10,7 +10,7 @@
 #               parallel processes
 #   smoke       the FP8 formats' "runs the kernel" cases, then two 16-bit cases (the portable
 #               kernel's shared code changed: a kernel parameter, the stage buffers' address)
-#   tests       tests/test_sparse_kernel.py's fp8 cases (TORCH_MLA_SPARSE_FP8=1 is set by them)
+#   tests       tests/test_sparse_kernel.py's fp8 cases
 #   memcheck    compute-sanitizer memcheck of tools/sparse_memcheck.py over the 656-byte rows
 #   bench       benchmarks/bench_decode.py --sparse: ours over bf16 and over the 656-byte rows,
 #               FlashMLA's sparse decode beside them when .peers/flashmla-sm90-sparse holds it
@@ -26,7 +26,7 @@ run precompile 90 python -m torch_mla.precompile --arch sm_90a \
 run smoke 40 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "fp8_runs_the_kernel or (sm80 and (runs_not_the_reference or grid_matches_fp64 and 64-2-2048))"
 run tests 80 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k fp8
-TORCH_MLA_SPARSE_FP8=1 memcheck 45 python -m tools.sparse_memcheck --cache fp8_ds_mla
+memcheck 45 python -m tools.sparse_memcheck --cache fp8_ds_mla
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
-run bench 85 env TORCH_MLA_SPARSE_FP8=1 python benchmarks/bench_decode.py --sparse
+run bench 85 python benchmarks/bench_decode.py --sparse
 finish

@@ -1,8 +1,7 @@
 """One sparse decode under compute-sanitizer (memcheck): entries -1, repeated, past
 topk_length (garbage there), split over parts; run as
 ``compute-sanitizer --tool memcheck python -m tools.sparse_memcheck [--cache fp8_ds_mla]``
-(the 656-byte FP8 rows run the kernel with TORCH_MLA_SPARSE_FP8=1; NaN bytes in every slot no
-entry names)."""
+(over the 656-byte FP8 rows: NaN bytes in every slot no entry names)."""
 
 import argparse
 

@@ -47,8 +47,8 @@ Not causal (each token has its own entries). The attention sink is applied by th
 the step (torch_mla.ops.sparse). Limits: bf16/fp16 q, d_qk 576, d_v 512, 64-token pages of
 q's dtype, float8_e4m3fn + kv_scale, or the 656-byte rows (bf16 q only: the rope values are
 bf16); the FP8 caches' rows 16-byte aligned (the host checks); h_q any (64-row m-blocks of one
-token), s_q any, topk any (entries past topk_length are never read). The FP8 gather is
-compiled and PTX-checked on the CPU, not yet run on a GPU (opt-in: TORCH_MLA_SPARSE_FP8=1).
+token), s_q any, topk any (entries past topk_length are never read). The FP8 gather runs
+on the H200 (session 15: the GPU tests, memcheck, FlashMLA's own sparse cases through compat).
 """
 
 from __future__ import annotations

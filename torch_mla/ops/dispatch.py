@@ -74,9 +74,6 @@ _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 # TORCH_MLA_SPARSE_SM90=1: the SM90 sparse decode kernel on sm_90a (correct on the H200, slower
 # than the portable kernel).
 sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
-# TORCH_MLA_SPARSE_FP8=1: the portable sparse kernel over the FP8 caches (float8_e4m3fn with
-# kv_scale, the 656-byte rows); compiled and PTX-checked on the CPU, not yet run on a GPU.
-sparse_fp8_enabled = _env_flag("TORCH_MLA_SPARSE_FP8")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;

@@ -166,7 +166,7 @@ class SparseStepConfig(_Config):
     from sm_80) or "sm90" (the wgmma/TMA kernel, sm_90a; opt-in, TORCH_MLA_SPARSE_SM90=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3" (float8_e4m3fn
     with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows, bf16 only): the
-    FP8 formats on the portable kernel only (opt-in, TORCH_MLA_SPARSE_FP8=1)."""
+    FP8 formats on the portable kernel only."""
 
     backend: str
     dtype: str
@@ -324,7 +324,7 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     for n in cols for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
-            # over FP8 caches (opt-in at run time: TORCH_MLA_SPARSE_FP8=1); the 656-byte
+            # over the FP8 caches; the 656-byte
             # rows' rope is bf16: bf16 only
             out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
                     if c != "fp8_ds_mla" or dt == "bf16"]

@@ -42,8 +42,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: sm_90a with
     TORCH_MLA_SPARSE_SM90=1 only; 16-bit caches) or "reference", for validated inputs on a
     CUDA device; reason says why the reference runs. The FP8 caches run the portable kernel
-    with TORCH_MLA_SPARSE_FP8=1 only (it has not run on a GPU yet); the 656-byte one with bf16
-    q only (its RoPE values are bf16)."""
+    (its gather dequantizes); the 656-byte one with bf16 q only (its RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -58,9 +57,6 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
                              f"{PAGE_SIZE} tokens, got {q.shape[-1]}, {d_v}, "
                              f"{kv_cache.shape[1]}")
     if fmt != "plain":
-        if not dispatch.sparse_fp8_enabled():
-            return "reference", (f"the sparse kernel over a {fmt} cache has not run on a GPU "
-                                 "yet (TORCH_MLA_SPARSE_FP8=1 runs it)")
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
@@ -76,7 +72,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
     (bf16/fp16), or on sm_90a with TORCH_MLA_SPARSE_SM90=1 the SM90 kernel
     (cute_kernels/sm90_sparse_decode.py, correct on the H200 but slower); the FP8 formats run
-    the portable kernel with TORCH_MLA_SPARSE_FP8=1 (its gather dequantizes), else the
+    the portable kernel (its gather dequantizes); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
@@ -295,8 +291,8 @@ def mla_decode_sparse(
     ValueError naming the entry, on other devices by device-side asserts (see
     :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
 
-    On a GPU the portable sparse kernel runs (cute_kernels/sm80_sparse_decode.py; over the FP8
-    caches with TORCH_MLA_SPARSE_FP8=1 only, docs/kernels/sparse.md); elsewhere, and where no
+    On a GPU the portable sparse kernel runs (cute_kernels/sm80_sparse_decode.py, over every
+    cache format, docs/kernels/sparse.md); elsewhere, and where no
     kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a GPU with a
     warning once per reason.
     """
