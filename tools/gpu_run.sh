@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts (tools/gpu_check.sh, tools/gpu_sp90.sh, tools/gpu_keysm.sh), from
+# Sourced by the GPU scripts (tools/gpu_check.sh, tools/gpu_sparse.sh, tools/gpu_keysm.sh), from
 # the repository root: strict variables, $OUT (default /tmp/out, created), $ROOT (the working
 # directory), unbuffered Python, and `run`, which records each stage's log in $OUT and its
 # status and time in the array `summary`.

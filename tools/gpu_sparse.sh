@@ -1,6 +1,44 @@
-set -x
-source .devpkgs/b/setup.sh
-export PYTHONPATH=$PWD/.peers/flashmla-sm90-sparse:$PYTHONPATH
-python -m torch_mla.precompile --arch sm_90a --kernels sparse,portable,schedule,append_kv --jobs 8 > $OUT/precompile.log 2>&1; tail -3 $OUT/precompile.log
-timeout 400 python -m pytest -m cuda -x -q tests/test_sparse_kernel.py tests/test_sparse.py > $OUT/tests.log 2>&1; tail -15 $OUT/tests.log
-timeout 200 python benchmarks/bench_decode.py --sparse > $OUT/bench_sparse.log 2>&1; cat $OUT/bench_sparse.log | tail -30
+#!/usr/bin/env bash
+# Sparse decode on the H200, one kernel in one device call (at most ~9 min): logs in $OUT, a
+# summary printed last.
+#
+#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90]
+#
+#   portable  the portable kernel over 16-bit caches (the default on every GPU)
+#   fp8       the portable kernel over the FP8 caches (e4m3 + kv_scale, the 656-byte rows)
+#   sm90      the SM90 (wgmma/TMA) kernel, opt-in by TORCH_MLA_SPARSE_SM90=1
+#
+# Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
+# whose copies never complete hangs rather than fails):
+#   precompile  the sparse steps (every backend and cache format), schedule and append_kv
+#   smoke       a few cases of the kernel (a hang shows here, not in the grid)
+#   tests       the kernel's cases of tests/test_sparse_kernel.py, and tests/test_sparse.py
+#   memcheck    compute-sanitizer memcheck of tools/sparse_memcheck.py on the kernel
+#   bench       benchmarks/bench_decode.py --sparse, FlashMLA's sparse decode timed beside it
+#               when .peers/flashmla-sm90-sparse holds it (ours over bf16 and the 656-byte rows)
+# Success: every stage rc=0; the tests log ends "N passed" (no failure); memcheck's log says
+# "ERROR SUMMARY: 0 errors"; the bench log has a row per configuration.
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
+
+kernel=${1:-portable}
+flag=()  # the environment the kernel needs
+case $kernel in
+  portable) sel=sm80; smoke="sm80 and (runs_not_the_reference or grid_matches_fp64 and 64-2-2048)"
+            cache=bf16 ;;
+  fp8)      sel=fp8; smoke="fp8_runs_the_kernel"; cache=fp8_ds_mla ;;
+  sm90)     sel=sm90; smoke="sm90 and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
+            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1) ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90]"; exit 2 ;;
+esac
+
+preamble flashmla-sm90-sparse
+run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+  --kernels sparse,schedule,append_kv
+run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
+  -k "$smoke"
+run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
+  tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
+memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$cache"
+python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
+run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse
+finish
