@@ -131,13 +131,12 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             for t in cutlass.range_constexpr(t_begin, t_end):
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     barK + s * N_TILES + t, TILE_BYTES * self.dtype.width // 8)
+        # Every lane issues its own two rows' copies (after the elected lane's expect_tx in
+        # program order): one warp instruction issues 32 copies, no shuffles.
         for t in cutlass.range_constexpr(t_begin, t_end):
-            for k in cutlass.range(32, unroll=4):
-                for h in cutlass.range_constexpr(2):
-                    p = cute.arch.shuffle_sync(pg[h], k)
-                    q = cute.arch.shuffle_sync(rw[h], k)
-                    cute.copy(tma_k, tKgK[None, q, t, p], tKsK[None, k + 32 * h, t, s],
-                              tma_bar_ptr=barK + s * N_TILES + t)
+            for h in cutlass.range_constexpr(2):
+                cute.copy(tma_k, tKgK[None, rw[h], t, pg[h]], tKsK[None, lane + 32 * h, t, s],
+                          tma_bar_ptr=barK + s * N_TILES + t)
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
