@@ -186,7 +186,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         assert kind == "decode" or "MLASparseCombine" in name, name
         entries[kind] += 1
         for k in ["wgmma.mma_async", "wgmma.mma_async.*bf16", "wgmma.mma_async.*f16.f16",
-                  r"cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx",
+                  r"cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx",
                   "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx", "elect.sync",
                   "shfl.sync.idx", "stmatrix", "ldmatrix",
                   "cp.async.bulk.global", "griddepcontrol.launch_dependents", "ld.local",
@@ -201,8 +201,8 @@ print(json.dumps(counts))
 def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
     kernel's 16-bit MMAs, its cache tiles gathered by one 3-d TMA copy (1 row x 64 columns,
-    completing on the tile's mbarrier) per key row, issued by an elected lane with the slots
-    shuffled across the loading warp; the sparse combine's checks; no local memory, no call in
+    completing on the tile's mbarrier) per key row, each lane of the loading warp issuing its
+    own two rows; the sparse combine's checks; no local memory, no call in
     the decode kernel."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -213,13 +213,13 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     dec, comb = counts["decode"], counts["combine"]
     mma = dec["wgmma.mma_async.*bf16" if dtype == "bf16" else "wgmma.mma_async.*f16.f16"]
     assert mma == dec["wgmma.mma_async"] >= 100, dec
-    # Per-row copies: a loop over 32 lanes' slots, unrolled 4 times, two rows (lane, lane + 32)
-    # an iteration, for each tile of each load site; Q's (4-d: tokens and requests are two
-    # modes of the folded view) are the only other TMA loads.
-    rows = dec[r"cp.async.bulk.tensor.3d.shared::cta.global.tile.mbarrier::complete_tx"]
-    assert rows > 0 and rows % 8 == 0, dec
+    # Per-row copies (inline PTX, issued by every lane of the loading warp: no election, no
+    # shuffle): two rows (lane, lane + 32) for each tile load in the PTX (56); Q's (4-d:
+    # tokens and requests are two modes of the folded view) are the only other TMA loads.
+    rows = dec[r"cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx"]
+    assert rows == 2 * 56, dec
     assert dec["cp.async.bulk.tensor"] - rows == 27, dec  # Q: 9 boxes, 3 load sites
-    assert dec["elect.sync"] >= rows and dec["shfl.sync.idx"] >= 2 * rows, dec
+    assert dec["elect.sync"] < rows and dec["shfl.sync.idx"] <= 3, dec  # the dense kernel's 3
     assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
     assert dec["ld.local"] == dec["st.local"] == dec["%globaltimer"] == 0, dec

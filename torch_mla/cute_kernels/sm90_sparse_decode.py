@@ -18,8 +18,9 @@ What differs from the dense kernel:
     a row's box lands at its row of the tile, 128 bytes apart, where the dense kernel's 64-row
     box would put it). Each tile's mbarrier still expects 8 KB: 64 rows of 128 bytes. The
     walk's "page" for block blk of one-token request r is r * blocks_per_row + blk (_page); the
-    loading warp's lanes read the block's 64 entries (two each), and the copies take the
-    coordinates from them by warp shuffles (a TMA copy is issued by one elected lane).
+    loading warp's lanes read the block's 64 entries (two each), and each lane issues its own
+    two rows' copies (inline PTX: cute.copy of a TMA atom elects one lane; session 14 issued
+    all 576 from one elected lane, with shuffles).
   - an entry that names no key (-1, at or past topk_length, or a slot outside [0, num_blocks *
     64)) gets the page coordinate num_blocks: its box lies wholly outside the tensor and TMA
     fills it with zeros (the transaction still counts its 128 bytes), so no such row is read
@@ -32,17 +33,22 @@ Limits: bf16/fp16 q and cache (the dense kernel's 16-bit path), d_qk 576, d_v 51
 pages; h_q any (64-row m-blocks of one token's heads), s_q any, topk any. Not causal. The
 attention sink is applied by the host after the step (torch_mla.ops.sparse).
 
-Status: correct on the H200 (its tests, memcheck) but 0.09-0.52x FlashMLA and slower than the
-portable kernel (opt-in: TORCH_MLA_SPARSE_SM90=1). What bounds it: 576 TMA copies a block,
-issued by one lane of the loading warp (the dense kernel issues 9).
+Status: session 14's version (one lane issuing the 576 copies of a block) was correct on the
+H200 (its tests, memcheck) but 0.09-0.52x FlashMLA. This version (every lane issues its own
+rows' copies) is compiled and PTX-checked on the CPU; not yet run on a GPU (opt-in:
+TORCH_MLA_SPARSE_SM90=1).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import AddressSpace, Float32, Int32, const_expr
+from cutlass._mlir.dialects import cute as _cute_ir
+from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
+from cutlass._mlir.dialects import llvm
 from cutlass.cute.nvgpu import cpasync
+from cutlass.cutlass_dsl import T, dsl_user_op
 
 from ..constants import BLOCK_M, D_QK, PAGE_SIZE
 from .decode_base import TmaLoads, aligned
@@ -50,6 +56,27 @@ from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
 
 TILE_BYTES = PAGE_SIZE * 64  # elements of a 64-key x 64-column tile (x2 bytes)
+
+
+@dsl_user_op
+def _tma_desc_addr(atom, *, loc=None, ip=None):
+    """The generic address of a TMA atom's descriptor."""
+    ty = _cute_ir.PtrType.get(T.i8(), AddressSpace.generic, 64)
+    exec_atom = _cute_nvgpu_ir.atom_make_exec_tma(atom._trait.value, loc=loc, ip=ip)
+    return _cute_nvgpu_ir.get_tma_desc_addr(ty, exec_atom, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def _tma_row(desc, dst: Int32, bar: Int32, c0: Int32, c1: Int32, c2: Int32, *, loc=None,
+             ip=None):
+    """One 3-d TMA tile load by the executing thread (no election): box at (c0, c1, c2) of
+    descriptor desc into shared address dst, completing on the mbarrier at shared address bar."""
+    args = [v.ir_value(loc=loc, ip=ip) for v in (desc, Int32(dst), Int32(bar), Int32(c0),
+                                                Int32(c1), Int32(c2))]
+    llvm.inline_asm(
+        None, args, "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx"
+        "::bytes [$1], [$0, {$3, $4, $5}], [$2];", "l,r,r,r,r,r", has_side_effects=True,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 class MLASparseDecodeSm90(MLADecodeSm90):
@@ -101,7 +128,8 @@ class MLASparseDecodeSm90(MLADecodeSm90):
     def _load_tiles(self, tma_k, tKgK, tKsK, barK, page: Int32, s: cutlass.Constexpr[int],
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
         """One warp: tiles [t_begin, t_end) of the 64 keys block `page` (see _page) names into
-        buffer s, row by row from the slots of its entries; an entry that names no key gets a
+        buffer s, row by row from the slots of its entries, each lane copying rows lane and
+        lane + 32; an entry that names no key gets a
         zero row (a box outside the cache). With tile 0, also buffer s's bias row."""
         mIdx, mLens = self.d_tensors.block_table, self.d_tensors.seqlens
         nb = self._table_blocks(mIdx)
@@ -131,13 +159,14 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             for t in cutlass.range_constexpr(t_begin, t_end):
                 cute.arch.mbarrier_arrive_and_expect_tx(
                     barK + s * N_TILES + t, TILE_BYTES * self.dtype.width // 8)
+        # Every lane issues its own two rows' copies (cute.copy of a TMA atom elects one lane,
+        # so the instruction is inline PTX with the atom's descriptor).
+        desc = _tma_desc_addr(tma_k).toint()
         for t in cutlass.range_constexpr(t_begin, t_end):
-            for k in cutlass.range(32, unroll=4):
-                for h in cutlass.range_constexpr(2):
-                    p = cute.arch.shuffle_sync(pg[h], k)
-                    q = cute.arch.shuffle_sync(rw[h], k)
-                    cute.copy(tma_k, tKgK[None, q, t, p], tKsK[None, k + 32 * h, t, s],
-                              tma_bar_ptr=barK + s * N_TILES + t)
+            bar = (barK + s * N_TILES + t).toint()
+            for h in cutlass.range_constexpr(2):
+                dst = tKsK[None, lane + 32 * h, t, s].iterator.toint()
+                _tma_row(desc, dst, bar, Int32(64 * t), rw[h], pg[h])
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
