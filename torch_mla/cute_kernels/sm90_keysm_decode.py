@@ -49,8 +49,9 @@ may hold NaN there, 0 * NaN = NaN); TMA zero-fills page ids outside the cache; n
 
 Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode), one
 latent head per launch. Any s_q * h_q runs (a CTA per N rows and part), but the schedule gives a
-part per SM only for <= 64 rows, where the dispatch uses it (TORCH_MLA_KEYSM=1).
-Status: verified on the H200 (tests, memcheck, fuzz), opt-in; docs/kernels/keysm.md has its speed.
+part per SM only for <= 64 rows. The dispatch uses it where s_q * h_q <= 32 (up to 64 with
+TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0: dispatch.keysm_columns).
+Status: verified on the H200 (tests, memcheck, fuzz); docs/kernels/keysm.md has its speed.
 """
 
 from __future__ import annotations

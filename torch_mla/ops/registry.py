@@ -324,8 +324,7 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     for n in cols for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
             out.append(SparseStepConfig("sm80", dt))
-            # over the FP8 caches; the 656-byte
-            # rows' rope is bf16: bf16 only
+            # over the FP8 caches (the 656-byte rows' rope is bf16: bf16 only)
             out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
                     if c != "fp8_ds_mla" or dt == "bf16"]
             if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)

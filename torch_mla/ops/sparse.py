@@ -292,9 +292,8 @@ def mla_decode_sparse(
     :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
 
     On a GPU the portable sparse kernel runs (cute_kernels/sm80_sparse_decode.py, over every
-    cache format, docs/kernels/sparse.md); elsewhere, and where no
-    kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a GPU with a
-    warning once per reason.
+    cache format, docs/kernels/sparse.md); elsewhere, and where no kernel takes the inputs, the
+    fp32 reference (torch_mla.reference_sparse), on a GPU with a warning once per reason.
     """
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
     if schedule is None:
