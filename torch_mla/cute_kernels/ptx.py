@@ -76,7 +76,8 @@ def lds128(addr: Int32, *, loc=None, ip=None):
 def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
-    value times the float32 in $6 first (one rounding, to the 16-bit type).
+    value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
+    type, as the reference dequantizes: fp32, then the cast).
 
     cvt.rn.f16x2.e4m3x2 is exact (every e4m3 value, subnormals included, is a normal f16).
     For bf16: f16 -> f32 (exact) -> bf16x2 (exact: 3 significant bits, exponents -9..8, so
