@@ -186,9 +186,10 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         assert kind == "decode" or "MLASparseCombine" in name, name
         entries[kind] += 1
         for k in ["wgmma.mma_async", "wgmma.mma_async.*bf16", "wgmma.mma_async.*f16.f16",
-                  r"cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx",
-                  "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx", "elect.sync",
-                  "shfl.sync.idx", "stmatrix", "ldmatrix",
+                  "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc.shared",
+                  "mbarrier.arrive.shared", "fence.proxy.async",
+                  "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx",
+                  "stmatrix", "ldmatrix",
                   "cp.async.bulk.global", "griddepcontrol.launch_dependents", "ld.local",
                   "st.local", r"call.uni \(retval0\), vprintf", "trap;", "%globaltimer"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
@@ -200,10 +201,10 @@ print(json.dumps(counts))
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
-    kernel's 16-bit MMAs, its cache tiles gathered by one 3-d TMA copy (1 row x 64 columns,
-    completing on the tile's mbarrier) per key row, each lane of the loading warp issuing its
-    own two rows; the sparse combine's checks; no local memory, no call in
-    the decode kernel."""
+    kernel's 16-bit MMAs, its cache tiles gathered by 16-byte cp.async copies (16 a lane and
+    tile, completing on the tile's mbarrier through cp.async.mbarrier.arrive.noinc, with one
+    plain arrival after the bias row), fenced for the MMAs' proxy; the sparse combine's
+    checks; no local memory, no call in the decode kernel."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", SPARSE_SCRIPT, dtype], env=env,
@@ -213,13 +214,14 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
     dec, comb = counts["decode"], counts["combine"]
     mma = dec["wgmma.mma_async.*bf16" if dtype == "bf16" else "wgmma.mma_async.*f16.f16"]
     assert mma == dec["wgmma.mma_async"] >= 100, dec
-    # Per-row copies (inline PTX, issued by every lane of the loading warp: no election, no
-    # shuffle): two rows (lane, lane + 32) for each tile load in the PTX (56); Q's (4-d:
-    # tokens and requests are two modes of the folded view) are the only other TMA loads.
-    rows = dec[r"cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx"]
-    assert rows == 2 * 56, dec
-    assert dec["cp.async.bulk.tensor"] - rows == 27, dec  # Q: 9 boxes, 3 load sites
-    assert dec["elect.sync"] < rows and dec["shfl.sync.idx"] <= 3, dec  # the dense kernel's 3
+    # Tile loads in the PTX: 56 (where the dense kernel has its TMA tile loads). Q's boxes
+    # (4-d: tokens and requests are two modes of the folded view; 9 boxes at 3 load sites,
+    # one expect_tx each) are the only TMA loads.
+    tiles = dec["cp.async.mbarrier.arrive.noinc.shared"]
+    assert tiles == 56 and dec["cp.async.cg.shared.global"] == 16 * tiles, dec
+    assert dec["mbarrier.arrive.shared"] == tiles, dec
+    assert dec["cp.async.bulk.tensor"] == 27 and dec["mbarrier.arrive.expect_tx"] == 3, dec
+    assert dec["fence.proxy.async"] > 0, dec
     assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     assert dec["cp.async.bulk.global"] > 0 and dec["griddepcontrol.launch_dependents"] == 1, dec
     assert dec["ld.local"] == dec["st.local"] == dec["%globaltimer"] == 0, dec

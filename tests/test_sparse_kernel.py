@@ -110,6 +110,18 @@ def test_formats_and_sink(backend, fmt, sink):
     check_against_fp64(q, cache, idx, lens, attn_sink)
 
 
+def test_strided_cache(backend):
+    # Rows 640 wide (576 used, NaN after) and one spare page between pages: the kernels
+    # address each row through the cache's strides, and read no byte past its 576 values.
+    q, cache, idx, lens, _ = _case(16, 2, 256, b=3)
+    nb = cache.shape[0]
+    wide = torch.full((nb, 2, PAGE, 1, 640), float("nan"), dtype=cache.dtype,
+                      device=cache.device)
+    strided = wide[:, 0, :, :, :576]
+    strided.copy_(cache)
+    check_against_fp64(q, strided, idx, lens)
+
+
 @pytest.mark.parametrize("b,topk", [(1, 16384), (2, 4096), (64, 2048), (128, 512)])
 def test_splits_and_long_rows(backend, b, topk):
     # Few requests: each token's entries are cut across parts and merged by the combine.

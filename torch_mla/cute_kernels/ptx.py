@@ -50,6 +50,18 @@ def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def cp_async16(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
+    """16 bytes from global address src to shared::cta address dst (cp.async.cg: through L2
+    only), of which the first src_size (0 or 16) are read and the rest zero-filled: src_size 0
+    reads nothing."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_size).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
     """%globaltimer (ns): trace builds only (tools/trace_decode.py)."""
     return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",

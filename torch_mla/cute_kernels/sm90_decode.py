@@ -217,6 +217,11 @@ class MLADecodeSm90(DecodeKernel):
     # The trace build's stamp table (tools/trace_decode.py sets it), a kernel argument: None
     # here, so nothing is compiled for it (see _stamp).
     trace_table = None
+    # Arrivals that complete a cache tile's mbarrier (its phase also waits for the tile's
+    # bytes): TMA's expect_tx arrival. The sparse subclass fills tiles by cp.async instead
+    # (generic-proxy writes: the warpgroups fence before their MMAs read them).
+    k_arrivals = 1
+    cp_async_tiles = False
 
     def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
@@ -361,9 +366,10 @@ class MLADecodeSm90(DecodeKernel):
         if tidx == 0:
             if const_expr(not self.fast):
                 cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
+            if const_expr(tma_k is not None):
+                cpasync.prefetch_descriptor(tma_k)
             for i in cutlass.range_constexpr(2 * N_TILES):
-                cute.arch.mbarrier_init(barK + i, 1)
+                cute.arch.mbarrier_init(barK + i, self.k_arrivals)
             cute.arch.mbarrier_init(barQ, 1)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
@@ -741,6 +747,8 @@ class MLADecodeSm90(DecodeKernel):
                         self._expand_half(barK, phase, s, 0 if tile == 0 else 1)
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+                    if const_expr(self.cp_async_tiles):
+                        cute.arch.fence_view_async_shared()
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(4):
                     k = tile * 4 + kk
@@ -786,6 +794,10 @@ class MLADecodeSm90(DecodeKernel):
     def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool]):
         atom = cute.make_mma_atom(tiled.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
+        if const_expr(self.cp_async_tiles):
+            # V may come from a buffer half the other warpgroup waited for (named barriers
+            # ordered it before this point): the generic-proxy writes, then this MMA's reads.
+            cute.arch.fence_view_async_shared()
         fence_operand(acc_O)
         if const_expr(a_in_regs):
             fence_operand(tA)
@@ -1013,8 +1025,8 @@ class MLADecodeSm90(DecodeKernel):
         self._stamp("pair", 0, i)
         # Cache pages of the next pair, read now so the global-load latency hides behind the
         # softmax instead of stalling the TMA issue (indices clamped to stay in the table row).
-        page2 = self._page(mBlockTable, r, cutlass.min(blk0 + 2, last))
-        page3 = self._page(mBlockTable, r, cutlass.min(blk0 + 3, last))
+        page2 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 2, last))
+        page3 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 3, last))
         tail = L % PAGE_SIZE
         self._mask(acc_S, blk0, border, min_border, c0, 0)
         m_new, m_use, scale0 = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -1111,8 +1123,8 @@ class MLADecodeSm90(DecodeKernel):
         """WG1's share of pair i; has1/has3: blocks 2i+1 and 2i+3 exist (compile-time)."""
         blk0 = lo + 2 * i
         last = lo + n - 1
-        page2 = self._page(mBlockTable, r, cutlass.min(blk0 + 2, last))
-        page3 = self._page(mBlockTable, r, cutlass.min(blk0 + 3, last))
+        page2 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 2, last))
+        page3 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 3, last))
         tail = L % PAGE_SIZE
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
         if const_expr(has1):
@@ -1269,6 +1281,12 @@ class MLADecodeSm90(DecodeKernel):
         """What _load_tiles takes for block blk of request r: its cache page (the sparse
         subclass: the block itself, see there)."""
         return mBlockTable[r, blk]
+
+    @cute.jit
+    def _next_page(self, mBlockTable, r: Int32, blk: Int32):
+        """_page for a block loaded later in the pair (the sparse subclass also reads the
+        block's entries here, so that their latency hides behind the softmax)."""
+        return self._page(mBlockTable, r, blk)
 
     @cute.jit
     def _load_request(self, req, mSeqlens, mBlockTable, mNumSplits, r: Int32, lo: Int32):

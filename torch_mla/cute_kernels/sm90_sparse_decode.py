@@ -43,58 +43,44 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import AddressSpace, Float32, Int32, const_expr
-from cutlass._mlir.dialects import cute as _cute_ir
-from cutlass._mlir.dialects import cute_nvgpu as _cute_nvgpu_ir
-from cutlass._mlir.dialects import llvm
-from cutlass.cute.nvgpu import cpasync
-from cutlass.cutlass_dsl import T, dsl_user_op
+from cutlass import Float32, Int32, Int64, const_expr
 
 from ..constants import BLOCK_M, D_QK, PAGE_SIZE
 from .decode_base import TmaLoads, aligned
+from .ptx import cp_async16
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
 
-TILE_BYTES = PAGE_SIZE * 64  # elements of a 64-key x 64-column tile (x2 bytes)
+ROWS_PER_LANE = PAGE_SIZE // 4  # key rows a lane copies chunks of: 4 rows per warp instruction
 
 
-@dsl_user_op
-def _tma_desc_addr(atom, *, loc=None, ip=None):
-    """The generic address of a TMA atom's descriptor."""
-    ty = _cute_ir.PtrType.get(T.i8(), AddressSpace.generic, 64)
-    exec_atom = _cute_nvgpu_ir.atom_make_exec_tma(atom._trait.value, loc=loc, ip=ip)
-    return _cute_nvgpu_ir.get_tma_desc_addr(ty, exec_atom, loc=loc, ip=ip)
-
-
-@dsl_user_op
-def _tma_row(desc, dst: Int32, bar: Int32, c0: Int32, c1: Int32, c2: Int32, *, loc=None,
-             ip=None):
-    """One 3-d TMA tile load by the executing thread (no election): box at (c0, c1, c2) of
-    descriptor desc into shared address dst, completing on the mbarrier at shared address bar."""
-    args = [v.ir_value(loc=loc, ip=ip) for v in (desc, Int32(dst), Int32(bar), Int32(c0),
-                                                Int32(c1), Int32(c2))]
-    llvm.inline_asm(
-        None, args, "cp.async.bulk.tensor.3d.shared::cluster.global.tile.mbarrier::complete_tx"
-        "::bytes [$1], [$0, {$3, $4, $5}], [$2];", "l,r,r,r,r,r", has_side_effects=True,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+def gather_offsets(lane: int, j: int) -> tuple:
+    """The copy of lane `lane` (0..31) at step j (0..15) of a tile: (row, chunk, byte offset in
+    the 64-key x 64-column tile). Lanes 8 q .. 8 q + 7 copy the 8 16-byte chunks of row q + 4 j,
+    so one warp instruction moves 4 whole 128-byte lines; chunk c of row R sits at chunk
+    c ^ (R % 8) of the row's 128-byte line (the 128-byte swizzle the MMAs' layout uses, a
+    function of the shared address within a 1 KB-aligned tile)."""
+    q, c = lane // 8, lane % 8
+    row = q + 4 * j
+    return row, c, row * 128 + ((c ^ (row % 8)) << 4)
 
 
 class MLASparseDecodeSm90(MLADecodeSm90):
     """The SM90 kernel over gathered entries; see the module docstring."""
 
+    # The loading warp's 32 lanes arrive when their copies land (cp.async ... noinc), and one
+    # lane arrives after the warp's bias stores (release).
+    k_arrivals = 33
+    cp_async_tiles = True
+
     def __init__(self, dtype):
         super().__init__(dtype, False)
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
-        """The dense kernel's atoms and layouts, with the cache's TMA atom for one key row of a
-        64-column tile, and a bias row per buffer in shared memory."""
+        """The dense kernel's Q atom and layouts; the cache as a plain tensor (64 rows, 576,
+        pages) for the gathers, and a bias row per buffer in shared memory."""
         (tma_q, tma_mQ, _, _), layouts = super()._setup(mQ, mKV)
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
-        # One row of a swizzled (64, 64) tile: the TMA box (1, 64) with the 128-byte swizzle.
-        row_layout = cute.make_composed_layout(self.tile_layout.inner, 0,
-                                               cute.make_layout((1, 64), stride=(64, 1)))
-        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(
-            cpasync.CopyBulkTensorTileG2SOp(), mKV_t, row_layout, (1, 64))
         dt = self.dtype
         self.shared_storage = shared_storage(
             sQ=aligned(dt, BLOCK_M * D_QK),
@@ -102,18 +88,13 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
             sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],  # (key, buffer): 0 or -inf
         )
-        return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), layouts
+        return TmaLoads(tma_q, tma_mQ, None, mKV_t), layouts
 
     @cute.jit
     def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
-        """Per-row TMA partitions: the buffers' rows (TMA, 64 rows, 9 tiles, 2 buffers) and the
-        cache's (TMA, 64 rows, 9 tiles, pages)."""
-        gK_rows = cute.local_tile(tma_mKV, (1, 64), (None, None, None))  # (1, 64, 64, 9, pages)
-        sK_rows = cute.flat_divide(sK_tma, (1, 64))  # (1, 64, 64, 9, 2)
-        return cpasync.tma_partition(
-            tma_k, 0, cute.make_layout(1),
-            cute.group_modes(sK_rows, 0, 2), cute.group_modes(gK_rows, 0, 2),
-        )
+        """No TMA partitions: _load_tiles addresses the buffers and the cache itself."""
+        self.d_num_slots = tma_mKV.shape[2] * PAGE_SIZE
+        return None, tma_mKV
 
     def _table_blocks(self, mIdx) -> Int32:
         return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
@@ -125,48 +106,71 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         return r * self._table_blocks(mIdx) + blk
 
     @cute.jit
-    def _load_tiles(self, tma_k, tKgK, tKsK, barK, page: Int32, s: cutlass.Constexpr[int],
-                    t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
-        """One warp: tiles [t_begin, t_end) of the 64 keys block `page` (see _page) names into
-        buffer s, row by row from the slots of its entries, each lane copying rows lane and
-        lane + 32; an entry that names no key gets a
-        zero row (a box outside the cache). With tile 0, also buffer s's bias row."""
+    def _next_page(self, mIdx, r: Int32, blk: Int32):
+        """The block's number and this lane's two entries (_entries), read a pair ahead."""
+        page = self._page(mIdx, r, blk)
+        a, b = self._entries(page)
+        return page, a, b
+
+    @cute.jit
+    def _entries(self, page: Int32):
+        """The slots of keys lane and lane + 32 of block `page`, -1 for an entry that names no
+        key (-1, at or past topk_length, or a slot outside [0, num_blocks * 64))."""
         mIdx, mLens = self.d_tensors.block_table, self.d_tensors.seqlens
         nb = self._table_blocks(mIdx)
         r = page // nb
         key0 = (page - r * nb) * PAGE_SIZE
-        topk = mIdx.shape[1]
-        limit = cutlass.min(cutlass.max(mLens[r], 0), topk) - key0
-        num_pages = tKgK.shape[3]
+        limit = cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1]) - key0
+        num_slots = self.d_num_slots
         lane = cute.arch.lane_idx()
-        pg = [None, None]
-        rw = [None, None]
+        slots = [None, None]
         for h in cutlass.range_constexpr(2):
-            row = lane + 32 * h
             slot = Int32(-1)
-            if row < limit:
-                slot = mIdx[r, key0 + row]
-            ok = (slot >= 0) & (slot < num_pages * PAGE_SIZE)
-            pg[h] = cutlass.select_(ok, slot // PAGE_SIZE, num_pages)
-            rw[h] = cutlass.select_(ok, slot % PAGE_SIZE, Int32(0))
-            if const_expr(t_begin == 0):
-                bias = self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE))
-                bias[s * PAGE_SIZE + row] = cutlass.select_(ok, Float32(0.0), -Float32.inf)
+            if lane + 32 * h < limit:
+                slot = mIdx[r, key0 + lane + 32 * h]
+            slots[h] = cutlass.select_((slot >= 0) & (slot < num_slots), slot, Int32(-1))
+        return slots[0], slots[1]
+
+    @cute.jit
+    def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
+                    t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
+        """One warp: tiles [t_begin, t_end) of the 64 keys block `page` names (a number, or
+        _next_page's (number, entries)) into buffer s, by 16-byte cp.async copies
+        (gather_offsets: 4 rows x 128 bytes an instruction); an entry that names no key gets a
+        zero row and reads nothing. With tile 0, also buffer s's bias row. Each tile's mbarrier
+        completes when every lane's copies have landed and the bias row is written."""
+        if const_expr(isinstance(page, tuple)):
+            slots = [page[1], page[2]]
+        else:
+            slots = list(self._entries(page))
+        lane = cute.arch.lane_idx()
         if const_expr(t_begin == 0):
-            # The bias stores precede the elected lane's arrivals (release) in program order.
-            cute.arch.sync_warp()
+            bias = self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE))
+            for h in cutlass.range_constexpr(2):
+                bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(
+                    slots[h] >= 0, Float32(0.0), -Float32.inf)
+        elem = self.dtype.width // 8
+        buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * elem
+        base = mKV.iterator.toint()
+        row_stride = Int64(mKV.stride[0]) * elem
+        page_stride = Int64(mKV.stride[2]) * elem
+        for j in cutlass.range_constexpr(ROWS_PER_LANE):
+            row, c, dst = gather_offsets(lane, j)
+            # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
+            slot = cute.arch.shuffle_sync(slots[j // 8], row % 32)
+            ok = slot >= 0
+            off = Int64(slot // PAGE_SIZE) * page_stride + Int64(slot % PAGE_SIZE) * row_stride
+            src = base + cutlass.select_(ok, off, Int64(0)) + c * 16
+            size = cutlass.select_(ok, Int32(16), Int32(0))
+            for t in cutlass.range_constexpr(t_begin, t_end):
+                cp_async16(buf + t * PAGE_SIZE * 64 * elem + dst, src + t * 64 * elem, size)
+        for t in cutlass.range_constexpr(t_begin, t_end):
+            cute.arch.cp_async_mbarrier_arrive_noinc(barK + s * N_TILES + t)
+        # The bias stores precede the elected lane's arrivals (release) in program order.
+        cute.arch.sync_warp()
         with cute.arch.elect_one():
             for t in cutlass.range_constexpr(t_begin, t_end):
-                cute.arch.mbarrier_arrive_and_expect_tx(
-                    barK + s * N_TILES + t, TILE_BYTES * self.dtype.width // 8)
-        # Every lane issues its own two rows' copies (cute.copy of a TMA atom elects one lane,
-        # so the instruction is inline PTX with the atom's descriptor).
-        desc = _tma_desc_addr(tma_k).toint()
-        for t in cutlass.range_constexpr(t_begin, t_end):
-            bar = (barK + s * N_TILES + t).toint()
-            for h in cutlass.range_constexpr(2):
-                dst = tKsK[None, lane + 32 * h, t, s].iterator.toint()
-                _tma_row(desc, dst, bar, Int32(64 * t), rw[h], pg[h])
+                cute.arch.mbarrier_arrive(barK + s * N_TILES + t)
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
