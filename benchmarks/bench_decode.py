@@ -75,12 +75,12 @@ SPARSE_CONFIGS = [(b, s_q, h) for h in (128, 64, 32, 16) for s_q in (1, 2) for b
 
 
 def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
-    """(us, TFLOP/s, GB/s, FlashMLA us or nan, ours over the 656-byte cache: us, GB/s, or nan)
-    of mla_decode_sparse over a bf16 cache, b requests of s_k tokens, topk distinct random
-    slots of each request per query token; over the same tokens in the 656-byte FP8 layout
-    where a kernel takes it (the portable kernel's FP8 gather; never the reference, far too
-    slow here). FlashMLA runs its sparse decode over the 656-byte
-    cache (its only sparse format), at h_q 64 or 128 (it takes no other)."""
+    """(us, TFLOP/s, GB/s, FlashMLA us or nan, ours over the 656-byte cache: us, GB/s, or nan,
+    the kernel that ran over the bf16 cache) of mla_decode_sparse over a bf16 cache, b
+    requests of s_k tokens, topk distinct random slots of each request per query token; over
+    the same tokens in the 656-byte FP8 layout where a kernel takes it (the portable kernel's
+    FP8 gather; never the reference, far too slow here). FlashMLA runs its sparse decode over
+    the 656-byte cache (its only sparse format), at h_q 64 or 128 (it takes no other)."""
     pages = s_k // PAGE_SIZE
     kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
     k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
@@ -111,24 +111,25 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
     # entries, q and out
     rest = b * s_q * (topk * 4 + h_q * (576 + 512) * 2)
     nbytes, nbytes8 = b * s_q * topk * 576 * 2 + rest, b * s_q * topk * 656 + rest
-    return us, flop / us / 1e6, nbytes / us / 1e3, fm_us, us8, nbytes8 / us8 / 1e3
+    return (us, flop / us / 1e6, nbytes / us / 1e3, fm_us, us8, nbytes8 / us8 / 1e3,
+            sparse_backend(q, cache, 512)[0])
 
 
 def main_sparse(flash_mla) -> None:
-    # The kernel mla_decode_sparse picks (TORCH_MLA_SPARSE_SM90=1: the SM90 one on an H200).
+    # The kernel mla_decode_sparse picks over the bf16 cache depends on the shape (the column
+    # "kernel"; TORCH_MLA_SPARSE_SM90=1 / =0: the SM90 / portable one on an H200 for all).
     q = torch.empty(1, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
-    kernel, why = sparse_backend(q, torch.empty(1, PAGE_SIZE, 1, 576, dtype=q.dtype,
-                                                device="cuda"), 512)
-    print(f"# sparse kernel: {kernel}{' (' + why + ')' if why else ''}")
     kernel8, why8 = sparse_backend(q, torch.empty(1, PAGE_SIZE, 1, 656, dtype=torch.uint8,
                                                   device="cuda"), 512)
     print(f"# over the 656-byte cache: {kernel8}{' (' + why8 + '; not timed)' if why8 else ''}")
-    print("| b | s_q | h_q | topk | us | TFLOP/s | GB/s | % matmul | % copy | FlashMLA fp8 us "
-          "(same run) | FlashMLA / ours | ours 656 B us | 656 B GB/s | FlashMLA / ours 656 B |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| b | s_q | h_q | topk | kernel | us | TFLOP/s | GB/s | % matmul | % copy | FlashMLA "
+          "fp8 us (same run) | FlashMLA / ours | ours 656 B us | 656 B GB/s | FlashMLA / ours "
+          "656 B |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for b, s_q, h_q in SPARSE_CONFIGS:
-        us, tflops, gbps, fm_us, us8, gbps8 = run_sparse(b, s_q, h_q, flash_mla=flash_mla)
-        print(f"| {b} | {s_q} | {h_q} | 2048 | {us:.1f} | {tflops:.0f} | {gbps:.0f} | "
+        us, tflops, gbps, fm_us, us8, gbps8, kernel = run_sparse(b, s_q, h_q,
+                                                                 flash_mla=flash_mla)
+        print(f"| {b} | {s_q} | {h_q} | 2048 | {kernel} | {us:.1f} | {tflops:.0f} | {gbps:.0f} | "
               f"{100 * tflops / MATMUL_TFLOPS:.0f} | {100 * gbps / COPY_GBPS:.0f} | "
               f"{fm_us:.1f} | {fm_us / us:.3f} | {us8:.1f} | {gbps8:.0f} | {fm_us / us8:.3f} |")
         sys.stdout.flush()

@@ -332,7 +332,7 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     # formats, SM90; the 656-byte one bf16 only: - 1), decode, combine, append_kv, the
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not); fast-mode fp8 steps
     # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
-    # The SM90 sparse step only for sm_90a (its run is opt-in: TORCH_MLA_SPARSE_SM90=1), the
+    # The SM90 sparse step only for sm_90a (run where ops.sparse.sm90_sparse_pays), the
     # FP8 caches' only on the portable kernel.
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
         ("sparse_step_sm80", {"dtype": "fp16"}),

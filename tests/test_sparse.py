@@ -315,21 +315,29 @@ def test_schedule_is_the_dense_one_over_each_tokens_entry_count():
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86", "sm_100a"])
-def test_sm90_kernel_only_on_sm90a_with_the_flag(monkeypatch, arch):
-    # The SM90 sparse kernel has not run on a GPU: never picked without TORCH_MLA_SPARSE_SM90=1,
-    # and only on sm_90a (the arch lookup stubbed: no GPU needed).
+def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
+    # The SM90 sparse kernel runs on sm_90a only, by default where h_q >= 64 and the launch
+    # has at least 128 CTAs of 64 heads (b * s_q * ceil(h_q / 64)); TORCH_MLA_SPARSE_SM90=1
+    # takes it for every shape, =0 never (the arch lookup stubbed: no GPU needed).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
-    q = torch.empty(1, 1, 16, 576, dtype=torch.bfloat16)
     cache = torch.empty(2, 64, 1, 576, dtype=torch.bfloat16)
-    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
-    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
-    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
-    want = "sm90" if arch == "sm_90a" else "sm80"
-    assert sparse_ops.sparse_backend(q, cache, 512) == (want, "")
-
+    native = "sm90" if arch == "sm_90a" else "sm80"
+    shapes = {(128, 1, 128): native, (32, 2, 128): native, (128, 1, 64): native,
+              (64, 2, 96): native, (32, 1, 128): "sm80", (2, 2, 128): "sm80",
+              (64, 1, 64): "sm80", (128, 2, 32): "sm80", (1024, 1, 16): "sm80"}
+    for flag, want_default in ((None, None), ("1", native), ("0", "sm80")):
+        if flag is None:
+            monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", flag)
+        for (b, s_q, h_q), want in shapes.items():
+            q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
+            assert sparse_ops.sparse_backend(q, cache, 512) == (want_default or want, ""), (
+                flag, b, s_q, h_q)
+    assert sparse_ops.sm90_sparse_pays(128, 1, 64) and not sparse_ops.sm90_sparse_pays(127, 1, 64)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])

@@ -1,6 +1,7 @@
 """The sparse decode kernels on a GPU, each test for both: the portable kernel's gather path
 (cute_kernels/sm80_sparse_decode.py) and the SM90 one (cute_kernels/sm90_sparse_decode.py,
-H100/H200 only, opt-in by TORCH_MLA_SPARSE_SM90=1, which the "sm90" cases set), against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
+H100/H200 only; the cases set TORCH_MLA_SPARSE_SM90 to 1 or 0 to take one or the other
+whatever the shape), against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
 topk, repeated and -1 entries, topk_length 0 and partial (garbage past it), NaN in every slot
 no entry names, splits over the entries, the sink, CUDA-graph replays with new indices, and the
 device-side message for a bad entry."""
@@ -29,13 +30,14 @@ pytestmark = pytest.mark.cuda
 
 @pytest.fixture(params=["sm80", "sm90"])
 def backend(request, monkeypatch):
-    """The kernel mla_decode_sparse runs: "sm90" sets TORCH_MLA_SPARSE_SM90=1 (sm_90a only)."""
+    """The kernel mla_decode_sparse runs: TORCH_MLA_SPARSE_SM90=1 for "sm90" (sm_90a only),
+    =0 for "sm80"."""
     if request.param == "sm90":
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernel needs compute capability 9.0")
         monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
     else:
-        monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+        monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "0")
     return request.param
 
 

@@ -4,9 +4,10 @@
 #
 #   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90]
 #
-#   portable  the portable kernel over 16-bit caches (the default on every GPU)
+#   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0: every shape)
 #   fp8       the portable kernel over the FP8 caches (e4m3 + kv_scale, the 656-byte rows)
-#   sm90      the SM90 (wgmma/TMA) kernel, opt-in by TORCH_MLA_SPARSE_SM90=1
+#   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1: every shape; by default the
+#             dispatch takes it where ops.sparse.sm90_sparse_pays)
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -24,7 +25,7 @@ kernel=${1:-portable}
 flag=()  # the environment the kernel needs
 case $kernel in
   portable) sel=sm80; smoke="sm80 and (runs_not_the_reference or grid_matches_fp64 and 64-2-2048)"
-            cache=bf16 ;;
+            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
   fp8)      sel=fp8; smoke="fp8_runs_the_kernel"; cache=fp8_ds_mla ;;
   sm90)     sel=sm90; smoke="sm90 and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
             cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1) ;;

@@ -588,7 +588,7 @@ def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: i
     logits = ("a kernel" if find_indexer_kernel(iq, iq.new_empty(1, 64, iq.shape[3])) is not None
               else "the reference")
     what = {"sm80": "the portable sparse kernel",
-            "sm90": "the SM90 sparse kernel (TORCH_MLA_SPARSE_SM90=1)"}.get(
+            "sm90": "the SM90 sparse kernel"}.get(
         name, f"the reference ({why})")
     return f"sparse decode {name}", (f"mla_decode_sparse on {what}; the indexer's logits on "
                                      f"{logits}, its top-k by torch.topk")

@@ -13,30 +13,34 @@ request mode, topk_length broadcast over tokens, lse (b, h_q, s_q) as (b * s_q, 
 sm80_sparse_decode's MLASparseDecodeStep, which takes any decode kernel.
 
 What differs from the dense kernel:
-  - the gather: a buffer half's tiles are filled by one TMA copy per key row and 64-column tile
-    (a box of 1 row x 64 columns over the cache seen as (64 rows, 576, pages), 128-byte swizzle;
-    a row's box lands at its row of the tile, 128 bytes apart, where the dense kernel's 64-row
-    box would put it). Each tile's mbarrier still expects 8 KB: 64 rows of 128 bytes. The
-    walk's "page" for block blk of one-token request r is r * blocks_per_row + blk (_page); the
-    loading warp's lanes read the block's 64 entries (two each), and each lane issues its own
-    two rows' copies (inline PTX: cute.copy of a TMA atom elects one lane; session 14 issued
-    all 576 from one elected lane, with shuffles).
+  - the gather: the warp that refills a buffer half copies its tiles by 16-byte cp.async
+    copies (gather_offsets: lanes 8 q .. 8 q + 7 take the 8 chunks of row q + 4 j of a tile, so
+    one instruction moves four whole 128-byte lines of four key rows), each to its place in
+    the 128-byte-swizzled tile the MMAs read. The lanes read the block's 64 entries (two each;
+    at the start of the pair that loads it, so the read hides behind the softmax:
+    _next_page) and shuffle each row's slot to the 8 lanes copying it.
+    Each tile's mbarrier (33 arrivals) completes when every lane's copies have landed
+    (cp.async.mbarrier.arrive.noinc) and one lane has arrived after the warp's bias stores.
+    cp.async writes through the generic proxy: the warpgroups fence (fence.proxy.async) after
+    their waits and before each P V, whose V half the other warpgroup may have waited for. The
+    walk's "page" for block blk of one-token request r is r * blocks_per_row + blk (_page).
   - an entry that names no key (-1, at or past topk_length, or a slot outside [0, num_blocks *
-    64)) gets the page coordinate num_blocks: its box lies wholly outside the tensor and TMA
-    fills it with zeros (the transaction still counts its 128 bytes), so no such row is read
-    and no NaN of the cache enters P V; and
+    64)) reads nothing: its copies have source size 0, which zero-fills the row (no NaN of the
+    cache enters P V), and
   - its score is -inf: each buffer has a bias row in shared memory (0 or -inf per key), written
-    by the warp that loads the buffer's left half before its mbarrier arrival (which releases
-    it to the warpgroup that waits on the tiles), added to the scores in _mask.
+    by the warp that loads the buffer's left half before its plain arrival (release), added to
+    the scores in _mask.
 
 Limits: bf16/fp16 q and cache (the dense kernel's 16-bit path), d_qk 576, d_v 512, 64-token
-pages; h_q any (64-row m-blocks of one token's heads), s_q any, topk any. Not causal. The
-attention sink is applied by the host after the step (torch_mla.ops.sparse).
+pages, any page and row strides (16-byte multiples); h_q any (64-row m-blocks of one token's
+heads), s_q any, topk any. Not causal. The attention sink is applied by the host after the
+step (torch_mla.ops.sparse).
 
-Status: session 14's version (one lane issuing the 576 copies of a block) was correct on the
-H200 (its tests, memcheck) but 0.09-0.52x FlashMLA. This version (every lane issues its own
-rows' copies) is correct on the H200 too and 2.1x faster, 0.20-0.70x FlashMLA, still slower
-than the portable kernel: opt-in, TORCH_MLA_SPARSE_SM90=1 (docs/kernels/sparse.md).
+Status: correct on the H200 (tests, memcheck). Sessions 14-15 gathered by one TMA box per row
+(0.09-0.70x FlashMLA, slower than the portable kernel everywhere); the cp.async gather (session
+17) is 1.14-1.15x faster than the portable kernel at h_q >= 64 on big batches, slower on small
+ones and below 64 heads (64-row tiles of padding): the dispatch takes it where
+ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md).
 """
 
 from __future__ import annotations

@@ -71,9 +71,10 @@ def _env_flag(name: str, value: str = "1"):
 
 _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
-# TORCH_MLA_SPARSE_SM90=1: the SM90 sparse decode kernel on sm_90a (correct on the H200, slower
-# than the portable kernel).
-sparse_sm90_enabled = _env_flag("TORCH_MLA_SPARSE_SM90")
+# The SM90 sparse decode kernel on sm_90a: where it pays by default (ops.sparse.sm90_sparse_pays);
+# TORCH_MLA_SPARSE_SM90=1 for every 16-bit cache, TORCH_MLA_SPARSE_SM90=0 never.
+sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
+sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;

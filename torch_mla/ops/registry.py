@@ -163,7 +163,7 @@ SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"), "sm90": ("plain",)}
 class SparseStepConfig(_Config):
     """Sparse decode and its combine behind one host call (mla_decode_sparse;
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
-    from sm_80) or "sm90" (the wgmma/TMA kernel, sm_90a; opt-in, TORCH_MLA_SPARSE_SM90=1),
+    from sm_80) or "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3" (float8_e4m3fn
     with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows, bf16 only): the
     FP8 formats on the portable kernel only."""
@@ -327,7 +327,7 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             # over the FP8 caches (the 656-byte rows' rope is bf16: bf16 only)
             out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
                     if c != "fp8_ds_mla" or dt == "bf16"]
-            if native == "sm90":  # (opt-in at run time: TORCH_MLA_SPARSE_SM90=1)
+            if native == "sm90":  # (where ops.sparse.sm90_sparse_pays)
                 out.append(SparseStepConfig("sm90", dt))
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]

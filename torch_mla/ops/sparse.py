@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ..constants import D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
@@ -38,11 +38,25 @@ def _sparse_schedule_args(sched_metadata, num_splits, q):
 _STEP_CACHE = {"plain": "plain", "fp8": "e4m3", "fp8_ds_mla": "fp8_ds_mla"}
 
 
+# Where the SM90 sparse kernel beats the portable one (H200, docs/kernels/sparse.md "Kernel
+# choice"): each of its CTAs takes 64 query rows of one token, so it needs 64 heads to fill
+# them, and enough (token, 64-head block) CTAs to fill the GPU.
+SM90_MIN_HEADS = 64
+SM90_MIN_CTAS = 128
+
+
+def sm90_sparse_pays(b: int, s_q: int, h_q: int) -> bool:
+    """Whether the SM90 sparse kernel runs by default for b requests of s_q tokens and h_q
+    heads: h_q >= SM90_MIN_HEADS and b * s_q * ceil(h_q / 64) >= SM90_MIN_CTAS."""
+    return h_q >= SM90_MIN_HEADS and b * s_q * -(-h_q // BLOCK_M) >= SM90_MIN_CTAS
+
+
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: sm_90a with
-    TORCH_MLA_SPARSE_SM90=1 only; 16-bit caches) or "reference", for validated inputs on a
-    CUDA device; reason says why the reference runs. The FP8 caches run the portable kernel
-    (its gather dequantizes); the 656-byte one with bf16 q only (its RoPE values are bf16)."""
+    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a,
+    16-bit caches, where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never)
+    or "reference", for validated inputs on a CUDA device; reason says why the reference runs.
+    The FP8 caches run the portable kernel (its gather dequantizes); the 656-byte one with
+    bf16 q only (its RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -61,7 +75,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
         return "sm80", ""
-    if arch == registry.SM90_ARCH and dispatch.sparse_sm90_enabled():
+    if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
+            dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3])):
         return "sm90", ""
     return "sm80", ""
 
@@ -70,8 +85,8 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     """A callable running the sparse decode kernel for these inputs, or None (the reference).
 
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
-    (bf16/fp16), or on sm_90a with TORCH_MLA_SPARSE_SM90=1 the SM90 kernel
-    (cute_kernels/sm90_sparse_decode.py, correct on the H200 but slower); the FP8 formats run
+    (bf16/fp16), or on sm_90a the SM90 kernel (cute_kernels/sm90_sparse_decode.py) where
+    sm90_sparse_pays (sparse_backend); the FP8 formats run
     the portable kernel (its gather dequantizes); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
