@@ -327,18 +327,19 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 4 + 2 + 3 + 6 + 16) + 2 + 2 + 2 + 6 - 1  # schedule; per dtype:
-    # sm90 + portable steps, fp8 steps, the sparse steps (portable over the three cache
-    # formats, SM90; the 656-byte one bf16 only: - 1), decode, combine, append_kv, the
+        == 1 + 2 * (2 * 2 + 2 + 6 + 2 + 3 + 6 + 16) + 2 + 2 + 2 + 6 - 2  # schedule; per dtype:
+    # sm90 + portable steps, fp8 steps, the sparse steps (portable and SM90 over the three
+    # cache formats; the 656-byte one bf16 only: - 2), decode, combine, append_kv, the
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not); fast-mode fp8 steps
     # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
-    # The SM90 sparse step only for sm_90a (run where ops.sparse.sm90_sparse_pays), the
-    # FP8 caches' only on the portable kernel.
+    # The SM90 sparse steps only for sm_90a (run where ops.sparse.sm90_sparse_pays).
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
         ("sparse_step_sm80", {"dtype": "fp16"}),
         ("sparse_step_sm80", {"dtype": "fp16", "kv": "e4m3"}),
-        ("sparse_step_sm90", {"dtype": "fp16"})]
-    for bad in [("sm90", "bf16", "e4m3"), ("sm80", "fp16", "fp8_ds_mla"), ("sm80", "bf16", "fp8")]:
+        ("sparse_step_sm90", {"dtype": "fp16"}),
+        ("sparse_step_sm90", {"dtype": "fp16", "kv": "e4m3"})]
+    for bad in [("sm90", "fp16", "fp8_ds_mla"), ("sm80", "fp16", "fp8_ds_mla"),
+                ("sm80", "bf16", "fp8")]:
         with pytest.raises(ValueError, match="no sparse decode kernel"):
             registry.SparseStepConfig(*bad)
     assert registry.SparseStepConfig("sm90", "bf16").entry == \

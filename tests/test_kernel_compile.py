@@ -176,7 +176,7 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
 SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry
-registry.build(registry.SparseStepConfig("sm90", sys.argv[1]), "sm_90a")
+registry.build(registry.SparseStepConfig("sm90", sys.argv[1], sys.argv[2]), "sm_90a")
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -186,7 +186,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         assert kind == "decode" or "MLASparseCombine" in name, name
         entries[kind] += 1
         for k in ["wgmma.mma_async", "wgmma.mma_async.*bf16", "wgmma.mma_async.*f16.f16",
-                  "cp.async.cg.shared.global", "cp.async.mbarrier.arrive.noinc.shared",
+                  "cp.async.cg.shared.global", "cp.async.ca.shared.global",
+                  "cvt.rn.f16x2.e4m3x2", "mul.rn.f32", "cp.async.mbarrier.arrive.noinc.shared",
                   "mbarrier.arrive.shared", "fence.proxy.async",
                   "cp.async.bulk.tensor", "mbarrier.arrive.expect_tx",
                   "stmatrix", "ldmatrix",
@@ -198,27 +199,38 @@ print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_sm90_sparse_kernel_compiles(tmp_path, dtype):
+@pytest.mark.parametrize("dtype,cache", [("bf16", "plain"), ("fp16", "plain"), ("bf16", "e4m3"),
+                                         ("bf16", "fp8_ds_mla")])
+def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
-    kernel's 16-bit MMAs, its cache tiles gathered by 16-byte cp.async copies (16 a lane and
-    tile, completing on the tile's mbarrier through cp.async.mbarrier.arrive.noinc, with one
-    plain arrival after the bias row), fenced for the MMAs' proxy; the sparse combine's
-    checks; no local memory, no call in the decode kernel."""
+    kernel's 16-bit MMAs, its cache tiles gathered by 16-byte cp.async copies completing on
+    the tile's mbarrier through cp.async.mbarrier.arrive.noinc (with one plain arrival after
+    the bias row); 16-bit tiles 16 copies a lane, fp8 tiles 8 (the FP8 caches, expanded in
+    shared memory by the dense kernel's kv_fp8 path: cvt.rn.f16x2.e4m3x2, and for the
+    656-byte rows the multiply by each group's scale, gathered 8 bytes a row by cp.async.ca);
+    fenced for the MMAs' proxy; the sparse combine's checks; no local memory, no call in the
+    decode kernel."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", SPARSE_SCRIPT, dtype], env=env,
+    res = subprocess.run([sys.executable, "-c", SPARSE_SCRIPT, dtype, cache], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     dec, comb = counts["decode"], counts["combine"]
     mma = dec["wgmma.mma_async.*bf16" if dtype == "bf16" else "wgmma.mma_async.*f16.f16"]
     assert mma == dec["wgmma.mma_async"] >= 100, dec
-    # Tile loads in the PTX: 56 (where the dense kernel has its TMA tile loads). Q's boxes
-    # (4-d: tokens and requests are two modes of the folded view; 9 boxes at 3 load sites,
-    # one expect_tx each) are the only TMA loads.
+    # Tile loads in the PTX: 56 (where the dense kernel has its TMA tile loads: 8 of them take
+    # tile 8, the 656-byte rows' bf16 rope tile, and 10 load sites in all). Q's boxes (4-d:
+    # tokens and requests are two modes of the folded view; 9 boxes at 3 load sites, one
+    # expect_tx each) are the only TMA loads.
     tiles = dec["cp.async.mbarrier.arrive.noinc.shared"]
-    assert tiles == 56 and dec["cp.async.cg.shared.global"] == 16 * tiles, dec
+    copies = {"plain": 16 * tiles, "e4m3": 8 * tiles, "fp8_ds_mla": 8 * (tiles - 8) + 16 * 8}
+    assert tiles == 56 and dec["cp.async.cg.shared.global"] == copies[cache], dec
+    assert dec["cp.async.ca.shared.global"] == (2 * 10 if cache == "fp8_ds_mla" else 0), dec
+    # the expansion: 8 cvt a 2 KB wave, 8 (4) waves a buffer half; 16 multiplies a wave
+    waves = {"plain": 0, "e4m3": 4 * (8 + 10), "fp8_ds_mla": 4 * (8 + 8)}[cache]
+    assert dec["cvt.rn.f16x2.e4m3x2"] == 8 * waves, dec
+    assert dec["mul.rn.f32"] == (16 * waves if cache == "fp8_ds_mla" else 0), dec
     assert dec["mbarrier.arrive.shared"] == tiles, dec
     assert dec["cp.async.bulk.tensor"] == 27 and dec["mbarrier.arrive.expect_tx"] == 3, dec
     assert dec["fence.proxy.async"] > 0, dec

@@ -341,23 +341,25 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
-def test_fp8_caches_run_the_portable_kernel(monkeypatch, arch):
-    # The FP8 caches run the portable kernel (the SM90 one reads 16-bit caches only); the
-    # 656-byte rows with bf16 q only (their RoPE values are bf16).
+def test_fp8_caches_run_a_kernel(monkeypatch, arch):
+    # The FP8 caches run the kernels the 16-bit ones do (each dequantizes in its gather or in
+    # shared memory); the 656-byte rows with bf16 q only (their RoPE values are bf16).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
-    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
     e4m3 = torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn)
     rows = torch.empty(2, 64, 1, 656, dtype=torch.uint8)
+    big = "sm90" if arch == "sm_90a" else "sm80"
     for dtype in (torch.bfloat16, torch.float16):
-        q = torch.empty(1, 1, 16, 576, dtype=dtype)
-        assert sparse_ops.sparse_backend(q, e4m3, 512) == ("sm80", "")
-        want = ("sm80", "") if dtype == torch.bfloat16 else (
-            "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' RoPE "
-                         "values are bf16), got torch.float16")
-        assert sparse_ops.sparse_backend(q, rows, 512) == want
+        for shape, want in (((1, 1, 16), "sm80"), ((128, 1, 128), big)):
+            q = torch.empty(*shape, 576, dtype=dtype)
+            assert sparse_ops.sparse_backend(q, e4m3, 512) == (want, "")
+            want = (want, "") if dtype == torch.bfloat16 else (
+                "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' "
+                             "RoPE values are bf16), got torch.float16")
+            assert sparse_ops.sparse_backend(q, rows, 512) == want
     q = torch.empty(1, 1, 16, 576)  # fp32 q: the reference, whatever the cache
     assert sparse_ops.sparse_backend(q, rows, 512)[0] == "reference"
 

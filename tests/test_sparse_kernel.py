@@ -28,17 +28,22 @@ from torch_mla.testing import DECODE_TOL, LSE_TOL
 
 pytestmark = pytest.mark.cuda
 
-@pytest.fixture(params=["sm80", "sm90"])
-def backend(request, monkeypatch):
-    """The kernel mla_decode_sparse runs: TORCH_MLA_SPARSE_SM90=1 for "sm90" (sm_90a only),
-    =0 for "sm80"."""
-    if request.param == "sm90":
+def _take(kernel: str, monkeypatch) -> str:
+    """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
+    "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"."""
+    if kernel == "sm90":
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernel needs compute capability 9.0")
         monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
     else:
         monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "0")
-    return request.param
+    return kernel
+
+
+@pytest.fixture(params=["sm80", "sm90"])
+def backend(request, monkeypatch):
+    """The kernel the 16-bit cases run (_take)."""
+    return _take(request.param, monkeypatch)
 
 
 GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
@@ -221,16 +226,16 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
 FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
 
 
-@pytest.fixture
-def fp8_kernel(monkeypatch):
-    """The FP8 formats on the portable kernel (not the SM90 one, which reads 16-bit caches)."""
-    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+@pytest.fixture(params=["sm80", "sm90"])
+def fp8_kernel(request, monkeypatch):
+    """The kernel the FP8 cases run (_take)."""
+    return _take(request.param, monkeypatch)
 
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
-    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
+    assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)

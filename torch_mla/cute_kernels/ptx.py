@@ -62,6 +62,16 @@ def cp_async16(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def cp_async8(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
+    """cp_async16 for 8 bytes (cp.async.ca: 8 is not a .cg size), src_size 0 or 8."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_size).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
     """%globaltimer (ns): trace builds only (tools/trace_decode.py)."""
     return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",

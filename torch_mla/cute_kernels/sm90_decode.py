@@ -193,6 +193,14 @@ def fp8_vt_unit(wtid: int, half: int):
     return loads, stores
 
 
+def group_scale_offset(h: int) -> int:
+    """Byte offset, in a page buffer, of the scales of the 656-byte rows' 128-column groups
+    2 h and 2 h + 1 (64 rows x 8 bytes) that buffer half h's expansion reads: the last 512
+    bytes of 16-bit tile 4 h + 1, which no fp8 byte occupies and which that expansion writes
+    only after every thread has loaded them (_expand_half)."""
+    return (4 * h + 2) * PAGE_SIZE * 128 - 512
+
+
 def shared_storage(**buffers):
     """The kernel's shared memory: `buffers` (name=type, in order: the operand tiles), then the
     softmax statistics and barriers of both modes: sM (running max), sScale0, sScale1 (the
@@ -222,6 +230,8 @@ class MLADecodeSm90(DecodeKernel):
     # (generic-proxy writes: the warpgroups fence before their MMAs read them).
     k_arrivals = 1
     cp_async_tiles = False
+    # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand_half.
+    group_scales = False
 
     def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
@@ -287,13 +297,7 @@ class MLADecodeSm90(DecodeKernel):
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, self.sQ_layout, (BLOCK_M, D_QK))
-        if self.kv_fp8:
-            # fp8 tiles land unswizzled (64-byte rows): _expand_half reads them linearly.
-            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
-            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
-        else:
-            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout,
-                                                         (PAGE_SIZE, 64))
+        tma_k, tma_mKV = self._cache_tma(op, mKV_t)
 
         self.shared_storage = shared_storage(
             sQ=aligned(dt, BLOCK_M * D_QK),
@@ -303,6 +307,15 @@ class MLADecodeSm90(DecodeKernel):
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             self.sQ_layout, self.sK_layout, self.tile_layout, self.vhalf_layout,
             self.tiled_qk_ss, self.tiled_qk_rs, self.tiled_pv_rs, self.tiled_pv_ss)
+
+    def _cache_tma(self, op, mKV_t: cute.Tensor):
+        """The cache's TMA atom and view for 64-key x 64-column tiles of the cache seen as
+        (64 keys, 576, pages)."""
+        if self.kv_fp8:
+            # fp8 tiles land unswizzled (64-byte rows): _expand_half reads them linearly.
+            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
+            return cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
+        return cpasync.make_tiled_tma_atom(op, mKV_t, self.tile_layout, (PAGE_SIZE, 64))
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -379,37 +392,24 @@ class MLADecodeSm90(DecodeKernel):
         self.d_trace = mTrace
         self._stamp("start")
 
-        # TMA partitions: Q tile (64 x 576); cache tiles (64 keys x 64 columns) of each page.
-        gK_tiles = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
-        if const_expr(self.kv_fp8 and not self.fast):
-            # Fp8 tile t of buffer s: 4 KB at byte s * 72 KB + half start + half size / 2 +
-            # 4 KB (t - first tile of the half); one partition per half (tiles 0-3, 4-8).
-            k8 = cute.recast_ptr(k_base, dtype=cutlass.Uint8)
-            tKsK = []
-            for h in cutlass.range_constexpr(2):
-                t0, nt = (0, 4) if h == 0 else (4, 5)
-                start = t0 * PAGE_SIZE * 64 * 2 + nt * PAGE_SIZE * 64
-                sK8 = cute.make_tensor(k8 + start, cute.make_layout(
-                    (PAGE_SIZE, 64, 1, nt, 2),
-                    stride=(64, 1, 0, PAGE_SIZE * 64, 2 * PAGE_SIZE * D_QK)))
-                tKsK_h, tKgK = cpasync.tma_partition(
-                    tma_k, 0, cute.make_layout(1),
-                    cute.group_modes(sK8, 0, 2), cute.group_modes(gK_tiles, 0, 2),
-                )
-                tKsK.append(tKsK_h)
-        else:
-            tKsK, tKgK = self._cache_partitions(tma_k, tma_mKV, sK_tma)
+        # Cache tiles (64 keys x 64 columns) of each page: the buffers' and the cache's views.
+        self.d_k_base = k_base
+        tKsK, tKgK = self._cache_partitions(tma_k, tma_mKV, sK_tma)
         q_scale = Float32(1.0)
         if const_expr(self.kv_fp8):
-            # Folded scales (see _prepare): read once, no host synchronisation.
-            kv_scale = mKVScale[0]
-            if q_scaled != 0:
-                q_scale = mQScale[0]
+            # Folded scales (see _prepare): read once, no host synchronisation. (The sparse
+            # kernel's 656-byte rows have no per-tensor scale and pass no q scale.)
+            kv_scale = Float32(1.0)
+            if const_expr(mKVScale is not None):
+                kv_scale = mKVScale[0]
+            if const_expr(q_scaled is not None):
+                if q_scaled != 0:
+                    q_scale = mQScale[0]
             scale_log2 = scale_log2 * kv_scale
             if const_expr(not self.fast):
                 scale_log2 = scale_log2 * q_scale
             self.d_kv_scale = kv_scale
-        self.d_k_base, self.d_wtid = k_base, wtid
+        self.d_wtid = wtid
 
         # MMA partitions (per warpgroup).
         thr_qk = tiled_qk_ss.get_slice(wtid)
@@ -641,9 +641,28 @@ class MLADecodeSm90(DecodeKernel):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
-        """TMA partitions of the 16-bit cache's copies, as _load_tiles indexes them: the
-        buffers' tiles (TMA, 1, 9 tiles, 2 buffers) and the cache's (TMA, 9 tiles, pages)."""
+        """TMA partitions of the cache's copies, as _load_tiles indexes them: the buffers'
+        tiles (TMA, 1, 9 tiles, 2 buffers; kv_fp8: one such per buffer half, fp8 tiles) and
+        the cache's (TMA, 9 tiles, pages)."""
         gK_tiles = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
+        if const_expr(self.kv_fp8 and not self.fast):
+            # Fp8 tile t of buffer s: 4 KB at byte s * 72 KB + half start + half size / 2 +
+            # 4 KB (t - first tile of the half); one partition per half (tiles 0-3, 4-8).
+            k8 = cute.recast_ptr(self.d_k_base, dtype=cutlass.Uint8)
+            tKsK = []
+            tKgK = None
+            for h in cutlass.range_constexpr(2):
+                t0, nt = (0, 4) if h == 0 else (4, 5)
+                start = t0 * PAGE_SIZE * 64 * 2 + nt * PAGE_SIZE * 64
+                sK8 = cute.make_tensor(k8 + start, cute.make_layout(
+                    (PAGE_SIZE, 64, 1, nt, 2),
+                    stride=(64, 1, 0, PAGE_SIZE * 64, 2 * PAGE_SIZE * D_QK)))
+                tKsK_h, tKgK = cpasync.tma_partition(
+                    tma_k, 0, cute.make_layout(1),
+                    cute.group_modes(sK8, 0, 2), cute.group_modes(gK_tiles, 0, 2),
+                )
+                tKsK.append(tKsK_h)
+            return tKsK, tKgK
         sK_tiles = cute.flat_divide(sK_tma, (PAGE_SIZE, 64))  # (64, 64, 1, 9, 2)
         return cpasync.tma_partition(
             tma_k, 0, cute.make_layout(1),
@@ -778,6 +797,17 @@ class MLADecodeSm90(DecodeKernel):
         wtid = self.d_wtid
         # byte address
         half = self.d_k_base.toint() + (s * PAGE_SIZE * D_QK + t0 * PAGE_SIZE * 64) * 2
+        scales = [None, None, None, None]  # by wave: scales[2 (w // 4) + w % 2]
+        if const_expr(self.group_scales):
+            # The 656-byte rows (sparse kernel): the rope tile is 16-bit already, and each
+            # value is multiplied by its row's scale of its 128 columns (two per half, 8 bytes a
+            # row at group_scale_offset(h), which the expansion overwrites: loaded first).
+            nt = 4
+            sc = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2 + group_scale_offset(h)
+            for r in cutlass.range_constexpr(2):
+                pair = lds64(sc + 8 * (32 * r + wtid // 4))
+                scales[r], scales[2 + r] = pair[0], pair[1]
+            cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
         words = [None] * (2 * nt)
         for step, w in fp8_expand_schedule(nt):
             if const_expr(step == "bar"):
@@ -786,7 +816,11 @@ class MLADecodeSm90(DecodeKernel):
                 words[w] = lds128(half + fp8_expand_addrs(nt, w, wtid)[0])
             else:
                 _, d0, d1 = fp8_expand_addrs(nt, w, wtid)
-                e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16)
+                scale = None
+                if const_expr(self.group_scales):
+                    scale = scales[2 * (w // 4) + w % 2]
+                e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16,
+                             scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 

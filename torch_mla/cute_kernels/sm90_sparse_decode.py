@@ -49,24 +49,45 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, const_expr
 
-from ..constants import BLOCK_M, D_QK, PAGE_SIZE
-from .decode_base import TmaLoads, aligned
-from .ptx import cp_async16
-from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
+from ..constants import BLOCK_M, D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from .decode_base import aligned
+from .ptx import cp_async8, cp_async16
+from .sm80_sparse_decode import CACHE_FORMATS, MLASparseDecodeStep
+from .sm90_decode import N_TILES, MLADecodeSm90, group_scale_offset, shared_storage
 
 ROWS_PER_LANE = PAGE_SIZE // 4  # key rows a lane copies chunks of: 4 rows per warp instruction
+TILE16 = PAGE_SIZE * 128  # bytes of a 64-key x 64-column 16-bit tile
+TILE8 = PAGE_SIZE * 64  # bytes of its fp8 bytes
 
 
 def gather_offsets(lane: int, j: int) -> tuple:
-    """The copy of lane `lane` (0..31) at step j (0..15) of a tile: (row, chunk, byte offset in
-    the 64-key x 64-column tile). Lanes 8 q .. 8 q + 7 copy the 8 16-byte chunks of row q + 4 j,
-    so one warp instruction moves 4 whole 128-byte lines; chunk c of row R sits at chunk
-    c ^ (R % 8) of the row's 128-byte line (the 128-byte swizzle the MMAs' layout uses, a
+    """The copy of lane `lane` (0..31) at step j (0..15) of a 16-bit tile: (row, chunk, byte
+    offset in the 64-key x 64-column tile). Lanes 8 q .. 8 q + 7 copy the 8 16-byte chunks of
+    row q + 4 j, so one warp instruction moves 4 whole 128-byte lines; chunk c of row R sits at
+    chunk c ^ (R % 8) of the row's 128-byte line (the 128-byte swizzle the MMAs' layout uses, a
     function of the shared address within a 1 KB-aligned tile)."""
     q, c = lane // 8, lane % 8
     row = q + 4 * j
     return row, c, row * 128 + ((c ^ (row % 8)) << 4)
+
+
+def gather8_offsets(lane: int, j: int) -> tuple:
+    """The copy of lane `lane` at step j (0..7) of an fp8 tile (64 keys x 64 bytes, unswizzled,
+    as the dense kernel's kv_fp8 TMA leaves it for _expand_half): (row, chunk, byte offset).
+    Lanes 4 q .. 4 q + 3 copy the 4 16-byte chunks of row q + 8 j: 8 whole rows an
+    instruction."""
+    q, c = lane // 4, lane % 4
+    row = q + 8 * j
+    return row, c, row * 64 + c * 16
+
+
+def fp8_tile_offset(cache: str, t: int) -> int:
+    """Byte offset, in a page buffer, of fp8 tile t's staging bytes: the upper part of its
+    buffer half's 16-bit region (the dense kernel's kv_fp8 layout, _cache_partitions). The
+    656-byte rows' half 1 stages 4 tiles (its rope tile is 16-bit: gathered in place), so its
+    staging starts 4 KB lower than the e4m3 cache's 5."""
+    t0, nt = (0, 4) if t < 4 else (4, 4 if cache == "fp8_ds_mla" else 5)
+    return t0 * TILE16 + nt * TILE8 + (t - t0) * TILE8
 
 
 class MLASparseDecodeSm90(MLADecodeSm90):
@@ -77,14 +98,19 @@ class MLASparseDecodeSm90(MLADecodeSm90):
     k_arrivals = 33
     cp_async_tiles = True
 
-    def __init__(self, dtype):
-        super().__init__(dtype, False)
+    def __init__(self, dtype, cache: str = "plain"):
+        """cache: one of sm80_sparse_decode.CACHE_FORMATS (the FP8 ones expanded in shared
+        memory by the dense kernel's kv_fp8 path; the 656-byte rows with bf16 only)."""
+        assert cache in CACHE_FORMATS, cache
+        assert cache != "fp8_ds_mla" or dtype == cutlass.BFloat16, (cache, dtype)
+        super().__init__(dtype, False, kv_fp8=cache != "plain")
+        self.cache = cache
+        self.group_scales = cache == "fp8_ds_mla"
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
-        """The dense kernel's Q atom and layouts; the cache as a plain tensor (64 rows, 576,
-        pages) for the gathers, and a bias row per buffer in shared memory."""
-        (tma_q, tma_mQ, _, _), layouts = super()._setup(mQ, mKV)
-        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        """The dense kernel's Q atom and layouts (_cache_tma: no cache atom), and a bias row
+        per buffer in shared memory."""
+        loads, layouts = super()._setup(mQ, mKV)
         dt = self.dtype
         self.shared_storage = shared_storage(
             sQ=aligned(dt, BLOCK_M * D_QK),
@@ -92,7 +118,12 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
             sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],  # (key, buffer): 0 or -inf
         )
-        return TmaLoads(tma_q, tma_mQ, None, mKV_t), layouts
+        return loads, layouts
+
+    def _cache_tma(self, op, mKV_t: cute.Tensor):
+        """No TMA for the cache: the gathers address it as a plain tensor (64 rows, row width,
+        pages), 16-bit values or bytes."""
+        return None, mKV_t
 
     @cute.jit
     def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
@@ -111,7 +142,8 @@ class MLASparseDecodeSm90(MLADecodeSm90):
 
     @cute.jit
     def _next_page(self, mIdx, r: Int32, blk: Int32):
-        """The block's number and this lane's two entries (_entries), read a pair ahead."""
+        """The block's number and this lane's two entries (_entries), read at the start of the
+        pair that loads the block, so that their latency hides behind the softmax."""
         page = self._page(mIdx, r, blk)
         a, b = self._entries(page)
         return page, a, b
@@ -139,10 +171,13 @@ class MLASparseDecodeSm90(MLADecodeSm90):
     def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
         """One warp: tiles [t_begin, t_end) of the 64 keys block `page` names (a number, or
-        _next_page's (number, entries)) into buffer s, by 16-byte cp.async copies
-        (gather_offsets: 4 rows x 128 bytes an instruction); an entry that names no key gets a
-        zero row and reads nothing. With tile 0, also buffer s's bias row. Each tile's mbarrier
-        completes when every lane's copies have landed and the bias row is written."""
+        _next_page's (number, entries)) into buffer s, by cp.async copies: 16-bit tiles to
+        their swizzled places (gather_offsets: 4 rows x 128 bytes an instruction), fp8 tiles
+        to their staging bytes (gather8_offsets, fp8_tile_offset: 8 rows x 64 bytes), and for
+        the 656-byte rows the half's two scales of each row (8 bytes, at group_scale_offset).
+        An entry that names no key gets zero bytes and reads nothing. With tile 0, also buffer
+        s's bias row. Each tile's mbarrier completes when every lane's copies have landed and
+        the bias row is written."""
         if const_expr(isinstance(page, tuple)):
             slots = [page[1], page[2]]
         else:
@@ -153,21 +188,45 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             for h in cutlass.range_constexpr(2):
                 bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(
                     slots[h] >= 0, Float32(0.0), -Float32.inf)
-        elem = self.dtype.width // 8
-        buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * elem
+        elem = mKV.element_type.width // 8  # the cache's: 2, or 1 (bytes)
+        buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2
         base = mKV.iterator.toint()
         row_stride = Int64(mKV.stride[0]) * elem
         page_stride = Int64(mKV.stride[2]) * elem
-        for j in cutlass.range_constexpr(ROWS_PER_LANE):
-            row, c, dst = gather_offsets(lane, j)
-            # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
-            slot = cute.arch.shuffle_sync(slots[j // 8], row % 32)
-            ok = slot >= 0
-            off = Int64(slot // PAGE_SIZE) * page_stride + Int64(slot % PAGE_SIZE) * row_stride
-            src = base + cutlass.select_(ok, off, Int64(0)) + c * 16
-            size = cutlass.select_(ok, Int32(16), Int32(0))
-            for t in cutlass.range_constexpr(t_begin, t_end):
-                cp_async16(buf + t * PAGE_SIZE * 64 * elem + dst, src + t * 64 * elem, size)
+        # 16-bit tiles: all of the plain cache's, the 656-byte rows' rope tile (bf16 values at
+        # byte FP8_DS_MLA_ROPE_AT of the row).
+        t16 = (t_begin, t_end)
+        if const_expr(self.cache == "e4m3"):
+            t16 = (t_end, t_end)
+        if const_expr(self.cache == "fp8_ds_mla"):
+            t16 = (max(t_begin, N_TILES - 1), t_end)
+        if const_expr(t16[0] < t16[1]):
+            for j in cutlass.range_constexpr(ROWS_PER_LANE):
+                row, c, dst = gather_offsets(lane, j)
+                # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
+                src, size = self._row(base, row_stride, page_stride,
+                                      cute.arch.shuffle_sync(slots[j // 8], row % 32))
+                for t in cutlass.range_constexpr(t16[0], t16[1]):
+                    col = t * 64 * elem
+                    if const_expr(self.cache == "fp8_ds_mla"):
+                        col = FP8_DS_MLA_ROPE_AT
+                    cp_async16(buf + t * TILE16 + dst, src + col + c * 16, size)
+        t8 = (t_begin, min(t_end, N_TILES if self.cache == "e4m3" else N_TILES - 1))
+        if const_expr(self.cache != "plain" and t8[0] < t8[1]):
+            for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+                row, c, dst = gather8_offsets(lane, j)
+                src, size = self._row(base, row_stride, page_stride,
+                                      cute.arch.shuffle_sync(slots[j // 4], row % 32))
+                for t in cutlass.range_constexpr(t8[0], t8[1]):
+                    cp_async16(buf + fp8_tile_offset(self.cache, t) + dst, src + t * 64 + c * 16,
+                               size)
+        if const_expr(self.cache == "fp8_ds_mla"):
+            # The half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
+            h = 0 if t_begin == 0 else 1
+            for r in cutlass.range_constexpr(2):
+                src, size = self._row(base, row_stride, page_stride, slots[r])
+                cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
+                          src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
         for t in cutlass.range_constexpr(t_begin, t_end):
             cute.arch.cp_async_mbarrier_arrive_noinc(barK + s * N_TILES + t)
         # The bias stores precede the elected lane's arrivals (release) in program order.
@@ -175,6 +234,15 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         with cute.arch.elect_one():
             for t in cutlass.range_constexpr(t_begin, t_end):
                 cute.arch.mbarrier_arrive(barK + s * N_TILES + t)
+
+    @cute.jit
+    def _row(self, base: Int64, row_stride: Int64, page_stride: Int64, slot: Int32):
+        """(global address of cache slot `slot`'s row, 16), or (the cache's base, 0) for -1:
+        a copy of source size 0 reads nothing and zero-fills."""
+        ok = slot >= 0
+        off = Int64(slot // PAGE_SIZE) * page_stride + Int64(slot % PAGE_SIZE) * row_stride
+        return (base + cutlass.select_(ok, off, Int64(0)),
+                cutlass.select_(ok, Int32(16), Int32(0)))
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
@@ -190,9 +258,10 @@ class MLASparseDecodeSm90(MLADecodeSm90):
 
 
 def compile_sparse_step(config, arch: str):
-    """The SM90 sparse decode step (dtype), compiled for arch (sm_90a)."""
+    """The SM90 sparse decode step (dtype, cache format), compiled for arch (sm_90a)."""
     from ..contract import compile_sparse_step_kernel, dsl_dtype
 
     dtype = dsl_dtype(config.dtype)
     return compile_sparse_step_kernel(
-        MLASparseDecodeStep(MLASparseDecodeSm90(dtype), dtype, use_pdl=True), dtype, arch)
+        MLASparseDecodeStep(MLASparseDecodeSm90(dtype, config.cache), dtype, use_pdl=True),
+        dtype, arch)

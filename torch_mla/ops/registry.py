@@ -156,7 +156,7 @@ class DecodeConfig(DecodeStepConfig):
 
 
 # The cache formats each sparse backend reads (SparseStepConfig.cache).
-SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"), "sm90": ("plain",)}
+SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"), "sm90": ("plain", "e4m3", "fp8_ds_mla")}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -165,8 +165,7 @@ class SparseStepConfig(_Config):
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80) or "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3" (float8_e4m3fn
-    with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows, bf16 only): the
-    FP8 formats on the portable kernel only."""
+    with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows, bf16 only)."""
 
     backend: str
     dtype: str
@@ -328,7 +327,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
                     if c != "fp8_ds_mla" or dt == "bf16"]
             if native == "sm90":  # (where ops.sparse.sm90_sparse_pays)
-                out.append(SparseStepConfig("sm90", dt))
+                out += [SparseStepConfig("sm90", dt, c) for c in SPARSE_CACHES["sm90"]
+                        if c != "fp8_ds_mla" or dt == "bf16"]
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

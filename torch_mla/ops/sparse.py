@@ -52,11 +52,11 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int) -> bool:
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a,
-    16-bit caches, where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never)
-    or "reference", for validated inputs on a CUDA device; reason says why the reference runs.
-    The FP8 caches run the portable kernel (its gather dequantizes); the 656-byte one with
-    bf16 q only (its RoPE values are bf16)."""
+    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a
+    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never) or
+    "reference", for validated inputs on a CUDA device; reason says why the reference runs.
+    Both kernels take every cache format (the FP8 ones dequantized in the kernel); the
+    656-byte one with bf16 q only (its RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -74,7 +74,6 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
-        return "sm80", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3])):
         return "sm90", ""
@@ -86,8 +85,8 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
     On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
     (bf16/fp16), or on sm_90a the SM90 kernel (cute_kernels/sm90_sparse_decode.py) where
-    sm90_sparse_pays (sparse_backend); the FP8 formats run
-    the portable kernel (its gather dequantizes); inputs no kernel takes run the
+    sm90_sparse_pays (sparse_backend), over every cache format (the FP8 ones dequantized in
+    the kernel); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
