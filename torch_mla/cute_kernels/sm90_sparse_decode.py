@@ -221,12 +221,13 @@ class MLASparseDecodeSm90(MLADecodeSm90):
                     cp_async16(buf + fp8_tile_offset(self.cache, t) + dst, src + t * 64 + c * 16,
                                size)
         if const_expr(self.cache == "fp8_ds_mla"):
-            # The half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
-            h = 0 if t_begin == 0 else 1
+            # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
             for r in cutlass.range_constexpr(2):
                 src, size = self._row(base, row_stride, page_stride, slots[r])
-                cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
-                          src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
+                for h in cutlass.range_constexpr(2):
+                    if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
+                        cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
+                                  src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
         for t in cutlass.range_constexpr(t_begin, t_end):
             cute.arch.cp_async_mbarrier_arrive_noinc(barK + s * N_TILES + t)
         # The bias stores precede the elected lane's arrivals (release) in program order.
