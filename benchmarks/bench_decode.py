@@ -99,11 +99,8 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
         us8 = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache8, idx, schedule=sched))
     fm_us = float("nan")
     if flash_mla is not None and h_q in (64, 128) and hasattr(flash_mla, "flash_mla_with_kvcache"):
-        meta = flash_mla.get_mla_metadata()[0]
         try:
-            fm_us = graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
-                q, cache8.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5,
-                False, True, idx))
+            fm_us = _flash_mla_sparse_us(flash_mla, q, cache8, idx)
         except RuntimeError as e:  # (reported, not fatal: the row keeps ours)
             print(f"# FlashMLA sparse failed: {e}")
     flop = b * s_q * h_q * topk * 2 * (576 + 512)
@@ -135,6 +132,66 @@ def main_sparse(flash_mla) -> None:
         sys.stdout.flush()
 
 
+def _sparse_us(q, cache, idx, sched, kv_scale) -> float:
+    """mla_decode_sparse's time (us, CUDA-graph replay) on the kernel the dispatch picks now."""
+    return graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched,
+                                                             kv_scale=kv_scale))
+
+
+def _flash_mla_sparse_us(flash_mla, q, rows, idx) -> float:
+    """FlashMLA's sparse decode over the 656-byte rows `rows` (us, CUDA-graph replay)."""
+    meta = flash_mla.get_mla_metadata()[0]
+    return graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
+        q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5, False,
+        True, idx))
+
+
+def main_sparse_kernels(flash_mla) -> None:
+    """Both sparse kernels over the three cache formats in one process (TORCH_MLA_SPARSE_SM90
+    set to 1, then 0, around each call), beside FlashMLA's sparse decode: the table of
+    docs/kernels/sparse.md "Kernel choice"."""
+    print("| b | s_q | h_q | default kernel | bf16 SM90 us | bf16 portable us | e4m3 SM90 us | "
+          "e4m3 portable us | 656 B SM90 us | 656 B portable us | 656 B SM90 GB/s (% copy) | "
+          "FlashMLA 656 B us (same run) | FlashMLA / ours 656 B (default) | FlashMLA / ours "
+          "bf16 (default) |")
+    print("|" + "---|" * 14)
+    for b, s_q, h_q in SPARSE_CONFIGS:
+        pages, s_k, topk = 32768 // PAGE_SIZE, 32768, 2048
+        kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
+        k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
+        slots = torch.arange(b * s_k, dtype=torch.int32, device="cuda")
+        caches = {}
+        for name, dt, width in (("bf16", torch.bfloat16, 576), ("e4m3", torch.float8_e4m3fn, 576),
+                                ("656", torch.uint8, 656)):
+            caches[name] = torch.empty(b * pages, PAGE_SIZE, 1, width, dtype=dt, device="cuda")
+        kv_scale = (torch.cat([kv_c, k_pe], 1).float().abs().amax() / 448).reshape(1)
+        for name, cache in caches.items():
+            torch_mla.append_kv(cache, kv_c, k_pe, slots,
+                                kv_scale=kv_scale if name == "e4m3" else None)
+        pick = torch.rand(b, s_q, s_k, device="cuda").argsort(-1)[..., :topk].int()
+        idx = (pick + torch.arange(b, device="cuda").int()[:, None, None] * s_k).contiguous()
+        q = torch.randn(b, s_q, h_q, 576, device="cuda").bfloat16()
+        sched = torch_mla.get_sparse_decode_schedule(idx, h_q)
+        default = sparse_backend(q, caches["bf16"], 512)[0]
+        us = {}
+        for name, cache in caches.items():
+            scale = kv_scale if name == "e4m3" else None
+            for kernel, flag in (("sm90", "1"), ("sm80", "0")):
+                os.environ["TORCH_MLA_SPARSE_SM90"] = flag
+                us[name, kernel] = _sparse_us(q, cache, idx, sched, scale)
+            os.environ.pop("TORCH_MLA_SPARSE_SM90")
+        fm_us = float("nan")
+        if flash_mla is not None and h_q in (64, 128):
+            fm_us = _flash_mla_sparse_us(flash_mla, q, caches["656"], idx)
+        rest = b * s_q * (topk * 4 + h_q * (576 + 512) * 2)
+        gbps8 = (b * s_q * topk * 656 + rest) / us["656", "sm90"] / 1e3
+        print(f"| {b} | {s_q} | {h_q} | {default} | "
+              + " | ".join(f"{us[n, k]:.1f}" for n in caches for k in ("sm90", "sm80"))
+              + f" | {gbps8:.0f} ({100 * gbps8 / COPY_GBPS:.0f}) | {fm_us:.1f} | "
+              f"{fm_us / us['656', default]:.3f} | {fm_us / us['bf16', default]:.3f} |")
+        sys.stdout.flush()
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only a few configurations")
@@ -147,6 +204,8 @@ def main(argv=None):
                     help="configurations to time instead of the anchor table")
     ap.add_argument("--sparse", action="store_true",
                     help="sparse decode (V3.2 shapes) beside FlashMLA's sparse decode")
+    ap.add_argument("--sparse-kernels", action="store_true",
+                    help="sparse decode on both kernels over the three cache formats")
     ap.add_argument("--keysm", action="store_true",
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
                          "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64) in the same run, with its "
@@ -156,6 +215,9 @@ def main(argv=None):
     if args.sparse:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse decode")
         return main_sparse(flash_mla)
+    if args.sparse_kernels:
+        print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse kernels")
+        return main_sparse_kernels(flash_mla)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
           + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
