@@ -188,31 +188,25 @@ class MLASparseDecodeSm90(MLADecodeSm90):
             for h in cutlass.range_constexpr(2):
                 bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(
                     slots[h] >= 0, Float32(0.0), -Float32.inf)
-        elem = mKV.element_type.width // 8  # the cache's: 2, or 1 (bytes)
+        elem = mKV.element_type.width // 8  # the cache's element: 2 bytes, or 1 (FP8 rows)
         buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2
         base = mKV.iterator.toint()
         row_stride = Int64(mKV.stride[0]) * elem
         page_stride = Int64(mKV.stride[2]) * elem
-        # 16-bit tiles: all of the plain cache's, the 656-byte rows' rope tile (bf16 values at
-        # byte FP8_DS_MLA_ROPE_AT of the row).
-        t16 = (t_begin, t_end)
-        if const_expr(self.cache == "e4m3"):
-            t16 = (t_end, t_end)
-        if const_expr(self.cache == "fp8_ds_mla"):
-            t16 = (max(t_begin, N_TILES - 1), t_end)
-        if const_expr(t16[0] < t16[1]):
+        if const_expr(self.cache == "plain"):
             for j in cutlass.range_constexpr(ROWS_PER_LANE):
                 row, c, dst = gather_offsets(lane, j)
                 # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
                 src, size = self._row(base, row_stride, page_stride,
                                       cute.arch.shuffle_sync(slots[j // 8], row % 32))
-                for t in cutlass.range_constexpr(t16[0], t16[1]):
-                    col = t * 64 * elem
-                    if const_expr(self.cache == "fp8_ds_mla"):
-                        col = FP8_DS_MLA_ROPE_AT
-                    cp_async16(buf + t * TILE16 + dst, src + col + c * 16, size)
+                for t in cutlass.range_constexpr(t_begin, t_end):
+                    cp_async16(buf + t * TILE16 + dst, src + t * 128 + c * 16, size)
+        # FP8 rows: the e4m3 tiles' bytes to their staging places; the 656-byte rows' rope
+        # tile (bf16 values at byte FP8_DS_MLA_ROPE_AT) to its 16-bit place, two chunks a lane
+        # and row (c, c + 4) from the same row addresses.
         t8 = (t_begin, min(t_end, N_TILES if self.cache == "e4m3" else N_TILES - 1))
-        if const_expr(self.cache != "plain" and t8[0] < t8[1]):
+        rope = self.cache == "fp8_ds_mla" and t_end == N_TILES
+        if const_expr(self.cache != "plain"):
             for j in cutlass.range_constexpr(PAGE_SIZE // 8):
                 row, c, dst = gather8_offsets(lane, j)
                 src, size = self._row(base, row_stride, page_stride,
@@ -220,6 +214,12 @@ class MLASparseDecodeSm90(MLADecodeSm90):
                 for t in cutlass.range_constexpr(t8[0], t8[1]):
                     cp_async16(buf + fp8_tile_offset(self.cache, t) + dst, src + t * 64 + c * 16,
                                size)
+                if const_expr(rope):
+                    for k in cutlass.range_constexpr(2):
+                        cc = c + 4 * k
+                        cp_async16(buf + (N_TILES - 1) * TILE16 + row * 128
+                                   + ((cc ^ (row % 8)) << 4),
+                                   src + FP8_DS_MLA_ROPE_AT + cc * 16, size)
         if const_expr(self.cache == "fp8_ds_mla"):
             # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
             for r in cutlass.range_constexpr(2):
