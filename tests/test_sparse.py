@@ -338,12 +338,18 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
             assert sparse_ops.sparse_backend(q, cache, 512) == (want_default or want, ""), (
                 flag, b, s_q, h_q)
     assert sparse_ops.sm90_sparse_pays(128, 1, 64) and not sparse_ops.sm90_sparse_pays(127, 1, 64)
+    # over an FP8 cache: from 128 CTAs at any h_q, from 64 at h_q >= 64
+    fp8 = {(128, 1, 16): True, (64, 2, 32): True, (32, 1, 128): True, (32, 2, 64): True,
+           (32, 1, 64): False, (32, 2, 32): False, (2, 2, 128): False}
+    for (b, s_q, h_q), want in fp8.items():
+        assert sparse_ops.sm90_sparse_pays(b, s_q, h_q, fp8=True) == want, (b, s_q, h_q)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_fp8_caches_run_a_kernel(monkeypatch, arch):
-    # The FP8 caches run the kernels the 16-bit ones do (each dequantizes in its gather or in
-    # shared memory); the 656-byte rows with bf16 q only (their RoPE values are bf16).
+    # The FP8 caches run both kernels (each dequantizes, in its gather or in shared memory),
+    # the SM90 one from fewer heads than over a 16-bit cache (sm90_sparse_pays); the 656-byte
+    # rows with bf16 q only (their RoPE values are bf16).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -353,7 +359,8 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
     rows = torch.empty(2, 64, 1, 656, dtype=torch.uint8)
     big = "sm90" if arch == "sm_90a" else "sm80"
     for dtype in (torch.bfloat16, torch.float16):
-        for shape, want in (((1, 1, 16), "sm80"), ((128, 1, 128), big)):
+        # (128 CTAs of 16 heads: the portable kernel over a 16-bit cache, the SM90 one here)
+        for shape, want in (((1, 1, 16), "sm80"), ((128, 1, 128), big), ((128, 1, 16), big)):
             q = torch.empty(*shape, 576, dtype=dtype)
             assert sparse_ops.sparse_backend(q, e4m3, 512) == (want, "")
             want = (want, "") if dtype == torch.bfloat16 else (

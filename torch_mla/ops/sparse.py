@@ -39,16 +39,22 @@ _STEP_CACHE = {"plain": "plain", "fp8": "e4m3", "fp8_ds_mla": "fp8_ds_mla"}
 
 
 # Where the SM90 sparse kernel beats the portable one (H200, docs/kernels/sparse.md "Kernel
-# choice"): each of its CTAs takes 64 query rows of one token, so it needs 64 heads to fill
-# them, and enough (token, 64-head block) CTAs to fill the GPU.
+# choice"): each of its CTAs takes 64 query rows of one token, so it wants 64 heads to fill
+# them and enough (token, 64-head block) CTAs to fill the GPU. Over an FP8 cache (whose
+# conversion the portable kernel does in its gathering threads) it wins from fewer.
 SM90_MIN_HEADS = 64
 SM90_MIN_CTAS = 128
 
 
-def sm90_sparse_pays(b: int, s_q: int, h_q: int) -> bool:
+def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     """Whether the SM90 sparse kernel runs by default for b requests of s_q tokens and h_q
-    heads: h_q >= SM90_MIN_HEADS and b * s_q * ceil(h_q / 64) >= SM90_MIN_CTAS."""
-    return h_q >= SM90_MIN_HEADS and b * s_q * -(-h_q // BLOCK_M) >= SM90_MIN_CTAS
+    heads, with ctas = b * s_q * ceil(h_q / 64): a 16-bit cache, h_q >= SM90_MIN_HEADS and
+    ctas >= SM90_MIN_CTAS; an FP8 one (fp8), ctas >= SM90_MIN_CTAS, or h_q >= SM90_MIN_HEADS
+    and ctas >= SM90_MIN_CTAS / 2."""
+    ctas = b * s_q * -(-h_q // BLOCK_M)
+    if fp8:
+        return ctas >= SM90_MIN_CTAS or (h_q >= SM90_MIN_HEADS and 2 * ctas >= SM90_MIN_CTAS)
+    return h_q >= SM90_MIN_HEADS and ctas >= SM90_MIN_CTAS
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
@@ -75,7 +81,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
-            dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3])):
+            dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
         return "sm90", ""
     return "sm80", ""
 
