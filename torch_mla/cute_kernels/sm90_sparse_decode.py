@@ -1,4 +1,4 @@
-"""Sparse MLA decode (DeepSeek Sparse Attention) on the SM90 kernel (wgmma + TMA), in CuTe DSL.
+"""Sparse MLA decode (DeepSeek Sparse Attention) on the SM90 kernel (cp.async gather), CuTe DSL.
 
 Problem (as sm80_sparse_decode.py): query token i of request r attends only to the cached
 latents its row indices[r, i, :topk_length[r]] names (slots, page * 64 + row; -1 names none):
@@ -29,18 +29,27 @@ What differs from the dense kernel:
     cache enters P V), and
   - its score is -inf: each buffer has a bias row in shared memory (0 or -inf per key), written
     by the warp that loads the buffer's left half before its plain arrival (release), added to
-    the scores in _mask.
+    the scores in _mask;
+  - the FP8 caches (cache "e4m3", "fp8_ds_mla"): the gather copies each fp8 tile's bytes
+    (gather8_offsets: 8 rows x 64 bytes an instruction) to where the dense kernel's kv_fp8
+    TMA leaves them (fp8_tile_offset), and the dense kernel's _expand_half turns them into the
+    16-bit tiles in shared memory. The 656-byte rows: their bf16 rope values are copied as a
+    16-bit tile in place, and each row's four float32 scales (8 bytes a buffer half, by
+    cp.async.ca) to the last 512 bytes of 16-bit tile 4 h + 1 (sm90_decode.group_scale_offset),
+    which _expand_half (group_scales) reads before it overwrites them; each value is multiplied
+    by its group's scale in fp32 and rounded once to bf16.
 
-Limits: bf16/fp16 q and cache (the dense kernel's 16-bit path), d_qk 576, d_v 512, 64-token
-pages, any page and row strides (16-byte multiples); h_q any (64-row m-blocks of one token's
-heads), s_q any, topk any. Not causal. The attention sink is applied by the host after the
-step (torch_mla.ops.sparse).
+Limits: d_qk 576, d_v 512, 64-token pages, any page and row strides (16-byte multiples); bf16/
+fp16 q over a cache of q's dtype or a float8_e4m3fn one (kv_scale), bf16 q over the 656-byte
+rows; h_q any (64-row m-blocks of one token's heads), s_q any, topk any. Not causal. The
+attention sink is applied by the host after the step (torch_mla.ops.sparse).
 
-Status: correct on the H200 (tests, memcheck). Sessions 14-15 gathered by one TMA box per row
-(0.09-0.70x FlashMLA, slower than the portable kernel everywhere); the cp.async gather (session
-17) is 1.14-1.15x faster than the portable kernel at h_q >= 64 on big batches, slower on small
-ones and below 64 heads (64-row tiles of padding): the dispatch takes it where
-ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md).
+Status: correct on the H200 (tests over the three formats, memcheck, FlashMLA's own sparse
+cases through compat). Sessions 14-15 gathered by one TMA box per row (0.09-0.70x FlashMLA,
+slower than the portable kernel everywhere); the cp.async gather (session 17) is 0.89-0.92x
+the portable kernel's time over bf16 at 64+ heads on full launches and 0.53-0.90x over the FP8
+caches, 0.57-0.76x FlashMLA at b 128 over the same 656-byte rows. The dispatch takes it where
+ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice").
 """
 
 from __future__ import annotations
