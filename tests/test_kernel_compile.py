@@ -245,6 +245,46 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
 
 
+KEYSM_SPARSE_SCRIPT = r"""
+import glob, json, os, re, sys
+from torch_mla.ops import registry
+registry.build(registry.SparseStepConfig("sm90_keysm", sys.argv[1], sys.argv[2],
+                                         int(sys.argv[3])), "sm_90a")
+counts = {}
+for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+    for ptx in open(f).read().split(".entry ")[1:]:
+        if "MLASparseDecodeKeysM" not in ptx.split("(", 1)[0]:
+            continue
+        for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
+                  "cp.async.mbarrier.arrive.noinc.shared", "fence.proxy.async",
+                  "cp.async.bulk.tensor", "ld.local", "st.local", "vprintf", "trap;"]:
+            counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "plain", 16), ("fp16", "e4m3", 32)])
+def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
+    """The keys-on-M sparse decode step (cute_kernels/sm90_keysm_sparse_decode.py): the
+    keys-on-M kernel's MMAs (36 S^T + 32 O^T wgmma); its producer warp's gather, 16 16-byte
+    cp.async copies a lane and 16-bit tile (8 a fp8 tile) over the page's 9 tiles, completing
+    on the stage's full mbarrier through one cp.async.mbarrier.arrive.noinc; Q's 9 TMA boxes
+    the only TMA loads; a proxy fence before the MMAs read a 16-bit stage; no local memory."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", KEYSM_SPARSE_SCRIPT, dtype, cache, str(columns)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    c = json.loads(res.stdout.strip().splitlines()[-1])
+    assert c["wgmma.mma_async"] == 36 + 32, c
+    per_tile = 16 if cache == "plain" else 8
+    assert c["cp.async.cg.shared.global"] == 9 * per_tile, c
+    assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1 and c["cp.async.bulk.tensor"] == 9, c
+    assert c["cvt.rn.f16x2.e4m3x2"] == (0 if cache == "plain" else 8 * 9 * 256 // 128), c
+    assert c["fence.proxy.async"] > 0, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+
+
 PORTABLE_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry

@@ -346,6 +346,29 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
+def test_keysm_sparse_kernel_with_its_flag(monkeypatch, arch):
+    # TORCH_MLA_SPARSE_KEYSM=1: the keys-on-M sparse kernel on sm_90a for h_q <= 32 over a
+    # 16-bit or e4m3 cache (8, 16 or 32 columns); otherwise the other kernels' rules.
+    from torch_mla.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    caches = {"plain": torch.empty(2, 64, 1, 576, dtype=torch.bfloat16),
+              "fp8": torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn),
+              "fp8_ds_mla": torch.empty(2, 64, 1, 656, dtype=torch.uint8)}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", flag)
+        for fmt, cache in caches.items():
+            for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
+                q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
+                keysm = flag == "1" and arch == "sm_90a" and fmt != "fp8_ds_mla" and cols > 0
+                assert (sparse_ops.sparse_backend(q, cache, 512)[0] == "sm90_keysm") == keysm
+                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == (
+                    0 if fmt == "fp8_ds_mla" else cols)
+
+
+@pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_fp8_caches_run_a_kernel(monkeypatch, arch):
     # The FP8 caches run both kernels (each dequantizes, in its gather or in shared memory),
     # the SM90 one from fewer heads than over a 16-bit cache (sm90_sparse_pays); the 656-byte
@@ -797,7 +820,8 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
     sparse_ops.run_sparse_step("sm80", q, cache, idx, None, None, sched.metadata,
                                sched.num_splits, 0.1, 512, kv_scale)
     ((key, args),) = calls
-    assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86")
+    assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86",
+                   0)
     assert len(args) == 13 and args[-1] is kv_scale
     width = 656 if fmt == "fp8_ds_mla" else 576
     assert args[1].shape == (2, PAGE, width)

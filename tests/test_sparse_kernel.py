@@ -28,22 +28,28 @@ from torch_mla.testing import DECODE_TOL, LSE_TOL
 
 pytestmark = pytest.mark.cuda
 
+_TAKEN = {"kernel": None}  # the kernel _take asked for (check_against_fp64 checks it ran)
+
+
 def _take(kernel: str, monkeypatch) -> str:
     """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
-    "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"."""
-    if kernel == "sm90":
+    "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=1 for
+    "sm90_keysm" (sm_90a only), which takes h_q <= 32 over a 16-bit or e4m3 cache: the
+    other shapes' cases skip (check_against_fp64)."""
+    if kernel in ("sm90", "sm90_keysm"):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
-            pytest.skip("the SM90 sparse kernel needs compute capability 9.0")
-        monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")
-    else:
-        monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "0")
+            pytest.skip("the SM90 sparse kernels need compute capability 9.0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1" if kernel == "sm90" else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "1" if kernel == "sm90_keysm" else "0")
+    _TAKEN["kernel"] = kernel
     return kernel
 
 
-@pytest.fixture(params=["sm80", "sm90"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm"])
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
-    return _take(request.param, monkeypatch)
+    yield _take(request.param, monkeypatch)
+    _TAKEN["kernel"] = None
 
 
 GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
@@ -82,6 +88,10 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, k
     """The kernel's (out, lse) on these CUDA tensors against the float64 loop on their CPU
     copies (an FP8 cache decoded from its bytes): bf16/fp16 output rounding, fp32 lse; +inf
     exactly where a token uses no entry."""
+    taken = sparse_ops.sparse_backend(q, kv_cache, 512)[0]
+    if _TAKEN["kernel"] == "sm90_keysm" and taken != "sm90_keysm":
+        pytest.skip(f"the keys-on-M sparse kernel does not take this shape ({taken} would run)")
+    assert _TAKEN["kernel"] in (None, taken), (_TAKEN, taken)
     out, lse = torch_mla.mla_decode_sparse(q, kv_cache, indices, topk_length=topk_length,
                                            attn_sink=attn_sink, kv_scale=kv_scale)
     cpu = [None if t is None else t.cpu()
@@ -226,16 +236,18 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
 FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
 
 
-@pytest.fixture(params=["sm80", "sm90"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm"])
 def fp8_kernel(request, monkeypatch):
     """The kernel the FP8 cases run (_take)."""
-    return _take(request.param, monkeypatch)
+    yield _take(request.param, monkeypatch)
+    _TAKEN["kernel"] = None
 
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
-    assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
+    want = "sm80" if fp8_kernel == "sm90_keysm" and fmt == "fp8_ds_mla" else fp8_kernel
+    assert sparse_ops.sparse_backend(q, cache, 512) == (want, "")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)

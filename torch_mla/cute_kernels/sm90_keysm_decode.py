@@ -170,6 +170,13 @@ def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
 class MLADecodeSm90KeysM(DecodeKernel):
     """Split-KV MLA decode for SM90 with keys on M; see the module docstring."""
 
+    # Arrivals that complete a ring stage's full mbarrier (the producer's expect_tx arrival;
+    # the sparse subclass gathers by cp.async: its lanes' arrivals too).
+    k_arrivals = 1
+    # The ring filled through the generic proxy (cp.async): a proxy fence before the MMAs
+    # read a 16-bit stage.
+    cp_async_tiles = False
+
     def __init__(self, dtype, causal: bool, columns: int, kv_fp8: bool = False):
         assert columns in KEYSM_COLUMNS, columns
         self.dtype = dtype
@@ -207,12 +214,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, q_tile, (n_wg, D_QK))
-        if const_expr(self.kv_fp8):
-            # fp8 tiles land unswizzled (64-byte rows): the expansion reads them linearly.
-            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
-            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
-        else:
-            tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, tile_layout, (PAGE_SIZE, 64))
+        tma_k, tma_mKV = self._cache_tma(op, mKV_t, tile_layout)
 
         i64 = cutlass.Int64
         fields = dict(
@@ -227,11 +229,25 @@ class MLADecodeSm90KeysM(DecodeKernel):
         fields["barFull"] = cute.struct.MemRange[i64, self.stages]
         fields["barEmpty"] = cute.struct.MemRange[i64, self.stages]
         fields["barQ"] = cute.struct.MemRange[i64, 2]  # full, empty
+        fields.update(self._more_smem())
         self.shared_storage = shared_struct(**fields)
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
+
+    def _cache_tma(self, op, mKV_t: cute.Tensor, tile_layout):
+        """The cache's TMA atom and view for 64-key x 64-column tiles of (64 keys, 576,
+        pages)."""
+        if const_expr(self.kv_fp8):
+            # fp8 tiles land unswizzled (64-byte rows): the expansion reads them linearly.
+            tile8 = cute.make_layout((PAGE_SIZE, 64), stride=(64, 1))
+            return cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
+        return cpasync.make_tiled_tma_atom(op, mKV_t, tile_layout, (PAGE_SIZE, 64))
+
+    def _more_smem(self) -> dict:
+        """Shared-memory fields a subclass adds after the barriers."""
+        return {}
 
     # ------------------------------------------------------------------------------------------
     # device side
@@ -257,9 +273,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
         bar_q = storage.barQ.data_ptr()
         if tidx == 0:
             cpasync.prefetch_descriptor(tma_q)
-            cpasync.prefetch_descriptor(tma_k)
+            if const_expr(tma_k is not None):
+                cpasync.prefetch_descriptor(tma_k)
             for i in cutlass.range_constexpr(self.stages):
-                cute.arch.mbarrier_init(bar_full + i, 1)
+                cute.arch.mbarrier_init(bar_full + i, self.k_arrivals)
                 cute.arch.mbarrier_init(bar_empty + i, 4 * self.consumers)
             cute.arch.mbarrier_init(bar_q, 1)
             cute.arch.mbarrier_init(bar_q + 1, 4 * self.consumers)
@@ -269,6 +286,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cute.arch.griddepcontrol_launch_dependents()
 
         # Device-side handles for the helper methods (IR values of this kernel's region).
+        self.d_storage, self.d_tensors = storage, tensors
         self.d_k_base = storage.sK.data_ptr().toint()
         self.d_p_base = storage.sP.data_ptr().toint()
         self.d_tiled_s, self.d_tiled_o = tiled_s, tiled_o
@@ -276,8 +294,9 @@ class MLADecodeSm90KeysM(DecodeKernel):
             # Folded scales (see sm90_decode.py): read once, no host synchronisation.
             kv_scale = mKVScale[0]
             q_scale = Float32(1.0)
-            if q_scaled != 0:
-                q_scale = mQScale[0]
+            if const_expr(q_scaled is not None):  # (the sparse step passes no q scale)
+                if q_scaled != 0:
+                    q_scale = mQScale[0]
             scale_log2 = scale_log2 * kv_scale * q_scale
             self.d_kv_scale = kv_scale
             self.d_k8 = storage.sK8.data_ptr().toint()
@@ -314,14 +333,11 @@ class MLADecodeSm90KeysM(DecodeKernel):
         page, Q (once the consumers released the last segment's), then its other pages, each
         into the next ring stage once its last reader released it."""
         mBlockTable, mSeqlens, mNumSplits = tensors.block_table, tensors.seqlens, tensors.num_splits
-        gK = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
-        tKsK, tKgK = cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                           cute.group_modes(sK_tma, 0, 2),
-                                           cute.group_modes(gK, 0, 2))
+        tKsK, tKgK = self._ring_partitions(tma_k, tma_mKV, sK_tma)
         elem_bytes = 1 if const_expr(self.kv_fp8) else self.dtype.width // 8
         page_bytes = PAGE_ELEMS * elem_bytes
         q_bytes = self.consumers * self.n_wg * D_QK * self.dtype.width // 8
-        width = mBlockTable.shape[1]
+        width = self._table_blocks(mBlockTable)
         cnt = cute.make_rmem_tensor(2, Int32)  # blocks issued, segments issued
         cnt.fill(0)
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
@@ -331,8 +347,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
             # The segment's first page goes before its Q: a ring stage frees up before the
             # last segment's Q does, so one page loads across the segment boundary.
             for blk in cutlass.range(lo, hi, unroll=1):
-                self._load_page(tma_k, tKgK, tKsK, mBlockTable[r, blk], cnt, bar_full, bar_empty,
-                                page_bytes)
+                self._load_page(tma_k, tKgK, tKsK, self._page(mBlockTable, r, blk), cnt,
+                                bar_full, bar_empty, page_bytes)
                 if blk == lo:
                     cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
                     with cute.arch.elect_one():
@@ -346,6 +362,23 @@ class MLADecodeSm90KeysM(DecodeKernel):
                         cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
                                   cache_policy=cutlass.Int64(L2_EVICT_FIRST))
                     cnt[1] = cnt[1] + 1
+
+    @cute.jit
+    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
+        """The TMA partitions of the ring's tiles (TMA, 1, 9 tiles, stages) and the cache's
+        (TMA, 9 tiles, pages)."""
+        gK = cute.local_tile(tma_mKV, (PAGE_SIZE, 64), (0, None, None))  # (64, 64, 9, pages)
+        return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                     cute.group_modes(sK_tma, 0, 2), cute.group_modes(gK, 0, 2))
+
+    def _table_blocks(self, mBlockTable) -> Int32:
+        """How many 64-key blocks the table's rows cover (the walk stops there)."""
+        return mBlockTable.shape[1]
+
+    @cute.jit
+    def _page(self, mBlockTable, r: Int32, blk: Int32) -> Int32:
+        """What _load_page takes for block blk of request r: its cache page."""
+        return mBlockTable[r, blk]
 
     @cute.jit
     def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
@@ -377,7 +410,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         h_q = mLSE.shape[1]
         s_q = mLSE.shape[2]
         self.d_rows, self.d_h_q, self.d_s_q = rows, h_q, s_q
-        width = mBlockTable.shape[1]
+        width = self._table_blocks(mBlockTable)
 
         thr_s = self.d_tiled_s.get_slice(wtid)
         thr_o = self.d_tiled_o.get_slice(wtid)
@@ -443,6 +476,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         n_cons = 128 * self.consumers
         s, parity = ring_slot(cnt[0], self.stages)
         cute.arch.mbarrier_wait(bar_full + s, parity)
+        if const_expr(self.cp_async_tiles and not self.kv_fp8):
+            cute.arch.fence_view_async_shared()
         ob = s  # the 16-bit buffer the MMAs read
         if const_expr(self.kv_fp8):
             ob = 0
@@ -484,6 +519,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 key = 16 * wq + lane // 4 + 8 * ((idx // 2) % 2)
                 if key0 + key >= border[jc]:
                     acc_S[idx] = -Float32.inf
+        self._mask_entries(acc_S, s, wq, lane)
 
         # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
         # smem slot cnt % 2: the next write to it is two pages later, past a barrier every
@@ -541,6 +577,11 @@ class MLADecodeSm90KeysM(DecodeKernel):
             if lane == 0:
                 cute.arch.mbarrier_arrive(bar_empty + s)
         cnt[0] = cnt[0] + 1
+
+    @cute.jit
+    def _mask_entries(self, acc_S, s, wq, lane):
+        """Keys of ring stage s that no entry names: none here (the sparse subclass)."""
+        pass
 
     @cute.jit
     def _across_keys(self, part, op, sMax, p, wg, wq, lane):

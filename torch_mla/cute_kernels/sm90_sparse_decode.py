@@ -99,6 +99,67 @@ def fp8_tile_offset(cache: str, t: int) -> int:
     return t0 * TILE16 + nt * TILE8 + (t - t0) * TILE8
 
 
+@cute.jit
+def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32):
+    """The slots of keys lane and lane + 32 of block `page` (one-token request page // nb,
+    block page % nb; nb blocks a request), -1 for an entry that names no key (-1, at or past
+    topk_length, or a slot outside [0, num_slots))."""
+    r = page // nb
+    key0 = (page - r * nb) * PAGE_SIZE
+    limit = cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1]) - key0
+    lane = cute.arch.lane_idx()
+    slots = [None, None]
+    for h in cutlass.range_constexpr(2):
+        slot = Int32(-1)
+        if lane + 32 * h < limit:
+            slot = mIdx[r, key0 + lane + 32 * h]
+        slots[h] = cutlass.select_((slot >= 0) & (slot < num_slots), slot, Int32(-1))
+    return slots[0], slots[1]
+
+
+@cute.jit
+def row_source(base: Int64, row_stride: Int64, page_stride: Int64, slot: Int32):
+    """(global address of cache slot `slot`'s row, 16), or (the cache's base, 0) for -1: a
+    cp.async of source size 0 reads nothing and zero-fills."""
+    ok = slot >= 0
+    off = Int64(slot // PAGE_SIZE) * page_stride + Int64(slot % PAGE_SIZE) * row_stride
+    return (base + cutlass.select_(ok, off, Int64(0)), cutlass.select_(ok, Int32(16), Int32(0)))
+
+
+@cute.jit
+def gather16(slots, rows, tiles):
+    """One warp: the 16-bit tiles `tiles` ((shared address of a 64-key x 64-column tile, byte
+    offset of its columns in a cache row)) of the 64 keys whose slots the lanes hold (slots:
+    keys lane and lane + 32; rows: the cache's (base address, row stride, page stride) in
+    bytes), each row's chunks to their swizzled places (gather_offsets)."""
+    lane = cute.arch.lane_idx()
+    for j in cutlass.range_constexpr(ROWS_PER_LANE):
+        row, c, dst = gather_offsets(lane, j)
+        # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
+        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[j // 8], row % 32))
+        for t in cutlass.range_constexpr(len(tiles)):
+            cp_async16(tiles[t][0] + dst, src + tiles[t][1] + c * 16, size)
+
+
+@cute.jit
+def gather8(slots, rows, tiles, rope=None):
+    """gather16 for fp8 tiles (64 keys x 64 bytes, unswizzled: gather8_offsets); rope: the
+    shared address of a 16-bit tile that takes the 656-byte rows' bf16 rope values (bytes
+    FP8_DS_MLA_ROPE_AT on), two chunks a lane and row (c, c + 4) from the same row addresses,
+    or None."""
+    lane = cute.arch.lane_idx()
+    for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+        row, c, dst = gather8_offsets(lane, j)
+        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[j // 4], row % 32))
+        for t in cutlass.range_constexpr(len(tiles)):
+            cp_async16(tiles[t][0] + dst, src + tiles[t][1] + c * 16, size)
+        if const_expr(rope is not None):
+            for k in cutlass.range_constexpr(2):
+                cc = c + 4 * k
+                cp_async16(rope + row * 128 + ((cc ^ (row % 8)) << 4),
+                           src + FP8_DS_MLA_ROPE_AT + cc * 16, size)
+
+
 class MLASparseDecodeSm90(MLADecodeSm90):
     """The SM90 kernel over gathered entries; see the module docstring."""
 
@@ -159,22 +220,9 @@ class MLASparseDecodeSm90(MLADecodeSm90):
 
     @cute.jit
     def _entries(self, page: Int32):
-        """The slots of keys lane and lane + 32 of block `page`, -1 for an entry that names no
-        key (-1, at or past topk_length, or a slot outside [0, num_blocks * 64))."""
-        mIdx, mLens = self.d_tensors.block_table, self.d_tensors.seqlens
-        nb = self._table_blocks(mIdx)
-        r = page // nb
-        key0 = (page - r * nb) * PAGE_SIZE
-        limit = cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1]) - key0
-        num_slots = self.d_num_slots
-        lane = cute.arch.lane_idx()
-        slots = [None, None]
-        for h in cutlass.range_constexpr(2):
-            slot = Int32(-1)
-            if lane + 32 * h < limit:
-                slot = mIdx[r, key0 + lane + 32 * h]
-            slots[h] = cutlass.select_((slot >= 0) & (slot < num_slots), slot, Int32(-1))
-        return slots[0], slots[1]
+        """This lane's two entries of block `page` (block_entries)."""
+        return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
+                             self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table))
 
     @cute.jit
     def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
@@ -202,37 +250,22 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         base = mKV.iterator.toint()
         row_stride = Int64(mKV.stride[0]) * elem
         page_stride = Int64(mKV.stride[2]) * elem
+        rows = (base, row_stride, page_stride)
         if const_expr(self.cache == "plain"):
-            for j in cutlass.range_constexpr(ROWS_PER_LANE):
-                row, c, dst = gather_offsets(lane, j)
-                # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
-                src, size = self._row(base, row_stride, page_stride,
-                                      cute.arch.shuffle_sync(slots[j // 8], row % 32))
-                for t in cutlass.range_constexpr(t_begin, t_end):
-                    cp_async16(buf + t * TILE16 + dst, src + t * 128 + c * 16, size)
-        # FP8 rows: the e4m3 tiles' bytes to their staging places; the 656-byte rows' rope
-        # tile (bf16 values at byte FP8_DS_MLA_ROPE_AT) to its 16-bit place, two chunks a lane
-        # and row (c, c + 4) from the same row addresses.
-        t8 = (t_begin, min(t_end, N_TILES if self.cache == "e4m3" else N_TILES - 1))
-        rope = self.cache == "fp8_ds_mla" and t_end == N_TILES
-        if const_expr(self.cache != "plain"):
-            for j in cutlass.range_constexpr(PAGE_SIZE // 8):
-                row, c, dst = gather8_offsets(lane, j)
-                src, size = self._row(base, row_stride, page_stride,
-                                      cute.arch.shuffle_sync(slots[j // 4], row % 32))
-                for t in cutlass.range_constexpr(t8[0], t8[1]):
-                    cp_async16(buf + fp8_tile_offset(self.cache, t) + dst, src + t * 64 + c * 16,
-                               size)
-                if const_expr(rope):
-                    for k in cutlass.range_constexpr(2):
-                        cc = c + 4 * k
-                        cp_async16(buf + (N_TILES - 1) * TILE16 + row * 128
-                                   + ((cc ^ (row % 8)) << 4),
-                                   src + FP8_DS_MLA_ROPE_AT + cc * 16, size)
+            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t_begin, t_end)])
+        else:
+            # The e4m3 tiles' bytes to their staging places; the 656-byte rows' rope tile (bf16
+            # values at byte FP8_DS_MLA_ROPE_AT) to its 16-bit place.
+            t8 = (t_begin, min(t_end, N_TILES if self.cache == "e4m3" else N_TILES - 1))
+            rope = None
+            if const_expr(self.cache == "fp8_ds_mla" and t_end == N_TILES):
+                rope = buf + (N_TILES - 1) * TILE16
+            gather8(slots, rows, [(buf + fp8_tile_offset(self.cache, t), t * 64)
+                                  for t in range(t8[0], t8[1])], rope)
         if const_expr(self.cache == "fp8_ds_mla"):
             # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
             for r in cutlass.range_constexpr(2):
-                src, size = self._row(base, row_stride, page_stride, slots[r])
+                src, size = row_source(*rows, slots[r])
                 for h in cutlass.range_constexpr(2):
                     if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
                         cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
@@ -244,15 +277,6 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         with cute.arch.elect_one():
             for t in cutlass.range_constexpr(t_begin, t_end):
                 cute.arch.mbarrier_arrive(barK + s * N_TILES + t)
-
-    @cute.jit
-    def _row(self, base: Int64, row_stride: Int64, page_stride: Int64, slot: Int32):
-        """(global address of cache slot `slot`'s row, 16), or (the cache's base, 0) for -1:
-        a copy of source size 0 reads nothing and zero-fills."""
-        ok = slot >= 0
-        off = Int64(slot // PAGE_SIZE) * page_stride + Int64(slot % PAGE_SIZE) * row_stride
-        return (base + cutlass.select_(ok, off, Int64(0)),
-                cutlass.select_(ok, Int32(16), Int32(0)))
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,

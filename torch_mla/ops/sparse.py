@@ -57,9 +57,18 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     return h_q >= SM90_MIN_HEADS and ctas >= SM90_MIN_CTAS
 
 
+def keysm_sparse_columns(h_q: int, fmt: str) -> int:
+    """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads over a cache
+    of format fmt (cache_format), or 0 where it does not run (h_q > 32, the 656-byte rows)."""
+    if fmt not in ("plain", "fp8"):
+        return 0
+    return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
+
+
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a
-    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never) or
+    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never), "sm90_keysm"
+    (the keys-on-M one: on sm_90a with TORCH_MLA_SPARSE_KEYSM=1 where keysm_sparse_columns) or
     "reference", for validated inputs on a CUDA device; reason says why the reference runs.
     Both kernels take every cache format (the FP8 ones dequantized in the kernel); the
     656-byte one with bf16 q only (its RoPE values are bf16)."""
@@ -80,6 +89,9 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
+    if arch == registry.SM90_ARCH and dispatch.sparse_keysm_enabled() and keysm_sparse_columns(
+            q.shape[2], fmt):
+        return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
         return "sm90", ""
@@ -102,7 +114,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     if not q.is_cuda:
         return None
     name, reason = sparse_backend(q, kv_cache, d_v)
-    if name in ("sm80", "sm90"):
+    if name in ("sm80", "sm90", "sm90_keysm"):
         return partial(run_sparse_step, name)
     if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)
@@ -112,9 +124,9 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_step(backend: str, dtype: torch.dtype, cache: str, arch: str):
+def _sparse_step(backend: str, dtype: torch.dtype, cache: str, arch: str, columns: int = 0):
     return registry.compiled(
-        registry.SparseStepConfig(backend, registry.dtype_name(dtype), cache), arch)
+        registry.SparseStepConfig(backend, registry.dtype_name(dtype), cache, columns), arch)
 
 
 def _rows16(t: torch.Tensor) -> torch.Tensor:
@@ -142,8 +154,8 @@ def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
 
 def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                     sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
-    """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one;
-    decode, then combine) on validated arguments; the sink, if any, scales the output
+    """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one,
+    "sm90_keysm": the keys-on-M one; decode, then combine) on validated arguments; the sink, if any, scales the output
     afterwards. Allocates nothing whose size depends on data (CUDA-graph safe)."""
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
@@ -153,7 +165,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
-    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index))
+    columns = keysm_sparse_columns(h_q, cache_format(kv_cache)) if backend == "sm90_keysm" else 0
+    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
     parts = sched_metadata.shape[0]

@@ -1,0 +1,134 @@
+"""Sparse MLA decode (DeepSeek Sparse Attention) on the keys-on-M SM90 kernel (cp.async
+gather), CuTe DSL: the few-heads shape (h_q <= 32 a token), where the heads-on-M sparse kernel
+(sm90_sparse_decode.py) computes 64-row tiles of padding.
+
+Problem and mapping (as sm90_sparse_decode.py): each (request, query token) pair is one
+"request" of the walk with h_q query rows and topk_length[r] keys; a block of the walk is 64
+consecutive entries of the token's row (_page: r * blocks_per_row + blk), the schedule the
+dense one over those one-token requests, the step and its views sm80_sparse_decode's
+MLASparseDecodeStep. The kernel is sm90_keysm_decode.py's MLADecodeSm90KeysM (S^T = K Q^T,
+O^T = V^T P^T, the query rows on wgmma's N: `columns` 8, 16 or 32, one consumer warpgroup, a
+producer warp filling a ring of page stages), whose walk, softmax, MMAs and epilogue run
+unchanged. What differs:
+  - the producer warp fills a ring stage by cp.async (sm90_sparse_decode's gather16 /
+    gather8: 16-bit tiles to their swizzled places, or an e4m3 page's bytes where the dense
+    kernel's TMA leaves them for the consumers' expansion), reading the block's 64 entries
+    first (two a lane) and shuffling each row's slot to the lanes that copy it. The stage's
+    full mbarrier takes 33 arrivals: every lane's cp.async.mbarrier.arrive.noinc (when its
+    copies land) and one plain arrival after the warp's bias stores. The consumers fence
+    (fence.proxy.async) after the wait before the MMAs read a 16-bit stage (cp.async writes
+    through the generic proxy).
+  - an entry that names no key (-1, at or past topk_length, a slot outside the cache) reads
+    nothing (source size 0: a zero row) and its score is -inf: each stage has a bias row in
+    shared memory (0 or -inf per key), written by the producer, added in _mask_entries.
+
+Limits: d_qk 576, d_v 512, 64-token pages, any page and row strides (16-byte multiples);
+bf16/fp16 q over a cache of q's dtype or a float8_e4m3fn one (kv_scale, exact mode: expanded
+by the consumers); h_q <= 32 (one CTA per token and part), s_q any, topk any. Not causal. The
+656-byte rows run the other kernels. The sink is applied by the host.
+
+Status: compiled and PTX-checked on the CPU; see docs/kernels/sparse.md for its GPU state.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64
+
+from ..constants import PAGE_SIZE
+from .sm80_sparse_decode import MLASparseDecodeStep
+from .sm90_keysm_decode import PAGE_ELEMS, TILE_ELEMS, MLADecodeSm90KeysM, ring_slot
+from .sm90_sparse_decode import block_entries, gather8, gather16
+
+KEYSM_SPARSE_CACHES = ("plain", "e4m3")
+
+
+class MLASparseDecodeKeysM(MLADecodeSm90KeysM):
+    """The keys-on-M kernel over gathered entries; see the module docstring."""
+
+    k_arrivals = 33
+    cp_async_tiles = True
+
+    def __init__(self, dtype, columns: int, cache: str = "plain"):
+        assert cache in KEYSM_SPARSE_CACHES, cache
+        assert columns <= 32, columns  # one consumer warpgroup
+        super().__init__(dtype, False, columns, kv_fp8=cache == "e4m3")
+        self.cache = cache
+
+    def _cache_tma(self, op, mKV_t: cute.Tensor, tile_layout):
+        """No TMA for the cache: the producer addresses it as a plain tensor (64 rows, row
+        width, pages), 16-bit values or bytes."""
+        return None, mKV_t
+
+    def _more_smem(self) -> dict:
+        return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
+
+    @cute.jit
+    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
+        """No TMA partitions: _load_page addresses the ring and the cache itself."""
+        self.d_num_slots = tma_mKV.shape[2] * PAGE_SIZE
+        return None, tma_mKV
+
+    def _table_blocks(self, mIdx) -> Int32:
+        return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
+
+    @cute.jit
+    def _page(self, mIdx, r: Int32, blk: Int32) -> Int32:
+        """Block blk of one-token request r, as one number for _load_page."""
+        return r * self._table_blocks(mIdx) + blk
+
+    @cute.jit
+    def _load_page(self, tma_k, mKV, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
+        """The producer warp: the 64 keys block `page` names into the ring stage of use cnt[0]
+        (its entries read before the wait for the stage, their latency under it), its bias row,
+        then the copies; cnt[0] += 1."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        mIdx = self.d_tensors.block_table
+        slots = list(block_entries(mIdx, self.d_tensors.seqlens, self.d_num_slots, page,
+                                   self._table_blocks(mIdx)))
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        lane = cute.arch.lane_idx()
+        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
+        for h in cutlass.range_constexpr(2):
+            bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(slots[h] >= 0, Float32(0.0),
+                                                                  -Float32.inf)
+        elem = mKV.element_type.width // 8  # the cache's element: 2 bytes, or 1 (e4m3)
+        rows = (mKV.iterator.toint(), Int64(mKV.stride[0]) * elem, Int64(mKV.stride[2]) * elem)
+        tiles = range(PAGE_ELEMS // TILE_ELEMS)
+        if cutlass.const_expr(self.kv_fp8):
+            stage = self.d_k8 + s * PAGE_ELEMS
+            gather8(slots, rows, [(stage + t * TILE_ELEMS, t * 64) for t in tiles])
+        else:
+            stage = self.d_k_base + s * PAGE_ELEMS * 2
+            gather16(slots, rows, [(stage + t * TILE_ELEMS * 2, t * 128) for t in tiles])
+        cute.arch.cp_async_mbarrier_arrive_noinc(bar_full + s)
+        # The bias stores precede the elected lane's arrival (release) in program order.
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive(bar_full + s)
+        cnt[0] = cnt[0] + 1
+
+    @cute.jit
+    def _mask_entries(self, acc_S, s, wq, lane):
+        """Adds ring stage s's bias row to the scores (-inf for keys no entry names; those at or
+        past topk_length the horizon masks too). acc_S value idx is key 16 wq + lane / 4 +
+        8 ((idx / 2) % 2) (acc_coord)."""
+        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
+        b = [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
+        for idx in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[idx] = acc_S[idx] + b[(idx // 2) % 2]
+
+
+# --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm") ------------------
+
+
+def compile_sparse_step(config, arch: str):
+    """The keys-on-M sparse decode step (dtype, cache format, columns), compiled for arch
+    (sm_90a)."""
+    from ..contract import compile_sparse_step_kernel, dsl_dtype
+
+    dtype = dsl_dtype(config.dtype)
+    decode = MLASparseDecodeKeysM(dtype, config.columns, config.cache)
+    return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, use_pdl=True), dtype,
+                                      arch)
