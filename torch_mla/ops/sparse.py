@@ -156,7 +156,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                     sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
     """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one,
     "sm90_keysm": the keys-on-M one; decode, then combine) on validated arguments; the sink, if
-    any, scales the output afterwards. Allocates nothing whose size depends on data (CUDA-graph safe)."""
+    any, scales the output afterwards. Allocates nothing whose size depends on data (CUDA-graph
+    safe)."""
     if q.device.index != torch.cuda.current_device():
         with torch.cuda.device(q.device):
             return run_sparse_step(backend, q, kv_cache, indices, topk_length, attn_sink,
