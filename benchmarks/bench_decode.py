@@ -146,16 +146,37 @@ def _flash_mla_sparse_us(flash_mla, q, rows, idx) -> float:
         True, idx))
 
 
-def main_sparse_kernels(flash_mla) -> None:
-    """Both sparse kernels over the three cache formats in one process (TORCH_MLA_SPARSE_SM90
-    set to 1, then 0, around each call), beside FlashMLA's sparse decode: the table of
-    docs/kernels/sparse.md "Kernel choice"."""
+# The sparse kernels, by the environment that makes mla_decode_sparse run each for every shape
+# it takes (ops.sparse.sparse_backend).
+SPARSE_KERNEL_ENV = {"sm90": {"TORCH_MLA_SPARSE_SM90": "1", "TORCH_MLA_SPARSE_KEYSM": "0"},
+                     "sm80": {"TORCH_MLA_SPARSE_SM90": "0", "TORCH_MLA_SPARSE_KEYSM": "0"},
+                     "sm90_keysm": {"TORCH_MLA_SPARSE_KEYSM": "1"}}
+
+
+def _set_env(values: dict) -> None:
+    """os.environ[k] = v for each item (None: k unset)."""
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+
+
+def main_sparse_kernels(flash_mla, heads=None) -> None:
+    """The sparse kernels over the three cache formats in one process (each made to run by
+    SPARSE_KERNEL_ENV around its calls; the keys-on-M one where it takes the shape: h_q <= 32,
+    not the 656-byte rows), beside FlashMLA's sparse decode: the table of
+    docs/kernels/sparse.md "Kernel choice". heads: only these h_q."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
-          "e4m3 SM90 us | e4m3 portable us | 656 B SM90 us | 656 B portable us | "
-          "656 B SM90 GB/s (% copy) | FlashMLA 656 B us (same run) | "
-          "FlashMLA / ours 656 B (default) | FlashMLA / ours bf16 (default) |")
-    print("|" + "---|" * 14)
+          "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
+          "656 B SM90 us | 656 B portable us | 656 B SM90 GB/s (% copy) | "
+          "FlashMLA 656 B us (same run) | FlashMLA / ours 656 B (default) | "
+          "FlashMLA / ours bf16 (default) |")
+    print("|" + "---|" * 16)
+    saved = {k: os.environ.get(k) for k in ("TORCH_MLA_SPARSE_SM90", "TORCH_MLA_SPARSE_KEYSM")}
     for b, s_q, h_q in SPARSE_CONFIGS:
+        if heads and h_q not in heads:
+            continue
         pages, s_k, topk = 32768 // PAGE_SIZE, 32768, 2048
         kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
         k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
@@ -177,17 +198,20 @@ def main_sparse_kernels(flash_mla) -> None:
         us = {}
         for name, cache in caches.items():
             scale = kv_scale if name == "e4m3" else None
-            for kernel, flag in (("sm90", "1"), ("sm80", "0")):
-                os.environ["TORCH_MLA_SPARSE_SM90"] = flag
-                us[name, kernel] = _sparse_us(q, cache, idx, sched, scale)
-            os.environ.pop("TORCH_MLA_SPARSE_SM90")
+            for kernel, env in SPARSE_KERNEL_ENV.items():
+                _set_env(env)
+                us[name, kernel] = float("nan")
+                if sparse_backend(q, cache, 512)[0] == kernel:
+                    us[name, kernel] = _sparse_us(q, cache, idx, sched, scale)
+                _set_env(saved)
         fm_us = float("nan")
         if flash_mla is not None and h_q in (64, 128):
             fm_us = _flash_mla_sparse_us(flash_mla, q, caches["656"], idx)
         rest = b * s_q * (topk * 4 + h_q * (576 + 512) * 2)
         gbps8 = (b * s_q * topk * 656 + rest) / us["656", "sm90"] / 1e3
         print(f"| {b} | {s_q} | {h_q} | {default}, {default8} | "
-              + " | ".join(f"{us[n, k]:.1f}" for n in caches for k in ("sm90", "sm80"))
+              + " | ".join(f"{us[n, k]:.1f}" for n in caches for k in SPARSE_KERNEL_ENV
+                           if (n, k) != ("656", "sm90_keysm"))
               + f" | {gbps8:.0f} ({100 * gbps8 / COPY_GBPS:.0f}) | {fm_us:.1f} | "
               f"{fm_us / us['656', default8]:.3f} | {fm_us / us['bf16', default]:.3f} |")
         sys.stdout.flush()
@@ -206,7 +230,9 @@ def main(argv=None):
     ap.add_argument("--sparse", action="store_true",
                     help="sparse decode (V3.2 shapes) beside FlashMLA's sparse decode")
     ap.add_argument("--sparse-kernels", action="store_true",
-                    help="sparse decode on both kernels over the three cache formats")
+                    help="sparse decode on each kernel over the three cache formats")
+    ap.add_argument("--heads", default=None,
+                    help="with --sparse-kernels: only these h_q (comma-separated)")
     ap.add_argument("--keysm", action="store_true",
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
                          "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64) in the same run, with its "
@@ -218,7 +244,8 @@ def main(argv=None):
         return main_sparse(flash_mla)
     if args.sparse_kernels:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse kernels")
-        return main_sparse_kernels(flash_mla)
+        heads = [int(h) for h in args.heads.split(",")] if args.heads else None
+        return main_sparse_kernels(flash_mla, heads)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
           + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "
