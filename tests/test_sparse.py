@@ -323,6 +323,7 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "0")  # (h_q <= 32: test_keysm_sparse_kernel)
     cache = torch.empty(2, 64, 1, 576, dtype=torch.bfloat16)
     native = "sm90" if arch == "sm_90a" else "sm80"
     shapes = {(128, 1, 128): native, (32, 2, 128): native, (128, 1, 64): native,
@@ -346,9 +347,9 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
-def test_keysm_sparse_kernel_with_its_flag(monkeypatch, arch):
-    # TORCH_MLA_SPARSE_KEYSM=1: the keys-on-M sparse kernel on sm_90a for h_q <= 32 over a
-    # 16-bit or e4m3 cache (8, 16 or 32 columns); otherwise the other kernels' rules.
+def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
+    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 over a 16-bit or e4m3 cache (8, 16 or
+    # 32 columns) unless TORCH_MLA_SPARSE_KEYSM=0; otherwise the other kernels' rules.
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -357,12 +358,15 @@ def test_keysm_sparse_kernel_with_its_flag(monkeypatch, arch):
     caches = {"plain": torch.empty(2, 64, 1, 576, dtype=torch.bfloat16),
               "fp8": torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn),
               "fp8_ds_mla": torch.empty(2, 64, 1, 656, dtype=torch.uint8)}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", flag)
+    for flag in ("0", "1", None):
+        if flag is None:
+            monkeypatch.delenv("TORCH_MLA_SPARSE_KEYSM", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", flag)
         for fmt, cache in caches.items():
             for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
-                keysm = flag == "1" and arch == "sm_90a" and fmt != "fp8_ds_mla" and cols > 0
+                keysm = flag != "0" and arch == "sm_90a" and fmt != "fp8_ds_mla" and cols > 0
                 assert (sparse_ops.sparse_backend(q, cache, 512)[0] == "sm90_keysm") == keysm
                 assert sparse_ops.keysm_sparse_columns(h_q, fmt) == (
                     0 if fmt == "fp8_ds_mla" else cols)
@@ -378,6 +382,7 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
     monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "0")  # (h_q <= 32: test_keysm_sparse_kernel)
     e4m3 = torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn)
     rows = torch.empty(2, 64, 1, 656, dtype=torch.uint8)
     big = "sm90" if arch == "sm_90a" else "sm80"

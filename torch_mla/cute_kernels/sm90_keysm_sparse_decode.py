@@ -27,7 +27,10 @@ bf16/fp16 q over a cache of q's dtype or a float8_e4m3fn one (kv_scale, exact mo
 by the consumers); h_q <= 32 (one CTA per token and part), s_q any, topk any. Not causal. The
 656-byte rows run the other kernels. The sink is applied by the host.
 
-Status: compiled and PTX-checked on the CPU; see docs/kernels/sparse.md for its GPU state.
+Status: correct on the H200 (the sparse kernel tests it takes, CUDA-graph replays, the bad-entry
+message, memcheck over bf16 and e4m3); the dispatch's choice for h_q <= 32 over those caches on
+sm_90a (TORCH_MLA_SPARSE_KEYSM=0: off). At b 128, s_q 1, h_q 16: 114.2 us over bf16 (the
+portable kernel 129.6), 94.2 us over e4m3 (the SM90 kernel 139.5); docs/kernels/sparse.md.
 """
 
 from __future__ import annotations

@@ -75,9 +75,9 @@ _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 # TORCH_MLA_SPARSE_SM90=1 for every 16-bit cache, TORCH_MLA_SPARSE_SM90=0 never.
 sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
-# TORCH_MLA_SPARSE_KEYSM=1: the keys-on-M sparse kernel on sm_90a for h_q <= 32 over a 16-bit or
-# e4m3 cache (its first version; ops.sparse.sparse_backend).
-sparse_keysm_enabled = _env_flag("TORCH_MLA_SPARSE_KEYSM")
+# The keys-on-M sparse kernel on sm_90a for h_q <= 32 over a 16-bit or e4m3 cache
+# (ops.sparse.sparse_backend); TORCH_MLA_SPARSE_KEYSM=0 turns it off.
+sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;

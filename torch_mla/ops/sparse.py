@@ -68,7 +68,8 @@ def keysm_sparse_columns(h_q: int, fmt: str) -> int:
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a
     where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never), "sm90_keysm"
-    (the keys-on-M one: on sm_90a with TORCH_MLA_SPARSE_KEYSM=1 where keysm_sparse_columns) or
+    (the keys-on-M one, before the others: on sm_90a where keysm_sparse_columns, i.e. h_q <= 32
+    over a 16-bit or e4m3 cache; TORCH_MLA_SPARSE_KEYSM=0 never) or
     "reference", for validated inputs on a CUDA device; reason says why the reference runs.
     Both kernels take every cache format (the FP8 ones dequantized in the kernel); the
     656-byte one with bf16 q only (its RoPE values are bf16)."""
@@ -89,7 +90,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
-    if arch == registry.SM90_ARCH and dispatch.sparse_keysm_enabled() and keysm_sparse_columns(
+    if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
             q.shape[2], fmt):
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
