@@ -49,26 +49,28 @@ def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
     )
 
 
+def _cp_async(dst: Int32, src, src_size: Int32, nbytes: int, op: str, loc, ip) -> None:
+    """cp.async.<op>.shared.global of nbytes from global address src to shared::cta address
+    dst, of which the first src_size are read and the rest zero-filled."""
+    args = [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
+            Int32(src_size).ir_value(loc=loc, ip=ip)]
+    llvm.inline_asm(None, args, f"cp.async.{op}.shared.global [$0], [$1], {nbytes}, $2;",
+                    "r,l,r", has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
 @dsl_user_op
 def cp_async16(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
     """16 bytes from global address src to shared::cta address dst (cp.async.cg: through L2
     only), of which the first src_size (0 or 16) are read and the rest zero-filled: src_size 0
     reads nothing."""
-    args = [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
-            Int32(src_size).ir_value(loc=loc, ip=ip)]
-    llvm.inline_asm(None, args, "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _cp_async(dst, src, src_size, 16, "cg", loc, ip)
 
 
 @dsl_user_op
 def cp_async8(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
     """cp_async16 for 8 bytes (cp.async.ca: 8 is not a .cg size), src_size 0 or 8."""
-    args = [Int32(dst).ir_value(loc=loc, ip=ip), cutlass.Int64(src).ir_value(loc=loc, ip=ip),
-            Int32(src_size).ir_value(loc=loc, ip=ip)]
-    llvm.inline_asm(None, args, "cp.async.ca.shared.global [$0], [$1], 8, $2;", "r,l,r",
-                    has_side_effects=True, is_align_stack=False,
-                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    _cp_async(dst, src, src_size, 8, "ca", loc, ip)
 
 
 @dsl_user_op

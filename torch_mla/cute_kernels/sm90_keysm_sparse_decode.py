@@ -37,21 +37,18 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64
+from cutlass import Float32, Int64
 
 from ..constants import PAGE_SIZE
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_keysm_decode import PAGE_ELEMS, TILE_ELEMS, MLADecodeSm90KeysM, ring_slot
-from .sm90_sparse_decode import block_entries, gather8, gather16
+from .sm90_sparse_decode import GatheredEntries, gather8, gather16
 
 KEYSM_SPARSE_CACHES = ("plain", "e4m3")
 
 
-class MLASparseDecodeKeysM(MLADecodeSm90KeysM):
+class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
     """The keys-on-M kernel over gathered entries; see the module docstring."""
-
-    k_arrivals = 33
-    cp_async_tiles = True
 
     def __init__(self, dtype, columns: int, cache: str = "plain"):
         assert cache in KEYSM_SPARSE_CACHES, cache
@@ -59,27 +56,8 @@ class MLASparseDecodeKeysM(MLADecodeSm90KeysM):
         super().__init__(dtype, False, columns, kv_fp8=cache == "e4m3")
         self.cache = cache
 
-    def _cache_tma(self, op, mKV_t: cute.Tensor, tile_layout):
-        """No TMA for the cache: the producer addresses it as a plain tensor (64 rows, row
-        width, pages), 16-bit values or bytes."""
-        return None, mKV_t
-
     def _more_smem(self) -> dict:
         return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
-
-    @cute.jit
-    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
-        """No TMA partitions: _load_page addresses the ring and the cache itself."""
-        self.d_num_slots = tma_mKV.shape[2] * PAGE_SIZE
-        return None, tma_mKV
-
-    def _table_blocks(self, mIdx) -> Int32:
-        return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
-
-    @cute.jit
-    def _page(self, mIdx, r: Int32, blk: Int32) -> Int32:
-        """Block blk of one-token request r, as one number for _load_page."""
-        return r * self._table_blocks(mIdx) + blk
 
     @cute.jit
     def _load_page(self, tma_k, mKV, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
@@ -87,9 +65,7 @@ class MLASparseDecodeKeysM(MLADecodeSm90KeysM):
         (its entries read before the wait for the stage, their latency under it), its bias row,
         then the copies; cnt[0] += 1."""
         s, parity = ring_slot(cnt[0], self.stages)
-        mIdx = self.d_tensors.block_table
-        slots = list(block_entries(mIdx, self.d_tensors.seqlens, self.d_num_slots, page,
-                                   self._table_blocks(mIdx)))
+        slots = list(self._entries(page))
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
         lane = cute.arch.lane_idx()
         bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))

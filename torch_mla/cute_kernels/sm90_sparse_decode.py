@@ -160,13 +160,49 @@ def gather8(slots, rows, tiles, rope=None):
                            src + FP8_DS_MLA_ROPE_AT + cc * 16, size)
 
 
-class MLASparseDecodeSm90(MLADecodeSm90):
-    """The SM90 kernel over gathered entries; see the module docstring."""
+class GatheredEntries:
+    """What both SM90 sparse kernels (this one, sm90_keysm_sparse_decode's) change in their
+    dense kernel's walk, as hooks of it: the walk's "page" is a block of 64 entries of a
+    one-token request (_page, _table_blocks), the cache is read by the gathers as a plain
+    tensor (no TMA: _cache_tma, _cache_partitions / _ring_partitions), each gathering warp's
+    32 lanes arrive on a tile's or stage's full mbarrier when their copies land (cp.async ...
+    noinc) and one lane after the warp's bias stores (release: k_arrivals), and the MMAs'
+    reads are fenced for the async proxy (cp_async_tiles). Mixed in before the dense kernel."""
 
-    # The loading warp's 32 lanes arrive when their copies land (cp.async ... noinc), and one
-    # lane arrives after the warp's bias stores (release).
     k_arrivals = 33
     cp_async_tiles = True
+
+    def _cache_tma(self, op, mKV_t: cute.Tensor, *layouts):
+        """No TMA for the cache: the gathers address it as a plain tensor (64 rows, row width,
+        pages), 16-bit values or bytes."""
+        return None, mKV_t
+
+    @cute.jit
+    def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
+        """No TMA partitions: the gathers address the buffers and the cache themselves."""
+        self.d_num_slots = tma_mKV.shape[2] * PAGE_SIZE
+        return None, tma_mKV
+
+    _ring_partitions = _cache_partitions  # (the keys-on-M kernel's name for it)
+
+    def _table_blocks(self, mIdx) -> Int32:
+        return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
+
+    @cute.jit
+    def _page(self, mIdx, r: Int32, blk: Int32) -> Int32:
+        """Block blk of one-token request r, as one number for the gathers (which read the
+        block's entries themselves)."""
+        return r * self._table_blocks(mIdx) + blk
+
+    @cute.jit
+    def _entries(self, page: Int32):
+        """This lane's two entries of block `page` (block_entries)."""
+        return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
+                             self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table))
+
+
+class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
+    """The SM90 kernel over gathered entries; see the module docstring."""
 
     def __init__(self, dtype, cache: str = "plain"):
         """cache: one of sm80_sparse_decode.CACHE_FORMATS (the FP8 ones expanded in shared
@@ -190,26 +226,6 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         )
         return loads, layouts
 
-    def _cache_tma(self, op, mKV_t: cute.Tensor):
-        """No TMA for the cache: the gathers address it as a plain tensor (64 rows, row width,
-        pages), 16-bit values or bytes."""
-        return None, mKV_t
-
-    @cute.jit
-    def _cache_partitions(self, tma_k, tma_mKV, sK_tma):
-        """No TMA partitions: _load_tiles addresses the buffers and the cache itself."""
-        self.d_num_slots = tma_mKV.shape[2] * PAGE_SIZE
-        return None, tma_mKV
-
-    def _table_blocks(self, mIdx) -> Int32:
-        return (mIdx.shape[1] + PAGE_SIZE - 1) // PAGE_SIZE
-
-    @cute.jit
-    def _page(self, mIdx, r: Int32, blk: Int32) -> Int32:
-        """Block blk of one-token request r, as one number for _load_tiles (which reads the
-        block's entries itself)."""
-        return r * self._table_blocks(mIdx) + blk
-
     @cute.jit
     def _next_page(self, mIdx, r: Int32, blk: Int32):
         """The block's number and this lane's two entries (_entries), read at the start of the
@@ -217,12 +233,6 @@ class MLASparseDecodeSm90(MLADecodeSm90):
         page = self._page(mIdx, r, blk)
         a, b = self._entries(page)
         return page, a, b
-
-    @cute.jit
-    def _entries(self, page: Int32):
-        """This lane's two entries of block `page` (block_entries)."""
-        return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
-                             self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table))
 
     @cute.jit
     def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
