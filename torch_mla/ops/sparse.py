@@ -14,7 +14,7 @@ from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
-from .checks import _fail, check_schedule_args, checks_values, unpack_schedule
+from .checks import check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
     cache_format,
     check_fp8_ds_mla_append_args,
@@ -146,10 +146,11 @@ def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     cache's are: 576 and 656 bytes a row); ValueError otherwise (no silent copy of a cache)."""
     rows = kv_cache[:, :, 0].view(torch.uint8)
     if rows.data_ptr() % 16 or rows.stride(0) % 16 or rows.stride(1) % 16:
-        _fail(f"torch_mla.mla_decode_sparse: the sparse kernel reads the {cache_format(kv_cache)} "
-              "cache in 16-byte loads: kv_cache's data pointer and its page and row strides must "
-              f"be multiples of 16 bytes, got data pointer % 16 = {rows.data_ptr() % 16}, "
-              f"strides {list(rows.stride()[:2])} bytes (a contiguous cache qualifies)")
+        raise ValueError(
+            f"torch_mla.mla_decode_sparse: the sparse kernel reads the {cache_format(kv_cache)} "
+            "cache in 16-byte loads: kv_cache's data pointer and its page and row strides must "
+            f"be multiples of 16 bytes, got data pointer % 16 = {rows.data_ptr() % 16}, "
+            f"strides {list(rows.stride()[:2])} bytes (a contiguous cache qualifies)")
     return rows
 
 
