@@ -59,20 +59,21 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 
 def keysm_sparse_columns(h_q: int, fmt: str) -> int:
     """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads over a cache
-    of format fmt (cache_format), or 0 where it does not run (h_q > 32, the 656-byte rows)."""
+    of format fmt (cache_format), or 0 where it cannot run (h_q > 32, the 656-byte rows)."""
     if fmt not in ("plain", "fp8"):
         return 0
     return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a
-    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never), "sm90_keysm"
-    (the keys-on-M one, before the others: on sm_90a where keysm_sparse_columns, i.e. h_q <= 32
-    over a 16-bit or e4m3 cache; TORCH_MLA_SPARSE_KEYSM=0 never) or
-    "reference", for validated inputs on a CUDA device; reason says why the reference runs.
-    Both kernels take every cache format (the FP8 ones dequantized in the kernel); the
-    656-byte one with bf16 q only (its RoPE values are bf16)."""
+    """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
+    keysm_sparse_columns, i.e. h_q <= 32, over a 16-bit cache; TORCH_MLA_SPARSE_KEYSM=1 over
+    the e4m3 one too, =0 never), "sm90" (the SM90 one: on sm_90a where sm90_sparse_pays;
+    TORCH_MLA_SPARSE_SM90=1 for every shape the keys-on-M kernel does not take, =0 never),
+    "sm80" (the portable one) or "reference", for validated inputs on a CUDA device; reason
+    says why the reference runs. The portable and SM90 kernels take every cache format (the
+    FP8 ones dequantized in the kernel), the keys-on-M one all but the 656-byte rows; the
+    656-byte rows with bf16 q only (their RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -91,7 +92,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
-            q.shape[2], fmt):
+            q.shape[2], fmt) and (fmt == "plain" or dispatch.sparse_keysm_all()):
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
