@@ -84,3 +84,27 @@ def test_sparse_walks_count_blocks_of_entries():
     for cls in (MLASparseDecodeSm80, MLASparseDecodeSm90, MLASparseDecodeKeysM):
         for topk, blocks in ((64, 1), (100, 2), (2048, 32)):
             assert cls._table_blocks(None, SimpleNamespace(shape=(3, topk))) == blocks, cls
+
+
+def test_four_warps_share_a_gather_once_each():
+    # The SM90 sparse kernel's refill is issued by the four warps of a warpgroup (load_warps):
+    # warp_steps gives each a quarter of the steps; together every step once, and each step's
+    # entry half h (which of a lane's two entries names the step's rows) is the one the single
+    # warp gather uses (a compile-time value in both).
+    from torch_mla.cute_kernels.sm90_sparse_decode import (
+        MLASparseDecodeSm90,
+        gather8_offsets,
+        warp_steps,
+    )
+
+    for steps, offsets in ((ROWS_PER_LANE, gather_offsets), (8, gather8_offsets)):
+        whole = dict(warp_steps(steps, None))
+        assert sorted(whole) == list(range(steps))
+        shared = [s for w in range(4) for s in warp_steps(steps, w)]
+        assert sorted(j for j, _ in shared) == list(range(steps))
+        for j, h in shared:
+            assert h == whole[j]
+            # the step's rows are entries of half h
+            assert all(offsets(lane, j)[0] // 32 == h for lane in range(32))
+    assert MLASparseDecodeSm90.load_warps == 4
+    assert MLASparseDecodeSm90.k_arrivals == 4 * 33

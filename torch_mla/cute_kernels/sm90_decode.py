@@ -230,6 +230,9 @@ class MLADecodeSm90(DecodeKernel):
     # (generic-proxy writes: the warpgroups fence before their MMAs read them).
     k_arrivals = 1
     cp_async_tiles = False
+    # Warps of a warpgroup that refill a buffer half together (_load_tiles): TMA needs one; the
+    # sparse subclass's cp.async gather spreads its copies over the warpgroup's four.
+    load_warps = 1
     # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand_half.
     group_scales = False
 
@@ -520,6 +523,7 @@ class MLADecodeSm90(DecodeKernel):
                 if tidx < 32:
                     if q_ready[0] == 0:
                         self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
+                if tidx < 32 * self.load_warps:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
                     if n > 1:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
@@ -1086,7 +1090,7 @@ class MLADecodeSm90(DecodeKernel):
             # after the P V that reads it: the next page has longer to land. (TMA prefetches of
             # the pages of the pair after next into L2 were slower: 300.6 / 539.7 / 65.1 us.)
             if const_expr(has2):
-                if wtid < 32:
+                if wtid < 32 * self.load_warps:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         else:
             if blk0 == nb_req - 1:
@@ -1098,7 +1102,7 @@ class MLADecodeSm90(DecodeKernel):
 
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
         if const_expr(has2 and not self.fast):
-            if wtid < 32:
+            if wtid < 32 * self.load_warps:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
         scale1 = [sScale1[r0], sScale1[r0 + 8]]
         if const_expr(self.fast):
@@ -1117,7 +1121,7 @@ class MLADecodeSm90(DecodeKernel):
                 self._transpose_v(1, 0, self._page_valid(blk0 + 1, nb_req, tail), NB_WG0, barK,
                                   phase, True)
                 if blk0 + 3 <= last:
-                    if wtid < 32:
+                    if wtid < 32 * self.load_warps:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             else:
                 if blk0 + 1 == nb_req - 1:
@@ -1133,7 +1137,7 @@ class MLADecodeSm90(DecodeKernel):
             warpgroup.wait_group(1)
             if const_expr(not self.fast):
                 if blk0 + 3 <= last:
-                    if wtid < 32:
+                    if wtid < 32 * self.load_warps:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 0, 4)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (4, 5, 6, 7, 8), False,
                      True)
@@ -1184,7 +1188,7 @@ class MLADecodeSm90(DecodeKernel):
                 self._store_P8(rP, self.d_p_base[1], r0, wtid % 4)
                 # (V1R^T was built while this page's Q K^T ran.)
                 if const_expr(has3):
-                    if wtid < 32:
+                    if wtid < 32 * self.load_warps:
                         self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
             else:
                 self._to_P(acc_S, rP, one)
@@ -1199,7 +1203,7 @@ class MLADecodeSm90(DecodeKernel):
             self._transpose_v(0, 1, self._page_valid(blk0, nb_req, tail), NB_WG1, barK, phase,
                               True)
             if blk0 + 2 <= last:
-                if wtid < 32:
+                if wtid < 32 * self.load_warps:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
         if const_expr(not self.fast):
@@ -1212,13 +1216,13 @@ class MLADecodeSm90(DecodeKernel):
             cute.arch.barrier_arrive(barrier_id=NB_P1_ISSUED, number_of_threads=256)
         if const_expr(has3 and not self.fast):
             warpgroup.wait_group(1)
-            if wtid < 32:
+            if wtid < 32 * self.load_warps:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page3, 1, 4, 9)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if const_expr(not self.fast):
             if blk0 + 2 <= last:
-                if wtid < 32:
+                if wtid < 32 * self.load_warps:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         if const_expr(has3):
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1, (4, 5, 6, 7, 8, 0, 1, 2, 3))

@@ -126,31 +126,42 @@ def row_source(base: Int64, row_stride: Int64, page_stride: Int64, slot: Int32):
     return (base + cutlass.select_(ok, off, Int64(0)), cutlass.select_(ok, Int32(16), Int32(0)))
 
 
+def warp_steps(steps: int, warp) -> list:
+    """The steps (j, h) of a gather of `steps` steps (16 for a 16-bit tile, 8 for an fp8 one)
+    that one warp issues: all of them (warp None), or with four warps sharing the copies, warp
+    w's quarter, j = w + 4 i. h = j // (steps / 2): which of a lane's two entries (keys lane,
+    lane + 32) names the step's rows; a compile-time value either way (w < 4)."""
+    if warp is None:
+        return [(j, j // (steps // 2)) for j in range(steps)]
+    return [(warp + 4 * i, 4 * i // (steps // 2)) for i in range(steps // 4)]
+
+
 @cute.jit
-def gather16(slots, rows, tiles):
+def gather16(slots, rows, tiles, warp=None):
     """One warp: the 16-bit tiles `tiles` ((shared address of a 64-key x 64-column tile, byte
     offset of its columns in a cache row)) of the 64 keys whose slots the lanes hold (slots:
     keys lane and lane + 32; rows: the cache's (base address, row stride, page stride) in
-    bytes), each row's chunks to their swizzled places (gather_offsets)."""
+    bytes), each row's chunks to their swizzled places (gather_offsets); warp: this warp's
+    quarter of the rows when four warps copy the tiles together (warp_steps), or None."""
     lane = cute.arch.lane_idx()
-    for j in cutlass.range_constexpr(ROWS_PER_LANE):
+    for j, h in warp_steps(ROWS_PER_LANE, warp):
         row, c, dst = gather_offsets(lane, j)
-        # Row `row`'s entry is slots[row // 32] (= j // 8) of lane row % 32.
-        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[j // 8], row % 32))
+        # Row `row`'s entry is slots[row // 32] (= h) of lane row % 32.
+        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
         for t in cutlass.range_constexpr(len(tiles)):
             cp_async16(tiles[t][0] + dst, src + tiles[t][1] + c * 16, size)
 
 
 @cute.jit
-def gather8(slots, rows, tiles, rope=None):
+def gather8(slots, rows, tiles, rope=None, warp=None):
     """gather16 for fp8 tiles (64 keys x 64 bytes, unswizzled: gather8_offsets); rope: the
     shared address of a 16-bit tile that takes the 656-byte rows' bf16 rope values (bytes
     FP8_DS_MLA_ROPE_AT on), two chunks a lane and row (c, c + 4) from the same row addresses,
     or None."""
     lane = cute.arch.lane_idx()
-    for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+    for j, h in warp_steps(PAGE_SIZE // 8, warp):
         row, c, dst = gather8_offsets(lane, j)
-        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[j // 4], row % 32))
+        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
         for t in cutlass.range_constexpr(len(tiles)):
             cp_async16(tiles[t][0] + dst, src + tiles[t][1] + c * 16, size)
         if const_expr(rope is not None):
@@ -229,6 +240,12 @@ class GatheredEntries:
 class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
     """The SM90 kernel over gathered entries; see the module docstring."""
 
+    # The four warps of the warpgroup that refills a buffer half share its copies (a quarter
+    # of the rows each): the refill sits between that warpgroup's MMAs. Each warp's lanes and
+    # one elected lane arrive on the half's tile mbarriers.
+    load_warps = 4
+    k_arrivals = 4 * GatheredEntries.k_arrivals
+
     def __init__(self, dtype, cache: str = "plain"):
         """cache: one of sm80_sparse_decode.CACHE_FORMATS (the FP8 ones expanded in shared
         memory by the dense kernel's kv_fp8 path; the 656-byte rows with bf16 only)."""
@@ -262,26 +279,31 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
     @cute.jit
     def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
-        """One warp: tiles [t_begin, t_end) of the 64 keys block `page` names (a number, or
-        _next_page's (number, entries)) into buffer s, by cp.async copies: 16-bit tiles to
+        """The four warps of a warpgroup (load_warps), a quarter of the rows each (warp_steps):
+        tiles [t_begin, t_end) of the 64 keys block `page` names (a number, or _next_page's
+        (number, entries)) into buffer s, by cp.async copies: 16-bit tiles to
         their swizzled places (gather_offsets: 4 rows x 128 bytes an instruction), fp8 tiles
         to their staging bytes (gather8_offsets, fp8_tile_offset: 8 rows x 64 bytes), and for
         the 656-byte rows the half's two scales of each row (8 bytes, at group_scale_offset).
         An entry that names no key gets zero bytes and reads nothing. With tile 0, also buffer
-        s's bias row. Each tile's mbarrier completes when every lane's copies have landed and
-        the bias row is written."""
+        s's bias row (warp 0). Each tile's mbarrier completes when every lane's copies have
+        landed and each warp has arrived after its stores (the bias row's among them)."""
         if const_expr(isinstance(page, tuple)):
             slots = [page[1], page[2]]
         else:
             slots = list(self._entries(page))
         lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         if const_expr(t_begin == 0):
-            self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
-                             s * PAGE_SIZE, slots, lane)
+            if warp == 0:
+                self._write_bias(
+                    self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
+                    s * PAGE_SIZE, slots, lane)
         buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2
         rows = self._cache_rows(mKV)
         if const_expr(self.cache == "plain"):
-            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t_begin, t_end)])
+            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t_begin, t_end)],
+                     warp)
         else:
             # The e4m3 tiles' bytes to their staging places; the 656-byte rows' rope tile (bf16
             # values at byte FP8_DS_MLA_ROPE_AT) to its 16-bit place.
@@ -290,15 +312,16 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
             if const_expr(self.cache == "fp8_ds_mla" and t_end == N_TILES):
                 rope = buf + (N_TILES - 1) * TILE16
             gather8(slots, rows, [(buf + fp8_tile_offset(self.cache, t), t * 64)
-                                  for t in range(t8[0], t8[1])], rope)
+                                  for t in range(t8[0], t8[1])], rope, warp)
         if const_expr(self.cache == "fp8_ds_mla"):
-            # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32.
-            for r in cutlass.range_constexpr(2):
-                src, size = row_source(*rows, slots[r])
-                for h in cutlass.range_constexpr(2):
-                    if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
-                        cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
-                                  src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
+            # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32 (warp 0).
+            if warp == 0:
+                for r in cutlass.range_constexpr(2):
+                    src, size = row_source(*rows, slots[r])
+                    for h in cutlass.range_constexpr(2):
+                        if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
+                            cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
+                                      src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
         self._arrive_gathered([barK + s * N_TILES + t for t in range(t_begin, t_end)])
 
     @cute.jit
