@@ -348,8 +348,8 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
-    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 over a 16-bit or e4m3 cache (8, 16 or
-    # 32 columns) unless TORCH_MLA_SPARSE_KEYSM=0; otherwise the other kernels' rules.
+    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns), every cache
+    # format, unless TORCH_MLA_SPARSE_KEYSM=0; otherwise the other kernels' rules.
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -366,10 +366,9 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
         for fmt, cache in caches.items():
             for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
-                keysm = flag != "0" and arch == "sm_90a" and fmt != "fp8_ds_mla" and cols > 0
+                keysm = flag != "0" and arch == "sm_90a" and cols > 0
                 assert (sparse_ops.sparse_backend(q, cache, 512)[0] == "sm90_keysm") == keysm
-                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == (
-                    0 if fmt == "fp8_ds_mla" else cols)
+                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == cols
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
