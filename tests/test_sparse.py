@@ -348,13 +348,15 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
-    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns), every cache
-    # format, unless TORCH_MLA_SPARSE_KEYSM=0; otherwise the other kernels' rules.
+    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns) over a 16-bit
+    # cache unless TORCH_MLA_SPARSE_KEYSM=0, over the FP8 ones (e4m3, the 656-byte rows) with
+    # TORCH_MLA_SPARSE_KEYSM=1; it goes before the SM90 kernel's flag; otherwise the other
+    # kernels' rules.
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
     monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
-    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1")  # (the keys-on-M kernel goes first)
     caches = {"plain": torch.empty(2, 64, 1, 576, dtype=torch.bfloat16),
               "fp8": torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn),
               "fp8_ds_mla": torch.empty(2, 64, 1, 656, dtype=torch.uint8)}
@@ -366,8 +368,10 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
         for fmt, cache in caches.items():
             for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
-                keysm = flag != "0" and arch == "sm_90a" and cols > 0
-                assert (sparse_ops.sparse_backend(q, cache, 512)[0] == "sm90_keysm") == keysm
+                keysm = (arch == "sm_90a" and cols > 0 and
+                         (fmt == "plain" and flag != "0" or fmt != "plain" and flag == "1"))
+                want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
+                assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q, fmt) == cols
 
 
@@ -823,6 +827,11 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
     sched = torch_mla.get_sparse_decode_schedule(idx, 16)
     sparse_ops.run_sparse_step("sm80", q, cache, idx, None, None, sched.metadata,
                                sched.num_splits, 0.1, 512, kv_scale)
+    if fmt != "fp8_ds_mla":  # the keys-on-M step's build takes its columns (16 heads: 16)
+        sparse_ops.run_sparse_step("sm90_keysm", q, cache, idx, None, None, sched.metadata,
+                                   sched.num_splits, 0.1, 512, kv_scale)
+        assert calls.pop()[0] == ("sm90_keysm", torch.bfloat16,
+                                  {"bf16": "plain", "fp8": "e4m3"}[fmt], "sm_86", 16)
     ((key, args),) = calls
     assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86",
                    0)

@@ -146,6 +146,14 @@ def test_splits_and_long_rows(backend, b, topk):
     check_against_fp64(q, cache, idx, lens)
 
 
+def test_parts_of_many_blocks(backend):
+    # 128 tokens of 16 blocks, ~16 blocks a part: every page buffer or ring stage is refilled
+    # many times within a CTA with other entries (-1 among them), so a bias or tile read after
+    # its stage was handed back would show.
+    q, cache, idx, lens, _ = _case(16, 2, 1024, b=64)
+    check_against_fp64(q, cache, idx, lens)
+
+
 def test_no_topk_length_and_odd_topk(backend):
     q, cache, idx, _, _ = _case(8, 2, 100, lengths=False)
     check_against_fp64(q, cache, idx, None)
@@ -279,6 +287,14 @@ def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype):
     out, lse = check_against_fp64(q, cache, idx, lens, sink, kv_scale)
     assert (out[1] == 0).all() and (lse[1] == float("inf")).all()
     assert (out[2, 1] == 0).all() and (lse[2, :, 1] == float("inf")).all()
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
+def test_fp8_parts_of_many_blocks(fp8_kernel, fmt):
+    # As test_parts_of_many_blocks: over an fp8 cache the keys-on-M kernel hands a ring stage
+    # back as soon as it is expanded, before the scores are masked.
+    q, cache, idx, lens, _, kv_scale = _case(16, 2, 1024, fmt, b=64, scale=True)
+    check_against_fp64(q, cache, idx, lens, kv_scale=kv_scale)
 
 
 @pytest.mark.parametrize("b,topk", [(1, 16384), (64, 2048)])

@@ -2,12 +2,15 @@
 # Sparse decode on the H200, one kernel in one device call (at most ~9 min): logs in $OUT, a
 # summary printed last.
 #
-#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90]
+#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm]
 #
-#   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0: every shape)
+#   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0 and
+#             TORCH_MLA_SPARSE_KEYSM=0: every shape)
 #   fp8       the portable kernel over the FP8 caches (e4m3 + kv_scale, the 656-byte rows)
-#   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1: every shape; by default the
-#             dispatch takes it where ops.sparse.sm90_sparse_pays)
+#   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0:
+#             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
+#   keysm     the keys-on-M sparse kernel (h_q <= 32, TORCH_MLA_SPARSE_KEYSM=1: the e4m3
+#             cache too; the tests' other shapes skip)
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -25,11 +28,15 @@ kernel=${1:-portable}
 flag=()  # the environment the kernel needs
 case $kernel in
   portable) sel=sm80; smoke="sm80 and (runs_not_the_reference or grid_matches_fp64 and 64-2-2048)"
-            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
+            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM=0) ;;
   fp8)      sel=fp8; smoke="fp8_runs_the_kernel"; cache=fp8_ds_mla ;;
-  sm90)     sel=sm90; smoke="sm90 and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
-            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1) ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90]"; exit 2 ;;
+  sm90)     sel="(sm90 and not sm90_keysm)"
+            smoke="$sel and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
+            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0) ;;
+  keysm)    sel=sm90_keysm
+            smoke="sm90_keysm and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
+            cache=e4m3; flag=(TORCH_MLA_SPARSE_KEYSM=1) ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

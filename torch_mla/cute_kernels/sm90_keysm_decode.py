@@ -488,6 +488,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         n_cons = 128 * self.consumers
         s, parity = ring_slot(cnt[0], self.stages)
         cute.arch.mbarrier_wait(bar_full + s, parity)
+        # (read while the stage is ours: an fp8 stage is released before the mask below)
+        entry_bias = self._entry_bias(s, wq, lane)
         if const_expr(self.cp_async_tiles and not self.kv_fp8):
             cute.arch.fence_view_async_shared()
         ob = s  # the 16-bit buffer the MMAs read
@@ -531,7 +533,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 key = 16 * wq + lane // 4 + 8 * ((idx // 2) % 2)
                 if key0 + key >= border[jc]:
                     acc_S[idx] = -Float32.inf
-        self._mask_entries(acc_S, s, wq, lane)
+        self._mask_entries(acc_S, entry_bias)
 
         # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
         # smem slot cnt % 2: the next write to it is two pages later, past a barrier every
@@ -591,8 +593,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cnt[0] = cnt[0] + 1
 
     @cute.jit
-    def _mask_entries(self, acc_S, s, wq, lane):
-        """Keys of ring stage s that no entry names: none here (the sparse subclass)."""
+    def _entry_bias(self, s, wq, lane):
+        """What _mask_entries adds for this thread's keys of ring stage s, read from the stage
+        before it is released: nothing here (the sparse subclass)."""
+        return None
+
+    @cute.jit
+    def _mask_entries(self, acc_S, entry_bias):
+        """Keys that no entry names: none here (the sparse subclass)."""
         pass
 
     @cute.jit

@@ -28,9 +28,12 @@ by the consumers); h_q <= 32 (one CTA per token and part), s_q any, topk any. No
 656-byte rows run the other kernels. The sink is applied by the host.
 
 Status: correct on the H200 (the sparse kernel tests it takes, CUDA-graph replays, the bad-entry
-message, memcheck over bf16 and e4m3); the dispatch's choice for h_q <= 32 over those caches on
-sm_90a (TORCH_MLA_SPARSE_KEYSM=0: off). At b 128, s_q 1, h_q 16: 114.2 us over bf16 (the
-portable kernel 129.6), 94.2 us over e4m3 (the SM90 kernel 139.5); docs/kernels/sparse.md.
+message, memcheck over bf16 and e4m3); the dispatch's choice for h_q <= 32 over a 16-bit cache
+on sm_90a (TORCH_MLA_SPARSE_KEYSM=0: off). At b 128, s_q 1, h_q 16: 114.2 us over bf16 (the
+portable kernel 129.6), 94.2 us over e4m3 (the SM90 kernel 139.5). The e4m3 path had a race
+found after that run (the bias row read after the stage's early release: _entry_bias now reads
+it before); fixed, not rerun on a GPU, so it is opt-in (TORCH_MLA_SPARSE_KEYSM=1) until it is;
+docs/kernels/sparse.md.
 """
 
 from __future__ import annotations
@@ -117,14 +120,21 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
         cnt[0] = cnt[0] + 1
 
     @cute.jit
-    def _mask_entries(self, acc_S, s, wq, lane):
-        """Adds ring stage s's bias row to the scores (-inf for keys no entry names; those at or
-        past topk_length the horizon masks too). acc_S value idx is key 16 wq + lane / 4 +
-        8 ((idx / 2) % 2) (acc_coord)."""
+    def _entry_bias(self, s, wq, lane):
+        """This thread's two keys' values of ring stage s's bias row (0, or -inf for a key no
+        entry names): key 16 wq + lane / 4 + 8 h of acc_S (acc_coord). Read right after the
+        stage's full barrier: over an fp8 cache the consumers release the stage once it is
+        expanded, and the producer may then write the bias row of the stage's next page."""
         bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
-        b = [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
+        return [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
+
+    @cute.jit
+    def _mask_entries(self, acc_S, entry_bias):
+        """Adds the stage's bias (_entry_bias) to the scores: -inf for keys no entry names
+        (those at or past topk_length the horizon masks too). acc_S value idx is key
+        16 wq + lane / 4 + 8 ((idx / 2) % 2)."""
         for idx in cutlass.range_constexpr(cute.size(acc_S)):
-            acc_S[idx] = acc_S[idx] + b[(idx // 2) % 2]
+            acc_S[idx] = acc_S[idx] + entry_bias[(idx // 2) % 2]
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm") ------------------

@@ -14,7 +14,7 @@ from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
-from .checks import _fail, check_schedule_args, checks_values, unpack_schedule
+from .checks import check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
     cache_format,
     check_fp8_ds_mla_append_args,
@@ -59,18 +59,19 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 
 def keysm_sparse_columns(h_q: int, fmt: str) -> int:
     """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads over a cache
-    of format fmt (cache_format), or 0 where it does not run (h_q > 32)."""
+    of format fmt (cache_format), or 0 where it cannot run (h_q > 32)."""
     return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm80" (the portable sparse kernel), "sm90" (the SM90 one: on sm_90a
-    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape, =0 never), "sm90_keysm"
-    (the keys-on-M one, before the others: on sm_90a where keysm_sparse_columns, i.e. h_q <= 32
-    over a 16-bit or e4m3 cache; TORCH_MLA_SPARSE_KEYSM=0 never) or
-    "reference", for validated inputs on a CUDA device; reason says why the reference runs.
-    Both kernels take every cache format (the FP8 ones dequantized in the kernel); the
-    656-byte one with bf16 q only (its RoPE values are bf16)."""
+    """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
+    keysm_sparse_columns, i.e. h_q <= 32, over a 16-bit cache; TORCH_MLA_SPARSE_KEYSM=1 over
+    the e4m3 one too, =0 never), "sm90" (the SM90 one: on sm_90a where sm90_sparse_pays;
+    TORCH_MLA_SPARSE_SM90=1 for every shape the keys-on-M kernel does not take, =0 never),
+    "sm80" (the portable one) or "reference", for validated inputs on a CUDA device; reason
+    says why the reference runs. The portable and SM90 kernels take every cache format (the
+    FP8 ones dequantized in the kernel), the keys-on-M one all but the 656-byte rows; the
+    656-byte rows with bf16 q only (their RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -89,7 +90,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
-            q.shape[2], fmt):
+            q.shape[2], fmt) and (fmt == "plain" or dispatch.sparse_keysm_all()):
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
@@ -144,10 +145,11 @@ def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
     cache's are: 576 and 656 bytes a row); ValueError otherwise (no silent copy of a cache)."""
     rows = kv_cache[:, :, 0].view(torch.uint8)
     if rows.data_ptr() % 16 or rows.stride(0) % 16 or rows.stride(1) % 16:
-        _fail(f"torch_mla.mla_decode_sparse: the sparse kernel reads the {cache_format(kv_cache)} "
-              "cache in 16-byte loads: kv_cache's data pointer and its page and row strides must "
-              f"be multiples of 16 bytes, got data pointer % 16 = {rows.data_ptr() % 16}, "
-              f"strides {list(rows.stride()[:2])} bytes (a contiguous cache qualifies)")
+        raise ValueError(
+            f"torch_mla.mla_decode_sparse: the sparse kernel reads the {cache_format(kv_cache)} "
+            "cache in 16-byte loads: kv_cache's data pointer and its page and row strides must "
+            f"be multiples of 16 bytes, got data pointer % 16 = {rows.data_ptr() % 16}, "
+            f"strides {list(rows.stride()[:2])} bytes (a contiguous cache qualifies)")
     return rows
 
 
