@@ -1,6 +1,7 @@
-"""The SM90 sparse kernel's gather on the CPU (cute_kernels/sm90_sparse_decode.py,
-gather_offsets): which 16-byte chunk of which key row each lane of the loading warp copies at
-each step, and where it lands in the 128-byte-swizzled 64 x 64 tile the MMAs read."""
+"""The SM90 sparse kernel's gather on the CPU (cute_kernels/sm90_sparse_decode.py): which
+16-byte chunk of which key row each lane of the loading warp copies at each step, and where it
+lands (gather_offsets: the 128-byte-swizzled 16-bit tile the MMAs read; gather8_offsets and
+fp8_tile_offset: the dense kernel's fp8 staging; the 656-byte rows' rope tile and scales)."""
 
 from test_sparse_fp8_gather import swizzled
 
@@ -54,3 +55,49 @@ def test_keysm_656_byte_stage_layout():
         tiles = {fp8_unit(w * n_cons + t)[0] // TILE_ELEMS for t in range(n_cons)}
         assert tiles == {w // 2}
         assert (w * n_cons // 256) // 2 == (w // 2) // 2  # _expand's group of the wave
+
+def test_fp8_gather_and_staging_layout():
+    # The SM90 sparse kernel's FP8 gather (gather8_offsets: every 16-byte chunk of an fp8 tile
+    # once, 8 whole 64-byte rows an instruction) into the dense kernel's kv_fp8 staging
+    # (fp8_tile_offset), and the 656-byte rows' extra regions: the bf16 rope tile in place (16-bit
+    # tile 8) and each half's scales (group_scale_offset), which overlap no staged byte and lie in
+    # the 16-bit region the half's own expansion writes (so they are read before it).
+    from torch_mla.cute_kernels.sm90_decode import fp8_expand_addrs, group_scale_offset
+    from torch_mla.cute_kernels.sm90_sparse_decode import (
+        TILE8,
+        TILE16,
+        fp8_tile_offset,
+        gather8_offsets,
+    )
+
+    seen = set()
+    for j in range(8):
+        rows = set()
+        for lane in range(32):
+            row, c, off = gather8_offsets(lane, j)
+            assert off == row * 64 + c * 16 and (row, c) not in seen
+            seen.add((row, c))
+            rows.add(row)
+        assert len(rows) == 8
+    assert len(seen) == 64 * 4
+    for cache, tiles in (("e4m3", range(9)), ("fp8_ds_mla", range(8))):
+        regions = []
+        for t in tiles:
+            h, t0, nt = (0, 0, 4) if t < 4 else (1, 4, 4 if cache == "fp8_ds_mla" else 5)
+            start = fp8_tile_offset(cache, t)
+            # the dense kernel's staging: the upper part of the half's 16-bit region, which
+            # _expand_half reads at fp8_expand_addrs' source offsets
+            assert start == t0 * TILE16 + nt * TILE8 + (t - t0) * TILE8
+            assert start - t0 * TILE16 == fp8_expand_addrs(nt, 2 * (t - t0), 0)[0]
+            assert start + TILE8 <= (t0 + nt) * TILE16
+            regions.append((start, start + TILE8))
+        if cache == "fp8_ds_mla":
+            regions.append((8 * TILE16, 9 * TILE16))  # the rope tile, 16-bit, in place
+            for h in range(2):
+                at = group_scale_offset(h)
+                regions.append((at, at + 512))
+                half = (4 * h * TILE16, (4 * h + 4) * TILE16)  # what the half's expansion writes
+                assert half[0] <= at and at + 512 <= half[1] and at % 8 == 0
+        regions.sort()
+        assert all(a[1] <= b[0] for a, b in zip(regions, regions[1:])), regions
+        assert regions[-1][1] <= 9 * TILE16  # inside the page buffer

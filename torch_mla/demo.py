@@ -440,7 +440,7 @@ def main(argv=None) -> None:
                                   args.kv_lora_rank)
     if args.model == "v32":
         backend, why = sparse_description(device, dtype, args.kv_lora_rank, args.rope_dim,
-                                           model.config)
+                                           model.config, args.batch)
     print(f"swapped in torch_mla's attention; its decode runs {backend}: {why}")
     label = "eager" if args.no_compile else (
         "compiled, CUDA graphs" if on_gpu else "compiled")
@@ -572,24 +572,26 @@ def main(argv=None) -> None:
 
 
 def sparse_description(device: torch.device, dtype: torch.dtype, kv_lora_rank: int,
-                       rope_dim: int, config) -> tuple[str, str]:
-    """(name, reason) for a DeepSeek-V3.2 decode step: which implementation
-    torch_mla.mla_decode_sparse runs, and the indexer's logits (config: the model's, for its
-    indexer's heads and width)."""
+                       rope_dim: int, config, batch: int = 1) -> tuple[str, str]:
+    """(name, reason) for a DeepSeek-V3.2 decode step of `batch` requests of one token: which
+    implementation torch_mla.mla_decode_sparse runs, and the indexer's logits (config: the
+    model's, for its attention heads and its indexer's heads and width)."""
+    from torch_mla.constants import PAGE_SIZE
     from torch_mla.ops.indexer import find_indexer_kernel
     from torch_mla.ops.sparse import sparse_backend
 
     if device.type != "cuda":
         return "reference", ("cpu tensors: the kernels run on NVIDIA GPUs (the lightning "
                              "indexer and the sparse decode: plain PyTorch)")
-    q = torch.empty(1, 1, 1, kv_lora_rank + rope_dim, dtype=dtype, device=device)
-    name, why = sparse_backend(q, q.view(1, 1, 1, -1), kv_lora_rank)
+    q = torch.empty(batch, 1, config.num_attention_heads, kv_lora_rank + rope_dim, dtype=dtype,
+                    device=device)
+    cache = torch.empty(1, PAGE_SIZE, 1, kv_lora_rank + rope_dim, dtype=dtype, device=device)
+    name, why = sparse_backend(q, cache, kv_lora_rank)
     iq = torch.empty(1, 1, config.index_n_heads, config.index_head_dim, dtype=dtype, device=device)
     logits = ("a kernel" if find_indexer_kernel(iq, iq.new_empty(1, 64, iq.shape[3])) is not None
               else "the reference")
-    what = {"sm80": "the portable sparse kernel",
-            "sm90": "the SM90 sparse kernel"}.get(
-        name, f"the reference ({why})")
+    what = {"sm80": "the portable sparse kernel", "sm90": "the SM90 sparse kernel",
+            "sm90_keysm": "the keys-on-M sparse kernel"}.get(name, f"the reference ({why})")
     return f"sparse decode {name}", (f"mla_decode_sparse on {what}; the indexer's logits on "
                                      f"{logits}, its top-k by torch.topk")
 
