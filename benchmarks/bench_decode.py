@@ -74,6 +74,27 @@ def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool 
 SPARSE_CONFIGS = [(b, s_q, h) for h in (128, 64, 32, 16) for s_q in (1, 2) for b in (2, 32, 128)]
 
 
+def _sparse_problem(b, s_q, h_q, topk, s_k):
+    """A sparse decode problem on the GPU: the latents of b requests of s_k tokens ((kv_c,
+    k_pe), random), indices naming topk distinct random slots of each request per query token,
+    q (b, s_q, h_q, 576) and the schedule."""
+    tokens = (torch.randn(b * s_k, 512, device="cuda").bfloat16(),
+              torch.randn(b * s_k, 64, device="cuda").bfloat16())
+    pick = torch.rand(b, s_q, s_k, device="cuda").argsort(-1)[..., :topk].int()
+    idx = (pick + torch.arange(b, device="cuda").int()[:, None, None] * s_k).contiguous()
+    q = torch.randn(b, s_q, h_q, 576, device="cuda").bfloat16()
+    return tokens, idx, q, torch_mla.get_sparse_decode_schedule(idx, h_q)
+
+
+def _sparse_cache(n: int, dtype, width: int, tokens, kv_scale=None):
+    """A paged cache of rows `width` wide in dtype holding the n tokens (kv_c, k_pe) at slots
+    0..n-1, written by torch_mla.append_kv (kv_scale: a float8_e4m3fn cache's)."""
+    cache = torch.empty(n // PAGE_SIZE, PAGE_SIZE, 1, width, dtype=dtype, device="cuda")
+    torch_mla.append_kv(cache, *tokens, torch.arange(n, dtype=torch.int32, device="cuda"),
+                        kv_scale=kv_scale)
+    return cache
+
+
 def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
     """(us, TFLOP/s, GB/s, FlashMLA us or nan, ours over the 656-byte cache: us, GB/s, or nan,
     the kernel that ran over the bf16 cache) of mla_decode_sparse over a bf16 cache, b
@@ -81,19 +102,10 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
     the same tokens in the 656-byte FP8 layout where a kernel takes it (the portable kernel's
     FP8 gather; never the reference, far too slow here). FlashMLA runs its sparse decode over
     the 656-byte cache (its only sparse format), at h_q 64 or 128 (it takes no other)."""
-    pages = s_k // PAGE_SIZE
-    kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
-    k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
-    cache = torch.empty(b * pages, PAGE_SIZE, 1, 576, dtype=torch.bfloat16, device="cuda")
-    slots = torch.arange(b * s_k, dtype=torch.int32, device="cuda")
-    torch_mla.append_kv(cache, kv_c, k_pe, slots)
-    pick = torch.rand(b, s_q, s_k, device="cuda").argsort(-1)[..., :topk].int()
-    idx = (pick + torch.arange(b, device="cuda").int()[:, None, None] * s_k).contiguous()
-    q = torch.randn(b, s_q, h_q, 576, device="cuda").bfloat16()
-    sched = torch_mla.get_sparse_decode_schedule(idx, h_q)
+    tokens, idx, q, sched = _sparse_problem(b, s_q, h_q, topk, s_k)
+    cache = _sparse_cache(b * s_k, torch.bfloat16, 576, tokens)
     us = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched))
-    cache8 = torch.empty(b * pages, PAGE_SIZE, 1, 656, dtype=torch.uint8, device="cuda")
-    torch_mla.append_kv(cache8, kv_c, k_pe, slots)
+    cache8 = _sparse_cache(b * s_k, torch.uint8, 656, tokens)
     us8 = float("nan")
     if sparse_backend(q, cache8, 512)[0] != "reference":
         us8 = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache8, idx, schedule=sched))
@@ -177,22 +189,14 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
     for b, s_q, h_q in SPARSE_CONFIGS:
         if heads and h_q not in heads:
             continue
-        pages, s_k, topk = 32768 // PAGE_SIZE, 32768, 2048
-        kv_c = torch.randn(b * s_k, 512, device="cuda").bfloat16()
-        k_pe = torch.randn(b * s_k, 64, device="cuda").bfloat16()
-        slots = torch.arange(b * s_k, dtype=torch.int32, device="cuda")
-        caches = {}
-        for name, dt, width in (("bf16", torch.bfloat16, 576), ("e4m3", torch.float8_e4m3fn, 576),
-                                ("656", torch.uint8, 656)):
-            caches[name] = torch.empty(b * pages, PAGE_SIZE, 1, width, dtype=dt, device="cuda")
-        kv_scale = (torch.cat([kv_c, k_pe], 1).float().abs().amax() / 448).reshape(1)
-        for name, cache in caches.items():
-            torch_mla.append_kv(cache, kv_c, k_pe, slots,
-                                kv_scale=kv_scale if name == "e4m3" else None)
-        pick = torch.rand(b, s_q, s_k, device="cuda").argsort(-1)[..., :topk].int()
-        idx = (pick + torch.arange(b, device="cuda").int()[:, None, None] * s_k).contiguous()
-        q = torch.randn(b, s_q, h_q, 576, device="cuda").bfloat16()
-        sched = torch_mla.get_sparse_decode_schedule(idx, h_q)
+        s_k, topk = 32768, 2048
+        tokens, idx, q, sched = _sparse_problem(b, s_q, h_q, topk, s_k)
+        kv_scale = (torch.cat(tokens, 1).float().abs().amax() / 448).reshape(1)
+        caches = {name: _sparse_cache(b * s_k, dt, width, tokens,
+                                      kv_scale if name == "e4m3" else None)
+                  for name, dt, width in (("bf16", torch.bfloat16, 576),
+                                          ("e4m3", torch.float8_e4m3fn, 576),
+                                          ("656", torch.uint8, 656))}
         default = sparse_backend(q, caches["bf16"], 512)[0]
         default8 = sparse_backend(q, caches["656"], 512)[0]
         us = {}

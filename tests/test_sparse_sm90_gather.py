@@ -101,3 +101,17 @@ def test_fp8_gather_and_staging_layout():
         regions.sort()
         assert all(a[1] <= b[0] for a, b in zip(regions, regions[1:])), regions
         assert regions[-1][1] <= 9 * TILE16  # inside the page buffer
+
+
+def test_sparse_walks_count_blocks_of_entries():
+    # Every sparse kernel's walk covers ceil(topk / 64) blocks of a token's entries (the dense
+    # kernels' default, the block table's width, would walk topk "pages").
+    from types import SimpleNamespace
+
+    from torch_mla.cute_kernels.sm80_sparse_decode import MLASparseDecodeSm80
+    from torch_mla.cute_kernels.sm90_keysm_sparse_decode import MLASparseDecodeKeysM
+    from torch_mla.cute_kernels.sm90_sparse_decode import MLASparseDecodeSm90
+
+    for cls in (MLASparseDecodeSm80, MLASparseDecodeSm90, MLASparseDecodeKeysM):
+        for topk, blocks in ((64, 1), (100, 2), (2048, 32)):
+            assert cls._table_blocks(None, SimpleNamespace(shape=(3, topk))) == blocks, cls

@@ -80,6 +80,11 @@ class DecodeKernel:
 
     can_implement = staticmethod(splitkv.supports)
 
+    def _table_blocks(self, mBlockTable):
+        """How many 64-key blocks the table's rows cover (the walk stops there; the sparse
+        kernels' walk: blocks of entries)."""
+        return mBlockTable.shape[1]
+
     @cute.jit
     def __call__(
         self,

@@ -546,10 +546,6 @@ class MLADecodeSm80(DecodeKernel):
                                       valid_rows, h_q, tidx, self.num_threads)
 
     # ------------------------------------------------------------------------------------------
-    def _table_blocks(self, mBlockTable) -> Int32:
-        """How many 64-key blocks the table's rows cover (the walk stops there)."""
-        return mBlockTable.shape[1]
-
     @cute.jit
     def _page(self, mBlockTable, r: Int32, lo: Int32, hi: Int32, t: Int32,
               num_pages: Int32) -> Int32:

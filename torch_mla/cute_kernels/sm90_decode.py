@@ -1306,10 +1306,6 @@ class MLADecodeSm90(DecodeKernel):
             cute.arch.cp_async_bulk_wait_group(0, read=True)
         self._stamp(8)
 
-    def _table_blocks(self, mBlockTable) -> Int32:
-        """How many 64-key blocks the table's rows cover (the walk stops there)."""
-        return mBlockTable.shape[1]
-
     @cute.jit
     def _page(self, mBlockTable, r: Int32, blk: Int32) -> Int32:
         """What _load_tiles takes for block blk of request r: its cache page (the sparse

@@ -383,10 +383,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
         return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                      cute.group_modes(sK_tma, 0, 2), cute.group_modes(gK, 0, 2))
 
-    def _table_blocks(self, mBlockTable) -> Int32:
-        """How many 64-key blocks the table's rows cover (the walk stops there)."""
-        return mBlockTable.shape[1]
-
     @cute.jit
     def _page(self, mBlockTable, r: Int32, blk: Int32) -> Int32:
         """What _load_page takes for block blk of request r: its cache page."""

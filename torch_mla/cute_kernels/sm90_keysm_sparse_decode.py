@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int64
+from cutlass import Float32
 
 from ..constants import FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from .ptx import cp_async16
@@ -88,13 +88,9 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
         s, parity = ring_slot(cnt[0], self.stages)
         slots = list(self._entries(page))
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
-        lane = cute.arch.lane_idx()
-        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
-        for h in cutlass.range_constexpr(2):
-            bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(slots[h] >= 0, Float32(0.0),
-                                                                  -Float32.inf)
-        elem = mKV.element_type.width // 8  # the cache's element: 2 bytes, or 1 (e4m3)
-        rows = (mKV.iterator.toint(), Int64(mKV.stride[0]) * elem, Int64(mKV.stride[2]) * elem)
+        self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
+            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, cute.arch.lane_idx())
+        rows = self._cache_rows(mKV)
         tiles = range(PAGE_ELEMS // TILE_ELEMS)
         if cutlass.const_expr(self.cache == "fp8_ds_mla"):
             # 8 e4m3 tiles, the bf16 rope tile (swizzled, as the work buffer holds it) and
@@ -112,11 +108,7 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
         else:
             stage = self.d_k_base + s * PAGE_ELEMS * 2
             gather16(slots, rows, [(stage + t * TILE_ELEMS * 2, t * 128) for t in tiles])
-        cute.arch.cp_async_mbarrier_arrive_noinc(bar_full + s)
-        # The bias stores precede the elected lane's arrival (release) in program order.
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive(bar_full + s)
+        self._arrive_gathered([bar_full + s])
         cnt[0] = cnt[0] + 1
 
     @cute.jit

@@ -200,6 +200,31 @@ class GatheredEntries:
         return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
                              self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table))
 
+    @cute.jit
+    def _cache_rows(self, mKV):
+        """The cache as row_source addresses it: (base address, row stride, page stride), in
+        bytes (mKV: (64 rows, row width, pages), 16-bit values or bytes)."""
+        elem = mKV.element_type.width // 8
+        return mKV.iterator.toint(), Int64(mKV.stride[0]) * elem, Int64(mKV.stride[2]) * elem
+
+    @cute.jit
+    def _write_bias(self, bias, at: Int32, slots, lane: Int32):
+        """bias[at + key] for keys lane and lane + 32: 0, or -inf where the entry names no key."""
+        for h in cutlass.range_constexpr(2):
+            bias[at + lane + 32 * h] = cutlass.select_(slots[h] >= 0, Float32(0.0), -Float32.inf)
+
+    @cute.jit
+    def _arrive_gathered(self, bars):
+        """The gathering warp's arrivals on the full mbarriers `bars` (k_arrivals each): every
+        lane's, once its copies have landed, then one lane's after the warp's bias stores
+        (release: those precede it in program order)."""
+        for i in cutlass.range_constexpr(len(bars)):
+            cute.arch.cp_async_mbarrier_arrive_noinc(bars[i])
+        cute.arch.sync_warp()
+        with cute.arch.elect_one():
+            for i in cutlass.range_constexpr(len(bars)):
+                cute.arch.mbarrier_arrive(bars[i])
+
 
 class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
     """The SM90 kernel over gathered entries; see the module docstring."""
@@ -251,16 +276,10 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
             slots = list(self._entries(page))
         lane = cute.arch.lane_idx()
         if const_expr(t_begin == 0):
-            bias = self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE))
-            for h in cutlass.range_constexpr(2):
-                bias[s * PAGE_SIZE + lane + 32 * h] = cutlass.select_(
-                    slots[h] >= 0, Float32(0.0), -Float32.inf)
-        elem = mKV.element_type.width // 8  # the cache's element: 2 bytes, or 1 (FP8 rows)
+            self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
+                             s * PAGE_SIZE, slots, lane)
         buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2
-        base = mKV.iterator.toint()
-        row_stride = Int64(mKV.stride[0]) * elem
-        page_stride = Int64(mKV.stride[2]) * elem
-        rows = (base, row_stride, page_stride)
+        rows = self._cache_rows(mKV)
         if const_expr(self.cache == "plain"):
             gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t_begin, t_end)])
         else:
@@ -280,13 +299,7 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
                     if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
                         cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
                                   src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
-        for t in cutlass.range_constexpr(t_begin, t_end):
-            cute.arch.cp_async_mbarrier_arrive_noinc(barK + s * N_TILES + t)
-        # The bias stores precede the elected lane's arrivals (release) in program order.
-        cute.arch.sync_warp()
-        with cute.arch.elect_one():
-            for t in cutlass.range_constexpr(t_begin, t_end):
-                cute.arch.mbarrier_arrive(barK + s * N_TILES + t)
+        self._arrive_gathered([barK + s * N_TILES + t for t in range(t_begin, t_end)])
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
