@@ -88,8 +88,9 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
         s, parity = ring_slot(cnt[0], self.stages)
         slots = list(self._entries(page))
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        lane = cute.arch.lane_idx()
         self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
-            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, cute.arch.lane_idx())
+            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, lane)
         rows = self._cache_rows(mKV)
         tiles = range(PAGE_ELEMS // TILE_ELEMS)
         if cutlass.const_expr(self.cache == "fp8_ds_mla"):
