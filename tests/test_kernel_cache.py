@@ -327,9 +327,9 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 12 + 2 + 3 + 6 + 16) + 2 + 2 + 2 + 6 - 2  # schedule; per dtype:
-    # sm90 + portable steps, fp8 steps, the sparse steps (portable and SM90 over the three
-    # cache formats, the 656-byte one bf16 only: - 2; keys-on-M over two, 3 column counts),
+        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16) + 2 + 2 + 2 + 6 - 5  # schedule; per dtype:
+    # sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90 and keys-on-M (3
+    # column counts) over the three cache formats, the 656-byte one bf16 only: - 5),
     # decode, combine, append_kv, the
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not); fast-mode fp8 steps
     # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
@@ -342,7 +342,7 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
         ("sparse_step_sm90_keysm", dict(dtype="fp16", **kv, columns=n))
         for kv in ({}, {"kv": "e4m3"}) for n in (8, 16, 32)]
     for bad in [("sm90", "fp16", "fp8_ds_mla"), ("sm80", "fp16", "fp8_ds_mla"),
-                ("sm80", "bf16", "fp8"), ("sm90_keysm", "bf16", "fp8_ds_mla", 16),
+                ("sm80", "bf16", "fp8"), ("sm90_keysm", "fp16", "fp8_ds_mla", 16),
                 ("sm90_keysm", "bf16", "plain", 64), ("sm90", "bf16", "plain", 16)]:
         with pytest.raises(ValueError, match="no sparse decode kernel"):
             registry.SparseStepConfig(*bad)

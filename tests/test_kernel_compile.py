@@ -256,14 +256,15 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         if "MLASparseDecodeKeysM" not in ptx.split("(", 1)[0]:
             continue
         for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
-                  "cp.async.mbarrier.arrive.noinc.shared", "fence.proxy.async",
+                  "mul.rn.f32", "cp.async.mbarrier.arrive.noinc.shared", "fence.proxy.async",
                   "cp.async.bulk.tensor", "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
 print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "plain", 16), ("fp16", "e4m3", 32)])
+@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "plain", 16), ("fp16", "e4m3", 32),
+                                                 ("bf16", "fp8_ds_mla", 16)])
 def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     """The keys-on-M sparse decode step (cute_kernels/sm90_keysm_sparse_decode.py): the
     keys-on-M kernel's MMAs (36 S^T + 32 O^T wgmma); its producer warp's gather, 16 16-byte
@@ -277,10 +278,14 @@ def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert res.returncode == 0, res.stderr[-4000:]
     c = json.loads(res.stdout.strip().splitlines()[-1])
     assert c["wgmma.mma_async"] == 36 + 32, c
-    per_tile = 16 if cache == "plain" else 8
-    assert c["cp.async.cg.shared.global"] == 9 * per_tile, c
+    # 16-bit tiles 16 copies a lane, fp8 tiles 8; the 656-byte rows: 8 fp8 tiles, the bf16
+    # rope tile 2 a lane and row step (16), the scales one a lane and row (2)
+    copies = {"plain": 9 * 16, "e4m3": 9 * 8, "fp8_ds_mla": 8 * 8 + 16 + 2}[cache]
+    assert c["cp.async.cg.shared.global"] == copies, c
     assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1 and c["cp.async.bulk.tensor"] == 9, c
-    assert c["cvt.rn.f16x2.e4m3x2"] == (0 if cache == "plain" else 8 * 9 * 256 // 128), c
+    tiles8 = {"plain": 0, "e4m3": 9, "fp8_ds_mla": 8}[cache]
+    assert c["cvt.rn.f16x2.e4m3x2"] == 8 * tiles8 * 256 // 128, c
+    assert c["mul.rn.f32"] == (16 * 8 * 256 // 128 if cache == "fp8_ds_mla" else 0), c
     assert c["fence.proxy.async"] > 0, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
 

@@ -349,8 +349,9 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
     # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns) over a 16-bit
-    # cache unless TORCH_MLA_SPARSE_KEYSM=0, over the e4m3 one with TORCH_MLA_SPARSE_KEYSM=1;
-    # it goes before the SM90 kernel's flag; otherwise the other kernels' rules.
+    # cache unless TORCH_MLA_SPARSE_KEYSM=0, over the FP8 ones (e4m3, the 656-byte rows) with
+    # TORCH_MLA_SPARSE_KEYSM=1; it goes before the SM90 kernel's flag; otherwise the other
+    # kernels' rules.
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -368,11 +369,10 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
             for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
                 keysm = (arch == "sm_90a" and cols > 0 and
-                         (fmt == "plain" and flag != "0" or fmt == "fp8" and flag == "1"))
+                         (fmt == "plain" and flag != "0" or fmt != "plain" and flag == "1"))
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
-                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == (
-                    0 if fmt == "fp8_ds_mla" else cols)
+                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == cols
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])

@@ -34,8 +34,8 @@ _TAKEN = {"kernel": None}  # the kernel _take asked for (check_against_fp64 chec
 def _take(kernel: str, monkeypatch) -> str:
     """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
     "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=1 for
-    "sm90_keysm" (sm_90a only), which takes h_q <= 32 over a 16-bit or e4m3 cache: the
-    other shapes' cases skip (check_against_fp64)."""
+    "sm90_keysm" (sm_90a only), which takes h_q <= 32: the other shapes' cases skip
+    (check_against_fp64)."""
     if kernel in ("sm90", "sm90_keysm"):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernels need compute capability 9.0")
@@ -254,8 +254,7 @@ def fp8_kernel(request, monkeypatch):
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
-    want = "sm80" if fp8_kernel == "sm90_keysm" and fmt == "fp8_ds_mla" else fp8_kernel
-    assert sparse_ops.sparse_backend(q, cache, 512) == (want, "")
+    assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)

@@ -25,6 +25,37 @@ def test_every_chunk_of_a_tile_is_copied_once_to_its_swizzled_place():
     assert sorted(seen.values()) == list(range(0, 64 * 128, 16))  # the tile, no overlap
 
 
+def test_keysm_656_byte_stage_layout():
+    # The keys-on-M sparse kernel's stage for the 656-byte rows (sm90_keysm_decode: 8 e4m3
+    # tiles, the bf16 rope tile, the scales): the regions do not overlap and the rope tile is
+    # 1 KB aligned; the gather's rope destinations (gather8: chunk cc of row r at
+    # r * 128 + (cc ^ r % 8) * 16) are the work buffer's swizzled 16-bit tile, so the
+    # consumers' linear copy keeps every value at its column; each expansion wave lies in one
+    # tile, whose 128-column group _expand reads the scale of.
+    from torch_mla.cute_kernels.sm90_keysm_decode import (
+        GROUP_SCALES_AT,
+        GROUP_STAGE_BYTES,
+        ROPE_TILE_AT,
+        TILE_ELEMS,
+        fp8_unit,
+    )
+
+    assert ROPE_TILE_AT == 8 * TILE_ELEMS and ROPE_TILE_AT % 1024 == 0
+    assert GROUP_SCALES_AT == ROPE_TILE_AT + 2 * TILE_ELEMS
+    assert GROUP_STAGE_BYTES == GROUP_SCALES_AT + 16 * 64 and GROUP_STAGE_BYTES % 1024 == 0
+    seen = set()
+    for row in range(64):
+        for cc in range(8):
+            off = row * 128 + ((cc ^ (row % 8)) << 4)
+            assert off == 2 * swizzled(row, 8 * cc, 64)
+            seen.add(off)
+    assert sorted(seen) == list(range(0, 8192, 16))
+    n_cons = 128
+    for w in range(8 * 256 // n_cons):
+        tiles = {fp8_unit(w * n_cons + t)[0] // TILE_ELEMS for t in range(n_cons)}
+        assert tiles == {w // 2}
+        assert (w * n_cons // 256) // 2 == (w // 2) // 2  # _expand's group of the wave
+
 def test_fp8_gather_and_staging_layout():
     # The SM90 sparse kernel's FP8 gather (gather8_offsets: every 16-byte chunk of an fp8 tile
     # once, 8 whole 64-byte rows an instruction) into the dense kernel's kv_fp8 staging

@@ -65,12 +65,18 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..constants import D_QK, D_V, KEYSM_COLUMNS, PAGE_SIZE
 from . import softmax, splitkv
 from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligned, shared_struct
-from .ptx import L2_EVICT_FIRST, e4m3_store16, fence_operand, lds128, sts
+from .ptx import L2_EVICT_FIRST, e4m3_store16, fence_operand, lds64, lds128, sts
 
 WG_COLUMNS = 32  # at most a consumer warpgroup's columns: O^T 512 x 32 fp32 = 128 registers
 N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 TILE_ELEMS = PAGE_SIZE * 64  # elements of a 64-key x 64-column tile
 PAGE_ELEMS = PAGE_SIZE * D_QK
+# group_scales (the sparse subclass's 656-byte rows): an fp8 ring stage holds the 8 e4m3 tiles
+# (32 KB, as the e4m3 cache's first 8), then the rope tile as the work buffer holds it (16-bit,
+# swizzled, 8 KB), then each key's four float32 scales (16 bytes a key).
+ROPE_TILE_AT = (N_TILES - 1) * TILE_ELEMS
+GROUP_SCALES_AT = ROPE_TILE_AT + 2 * TILE_ELEMS
+GROUP_STAGE_BYTES = GROUP_SCALES_AT + 16 * PAGE_SIZE
 
 # Named barrier ids (0 is __syncthreads).
 NB_CONSUMERS = 1  # every consumer thread: a page buffer prepared (expanded, tail zeroed)
@@ -176,6 +182,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # The ring filled through the generic proxy (cp.async): a proxy fence before the MMAs
     # read a 16-bit stage.
     cp_async_tiles = False
+    # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand.
+    group_scales = False
 
     def __init__(self, dtype, causal: bool, columns: int, kv_fp8: bool = False):
         assert columns in KEYSM_COLUMNS, columns
@@ -191,6 +199,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         self.stages = stages(columns, self.kv_fp8)
         # 16-bit page buffers the MMAs read: the ring itself, or one work buffer (fp8)
         self.buffers = 1 if self.kv_fp8 else self.stages
+        # Bytes of an fp8 ring stage (the sparse subclass's 656-byte rows take more).
+        self.stage_bytes = PAGE_ELEMS
 
     # ------------------------------------------------------------------------------------------
     # host side
@@ -223,7 +233,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
             sP=aligned(dt, C * n_wg * PAGE_SIZE),
         )
         if const_expr(self.kv_fp8):
-            fields["sK8"] = aligned(cutlass.Uint8, self.stages * PAGE_ELEMS)
+            fields["sK8"] = aligned(cutlass.Uint8, self.stages * self.stage_bytes)
         # Column maxima (two blocks' worth: one barrier a block suffices), reused for the sums.
         fields["sMax"] = cute.struct.MemRange[Float32, 2 * C * 4 * n_wg]
         fields["barFull"] = cute.struct.MemRange[i64, self.stages]
@@ -292,7 +302,9 @@ class MLADecodeSm90KeysM(DecodeKernel):
         self.d_tiled_s, self.d_tiled_o = tiled_s, tiled_o
         if const_expr(self.kv_fp8):
             # Folded scales (see sm90_decode.py): read once, no host synchronisation.
-            kv_scale = mKVScale[0]
+            kv_scale = Float32(1.0)  # (the 656-byte rows carry their own scales)
+            if const_expr(mKVScale is not None):
+                kv_scale = mKVScale[0]
             q_scale = Float32(1.0)
             if const_expr(q_scaled is not None):  # (the sparse step passes no q scale)
                 if q_scaled != 0:
@@ -314,7 +326,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                     k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
                     sK_tma = cute.make_tensor(k8, cute.make_layout(
                         (PAGE_SIZE, 64, 1, N_TILES, self.stages),
-                        stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
+                        stride=(64, 1, 0, TILE_ELEMS, self.stage_bytes)))
                 else:
                     sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
                 self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
@@ -611,21 +623,42 @@ class MLADecodeSm90KeysM(DecodeKernel):
     def _expand(self, s, valid, tidx):
         """kv_fp8: ring stage s (9 tiles of 64 keys x 64 e4m3 bytes) -> the 16-bit work buffer
         in the swizzled layout the MMAs read (fp8_unit), keys at or past `valid` as 0. Every
-        consumer thread takes units tidx + 128 C w, loads before stores in groups of 6."""
+        consumer thread takes units tidx + 128 C w, loads before stores in groups of 6 (4).
+        group_scales (the 656-byte rows): tiles 0-7 only, each value times its row's scale of
+        its 128 columns (GROUP_SCALES_AT in the stage: 16 bytes a key), and the rope tile,
+        16-bit already (ROPE_TILE_AT, the work buffer's swizzle), copied as it is."""
         n_cons = 128 * self.consumers
-        waves = PAGE_ELEMS // 16 // n_cons
-        src = self.d_k8 + s * PAGE_ELEMS
+        units = PAGE_ELEMS // 16
+        if const_expr(self.group_scales):
+            units = (N_TILES - 1) * PAGE_SIZE * 4
+        waves = units // n_cons
+        src = self.d_k8 + s * self.stage_bytes
         dst = self.d_k_base
         bf16 = self.dtype == cutlass.BFloat16
-        for g in cutlass.range_constexpr(0, waves, 6):
+        group = 4 if self.group_scales else 6  # (with the scales, 6 spill at 32 columns)
+        for g in cutlass.range_constexpr(0, waves, group):
             words = []
-            for w in cutlass.range_constexpr(g, min(g + 6, waves)):
+            scales = []
+            for w in cutlass.range_constexpr(g, min(g + group, waves)):
                 a, _, _, key = fp8_unit(w * n_cons + tidx)
                 x = lds128(src + a)
                 words.append([cutlass.select_(key < valid, x[i], Int32(0)) for i in range(4)])
-            for w in cutlass.range_constexpr(g, min(g + 6, waves)):
+                if const_expr(self.group_scales):
+                    # The wave's tile, the same for every thread (n_cons divides a tile's 256
+                    # units), and its 128-column group.
+                    grp = (w * n_cons // (PAGE_SIZE * 4)) // 2
+                    pair = lds64(src + GROUP_SCALES_AT + key * 16 + (grp // 2) * 8)
+                    scales.append(pair[grp % 2])
+                else:
+                    scales.append(None)
+            for w in cutlass.range_constexpr(g, min(g + group, waves)):
                 _, d0, d1, _ = fp8_unit(w * n_cons + tidx)
-                e4m3_store16(dst + d0, dst + d1, words[w - g], bf16)
+                e4m3_store16(dst + d0, dst + d1, words[w - g], bf16, scales[w - g])
+        if const_expr(self.group_scales):
+            rope = (N_TILES - 1) * TILE_ELEMS * 2
+            for w in cutlass.range_constexpr(TILE_ELEMS * 2 // 16 // n_cons):
+                c = (w * n_cons + tidx) * 16
+                sts(dst + rope + c, lds128(src + ROPE_TILE_AT + c))
 
     @cute.jit
     def _zero_tail(self, s, valid, tidx):

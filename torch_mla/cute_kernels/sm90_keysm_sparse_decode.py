@@ -42,12 +42,23 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
 
-from ..constants import PAGE_SIZE
+from ..constants import FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from .ptx import cp_async16
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_keysm_decode import PAGE_ELEMS, TILE_ELEMS, MLADecodeSm90KeysM, ring_slot
-from .sm90_sparse_decode import GatheredEntries, gather8, gather16
+from .sm90_keysm_decode import (
+    GROUP_SCALES_AT,
+    GROUP_STAGE_BYTES,
+    N_TILES,
+    PAGE_ELEMS,
+    ROPE_TILE_AT,
+    TILE_ELEMS,
+    WG_COLUMNS,
+    MLADecodeSm90KeysM,
+    ring_slot,
+)
+from .sm90_sparse_decode import GatheredEntries, gather8, gather16, row_source
 
-KEYSM_SPARSE_CACHES = ("plain", "e4m3")
+KEYSM_SPARSE_CACHES = ("plain", "e4m3", "fp8_ds_mla")
 
 
 class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
@@ -55,9 +66,16 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
 
     def __init__(self, dtype, columns: int, cache: str = "plain"):
         assert cache in KEYSM_SPARSE_CACHES, cache
-        assert columns <= 32, columns  # one consumer warpgroup
-        super().__init__(dtype, False, columns, kv_fp8=cache == "e4m3")
+        assert columns <= WG_COLUMNS, columns  # one consumer warpgroup
+        assert cache != "fp8_ds_mla" or dtype == cutlass.BFloat16, (cache, dtype)
+        super().__init__(dtype, False, columns, kv_fp8=cache != "plain")
         self.cache = cache
+        if cache == "fp8_ds_mla":
+            # A stage holds the 8 e4m3 tiles, the bf16 rope tile and the scales (41 KB):
+            # 3 stages beside 16 columns' Q, 2 beside 32's.
+            self.group_scales = True
+            self.stage_bytes = GROUP_STAGE_BYTES
+            self.stages = 3 if columns <= 16 else 2
 
     def _more_smem(self) -> dict:
         return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
@@ -70,11 +88,22 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
         s, parity = ring_slot(cnt[0], self.stages)
         slots = list(self._entries(page))
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        lane = cute.arch.lane_idx()
         self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
-            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, cute.arch.lane_idx())
+            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, lane)
         rows = self._cache_rows(mKV)
         tiles = range(PAGE_ELEMS // TILE_ELEMS)
-        if cutlass.const_expr(self.kv_fp8):
+        if cutlass.const_expr(self.cache == "fp8_ds_mla"):
+            # 8 e4m3 tiles, the bf16 rope tile (swizzled, as the work buffer holds it) and
+            # each row's 16 bytes of scales.
+            stage = self.d_k8 + s * self.stage_bytes
+            gather8(slots, rows, [(stage + t * TILE_ELEMS, t * 64) for t in range(N_TILES - 1)],
+                    stage + ROPE_TILE_AT)
+            for r in cutlass.range_constexpr(2):
+                src, size = row_source(*rows, slots[r])
+                cp_async16(stage + GROUP_SCALES_AT + 16 * (lane + 32 * r),
+                           src + FP8_DS_MLA_SCALES_AT, size)
+        elif cutlass.const_expr(self.kv_fp8):
             stage = self.d_k8 + s * PAGE_ELEMS
             gather8(slots, rows, [(stage + t * TILE_ELEMS, t * 64) for t in tiles])
         else:

@@ -157,7 +157,8 @@ class DecodeConfig(DecodeStepConfig):
 
 # The cache formats each sparse backend reads (SparseStepConfig.cache).
 SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"),
-                 "sm90": ("plain", "e4m3", "fp8_ds_mla"), "sm90_keysm": ("plain", "e4m3")}
+                 "sm90": ("plain", "e4m3", "fp8_ds_mla"),
+                 "sm90_keysm": ("plain", "e4m3", "fp8_ds_mla")}
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
 
 
@@ -166,8 +167,8 @@ class SparseStepConfig(_Config):
     """Sparse decode and its combine behind one host call (mla_decode_sparse;
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80), "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape) or
-    "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA; no
-    656-byte rows), dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
+    "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
+    dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
 
@@ -338,7 +339,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90", dt, c) for c in SPARSE_CACHES["sm90"]
                         if c != "fp8_ds_mla" or dt == "bf16"]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
-                        for c in SPARSE_CACHES["sm90_keysm"] for n in SPARSE_KEYSM_COLUMNS]
+                        for c in SPARSE_CACHES["sm90_keysm"] for n in SPARSE_KEYSM_COLUMNS
+                        if c != "fp8_ds_mla" or dt == "bf16"]
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

@@ -59,9 +59,7 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 
 def keysm_sparse_columns(h_q: int, fmt: str) -> int:
     """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads over a cache
-    of format fmt (cache_format), or 0 where it cannot run (h_q > 32, the 656-byte rows)."""
-    if fmt not in ("plain", "fp8"):
-        return 0
+    of format fmt (cache_format), or 0 where it cannot run (h_q > 32)."""
     return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
 
 
