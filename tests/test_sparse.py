@@ -327,8 +327,9 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
     cache = torch.empty(2, 64, 1, 576, dtype=torch.bfloat16)
     native = "sm90" if arch == "sm_90a" else "sm80"
     shapes = {(128, 1, 128): native, (32, 2, 128): native, (128, 1, 64): native,
-              (64, 2, 96): native, (32, 1, 128): "sm80", (2, 2, 128): "sm80",
-              (64, 1, 64): "sm80", (128, 2, 32): "sm80", (1024, 1, 16): "sm80"}
+              (64, 2, 96): native, (32, 1, 128): native, (64, 1, 64): native,
+              (2, 2, 128): "sm80", (63, 1, 64): "sm80", (32, 1, 64): "sm80",
+              (128, 2, 32): "sm80", (1024, 1, 16): "sm80"}
     for flag, want_default in ((None, None), ("1", native), ("0", "sm80")):
         if flag is None:
             monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
@@ -338,20 +339,20 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
             q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
             assert sparse_ops.sparse_backend(q, cache, 512) == (want_default or want, ""), (
                 flag, b, s_q, h_q)
-    assert sparse_ops.sm90_sparse_pays(128, 1, 64) and not sparse_ops.sm90_sparse_pays(127, 1, 64)
-    # over an FP8 cache: from 128 CTAs at any h_q, from 64 at h_q >= 64
+    assert sparse_ops.sm90_sparse_pays(64, 1, 64) and not sparse_ops.sm90_sparse_pays(63, 1, 64)
+    assert sparse_ops.sm90_sparse_pays(32, 1, 128) and not sparse_ops.sm90_sparse_pays(128, 2, 32)
+    # over an FP8 cache: from 32 CTAs at h_q >= 64, from 128 below
     fp8 = {(128, 1, 16): True, (64, 2, 32): True, (32, 1, 128): True, (32, 2, 64): True,
-           (32, 1, 64): False, (32, 2, 32): False, (2, 2, 128): False}
+           (32, 1, 64): True, (31, 1, 64): False, (32, 2, 32): False, (2, 2, 128): False}
     for (b, s_q, h_q), want in fp8.items():
         assert sparse_ops.sm90_sparse_pays(b, s_q, h_q, fp8=True) == want, (b, s_q, h_q)
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
-    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns) over a 16-bit
-    # cache unless TORCH_MLA_SPARSE_KEYSM=0, over the FP8 ones (e4m3, the 656-byte rows) with
-    # TORCH_MLA_SPARSE_KEYSM=1; it goes before the SM90 kernel's flag; otherwise the other
-    # kernels' rules.
+    # The keys-on-M sparse kernel on sm_90a for h_q <= 32 (8, 16 or 32 columns) over every cache
+    # format unless TORCH_MLA_SPARSE_KEYSM=0; it goes before the SM90 kernel's flag; otherwise
+    # the other kernels' rules.
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -368,8 +369,7 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
         for fmt, cache in caches.items():
             for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
-                keysm = (arch == "sm_90a" and cols > 0 and
-                         (fmt == "plain" and flag != "0" or fmt != "plain" and flag == "1"))
+                keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q, fmt) == cols

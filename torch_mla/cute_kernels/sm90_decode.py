@@ -768,10 +768,15 @@ class MLADecodeSm90(DecodeKernel):
                     # tile 0 or 4: the half is expanded (waiting for all of its tiles) first.
                     if const_expr(tile == 0 or tile == 4):
                         self._expand_half(barK, phase, s, 0 if tile == 0 else 1)
+                elif const_expr(self.cp_async_tiles):
+                    # The sparse gathers' tiles of a buffer half complete together (each lane
+                    # arrives on all of them after all of its copies): one wait and one fence
+                    # for the async proxy a half.
+                    if const_expr(tile == 0 or tile == 4):
+                        cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+                        cute.arch.fence_view_async_shared()
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
-                    if const_expr(self.cp_async_tiles):
-                        cute.arch.fence_view_async_shared()
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(4):
                     k = tile * 4 + kk

@@ -71,12 +71,11 @@ def _env_flag(name: str, value: str = "1"):
 
 _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
-# The sparse kernels on sm_90a (ops.sparse.sparse_backend): the keys-on-M one for h_q <= 32 over
-# a 16-bit cache (TORCH_MLA_SPARSE_KEYSM=1: over the e4m3 cache too, =0: never), else the SM90
-# one where ops.sparse.sm90_sparse_pays (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never).
+# The sparse kernels on sm_90a (ops.sparse.sparse_backend): the keys-on-M one for h_q <= 32
+# (TORCH_MLA_SPARSE_KEYSM=0: never), else the SM90 one where ops.sparse.sm90_sparse_pays
+# (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never).
 sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
-sparse_keysm_all = _env_flag("TORCH_MLA_SPARSE_KEYSM")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")

@@ -40,21 +40,24 @@ _STEP_CACHE = {"plain": "plain", "fp8": "e4m3", "fp8_ds_mla": "fp8_ds_mla"}
 
 # Where the SM90 sparse kernel beats the portable one (H200, docs/kernels/sparse.md "Kernel
 # choice"): each of its CTAs takes 64 query rows of one token, so it wants 64 heads to fill
-# them and enough (token, 64-head block) CTAs to fill the GPU. Over an FP8 cache (whose
-# conversion the portable kernel does in its gathering threads) it wins from fewer.
+# them and enough (token, 64-head block) CTAs to fill the GPU: from 64 CTAs over a 16-bit
+# cache, from 32 over an FP8 one (whose conversion the portable kernel does in its gathering
+# threads). Below 64 heads (where the keys-on-M kernel is off) only from 128 CTAs, FP8 only.
 SM90_MIN_HEADS = 64
-SM90_MIN_CTAS = 128
+SM90_MIN_CTAS = 64
+SM90_MIN_CTAS_FP8 = 32
+SM90_MIN_CTAS_FEW_HEADS = 128
 
 
 def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     """Whether the SM90 sparse kernel runs by default for b requests of s_q tokens and h_q
-    heads, with ctas = b * s_q * ceil(h_q / 64): a 16-bit cache, h_q >= SM90_MIN_HEADS and
-    ctas >= SM90_MIN_CTAS; an FP8 one (fp8), ctas >= SM90_MIN_CTAS, or h_q >= SM90_MIN_HEADS
-    and ctas >= SM90_MIN_CTAS / 2."""
+    heads, with ctas = b * s_q * ceil(h_q / 64): h_q >= SM90_MIN_HEADS and ctas >=
+    SM90_MIN_CTAS over a 16-bit cache, SM90_MIN_CTAS_FP8 over an FP8 one (fp8); with fewer
+    heads, an FP8 cache and ctas >= SM90_MIN_CTAS_FEW_HEADS."""
     ctas = b * s_q * -(-h_q // BLOCK_M)
-    if fp8:
-        return ctas >= SM90_MIN_CTAS or (h_q >= SM90_MIN_HEADS and 2 * ctas >= SM90_MIN_CTAS)
-    return h_q >= SM90_MIN_HEADS and ctas >= SM90_MIN_CTAS
+    if h_q < SM90_MIN_HEADS:
+        return fp8 and ctas >= SM90_MIN_CTAS_FEW_HEADS
+    return ctas >= (SM90_MIN_CTAS_FP8 if fp8 else SM90_MIN_CTAS)
 
 
 def keysm_sparse_columns(h_q: int, fmt: str) -> int:
@@ -65,12 +68,11 @@ def keysm_sparse_columns(h_q: int, fmt: str) -> int:
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
-    keysm_sparse_columns, i.e. h_q <= 32, over a 16-bit cache; TORCH_MLA_SPARSE_KEYSM=1 over
-    the e4m3 one too, =0 never), "sm90" (the SM90 one: on sm_90a where sm90_sparse_pays;
-    TORCH_MLA_SPARSE_SM90=1 for every shape the keys-on-M kernel does not take, =0 never),
-    "sm80" (the portable one) or "reference", for validated inputs on a CUDA device; reason
-    says why the reference runs. The portable and SM90 kernels take every cache format (the
-    FP8 ones dequantized in the kernel), the keys-on-M one all but the 656-byte rows; the
+    keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
+    never), "sm90" (the SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1
+    for every shape the keys-on-M kernel does not take, =0 never), "sm80" (the portable one)
+    or "reference", for validated inputs on a CUDA device; reason says why the reference
+    runs. Every kernel takes every cache format (the FP8 ones dequantized in the kernel); the
     656-byte rows with bf16 q only (their RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
@@ -90,7 +92,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
-            q.shape[2], fmt) and (fmt == "plain" or dispatch.sparse_keysm_all()):
+            q.shape[2], fmt):
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
