@@ -9,8 +9,8 @@
 #   fp8       the portable kernel over the FP8 caches (e4m3 + kv_scale, the 656-byte rows)
 #   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0:
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
-#   keysm     the keys-on-M sparse kernel (h_q <= 32, TORCH_MLA_SPARSE_KEYSM=1: the e4m3
-#             cache too; the tests' other shapes skip)
+#   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
+#             656-byte rows; the tests' other shapes skip)
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -35,7 +35,7 @@ case $kernel in
             cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0) ;;
   keysm)    sel=sm90_keysm
             smoke="sm90_keysm and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
-            cache=e4m3; flag=(TORCH_MLA_SPARSE_KEYSM=1) ;;
+            cache=fp8_ds_mla; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
   *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm]"; exit 2 ;;
 esac
 

@@ -12,7 +12,9 @@ producer warp filling a ring of page stages), whose walk, softmax, MMAs and epil
 unchanged. What differs:
   - the producer warp fills a ring stage by cp.async (sm90_sparse_decode's gather16 /
     gather8: 16-bit tiles to their swizzled places, or an e4m3 page's bytes where the dense
-    kernel's TMA leaves them for the consumers' expansion), reading the block's 64 entries
+    kernel's TMA leaves them for the consumers' expansion; the 656-byte rows' e4m3 bytes, bf16
+    rope tile and scales to a 41 KB stage: ROPE_TILE_AT, GROUP_SCALES_AT, the expansion
+    multiplying each value by its group's scale), reading the block's 64 entries
     first (two a lane) and shuffling each row's slot to the lanes that copy it. The stage's
     full mbarrier takes 33 arrivals: every lane's cp.async.mbarrier.arrive.noinc (when its
     copies land) and one plain arrival after the warp's bias stores. The consumers fence
@@ -24,16 +26,15 @@ unchanged. What differs:
 
 Limits: d_qk 576, d_v 512, 64-token pages, any page and row strides (16-byte multiples);
 bf16/fp16 q over a cache of q's dtype or a float8_e4m3fn one (kv_scale, exact mode: expanded
-by the consumers); h_q <= 32 (one CTA per token and part), s_q any, topk any. Not causal. The
-656-byte rows run the other kernels. The sink is applied by the host.
+by the consumers), bf16 q over the 656-byte rows; h_q <= 32 (one CTA per token and part), s_q
+any, topk any. Not causal. The sink is applied by the host.
 
-Status: correct on the H200 (the sparse kernel tests it takes, CUDA-graph replays, the bad-entry
-message, memcheck over bf16 and e4m3); the dispatch's choice for h_q <= 32 over a 16-bit cache
-on sm_90a (TORCH_MLA_SPARSE_KEYSM=0: off). At b 128, s_q 1, h_q 16: 114.2 us over bf16 (the
-portable kernel 129.6), 94.2 us over e4m3 (the SM90 kernel 139.5). The e4m3 path had a race
-found after that run (the bias row read after the stage's early release: _entry_bias now reads
-it before); fixed, not rerun on a GPU, so it is opt-in (TORCH_MLA_SPARSE_KEYSM=1) until it is;
-docs/kernels/sparse.md.
+Status: correct on the H200 over the three formats (the sparse kernel tests it takes, among
+them stage reuse over many blocks a part, CUDA-graph replays, the bad-entry message; memcheck
+over each format); the dispatch's choice for h_q <= 32 on sm_90a (TORCH_MLA_SPARSE_KEYSM=0:
+off). At b 128, s_q 1, h_q 16 (session 18, one run): 113.8 us over bf16 (the portable kernel
+129.4), 94.1 over e4m3 (the SM90 kernel 135.5), 99.8 over the 656-byte rows (the SM90 kernel
+153.9; FlashMLA at h_q 64 over the same rows 123.6); docs/kernels/sparse.md.
 """
 
 from __future__ import annotations

@@ -13,22 +13,26 @@ request mode, topk_length broadcast over tokens, lse (b, h_q, s_q) as (b * s_q, 
 sm80_sparse_decode's MLASparseDecodeStep, which takes any decode kernel.
 
 What differs from the dense kernel:
-  - the gather: the warp that refills a buffer half copies its tiles by 16-byte cp.async
-    copies (gather_offsets: lanes 8 q .. 8 q + 7 take the 8 chunks of row q + 4 j of a tile, so
+  - the gather: the four warps of the warpgroup that refills a buffer half (load_warps; a
+    quarter of the rows each, warp_steps) copy its tiles by 16-byte cp.async copies
+    (gather_offsets: lanes 8 q .. 8 q + 7 take the 8 chunks of row q + 4 j of a tile, so
     one instruction moves four whole 128-byte lines of four key rows), each to its place in
     the 128-byte-swizzled tile the MMAs read. The lanes read the block's 64 entries (two each;
     at the start of the pair that loads it, so the read hides behind the softmax:
     _next_page) and shuffle each row's slot to the 8 lanes copying it.
-    Each tile's mbarrier (33 arrivals) completes when every lane's copies have landed
-    (cp.async.mbarrier.arrive.noinc) and one lane has arrived after the warp's bias stores.
-    cp.async writes through the generic proxy: the warpgroups fence (fence.proxy.async) after
-    their waits and before each P V, whose V half the other warpgroup may have waited for. The
+    Each tile's mbarrier (4 x 33 arrivals) completes when every lane's copies have landed
+    (cp.async.mbarrier.arrive.noinc) and one lane of each warp has arrived after the warp's
+    stores (warp 0's bias row among them); a half's tiles complete together, so Q K^T waits
+    for one a half. cp.async writes through the generic proxy: the warpgroups fence
+    (fence.proxy.async) after those waits and before each P V, whose V half the other
+    warpgroup may have waited for. The
     walk's "page" for block blk of one-token request r is r * blocks_per_row + blk (_page).
   - an entry that names no key (-1, at or past topk_length, or a slot outside [0, num_blocks *
     64)) reads nothing: its copies have source size 0, which zero-fills the row (no NaN of the
     cache enters P V), and
   - its score is -inf: each buffer has a bias row in shared memory (0 or -inf per key), written
-    by the warp that loads the buffer's left half before its plain arrival (release), added to
+    by warp 0 of the warpgroup that loads the buffer's left half before its plain arrival
+    (release), added to
     the scores in _mask;
   - the FP8 caches (cache "e4m3", "fp8_ds_mla"): the gather copies each fp8 tile's bytes
     (gather8_offsets: 8 rows x 64 bytes an instruction) to where the dense kernel's kv_fp8
@@ -46,9 +50,10 @@ attention sink is applied by the host after the step (torch_mla.ops.sparse).
 
 Status: correct on the H200 (tests over the three formats, memcheck, FlashMLA's own sparse
 cases through compat). Sessions 14-15 gathered by one TMA box per row (0.09-0.70x FlashMLA,
-slower than the portable kernel everywhere); the cp.async gather (session 17) is 0.89-0.92x
-the portable kernel's time over bf16 at 64+ heads on full launches and 0.53-0.90x over the FP8
-caches, 0.57-0.76x FlashMLA at b 128 over the same 656-byte rows. The dispatch takes it where
+slower than the portable kernel everywhere); the cp.async gather (session 17) from one warp
+0.57-0.76x FlashMLA at b 128 over the same 656-byte rows; from four warps with one wait a half
+(session 18) b 128, h_q 64 / 128 over bf16 121.3 / 200.8 us, FlashMLA over its 656-byte rows
+123.5 / 179.3 (0.60-0.79x over the same rows). The dispatch takes it where
 ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice").
 """
 
