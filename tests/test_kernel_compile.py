@@ -205,7 +205,8 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
     kernel's 16-bit MMAs, its cache tiles gathered by 16-byte cp.async copies completing on
     the tile's mbarrier through cp.async.mbarrier.arrive.noinc (with one plain arrival after
-    the bias row); 16-bit tiles 16 copies a lane, fp8 tiles 8 (the FP8 caches, expanded in
+    the bias row), issued by the four warps of a warpgroup (a quarter of the rows each):
+    16-bit tiles 4 copies a lane, fp8 tiles 2 (the FP8 caches, expanded in
     shared memory by the dense kernel's kv_fp8 path: cvt.rn.f16x2.e4m3x2, and for the
     656-byte rows the multiply by each group's scale, gathered 8 bytes a row by cp.async.ca);
     fenced for the MMAs' proxy; the sparse combine's checks; no local memory, no call in the
@@ -224,7 +225,7 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     # tokens and requests are two modes of the folded view; 9 boxes at 3 load sites, one
     # expect_tx each) are the only TMA loads.
     tiles = dec["cp.async.mbarrier.arrive.noinc.shared"]
-    copies = {"plain": 16 * tiles, "e4m3": 8 * tiles, "fp8_ds_mla": 8 * (tiles - 8) + 16 * 8}
+    copies = {"plain": 4 * tiles, "e4m3": 2 * tiles, "fp8_ds_mla": 2 * (tiles - 8) + 4 * 8}
     assert tiles == 56 and dec["cp.async.cg.shared.global"] == copies[cache], dec
     # (2 a lane and buffer half: 56 tiles in 12 halves)
     assert dec["cp.async.ca.shared.global"] == (2 * 12 if cache == "fp8_ds_mla" else 0), dec
