@@ -144,6 +144,15 @@ def main_sparse(flash_mla) -> None:
         sys.stdout.flush()
 
 
+def sparse_floors_pct(b, s_q, h_q, us, row_bytes, topk=2048) -> tuple[float, float]:
+    """(% of the copy ceiling, % of the matmul ceiling) that a sparse decode of us microseconds
+    reaches: bytes = the topk rows of row_bytes (1152 bf16, 656 the FP8 layout) a query token,
+    their 4-byte entries, q and out; FLOP = 2 (576 + 512) a head, key and token."""
+    nbytes = b * s_q * (topk * (row_bytes + 4) + h_q * (576 + 512) * 2)
+    flop = b * s_q * h_q * topk * 2 * (576 + 512)
+    return 100 * nbytes / us / 1e3 / COPY_GBPS, 100 * flop / us / 1e6 / MATMUL_TFLOPS
+
+
 def _sparse_us(q, cache, idx, sched, kv_scale) -> float:
     """mla_decode_sparse's time (us, CUDA-graph replay) on the kernel the dispatch picks now."""
     return graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched,
@@ -181,11 +190,11 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
     heads: only these h_q."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
-          "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | 656 B default GB/s "
-          "(% copy) | FlashMLA 656 B us (same run; at h_q 64 where h_q < 64) | "
-          "FlashMLA / ours 656 B (default) | "
+          "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "
+          "% matmul | default 656 B: % copy, % matmul | FlashMLA 656 B us (same run; at h_q "
+          "64 where h_q < 64) | FlashMLA / ours 656 B (default) | "
           "FlashMLA / ours bf16 (default) |")
-    print("|" + "---|" * 17)
+    print("|" + "---|" * 18)
     saved = {k: os.environ.get(k) for k in ("TORCH_MLA_SPARSE_SM90", "TORCH_MLA_SPARSE_KEYSM")}
     for b, s_q, h_q in SPARSE_CONFIGS:
         if heads and h_q not in heads:
@@ -219,11 +228,11 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
                 fm_us = _flash_mla_sparse_us(flash_mla, fm_q, caches["656"], idx)
             except RuntimeError as e:  # (reported, not fatal: the row keeps ours)
                 print(f"# FlashMLA sparse failed: {e}")
-        rest = b * s_q * (topk * 4 + h_q * (576 + 512) * 2)
-        gbps8 = (b * s_q * topk * 656 + rest) / us["656", default8] / 1e3
+        floors = [sparse_floors_pct(b, s_q, h_q, us[n, k], w)
+                  for n, k, w in (("bf16", default, 1152), ("656", default8, 656))]
         print(f"| {b} | {s_q} | {h_q} | {default}, {default8} | "
               + " | ".join(f"{us[n, k]:.1f}" for n in caches for k in SPARSE_KERNEL_ENV)
-              + f" | {gbps8:.0f} ({100 * gbps8 / COPY_GBPS:.0f}) | {fm_us:.1f} | "
+              + "".join(f" | {c:.0f}, {m:.0f}" for c, m in floors) + f" | {fm_us:.1f} | "
               f"{fm_us / us['656', default8]:.3f} | {fm_us / us['bf16', default]:.3f} |")
         sys.stdout.flush()
 
