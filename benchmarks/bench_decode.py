@@ -99,9 +99,10 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
     """(us, TFLOP/s, GB/s, FlashMLA us or nan, ours over the 656-byte cache: us, GB/s, or nan,
     the kernel that ran over the bf16 cache) of mla_decode_sparse over a bf16 cache, b
     requests of s_k tokens, topk distinct random slots of each request per query token; over
-    the same tokens in the 656-byte FP8 layout where a kernel takes it (the portable kernel's
-    FP8 gather; never the reference, far too slow here). FlashMLA runs its sparse decode over
-    the 656-byte cache (its only sparse format), at h_q 64 or 128 (it takes no other)."""
+    the same tokens in the 656-byte FP8 layout on the kernel the dispatch picks (keys-on-M at
+    h_q <= 32, SM90 where it pays, else portable; never the reference, far too slow here).
+    FlashMLA runs its sparse decode over the 656-byte cache (its only sparse format), at h_q 64
+    or 128 (it takes no other)."""
     tokens, idx, q, sched = _sparse_problem(b, s_q, h_q, topk, s_k)
     cache = _sparse_cache(b * s_k, torch.bfloat16, 576, tokens)
     us = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched))
@@ -126,7 +127,8 @@ def run_sparse(b, s_q, h_q, topk=2048, s_k=32768, flash_mla=None):
 
 def main_sparse(flash_mla) -> None:
     # The kernel mla_decode_sparse picks over the bf16 cache depends on the shape (the column
-    # "kernel"; TORCH_MLA_SPARSE_SM90=1 / =0: the SM90 / portable one on an H200 for all).
+    # "kernel"; on an H200 TORCH_MLA_SPARSE_SM90=1 / =0: the SM90 / portable one for every
+    # shape the keys-on-M kernel does not take, TORCH_MLA_SPARSE_KEYSM=0: it takes none).
     q = torch.empty(1, 1, 64, 576, dtype=torch.bfloat16, device="cuda")
     kernel8, why8 = sparse_backend(q, torch.empty(1, PAGE_SIZE, 1, 656, dtype=torch.uint8,
                                                   device="cuda"), 512)

@@ -316,9 +316,10 @@ def test_schedule_is_the_dense_one_over_each_tokens_entry_count():
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86", "sm_100a"])
 def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
-    # The SM90 sparse kernel runs on sm_90a only, by default where h_q >= 64 and the launch
-    # has at least 128 CTAs of 64 heads (b * s_q * ceil(h_q / 64)); TORCH_MLA_SPARSE_SM90=1
-    # takes it for every shape, =0 never (the arch lookup stubbed: no GPU needed).
+    # The SM90 sparse kernel runs on sm_90a only, by default over a 16-bit cache where
+    # h_q >= 64 and the launch has at least 64 CTAs of 64 heads (b * s_q * ceil(h_q / 64));
+    # TORCH_MLA_SPARSE_SM90=1 takes it for every shape, =0 never (the arch lookup stubbed: no
+    # GPU needed).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)

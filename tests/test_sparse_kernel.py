@@ -1,6 +1,7 @@
-"""The sparse decode kernels on a GPU, each test for both: the portable kernel's gather path
-(cute_kernels/sm80_sparse_decode.py) and the SM90 one (cute_kernels/sm90_sparse_decode.py,
-H100/H200 only; the cases set TORCH_MLA_SPARSE_SM90 to 1 or 0 to take one or the other
+"""The sparse decode kernels on a GPU, each test for each: the portable kernel's gather path
+(cute_kernels/sm80_sparse_decode.py), the SM90 one (cute_kernels/sm90_sparse_decode.py) and
+the keys-on-M one (cute_kernels/sm90_keysm_sparse_decode.py, h_q <= 32), the last two on
+H100/H200 only (the cases set TORCH_MLA_SPARSE_SM90 and TORCH_MLA_SPARSE_KEYSM to take one
 whatever the shape), against the float64 loop of test_sparse.py: the issue's grid of h_q, s_q and
 topk, repeated and -1 entries, topk_length 0 and partial (garbage past it), NaN in every slot
 no entry names, splits over the entries, the sink, CUDA-graph replays with new indices, and the
@@ -33,9 +34,9 @@ _TAKEN = {"kernel": None}  # the kernel _take asked for (check_against_fp64 chec
 
 def _take(kernel: str, monkeypatch) -> str:
     """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
-    "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=1 for
-    "sm90_keysm" (sm_90a only), which takes h_q <= 32: the other shapes' cases skip
-    (check_against_fp64)."""
+    "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=0 for both
+    of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32: the other shapes'
+    cases skip (check_against_fp64)."""
     if kernel in ("sm90", "sm90_keysm"):
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernels need compute capability 9.0")

@@ -6,7 +6,8 @@
 #
 #   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0 and
 #             TORCH_MLA_SPARSE_KEYSM=0: every shape)
-#   fp8       the portable kernel over the FP8 caches (e4m3 + kv_scale, the 656-byte rows)
+#   fp8       the FP8 caches (e4m3 + kv_scale, the 656-byte rows): the FP8 tests of every
+#             kernel, memcheck on the default kernel (keys-on-M at h_q 16 on an H200)
 #   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0:
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the

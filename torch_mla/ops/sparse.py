@@ -103,10 +103,11 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
 def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int):
     """A callable running the sparse decode kernel for these inputs, or None (the reference).
 
-    On a GPU the portable kernel (cute_kernels/sm80_sparse_decode.py) runs caches of q's dtype
-    (bf16/fp16), or on sm_90a the SM90 kernel (cute_kernels/sm90_sparse_decode.py) where
-    sm90_sparse_pays (sparse_backend), over every cache format (the FP8 ones dequantized in
-    the kernel); inputs no kernel takes run the
+    On a GPU the kernel sparse_backend names: on sm_90a the keys-on-M kernel
+    (cute_kernels/sm90_keysm_sparse_decode.py) for h_q <= 32, else the SM90 kernel
+    (cute_kernels/sm90_sparse_decode.py) where sm90_sparse_pays, else the portable kernel
+    (cute_kernels/sm80_sparse_decode.py), each over every cache format (the FP8 ones
+    dequantized in the kernel); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
     than a kernel). A kernel is called as
     ``kernel(q, kv_cache, indices, topk_length, attn_sink, sched_metadata, num_splits,
@@ -328,9 +329,11 @@ def mla_decode_sparse(
     ValueError naming the entry, on other devices by device-side asserts (see
     :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
 
-    On a GPU the portable sparse kernel runs (cute_kernels/sm80_sparse_decode.py, over every
-    cache format, docs/kernels/sparse.md); elsewhere, and where no kernel takes the inputs, the
-    fp32 reference (torch_mla.reference_sparse), on a GPU with a warning once per reason.
+    On a GPU a sparse kernel runs, over every cache format (docs/kernels/sparse.md): on
+    H100/H200 the keys-on-M kernel for h_q <= 32, the SM90 kernel where it pays (64+ heads and
+    enough CTAs), else the portable kernel, which also runs on other GPUs from SM80; elsewhere,
+    and where no kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a
+    GPU with a warning once per reason.
     """
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
     if schedule is None:
