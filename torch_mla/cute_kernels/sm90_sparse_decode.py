@@ -25,15 +25,14 @@ What differs from the dense kernel:
     stores (warp 0's bias row among them); a half's tiles complete together, so Q K^T waits
     for one a half. cp.async writes through the generic proxy: the warpgroups fence
     (fence.proxy.async) after those waits and before each P V, whose V half the other
-    warpgroup may have waited for. The
-    walk's "page" for block blk of one-token request r is r * blocks_per_row + blk (_page).
+    warpgroup may have waited for. The walk's "page" for block blk of one-token request r is
+    r * blocks_per_row + blk (_page).
   - an entry that names no key (-1, at or past topk_length, or a slot outside [0, num_blocks *
     64)) reads nothing: its copies have source size 0, which zero-fills the row (no NaN of the
     cache enters P V), and
   - its score is -inf: each buffer has a bias row in shared memory (0 or -inf per key), written
     by warp 0 of the warpgroup that loads the buffer's left half before its plain arrival
-    (release), added to
-    the scores in _mask;
+    (release), added to the scores in _mask;
   - the FP8 caches (cache "e4m3", "fp8_ds_mla"): the gather copies each fp8 tile's bytes
     (gather8_offsets: 8 rows x 64 bytes an instruction) to where the dense kernel's kv_fp8
     TMA leaves them (fp8_tile_offset), and the dense kernel's _expand_half turns them into the
@@ -48,8 +47,9 @@ fp16 q over a cache of q's dtype or a float8_e4m3fn one (kv_scale), bf16 q over 
 rows; h_q any (64-row m-blocks of one token's heads), s_q any, topk any. Not causal. The
 attention sink is applied by the host after the step (torch_mla.ops.sparse).
 
-Status: correct on the H200 (tests over the three formats, memcheck, FlashMLA's own sparse
-cases through compat). Sessions 14-15 gathered by one TMA box per row (0.09-0.70x FlashMLA,
+Status: correct on the H200 (tests over the three formats and memcheck, session 18;
+FlashMLA's own sparse cases through compat in session 17, before the four-warp refill).
+Sessions 14-15 gathered by one TMA box per row (0.09-0.70x FlashMLA,
 slower than the portable kernel everywhere); the cp.async gather (session 17) from one warp
 0.57-0.76x FlashMLA at b 128 over the same 656-byte rows; from four warps with one wait a half
 (session 18) b 128, h_q 64 / 128 over bf16 121.3 / 200.8 us, FlashMLA over its 656-byte rows
