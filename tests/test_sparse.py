@@ -373,7 +373,7 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
-                assert sparse_ops.keysm_sparse_columns(h_q, fmt) == cols
+                assert sparse_ops.keysm_sparse_columns(h_q) == cols
 
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])

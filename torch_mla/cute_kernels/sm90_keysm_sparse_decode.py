@@ -45,7 +45,7 @@ from cutlass import Float32
 
 from ..constants import FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from .ptx import cp_async16
-from .sm80_sparse_decode import MLASparseDecodeStep
+from .sm80_sparse_decode import CACHE_FORMATS, MLASparseDecodeStep
 from .sm90_keysm_decode import (
     GROUP_SCALES_AT,
     GROUP_STAGE_BYTES,
@@ -59,14 +59,12 @@ from .sm90_keysm_decode import (
 )
 from .sm90_sparse_decode import GatheredEntries, gather8, gather16, row_source
 
-KEYSM_SPARSE_CACHES = ("plain", "e4m3", "fp8_ds_mla")
-
 
 class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
     """The keys-on-M kernel over gathered entries; see the module docstring."""
 
     def __init__(self, dtype, columns: int, cache: str = "plain"):
-        assert cache in KEYSM_SPARSE_CACHES, cache
+        assert cache in CACHE_FORMATS, cache
         assert columns <= WG_COLUMNS, columns  # one consumer warpgroup
         assert cache != "fp8_ds_mla" or dtype == cutlass.BFloat16, (cache, dtype)
         super().__init__(dtype, False, columns, kv_fp8=cache != "plain")

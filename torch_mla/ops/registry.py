@@ -155,11 +155,15 @@ class DecodeConfig(DecodeStepConfig):
     entry: ClassVar[str] = "decode_base:compile_decode"
 
 
-# The cache formats each sparse backend reads (SparseStepConfig.cache).
-SPARSE_CACHES = {"sm80": ("plain", "e4m3", "fp8_ds_mla"),
-                 "sm90": ("plain", "e4m3", "fp8_ds_mla"),
-                 "sm90_keysm": ("plain", "e4m3", "fp8_ds_mla")}
+# The sparse backends; each reads every cache format (SparseStepConfig.cache).
+SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
+
+
+def sparse_caches(dtype: str) -> tuple[str, ...]:
+    """The cache formats a sparse step with q of `dtype` reads: "plain", "e4m3", and with bf16
+    q "fp8_ds_mla" (the 656-byte rows' RoPE values are bf16)."""
+    return ("plain", "e4m3", "fp8_ds_mla") if dtype == "bf16" else ("plain", "e4m3")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,12 +182,11 @@ class SparseStepConfig(_Config):
     columns: int = 0
 
     def __post_init__(self):
-        if (self.backend not in SPARSE_CACHES or self.dtype not in ("bf16", "fp16")
+        if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or (self.backend == "sm90_keysm") != (self.columns in SPARSE_KEYSM_COLUMNS)):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}, columns {self.columns}")
-        if self.cache not in SPARSE_CACHES[self.backend] or (
-                self.cache == "fp8_ds_mla" and self.dtype != "bf16"):
+        if self.cache not in sparse_caches(self.dtype):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r} over a {self.cache!r} cache")
 
@@ -331,16 +334,11 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             out += [DecodeStepConfig("sm90_keysm", dt, c, kv_fp8=f8, columns=n)
                     for n in cols for f8 in (False, True) for c in causal]
         if "sparse" in kernels:
-            out.append(SparseStepConfig("sm80", dt))
-            # over the FP8 caches (the 656-byte rows' rope is bf16: bf16 only)
-            out += [SparseStepConfig("sm80", dt, c) for c in SPARSE_CACHES["sm80"][1:]
-                    if c != "fp8_ds_mla" or dt == "bf16"]
-            if native == "sm90":  # (where ops.sparse.sm90_sparse_pays)
-                out += [SparseStepConfig("sm90", dt, c) for c in SPARSE_CACHES["sm90"]
-                        if c != "fp8_ds_mla" or dt == "bf16"]
+            out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
+            if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend)
+                out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
-                        for c in SPARSE_CACHES["sm90_keysm"] for n in SPARSE_KEYSM_COLUMNS
-                        if c != "fp8_ds_mla" or dt == "bf16"]
+                        for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

@@ -60,9 +60,9 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     return ctas >= (SM90_MIN_CTAS_FP8 if fp8 else SM90_MIN_CTAS)
 
 
-def keysm_sparse_columns(h_q: int, fmt: str) -> int:
-    """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads over a cache
-    of format fmt (cache_format), or 0 where it cannot run (h_q > 32)."""
+def keysm_sparse_columns(h_q: int) -> int:
+    """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads (any cache
+    format), or 0 where it cannot run (h_q > 32)."""
     return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
 
 
@@ -92,7 +92,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
-            q.shape[2], fmt):
+            q.shape[2]):
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
@@ -170,7 +170,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
-    columns = keysm_sparse_columns(h_q, cache_format(kv_cache)) if backend == "sm90_keysm" else 0
+    columns = keysm_sparse_columns(h_q) if backend == "sm90_keysm" else 0
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
