@@ -3,6 +3,7 @@ small batches under schedules of more or fewer parts.
 
     python benchmarks/bench_sparse_patterns.py          # on an H100/H200; FlashMLA if built
     python benchmarks/bench_sparse_patterns.py --parts  # the schedule's split, small batches
+    python benchmarks/bench_sparse_patterns.py --heads 16,32  # the keys-on-M kernel
 
 b 128, s_q 1, topk 2048, s_k 32768, h_q 64 and 128; the SM90 sparse kernel
 (TORCH_MLA_SPARSE_SM90=1) over a bf16 cache and the 656-byte FP8 rows, FlashMLA's sparse decode
@@ -51,10 +52,40 @@ def main_parts(flash_mla) -> None:
                       + f" | {fm:.1f} |", flush=True)
 
 
+def main_keysm(heads) -> None:
+    """The keys-on-M sparse kernel (the dispatch's choice at h_q <= 32) under the four
+    patterns over bf16, e4m3 and the 656-byte rows: its "none" time is its own chain (gather
+    issue, expansion, MMAs, softmax) with no bytes read."""
+    b, s_k, topk = 128, 32768, 2048
+    print("| h_q | pattern | ours bf16 us | ours e4m3 us | ours 656 B us |")
+    print("|---|---|---|---|---|")
+    for h_q in heads:
+        tokens, idx, q, _ = _sparse_problem(b, 1, h_q, topk, s_k)
+        c16 = _sparse_cache(b * s_k, torch.bfloat16, 576, tokens)
+        scale = torch.tensor([0.05], device="cuda")
+        ce = _sparse_cache(b * s_k, torch.float8_e4m3fn, 576, tokens, kv_scale=scale)
+        c8 = _sparse_cache(b * s_k, torch.uint8, 656, tokens)
+        for name, ix in _patterns(idx, b, s_k, topk).items():
+            sched = torch_mla.get_sparse_decode_schedule(ix, h_q)
+            print(f"| {h_q} | {name} | {_sparse_us(q, c16, ix, sched, None):.1f} | "
+                  f"{_sparse_us(q, ce, ix, sched, scale):.1f} | "
+                  f"{_sparse_us(q, c8, ix, sched, None):.1f} |", flush=True)
+
+
+def _patterns(idx, b, s_k, topk) -> dict:
+    """The four index patterns of the module docstring, random being idx."""
+    base = torch.arange(b, device="cuda").int()[:, None, None] * s_k
+    keys = torch.arange(topk, device="cuda").int()[None, None]
+    return {"random": idx, "sequential": (keys + base).contiguous(),
+            "one page": (keys % 64 + base).contiguous(), "none": torch.full_like(idx, -1)}
+
+
 def main() -> None:
     flash_mla = load_flash_mla()
     if "--parts" in sys.argv[1:]:
         return main_parts(flash_mla)
+    if "--heads" in sys.argv[1:]:
+        return main_keysm([int(h) for h in sys.argv[sys.argv.index("--heads") + 1].split(",")])
     os.environ["TORCH_MLA_SPARSE_SM90"] = "1"
     os.environ["TORCH_MLA_SPARSE_KEYSM"] = "0"
     b, s_k, topk = 128, 32768, 2048
@@ -62,11 +93,7 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for h_q in (64, 128):
         tokens, idx, q, _ = _sparse_problem(b, 1, h_q, topk, s_k)
-        base = torch.arange(b, device="cuda").int()[:, None, None] * s_k
-        keys = torch.arange(topk, device="cuda").int()[None, None]
-        patterns = {"random": idx, "sequential": (keys + base).contiguous(),
-                    "one page": (keys % 64 + base).contiguous(),
-                    "none": torch.full_like(idx, -1)}
+        patterns = _patterns(idx, b, s_k, topk)
         c16 = _sparse_cache(b * s_k, torch.bfloat16, 576, tokens)
         c8 = _sparse_cache(b * s_k, torch.uint8, 656, tokens)
         for name, ix in patterns.items():
