@@ -177,7 +177,7 @@ def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
     them, (512 d, 64 keys, buffers), MN-major, the same bytes (the buffer's swizzle); P^T
     (n_wg, 64 keys, consumers), MN-major (pt_offset); a 64 x 64 page tile (TMA)."""
     k_atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
+        sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
     mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
     p_kind = {8: warpgroup.SmemLayoutAtomKind.MN_INTER,
               16: warpgroup.SmemLayoutAtomKind.MN_SW32,
@@ -241,7 +241,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout = smem_layouts(
             dt, n_wg, C, self.buffers)
 
-        kmode, mnmode = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        kmode, mnmode = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
                                                     (PAGE_SIZE, n_wg))
         tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, mnmode, mnmode, Float32, (1, 1, 1),
