@@ -20,6 +20,7 @@ from torch_mla.cute_kernels.sm90_keysm_decode import (
     fp8_unit,
     plan,
     pt_offset,
+    q_f16_factors,
     ring_slot,
     stages,
 )
@@ -498,3 +499,31 @@ def test_graph_replays_with_new_lengths(keysm, fp8):
     finally:
         torch_mla.set_value_checks(True)
     assert keysm
+
+
+def test_q_f16_factors():
+    """The keys-on-M kernel's f16 MMAs for bf16 q over an e4m3 cache (q_f16_factors): q times
+    mul fits f16 (no overflow, |q| mul < 2^15), inv is 1 / mul exactly, and every bf16 value
+    within 2^-29 of the tile's largest |q| comes back exactly from f16; for tiles from 1e-30 to
+    3e38, all zero, and with infinities (no NaN factor)."""
+    import struct
+
+    def f32(bits):
+        return struct.unpack("<f", struct.pack("<I", bits))[0]
+
+    gen = torch.Generator().manual_seed(0)
+    for amax in (0.0, 1e-30, 1e-8, 0.1, 1.0, 1.99, 300.0, 7e4, 1e20, 3e38):
+        q = (torch.randn(16, 576, generator=gen) * amax / 4).clamp(-amax, amax).bfloat16()
+        q[0, 0] = amax
+        bits = (q.view(torch.int16).int() & 0x7FFF).max().item()
+        mul_bits, inv_bits = q_f16_factors(bits)
+        mul, inv = f32(mul_bits), f32(inv_bits)
+        assert mul * inv == 1.0 and mul > 0 and inv > 0, (amax, mul, inv)
+        scaled = q.double() * mul
+        assert scaled.abs().max().item() < 2.0**15, amax
+        back = scaled.half().double() * inv
+        big = q.double().abs() >= amax * 2.0**-29
+        assert torch.equal(back[big], q.double()[big]), amax
+    q = torch.tensor([float("inf"), 1.0]).bfloat16()
+    mul_bits, inv_bits = q_f16_factors((q.view(torch.int16).int() & 0x7FFF).max().item())
+    assert f32(mul_bits) > 0 and f32(inv_bits) < float("inf")

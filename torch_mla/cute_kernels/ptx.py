@@ -23,6 +23,27 @@ L2_EVICT_FIRST = 0x12F0000000000000
 
 
 @dsl_user_op
+def int_as_f32(x: Int32, *, loc=None, ip=None) -> Float32:
+    """The float32 whose bits are x."""
+    return Float32(llvm.inline_asm(T.f32(), [Int32(x).ir_value(loc=loc, ip=ip)], "mov.b32 $0, $1;",
+                                   "=f,r", has_side_effects=False, is_align_stack=False,
+                                   asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def bf16x2_to_f16x2(word: Int32, mul: Float32, *, loc=None, ip=None) -> Int32:
+    """Two bf16 values (one word, the first in the low half) times mul (a power of two: exact
+    in float32), rounded to f16, in the same order."""
+    asm = ("{ .reg .b32 a, b; .reg .f32 lo, hi; shl.b32 a, $1, 16; and.b32 b, $1, 0xFFFF0000; "
+           "mov.b32 lo, a; mov.b32 hi, b; mul.f32 lo, lo, $2; mul.f32 hi, hi, $2; "
+           "cvt.rn.f16x2.f32 $0, hi, lo; }")
+    args = [Int32(word).ir_value(loc=loc, ip=ip), Float32(mul).ir_value(loc=loc, ip=ip)]
+    return Int32(llvm.inline_asm(T.i32(), args, asm, "=r,r,f", has_side_effects=False,
+                                 is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                 loc=loc, ip=ip))
+
+
+@dsl_user_op
 def pin_f32(x: Float32, *, loc=None, ip=None) -> Float32:
     """x through an empty asm with side effects: the compiler may not move its computation
     across this point (fence_operand)."""

@@ -266,7 +266,7 @@ class MLADecodeSm90(DecodeKernel):
         kernel takes, and self.shared_storage (traced inside __call__)."""
         dt = self.dtype
         k_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dt, 64), dt
         )
         mn_atom = warpgroup.make_smem_layout_atom(
             warpgroup.SmemLayoutAtomKind.MN_SW128, dt
@@ -279,19 +279,19 @@ class MLADecodeSm90(DecodeKernel):
         self.vhalf_layout = cute.tile_to_shape(mn_atom, (HALF_V, PAGE_SIZE), order=(1, 0))
 
         self.tiled_qk_ss = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (1, 1, 1), (BLOCK_M, PAGE_SIZE),
         )
         self.tiled_qk_rs = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (1, 1, 1), (BLOCK_M, PAGE_SIZE), warpgroup.OperandSource.RMEM,
         )
         self.tiled_pv_rs = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, 1, 1), (BLOCK_M, HALF_V), warpgroup.OperandSource.RMEM,
         )
         self.tiled_pv_ss = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN, Float32,
             (1, 1, 1), (BLOCK_M, HALF_V),
         )
 
@@ -1363,7 +1363,7 @@ class MLADecodeSm90Fast(MLADecodeSm90):
         """As MLADecodeSm90._setup, for e4m3 operands: mQ is dtype, or uint8 (e4m3 bytes) when
         q_fp8; mKV uint8 (e4m3 bytes)."""
         f8 = cutlass.Float8E4M3FN
-        kmode = warpgroup.OperandMajorMode.K
+        kmode = cute.nvgpu.OperandMajorMode.K
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
         sQ_layout = cute.tile_to_shape(atom, (BLOCK_M, D_QK), order=(0, 1))
         sK_layout = cute.tile_to_shape(atom, (PAGE_SIZE, D_QK, 2), order=(0, 1, 2))

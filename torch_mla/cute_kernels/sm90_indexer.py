@@ -116,12 +116,12 @@ class IndexerLogitsSm90:
         dt = self.dtype
         D, N, S = self.d, self.n, self.stages
         k_atom = warpgroup.make_smem_layout_atom(
-            sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, D), dt)
+            sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dt, D), dt)
         sK_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D, S), order=(0, 1, 2))
         page_layout = cute.tile_to_shape(k_atom, (PAGE_SIZE, D), order=(0, 1))
         sQ_layout = cute.tile_to_shape(k_atom, (N, D), order=(0, 1))
         tiled_mma = sm90_utils.make_trivial_tiled_mma(
-            dt, dt, warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.K, Float32,
+            dt, dt, cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.K, Float32,
             (1, 1, 1), (PAGE_SIZE, N))
 
         # TMA views: Q as (N, D, b), the cache as (64 keys, D, pages), scales as (64, pages).

@@ -65,7 +65,16 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 from ..constants import D_QK, D_V, KEYSM_COLUMNS, PAGE_SIZE
 from . import softmax, splitkv
 from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligned, shared_struct
-from .ptx import L2_EVICT_FIRST, e4m3_store16, fence_operand, lds64, lds128, sts
+from .ptx import (
+    L2_EVICT_FIRST,
+    bf16x2_to_f16x2,
+    e4m3_store16,
+    fence_operand,
+    int_as_f32,
+    lds64,
+    lds128,
+    sts,
+)
 
 WG_COLUMNS = 32  # at most a consumer warpgroup's columns: O^T 512 x 32 fp32 = 128 registers
 N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
@@ -148,6 +157,19 @@ def fp8_unit(u):
             row + ((2 * part) ^ (key % 8)) * 16, row + ((2 * part + 1) ^ (key % 8)) * 16, key)
 
 
+def q_f16_factors(big, imax=max):
+    """q_f16: for `big` the largest |q| of a Q tile as bf16 bits (non-negative floats sort as
+    their bits), the float32 bits of (mul, inv): q x mul goes to f16, inv = 1 / mul is the
+    segment's factor of the softmax scale. |q| < 2^(E - 126) for the bf16 exponent field E, so
+    |q| mul < 2^15 with mul = 2^(141 - E): f16's range, values within 2^-29 of the largest
+    normal in f16 (exact: bf16's 8 mantissa bits fit in f16's 11), the rest below f16's
+    rounding of the products' sum. E at least 15 keeps both factors normal floats (and an
+    all-zero Q finite). imax: max of the caller's integers (cutlass.max in the kernel);
+    tests/test_keysm.py checks these claims."""
+    e = imax(big >> 7, 15)
+    return (268 - e) << 23, (e - 14) << 23
+
+
 def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
     """The shared-memory layouts (called while tracing; tests/test_keysm.py checks them against
     the models above): the Q TMA tile (n_wg x 576) and Q (n_wg, 576, consumers), K-major with
@@ -155,7 +177,7 @@ def smem_layouts(dt, n_wg: int, consumers: int, buffers: int):
     them, (512 d, 64 keys, buffers), MN-major, the same bytes (the buffer's swizzle); P^T
     (n_wg, 64 keys, consumers), MN-major (pt_offset); a 64 x 64 page tile (TMA)."""
     k_atom = warpgroup.make_smem_layout_atom(
-        sm90_utils.get_smem_layout_atom(cutlass.utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
+        sm90_utils.get_smem_layout_atom(cutlass.tensor_utils.LayoutEnum.ROW_MAJOR, dt, 64), dt)
     mn_atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.MN_SW128, dt)
     p_kind = {8: warpgroup.SmemLayoutAtomKind.MN_INTER,
               16: warpgroup.SmemLayoutAtomKind.MN_SW32,
@@ -209,11 +231,17 @@ class MLADecodeSm90KeysM(DecodeKernel):
         """TMA atoms and views (Q, cache), then what the kernel takes after the scale: fp8
         (kv_scale, q_scale, q_scaled: None unless kv_fp8), the shared-memory layouts and the
         two tiled MMAs; sets self.shared_storage (traced inside DecodeKernel.__call__)."""
-        dt, n_wg, C = self.dtype, self.n_wg, self.consumers
+        n_wg, C = self.n_wg, self.consumers
+        # The MMAs' 16-bit type: q's, or f16 for bf16 q over an e4m3 cache (module docstring,
+        # "f16 MMAs"; not over the 656-byte rows, whose rope tile is bf16).
+        self.q_f16 = (self.kv_fp8 and self.dtype == cutlass.BFloat16
+                      and not self.group_scales)
+        dt = cutlass.Float16 if self.q_f16 else self.dtype
+        self.mma_dtype = dt
         q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, tile_layout = smem_layouts(
             dt, n_wg, C, self.buffers)
 
-        kmode, mnmode = warpgroup.OperandMajorMode.K, warpgroup.OperandMajorMode.MN
+        kmode, mnmode = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
                                                     (PAGE_SIZE, n_wg))
         tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, mnmode, mnmode, Float32, (1, 1, 1),
@@ -239,6 +267,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         fields["barFull"] = cute.struct.MemRange[i64, self.stages]
         fields["barEmpty"] = cute.struct.MemRange[i64, self.stages]
         fields["barQ"] = cute.struct.MemRange[i64, 2]  # full, empty
+        if const_expr(self.q_f16):
+            fields["sQmax"] = cute.struct.MemRange[Int32, 4 * C]  # _q_to_f16's warp maxima
         fields.update(self._more_smem())
         self.shared_storage = shared_struct(**fields)
         size = self.shared_storage.size_in_bytes()
@@ -298,6 +328,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         # Device-side handles for the helper methods (IR values of this kernel's region).
         self.d_storage, self.d_tensors = storage, tensors
         self.d_k_base = storage.sK.data_ptr().toint()
+        self.d_q_base = storage.sQ.data_ptr().toint()
         self.d_p_base = storage.sP.data_ptr().toint()
         self.d_tiled_s, self.d_tiled_o = tiled_s, tiled_o
         if const_expr(self.kv_fp8):
@@ -428,7 +459,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
         acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n_wg)), Float32)
         acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((D_V, n_wg)), Float32)
-        rP = cute.make_rmem_tensor(cute.size(acc_S), self.dtype)
+        rP = cute.make_rmem_tensor(cute.size(acc_S), self.mma_dtype)
 
         ncol = n_wg // 4  # columns a thread holds: jc = 2 j + c is column 8 j + 2 (lane % 4) + c
         m_run = cute.make_rmem_tensor(ncol, Float32)  # running max per column (log2 domain)
@@ -449,13 +480,16 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 l_run.fill(0.0)
                 acc_O.fill(0.0)
                 cute.arch.mbarrier_wait(bar_q, ring_slot(cnt[1], 1)[1])
+                seg_scale = scale_log2
+                if const_expr(self.q_f16):
+                    seg_scale = scale_log2 * self._q_to_f16(wg, wq, lane, wtid)
                 nb_req = splitkv.num_blocks(L)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     valid = Int32(PAGE_SIZE)
                     if blk == nb_req - 1:
                         if L % PAGE_SIZE != 0:
                             valid = L % PAGE_SIZE
-                    self._block(blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq,
+                    self._block(blk, valid, L, col0, min_border, seg_scale, cnt, tidx, wg, wq,
                                 lane, tSrK, tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run,
                                 sMax, bar_full, bar_empty)
                 # Q is free once every consumer warp is past its last S^T.
@@ -562,7 +596,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         # P^T -> smem in 16 bits: word h + 2 j holds key 16 wq + lane / 4 + 8 h, columns
         # 8 j + 2 (lane % 4) + {0, 1} (adjacent in the MN-major tile).
         for i in cutlass.range_constexpr(cute.size(acc_S)):
-            rP[i] = acc_S[i].to(self.dtype)
+            rP[i] = acc_S[i].to(self.mma_dtype)
         rP32 = cute.recast_tensor(rP, Int32)
         p_base = self.d_p_base + wg * (n_wg * PAGE_SIZE * 2)
         for w in cutlass.range_constexpr(cute.size(rP32)):
@@ -634,7 +668,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         waves = units // n_cons
         src = self.d_k8 + s * self.stage_bytes
         dst = self.d_k_base
-        bf16 = self.dtype == cutlass.BFloat16
+        bf16 = self.mma_dtype == cutlass.BFloat16
         group = 4 if self.group_scales else 6  # (with the scales, 6 spill at 32 columns)
         for g in cutlass.range_constexpr(0, waves, group):
             words = []
@@ -659,6 +693,43 @@ class MLADecodeSm90KeysM(DecodeKernel):
             for w in cutlass.range_constexpr(TILE_ELEMS * 2 // 16 // n_cons):
                 c = (w * n_cons + tidx) * 16
                 sts(dst + rope + c, lds128(src + ROPE_TILE_AT + c))
+
+    @cute.jit
+    def _q_to_f16(self, wg, wq, lane, wtid) -> Float32:
+        """q_f16: warpgroup wg's Q tile (n_wg x 576 bf16, as TMA landed it) -> f16 in place,
+        times the power of two q_f16_factors picks from its largest |q|; returns the factor's
+        inverse, for the segment's softmax scale. Two passes over the thread's own 16-byte
+        units (the largest magnitude, then the conversion): no thread writes what another
+        reads."""
+        units = self.n_wg * D_QK // 8
+        base = self.d_q_base + wg * (units * 16)
+        waves = (units + 127) // 128
+        big = Int32(0)  # the largest bf16 magnitude, as bits (non-negative floats sort as ints)
+        for w in cutlass.range_constexpr(waves):
+            u = w * 128 + wtid
+            if u < units:
+                x = lds128(base + u * 16)
+                for i in cutlass.range_constexpr(4):
+                    a = x[i] & 0x7FFF7FFF
+                    big = cutlass.max(big, cutlass.max(a & 0xFFFF, a >> 16))
+        for off in cutlass.range_constexpr(5):
+            big = cutlass.max(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
+        qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(4 * self.consumers))
+        if lane == 0:
+            qmax[4 * wg + wq] = big
+        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+        big = cutlass.max(cutlass.max(qmax[4 * wg], qmax[4 * wg + 1]),
+                          cutlass.max(qmax[4 * wg + 2], qmax[4 * wg + 3]))
+        mul_bits, inv_bits = q_f16_factors(big, cutlass.max)
+        mul = int_as_f32(mul_bits)
+        for w in cutlass.range_constexpr(waves):
+            u = w * 128 + wtid
+            if u < units:
+                x = lds128(base + u * 16)
+                sts(base + u * 16, [bf16x2_to_f16x2(x[i], mul) for i in range(4)])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
+        return int_as_f32(inv_bits)
 
     @cute.jit
     def _zero_tail(self, s, valid, tidx):
