@@ -37,6 +37,12 @@ release the buffer. Q (N x 576) is loaded by the producer per segment (q_full / 
     q_scale) fold into the softmax scale and the epilogue, as in sm90_decode.py. No fp8-MMA fast
     mode: e4m3 wgmma takes both operands K-major, fine for S^T but V^T would need a transposed
     copy of every page.
+  - f16 MMAs (q_f16: bf16 q over an e4m3 cache): every e4m3 value is exact in f16, whose
+    conversion is one cvt a pair (bf16 takes four: e4m3 -> f16 -> 2 x f32 -> bf16). Q, as TMA
+    lands it, is converted in place once a segment, times the power of two q_f16_factors picks
+    from the tile's largest |q| (no f16 overflow; values within 2^-29 of it exact), whose
+    inverse multiplies the segment's softmax scale; P is written in f16. Not over the 656-byte
+    rows (their rope tile is bf16).
 
 Epilogue (per segment): column sums over lanes and warps, O^T / sum written from the accumulator
 registers straight to global memory (a warp's store covers 8 consecutive d of 4 columns; the
@@ -47,9 +53,9 @@ Masking, empty rows, bad inputs: as sm90_decode.py. Keys at or past a column's h
 rows of the page past L in a request's last page are zeroed in smem before the MMAs (the cache
 may hold NaN there, 0 * NaN = NaN); TMA zero-fills page ids outside the cache; no printf.
 
-Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode), one
-latent head per launch. Any s_q * h_q runs (a CTA per N rows and part), but the schedule gives a
-part per SM only for <= 64 rows. The dispatch uses it where s_q * h_q <= 32 (up to 64 with
+Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode; f16
+MMAs under bf16 q), one latent head per launch. Any s_q * h_q runs (a CTA per N rows and
+part), but the schedule gives a part per SM only for <= 64 rows. The dispatch uses it where s_q * h_q <= 32 (up to 64 with
 TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0: dispatch.keysm_columns).
 Status: verified on the H200 (tests, memcheck, fuzz); docs/kernels/keysm.md has its speed.
 """
