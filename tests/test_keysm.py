@@ -16,6 +16,7 @@ import torch_mla
 from torch_mla.constants import KEYSM_COLUMNS
 from torch_mla.contract import keysm_columns_for
 from torch_mla.cute_kernels.sm90_keysm_decode import (
+    BF16_INF,
     acc_coord,
     fp8_unit,
     plan,
@@ -505,7 +506,8 @@ def test_q_f16_factors():
     """The keys-on-M kernel's f16 MMAs for bf16 q over an e4m3 cache (q_f16_factors): q times
     mul fits f16 (no overflow, |q| mul < 2^15), inv is 1 / mul exactly, and every bf16 value
     within 2^-29 of the tile's largest |q| comes back exactly from f16; for tiles from 1e-30 to
-    3e38, all zero, and with infinities (no NaN factor)."""
+    3e38 and all zero; with an inf and a NaN beside finite values, the finite ones exact and the
+    others passed through."""
     import struct
 
     def f32(bits):
@@ -524,6 +526,11 @@ def test_q_f16_factors():
         back = scaled.half().double() * inv
         big = q.double().abs() >= amax * 2.0**-29
         assert torch.equal(back[big], q.double()[big]), amax
-    q = torch.tensor([float("inf"), 1.0]).bfloat16()
-    mul_bits, inv_bits = q_f16_factors((q.view(torch.int16).int() & 0x7FFF).max().item())
-    assert f32(mul_bits) > 0 and f32(inv_bits) < float("inf")
+    # inf and NaN are left out of the largest (the kernel's _q_to_f16 skips magnitudes at or
+    # above BF16_INF), so one bad row leaves the tile's other rows their factor
+    q = torch.tensor([float("inf"), float("nan"), -1.5, 0.25]).bfloat16()
+    mags = q.view(torch.int16).int() & 0x7FFF
+    mul_bits, inv_bits = q_f16_factors(mags[mags < BF16_INF].max().item())
+    scaled = q.double() * f32(mul_bits)
+    assert torch.equal(scaled[2:].half().double() * f32(inv_bits), q.double()[2:])
+    assert scaled[0].half().item() == float("inf") and scaled[1].half().isnan()

@@ -55,9 +55,13 @@ may hold NaN there, 0 * NaN = NaN); TMA zero-fills page ids outside the cache; n
 
 Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode; f16
 MMAs under bf16 q), one latent head per launch. Any s_q * h_q runs (a CTA per N rows and
-part), but the schedule gives a part per SM only for <= 64 rows. The dispatch uses it where s_q * h_q <= 32 (up to 64 with
-TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0: dispatch.keysm_columns).
+part), but the schedule gives a part per SM only for <= 64 rows. The dispatch uses it where
+s_q * h_q <= 32 (up to 64 with TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0:
+dispatch.keysm_columns). f16 MMAs: one factor per Q tile, so a row whose magnitude is below
+2^-29 of the tile's largest loses bits (not a case seen in models).
 Status: verified on the H200 (tests, memcheck, fuzz); docs/kernels/keysm.md has its speed.
+The f16 MMAs ran there (session 19); their exclusion of inf / NaN from the tile's factor did
+not (added after the device time was spent; compiled and checked on the CPU).
 """
 
 from __future__ import annotations
@@ -163,9 +167,13 @@ def fp8_unit(u):
             row + ((2 * part) ^ (key % 8)) * 16, row + ((2 * part + 1) ^ (key % 8)) * 16, key)
 
 
+BF16_INF = 0x7F80  # bits of a bf16 infinity: magnitudes at or above it are inf or NaN
+
+
 def q_f16_factors(big, imax=max):
-    """q_f16: for `big` the largest |q| of a Q tile as bf16 bits (non-negative floats sort as
-    their bits), the float32 bits of (mul, inv): q x mul goes to f16, inv = 1 / mul is the
+    """q_f16: for `big` the largest finite |q| of a Q tile as bf16 bits (non-negative floats
+    sort as their bits; inf and NaN left out, they convert as themselves), the float32 bits of
+    (mul, inv): q x mul goes to f16, inv = 1 / mul is the
     segment's factor of the softmax scale. |q| < 2^(E - 126) for the bf16 exponent field E, so
     |q| mul < 2^15 with mul = 2^(141 - E): f16's range, values within 2^-29 of the largest
     normal in f16 (exact: bf16's 8 mantissa bits fit in f16's 11), the rest below f16's
@@ -717,7 +725,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 x = lds128(base + u * 16)
                 for i in cutlass.range_constexpr(4):
                     a = x[i] & 0x7FFF7FFF
-                    big = cutlass.max(big, cutlass.max(a & 0xFFFF, a >> 16))
+                    for h in (a & 0xFFFF, a >> 16):
+                        # (an inf or NaN would shrink every row's factor to 2^-114, zeroing
+                        # the other rows: it passes the conversion as itself instead)
+                        big = cutlass.max(big, cutlass.select_(h < BF16_INF, h, Int32(0)))
         for off in cutlass.range_constexpr(5):
             big = cutlass.max(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
         qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(4 * self.consumers))
