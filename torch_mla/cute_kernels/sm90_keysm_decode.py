@@ -173,13 +173,13 @@ BF16_INF = 0x7F80  # bits of a bf16 infinity: magnitudes at or above it are inf 
 def q_f16_factors(big, imax=max):
     """q_f16: for `big` the largest finite |q| of a Q tile as bf16 bits (non-negative floats
     sort as their bits; inf and NaN left out, they convert as themselves), the float32 bits of
-    (mul, inv): q x mul goes to f16, inv = 1 / mul is the
-    segment's factor of the softmax scale. |q| < 2^(E - 126) for the bf16 exponent field E, so
-    |q| mul < 2^15 with mul = 2^(141 - E): f16's range, values within 2^-29 of the largest
-    normal in f16 (exact: bf16's 8 mantissa bits fit in f16's 11), the rest below f16's
-    rounding of the products' sum. E at least 15 keeps both factors normal floats (and an
-    all-zero Q finite). imax: max of the caller's integers (cutlass.max in the kernel);
-    tests/test_keysm.py checks these claims."""
+    (mul, inv): q x mul goes to f16, inv = 1 / mul is the segment's factor of the softmax
+    scale. |q| < 2^(E - 126) for the bf16 exponent field E, so |q| mul < 2^15 with
+    mul = 2^(141 - E): f16's range, values within 2^-29 of the largest normal in f16 (exact:
+    bf16's 8 mantissa bits fit in f16's 11), the rest below f16's rounding of the products'
+    sum. E at least 15 keeps both factors normal floats (and an all-zero Q finite). imax: max
+    of the caller's integers (cutlass.max in the kernel); tests/test_keysm.py checks these
+    claims."""
     e = imax(big >> 7, 15)
     return (268 - e) << 23, (e - 14) << 23
 
