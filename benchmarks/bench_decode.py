@@ -259,6 +259,9 @@ def main(argv=None):
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
                          "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64) in the same run, with its "
                          "error against the reference")
+    ap.add_argument("--rs", action="store_true",
+                    help="with --keysm --fp8: also the ping-pong keys-on-M kernel "
+                         "(TORCH_MLA_KEYSM_RS=1) where it takes the shape")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
     if args.sparse:
@@ -291,6 +294,7 @@ def main(argv=None):
               f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {ratio:.3f} | {err:.1e} |")
         if args.keysm:
             os.environ["TORCH_MLA_KEYSM"] = "1"
+            k_us = float("nan")
             try:
                 k_us, _, k_gbps, k_err, _ = run_config(*cfg, check=check, fp8=args.fp8)
                 print(f"|   | keys-on-M {k_us:.1f} us, {k_gbps:.0f} GB/s "
@@ -299,8 +303,18 @@ def main(argv=None):
                       + f", rel err {k_err:.1e} |")
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
-            finally:
-                os.environ["TORCH_MLA_KEYSM"] = "0"
+            if args.rs:
+                os.environ["TORCH_MLA_KEYSM_RS"] = "1"
+                try:
+                    r_us, _, r_gbps, r_err, _ = run_config(*cfg, check=check, fp8=args.fp8)
+                    print(f"|   | ping-pong keys-on-M {r_us:.1f} us, {r_gbps:.0f} GB/s "
+                          f"({100 * r_gbps / COPY_GBPS:.0f} % copy), {r_us / us:.3f} x the row "
+                          f"above, {r_us / k_us:.3f} x keys-on-M, rel err {r_err:.1e} |")
+                except AssertionError as e:
+                    print(f"|   | ping-pong keys-on-M: {e} |")
+                finally:
+                    os.environ.pop("TORCH_MLA_KEYSM_RS")
+            os.environ["TORCH_MLA_KEYSM"] = "0"
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
             sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)

@@ -20,6 +20,9 @@ KEYSM_COLUMNS = (8, 16, 32, 64)
 # and b 128; docs/kernels/keysm.md "Kernel choice"). TORCH_MLA_KEYSM=1 extends it to 64 rows,
 # TORCH_MLA_KEYSM=0 turns it off.
 KEYSM_DEFAULT_ROWS = 32
+# The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
+# columns.
+KEYSM_RS_COLUMNS = (8, 16)
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
 META_BEGIN_REQ = 0  # first request of the part

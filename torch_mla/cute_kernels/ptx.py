@@ -179,6 +179,29 @@ def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw:
 
 
 @dsl_user_op
+def e4m3x4_f16(word: Int32, *, loc=None, ip=None):
+    """Four e4m3 values (one word, little-endian bytes) -> two words of f16x2: bytes 0-1, then
+    bytes 2-3 (cvt.rn.f16x2.e4m3x2: exact; the higher byte to the upper half, as in memory)."""
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * 2), [Int32(word).ir_value(loc=loc, ip=ip)],
+        "{ .reg .b16 l, h;\nmov.b32 {l, h}, $2;\ncvt.rn.f16x2.e4m3x2 $0, l;\n"
+        "cvt.rn.f16x2.e4m3x2 $1, h; }",
+        "=r,=r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
+
+
+@dsl_user_op
+def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
+    """prmt.b32: the four bytes of the result picked by selector's nibbles (lowest first) from
+    a's bytes (0-3) and b's (4-7)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", has_side_effects=False,
+        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
 def lds64(addr: Int32, *, loc=None, ip=None):
     """Two 32-bit words from shared::cta address addr (8-byte aligned): one ld.shared.v2."""
     return _load_words(2, Int32(addr), "ld.shared.v2.b32 {$0, $1}, [$2];", "r", loc, ip)

@@ -220,6 +220,15 @@ class MLADecodeSm90KeysM(DecodeKernel):
     cp_async_tiles = False
     # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand.
     group_scales = False
+    # Two consumer warpgroups on alternate pages of the same columns, merged at a segment's end
+    # (sm90_keysm_rs_decode.py).
+    pingpong = False
+
+    @property
+    def own_count(self) -> int:
+        """The index in the consumer's counters of the pages its warpgroup took: all pages
+        (0), or with ping-pong its own (2)."""
+        return 2 if self.pingpong else 0
 
     def __init__(self, dtype, causal: bool, columns: int, kv_fp8: bool = False):
         assert columns in KEYSM_COLUMNS, columns
@@ -228,6 +237,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
         self.kv_fp8 = bool(kv_fp8)
         self.block_m = columns  # query rows a CTA (DecodeKernel's grid)
         self.consumers, self.n_wg = plan(columns)
+        # consumer warpgroups: one per n_wg columns here; the ping-pong subclass has two on the
+        # same columns, taking alternate pages (self.pingpong)
+        self.wgs = self.consumers
+        self.regs = REGS[self.kv_fp8]  # (producer, consumer) registers where wgs > 1
         # + the producer warp; with two consumer warpgroups a whole producer warpgroup, whose
         # registers setmaxnreg hands to the consumers (REGS: 288 threads would cap every thread
         # at 168 registers, and O^T alone takes 128).
@@ -299,6 +312,15 @@ class MLADecodeSm90KeysM(DecodeKernel):
             return cpasync.make_tiled_tma_atom(op, mKV_t, tile8, (PAGE_SIZE, 64))
         return cpasync.make_tiled_tma_atom(op, mKV_t, tile_layout, (PAGE_SIZE, 64))
 
+    @cute.jit
+    def _fp8_ring(self, storage):
+        """kv_fp8: the ring as the TMA writes it, (64 keys, 64 bytes, 1, 9 tiles, stages),
+        unswizzled."""
+        k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
+        return cute.make_tensor(k8, cute.make_layout(
+            (PAGE_SIZE, 64, 1, N_TILES, self.stages),
+            stride=(64, 1, 0, TILE_ELEMS, self.stage_bytes)))
+
     def _more_smem(self) -> dict:
         """Shared-memory fields a subclass adds after the barriers."""
         return {}
@@ -318,8 +340,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
         storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
         sw = sK_layout.inner
         sQ = cute.make_tensor(cute.recast_ptr(storage.sQ.data_ptr(), sw), sQ_layout.outer)
-        sK = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sK_layout.outer)
-        sVt = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sVt_layout)
+        sK, sVt = None, None
+        if const_expr(self.buffers > 0):
+            sK = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sK_layout.outer)
+            sVt = cute.make_tensor(cute.recast_ptr(storage.sK.data_ptr(), sw), sVt_layout)
         sPt = cute.make_tensor(cute.recast_ptr(storage.sP.data_ptr(), sPt_layout.inner),
                                sPt_layout.outer)
         bar_full = storage.barFull.data_ptr()
@@ -333,7 +357,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 cute.arch.mbarrier_init(bar_full + i, self.k_arrivals)
                 cute.arch.mbarrier_init(bar_empty + i, 4 * self.consumers)
             cute.arch.mbarrier_init(bar_q, 1)
-            cute.arch.mbarrier_init(bar_q + 1, 4 * self.consumers)
+            cute.arch.mbarrier_init(bar_q + 1, 4 * self.wgs)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # The combine (PDL) may launch now: it waits for this grid before reading its results.
@@ -341,7 +365,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
 
         # Device-side handles for the helper methods (IR values of this kernel's region).
         self.d_storage, self.d_tensors = storage, tensors
-        self.d_k_base = storage.sK.data_ptr().toint()
+        if const_expr(self.buffers > 0):
+            self.d_k_base = storage.sK.data_ptr().toint()
         self.d_q_base = storage.sQ.data_ptr().toint()
         self.d_p_base = storage.sP.data_ptr().toint()
         self.d_tiled_s, self.d_tiled_o = tiled_s, tiled_o
@@ -358,27 +383,24 @@ class MLADecodeSm90KeysM(DecodeKernel):
             self.d_kv_scale = kv_scale
             self.d_k8 = storage.sK8.data_ptr().toint()
         sMax = storage.sMax.get_tensor(cute.make_layout(
-            (4, self.n_wg, self.consumers, 2),
-            stride=(self.n_wg, 1, 4 * self.n_wg, 4 * self.n_wg * self.consumers)))
+            (4, self.n_wg, self.wgs, 2),
+            stride=(self.n_wg, 1, 4 * self.n_wg, 4 * self.n_wg * self.wgs)))
 
         walk = splitkv.read_part(tensors.metadata, part)
-        if warp >= 4 * self.consumers:
-            if const_expr(self.consumers > 1):
-                cute.arch.setmaxregister_decrease(REGS[self.kv_fp8][0])
-            if warp == 4 * self.consumers:
+        if warp >= 4 * self.wgs:
+            if const_expr(self.wgs > 1):
+                cute.arch.setmaxregister_decrease(self.regs[0])
+            if warp == 4 * self.wgs:
                 # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
                 if const_expr(self.kv_fp8):
-                    k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
-                    sK_tma = cute.make_tensor(k8, cute.make_layout(
-                        (PAGE_SIZE, 64, 1, N_TILES, self.stages),
-                        stride=(64, 1, 0, TILE_ELEMS, self.stage_bytes)))
+                    sK_tma = self._fp8_ring(storage)
                 else:
                     sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
                 self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
                                bar_full, bar_empty, bar_q)
         else:
-            if const_expr(self.consumers > 1):
-                cute.arch.setmaxregister_increase(REGS[self.kv_fp8][1])
+            if const_expr(self.wgs > 1):
+                cute.arch.setmaxregister_increase(self.regs[1])
             self._consumer(walk, tensors, scale_log2, m_block, tidx, warp, sQ, sK, sVt, sPt,
                            sMax, bar_full, bar_empty, bar_q)
 
@@ -467,10 +489,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
 
         thr_s = self.d_tiled_s.get_slice(wtid)
         thr_o = self.d_tiled_o.get_slice(wtid)
-        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))  # (MMA, 1, 36, buffers)
-        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, wg]))  # (MMA, 1, 36)
-        tOrV = thr_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, 8, 4, buffers)
-        tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
+        ops = self._operands(thr_s, thr_o, sQ, sK, sVt, sPt, wg)
         acc_S = cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n_wg)), Float32)
         acc_O = cute.make_rmem_tensor(thr_o.partition_shape_C((D_V, n_wg)), Float32)
         rP = cute.make_rmem_tensor(cute.size(acc_S), self.mma_dtype)
@@ -478,9 +497,11 @@ class MLADecodeSm90KeysM(DecodeKernel):
         ncol = n_wg // 4  # columns a thread holds: jc = 2 j + c is column 8 j + 2 (lane % 4) + c
         m_run = cute.make_rmem_tensor(ncol, Float32)  # running max per column (log2 domain)
         l_run = cute.make_rmem_tensor(ncol, Float32)  # this thread's partial sums per column
-        cnt = cute.make_rmem_tensor(2, Int32)  # blocks consumed, segments consumed
+        # pages walked, segments walked, pages this warpgroup took (its sMax slot's parity)
+        cnt = cute.make_rmem_tensor(3, Int32)
         cnt.fill(0)
-        col0 = m_block * self.block_m + wg * n_wg  # the query row of this warpgroup's column 0
+        # the query row of this warpgroup's column 0 (ping-pong: both take the same columns)
+        col0 = m_block * self.block_m + (0 if const_expr(self.pingpong) else wg * n_wg)
 
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             L = mSeqlens[r]
@@ -494,49 +515,105 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 l_run.fill(0.0)
                 acc_O.fill(0.0)
                 cute.arch.mbarrier_wait(bar_q, ring_slot(cnt[1], 1)[1])
-                seg_scale = scale_log2
-                if const_expr(self.q_f16):
-                    seg_scale = scale_log2 * self._q_to_f16(wg, wq, lane, wtid)
+                seg_scale = scale_log2 * self._q_ready(wg, wq, lane, wtid, tidx)
                 nb_req = splitkv.num_blocks(L)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     valid = Int32(PAGE_SIZE)
                     if blk == nb_req - 1:
                         if L % PAGE_SIZE != 0:
                             valid = L % PAGE_SIZE
-                    self._block(blk, valid, L, col0, min_border, seg_scale, cnt, tidx, wg, wq,
-                                lane, tSrK, tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run,
-                                sMax, bar_full, bar_empty)
+                    if const_expr(self.pingpong):
+                        if cnt[0] % 2 == wg:
+                            self._block(blk, valid, L, col0, min_border, seg_scale, cnt, tidx,
+                                        wg, wq, lane, ops, acc_S, acc_O, rP, m_run, l_run, sMax,
+                                        bar_full, bar_empty)
+                        else:
+                            cnt[0] = cnt[0] + 1
+                    else:
+                        self._block(blk, valid, L, col0, min_border, seg_scale, cnt, tidx, wg,
+                                    wq, lane, ops, acc_S, acc_O, rP, m_run, l_run, sMax,
+                                    bar_full, bar_empty)
                 # Q is free once every consumer warp is past its last S^T.
                 cute.arch.sync_warp()
                 if lane == 0:
                     cute.arch.mbarrier_arrive(bar_q + 1)
                 cnt[1] = cnt[1] + 1
-                self._epilogue(r, slot0 + splitkv.split_index(walk, r), pieces, col0, rows, h_q,
-                               cnt, wg, wq, lane, acc_O, m_run, l_run, sMax, mO, mLSE, mOacc,
-                               mLSEacc)
+                slot = slot0 + splitkv.split_index(walk, r)
+                if const_expr(self.pingpong):
+                    self._merge_and_store(r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane,
+                                          wtid, acc_O, m_run, l_run, sMax, mO, mLSE, mOacc,
+                                          mLSEacc)
+                else:
+                    self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, acc_O,
+                                   m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc)
             else:
-                splitkv.empty_segment(
-                    walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * self.block_m,
-                    cutlass.min(rows - m_block * self.block_m, self.block_m), h_q, tidx,
-                    128 * self.consumers)
+                # (ping-pong: the first warpgroup's threads)
+                if (not self.pingpong) or tidx < 128 * self.consumers:
+                    splitkv.empty_segment(
+                        walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc,
+                        m_block * self.block_m,
+                        cutlass.min(rows - m_block * self.block_m, self.block_m), h_q, tidx,
+                        128 * self.consumers)
 
-    # ------------------------------------------------------------------------------------------
+    # ---- hooks of the consumer (the ping-pong subclass replaces them) -------------------------
     @cute.jit
-    def _block(self, blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq, lane, tSrK,
-               tSrQ, tOrV, tOrP, acc_S, acc_O, rP, m_run, l_run, sMax, bar_full, bar_empty):
-        """One page: wait for its ring stage, prepare it (fp8: expand; tail: zero), S^T, the
-        column softmax, P^T, O^T; release the stage. Loop-carried state lives in the register
-        tensors (cnt, acc_O, m_run, l_run)."""
-        n_wg = self.n_wg
-        ncol = n_wg // 4
+    def _operands(self, thr_s, thr_o, sQ, sK, sVt, sPt, wg):
+        """The MMAs' operand fragments: (K, Q^T, V^T, P^T) from shared memory."""
+        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK))  # (MMA, 1, 36, buffers)
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, wg]))  # (MMA, 1, 36)
+        tOrV = thr_o.make_fragment_A(thr_o.partition_A(sVt))  # (MMA, 8, 4, buffers)
+        tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
+        return tSrK, tSrQ, tOrV, tOrP
+
+    @cute.jit
+    def _q_ready(self, wg, wq, lane, wtid, tidx) -> Float32:
+        """Once Q has landed: the segment's factor of the softmax scale (q_f16: Q converted,
+        _q_to_f16)."""
+        f = Float32(1.0)
+        if const_expr(self.q_f16):
+            f = self._q_to_f16(wg, wq, lane, wtid)
+        return f
+
+    def _key_row(self, key):
+        """The page row (key) of S^T's row `key` and P^T's key `key`: the same here."""
+        return key
+
+    @cute.jit
+    def _mma_s(self, ops, acc_S, s, ob, wq, lane):
+        """S^T = K Q^T over page buffer ob: 9 tiles x 4 k-steps of 16; waits for it."""
+        tSrK, tSrQ, _, _ = ops
+        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
+        fence_operand(acc_S)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(N_TILES * 4):
+            atom_s.set(warpgroup.Field.ACCUMULATE, k != 0)
+            cute.gemm(atom_s, acc_S, tSrK[None, None, k, ob], tSrQ[None, None, k], acc_S)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_S)
+
+    @cute.jit
+    def _mma_o(self, ops, acc_O, s, ob, valid, wq, lane):
+        """O^T += V^T P^T over page buffer ob: 4 k-steps of 16 keys x 8 m-tiles of 64 d;
+        waits for it."""
+        _, _, tOrV, tOrP = ops
+        atom_o = cute.make_mma_atom(self.d_tiled_o.op)
+        atom_o.set(warpgroup.Field.ACCUMULATE, True)
+        fence_operand(acc_O)
+        warpgroup.fence()
+        for k in cutlass.range_constexpr(PAGE_SIZE // 16):
+            cute.gemm(atom_o, acc_O, tOrV[None, None, k, ob], tOrP[None, None, k], acc_O)
+        warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_O)
+
+    @cute.jit
+    def _prepare_stage(self, s, valid, tidx, lane, bar_empty):
+        """Before S^T, ring stage s (its full barrier passed): fp8: expanded into the work
+        buffer, then released; 16-bit: the keys past `valid` zeroed. Returns the page buffer the
+        MMAs read."""
         n_cons = 128 * self.consumers
-        s, parity = ring_slot(cnt[0], self.stages)
-        cute.arch.mbarrier_wait(bar_full + s, parity)
-        # (read while the stage is ours: an fp8 stage is released before the mask below)
-        entry_bias = self._entry_bias(s, wq, lane)
-        if const_expr(self.cp_async_tiles and not self.kv_fp8):
-            cute.arch.fence_view_async_shared()
-        ob = s  # the 16-bit buffer the MMAs read
+        ob = s
         if const_expr(self.kv_fp8):
             ob = 0
             # Every consumer warpgroup is past the previous page's O^T (its wait_group(0)):
@@ -553,17 +630,25 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 self._zero_tail(s, valid, tidx)
                 cute.arch.fence_view_async_shared()
                 cute.arch.barrier(barrier_id=NB_CONSUMERS, number_of_threads=n_cons)
+        return ob
 
-        # S^T = K Q^T: 9 tiles x 4 k-steps of 16.
-        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
-        fence_operand(acc_S)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(N_TILES * 4):
-            atom_s.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(atom_s, acc_S, tSrK[None, None, k, ob], tSrQ[None, None, k], acc_S)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        fence_operand(acc_S)
+    # ------------------------------------------------------------------------------------------
+    @cute.jit
+    def _block(self, blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq, lane, ops,
+               acc_S, acc_O, rP, m_run, l_run, sMax, bar_full, bar_empty):
+        """One page: wait for its ring stage, prepare it (_prepare_stage), S^T, the column
+        softmax, P^T, O^T; release the stage (unless _prepare_stage did). Loop-carried state
+        lives in the register tensors (cnt, acc_O, m_run, l_run)."""
+        n_wg = self.n_wg
+        ncol = n_wg // 4
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_full + s, parity)
+        # (read while the stage is ours: an fp8 stage is released before the mask below)
+        entry_bias = self._entry_bias(s, wq, lane)
+        if const_expr(self.cp_async_tiles and not self.kv_fp8):
+            cute.arch.fence_view_async_shared()
+        ob = self._prepare_stage(s, valid, tidx, lane, bar_empty)
+        self._mma_s(ops, acc_S, s, ob, wq, lane)
 
         # Keys at or past each column's horizon: -inf (only where this page reaches one; the
         # horizons are computed here, not kept: registers are short beside O^T).
@@ -574,15 +659,15 @@ class MLADecodeSm90KeysM(DecodeKernel):
                       for jc in range(ncol)]
             for idx in cutlass.range_constexpr(cute.size(acc_S)):
                 jc = 2 * (idx // 4) + idx % 2
-                key = 16 * wq + lane // 4 + 8 * ((idx // 2) % 2)
+                key = self._key_row(16 * wq + lane // 4 + 8 * ((idx // 2) % 2))
                 if key0 + key >= border[jc]:
                     acc_S[idx] = -Float32.inf
         self._mask_entries(acc_S, entry_bias)
 
         # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
-        # smem slot cnt % 2: the next write to it is two pages later, past a barrier every
-        # reader meets after reading).
-        p = cnt[0] % 2
+        # smem slot: the parity of this warpgroup's page count; its next write to it is two of
+        # its pages later, past a barrier every reader meets after reading).
+        p = cnt[self.own_count] % 2
         m_thr = [cute.arch.fmax(acc_S[jc % 2 + 4 * (jc // 2)], acc_S[jc % 2 + 4 * (jc // 2) + 2])
                  for jc in range(ncol)]
         m_col = self._across_keys(m_thr, cute.arch.fmax, sMax, p, wg, wq, lane)
@@ -620,21 +705,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
 
-        # O^T += V^T P^T: 4 k-steps of 16 keys x 8 m-tiles of 64 d.
-        atom_o = cute.make_mma_atom(self.d_tiled_o.op)
-        atom_o.set(warpgroup.Field.ACCUMULATE, True)
-        fence_operand(acc_O)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(PAGE_SIZE // 16):
-            cute.gemm(atom_o, acc_O, tOrV[None, None, k, ob], tOrP[None, None, k], acc_O)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        fence_operand(acc_O)
-        if const_expr(not self.kv_fp8):
+        self._mma_o(ops, acc_O, s, ob, valid, wq, lane)
+        if const_expr(not self.kv_fp8 or self.pingpong):
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(bar_empty + s)
         cnt[0] = cnt[0] + 1
+        if const_expr(self.pingpong):
+            cnt[2] = cnt[2] + 1
 
     @cute.jit
     def _entry_bias(self, s, wq, lane):
@@ -772,7 +850,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         partial) and the lse of every real column."""
         ncol = self.n_wg // 4
         total = self._across_keys([l_run[jc] for jc in range(ncol)], lambda a, b: a + b, sMax,
-                                  (cnt[0] + 1) % 2, wg, wq, lane)
+                                  (cnt[self.own_count] + 1) % 2, wg, wq, lane)
         inv = [None] * ncol
         for jc in cutlass.range_constexpr(ncol):
             inv[jc] = softmax.inv_sum(total[jc])

@@ -35,6 +35,7 @@ from ..constants import (
     D_V,
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
+    KEYSM_RS_COLUMNS,
     LOG2_E,
     PAGE_SIZE,
 )
@@ -83,6 +84,9 @@ portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # TORCH_MLA_KEYSM=1 up to 64 rows, TORCH_MLA_KEYSM=0 never.
 keysm_wide = _env_flag("TORCH_MLA_KEYSM")
 _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
+# Its ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py), where the
+# columns are in KEYSM_RS_COLUMNS: TORCH_MLA_KEYSM_RS=1 (opt-in while it is measured).
+keysm_rs_on = _env_flag("TORCH_MLA_KEYSM_RS")
 
 
 def keysm_max_rows() -> int:
@@ -311,8 +315,10 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     rows = s_q * g
     columns = keysm_columns(backend, rows, compute)
     if columns:
-        step = STEPS[f"sm90_keysm{'_fp8' if scales is not None else ''}"](
-            out_dtype, bool(causal) and s_q > 1, index, columns)
+        kind = "sm90_keysm"
+        if scales is not None:
+            kind += "_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "_fp8"
+        step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
         step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
@@ -388,6 +394,7 @@ _STEP_KINDS = {
     "sm80": {"backend": "sm80"},
     "sm90_keysm": {"backend": "sm90_keysm"},
     "sm90_keysm_fp8": {"backend": "sm90_keysm", "kv_fp8": True},
+    "sm90_keysm_rs": {"backend": "sm90_keysm_rs", "kv_fp8": True},
 }
 
 
@@ -416,6 +423,8 @@ STEPS = {
                                                               SM90_ARCH, columns),
     "sm90_keysm_fp8": lambda dtype, causal, index, columns: _step("sm90_keysm_fp8", dtype,
                                                                   causal, SM90_ARCH, columns),
+    "sm90_keysm_rs": lambda dtype, causal, index, columns: _step("sm90_keysm_rs", dtype,
+                                                                 causal, SM90_ARCH, columns),
 }
 
 

@@ -24,7 +24,12 @@ import functools
 import importlib
 from typing import Any, ClassVar, NamedTuple
 
-from ..constants import COMBINE_WARPS_PER_ROW, KEYSM_COLUMNS, KEYSM_DEFAULT_ROWS
+from ..constants import (
+    COMBINE_WARPS_PER_ROW,
+    KEYSM_COLUMNS,
+    KEYSM_DEFAULT_ROWS,
+    KEYSM_RS_COLUMNS,
+)
 from ..contract import indexer_unsupported
 from . import kernel_cache
 
@@ -99,16 +104,21 @@ class DecodeStepConfig(_Config):
 
     def __post_init__(self):
         object.__setattr__(self, "causal", bool(self.causal))
-        if (self.backend not in ("sm90", "sm80", "sm100", "sm90_keysm")
+        if (self.backend not in ("sm90", "sm80", "sm100", "sm90_keysm", "sm90_keysm_rs")
                 or self.dtype not in ("bf16", "fp16")):
             raise ValueError(f"no decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}")
-        if (self.backend == "sm90_keysm") != (self.columns in KEYSM_COLUMNS):
-            raise ValueError(f"columns={self.columns}: the sm90_keysm kernel takes one of "
+        keysm = self.backend in ("sm90_keysm", "sm90_keysm_rs")
+        if keysm != (self.columns in KEYSM_COLUMNS):
+            raise ValueError(f"columns={self.columns}: the {self.backend} kernel takes one of "
                              f"{KEYSM_COLUMNS}, the others none")
-        if self.backend == "sm90_keysm" and self.compute != "exact":
-            raise ValueError("the sm90_keysm kernel has no fp8-MMA (fast) mode")
-        if self.kv_fp8 and self.backend not in ("sm90", "sm90_keysm"):
+        if keysm and self.compute != "exact":
+            raise ValueError(f"the {self.backend} kernel has no fp8-MMA (fast) mode")
+        if self.backend == "sm90_keysm_rs" and (not self.kv_fp8
+                                                or self.columns not in KEYSM_RS_COLUMNS):
+            raise ValueError(f"the sm90_keysm_rs kernel reads a float8_e4m3fn cache with "
+                             f"columns in {KEYSM_RS_COLUMNS}")
+        if self.kv_fp8 and self.backend not in ("sm90", "sm90_keysm", "sm90_keysm_rs"):
             raise ValueError(f"no float8_e4m3fn-cache kernel for backend {self.backend!r}")
         if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
             raise ValueError(f"compute={self.compute!r}, q_fp8={self.q_fp8} needs kv_fp8 and "
@@ -292,8 +302,8 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "decode", "combine",
-           "portable", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "keysm_rs", "decode",
+           "combine", "portable", "schedule", "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "sparse", "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
 APPEND_SLOTS = ("int32", "int64")
@@ -309,8 +319,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
     sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
     cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
-    TORCH_MLA_KEYSM=1 adds, not built by default), the schedule kernel, append_kv for each
-    cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with
+    TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
+    e4m3 cache, which TORCH_MLA_KEYSM_RS=1 picks, not built by default), the schedule kernel,
+    append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with
     int32/int64 slots; "decode" and "combine" alone serve benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
@@ -333,6 +344,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     or ("keysm64" in kernels and n > KEYSM_DEFAULT_ROWS)]
             out += [DecodeStepConfig("sm90_keysm", dt, c, kv_fp8=f8, columns=n)
                     for n in cols for f8 in (False, True) for c in causal]
+            if "keysm_rs" in kernels:
+                out += [DecodeStepConfig("sm90_keysm_rs", dt, c, kv_fp8=True, columns=n)
+                        for n in KEYSM_RS_COLUMNS for c in causal]
         if "sparse" in kernels:
             out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
             if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend)

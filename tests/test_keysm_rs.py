@@ -1,0 +1,273 @@
+"""The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py):
+its operand orders modelled in Python and checked against the DSL's fragment layouts, its
+shared-memory loads counted for bank conflicts, the registry entry and the dispatch's flag; on an
+SM90 GPU the kernel against the fp32 reference (TORCH_MLA_KEYSM_RS=1)."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+
+import torch_mla
+from torch_mla.constants import KEYSM_RS_COLUMNS
+from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
+    d_of,
+    latent_of,
+    page_row,
+    ring_offset,
+    rs_stages,
+    v_chunk,
+)
+from torch_mla.ops import dispatch, registry
+
+LANES = [(wq, lane) for wq in range(4) for lane in range(32)]
+
+
+def test_orders_are_bijections():
+    assert all(page_row(page_row(m)) == m for m in range(64))
+    assert sorted(latent_of(k) for k in range(576)) == list(range(576))
+    assert sorted(d_of(t, h, wq, lane // 4) for t in range(8) for h in range(2)
+                  for wq, lane in LANES if lane % 4 == 0) == list(range(512))
+    offsets = sorted(ring_offset(r, b) for r in range(64) for b in range(576))
+    assert offsets == list(range(64 * 576))
+
+
+def test_s_operand_reads_its_fragment():
+    """S^T's A, word w of k-step j = 4 c + jj (the fragment's row m = 16 wq + g + 8 (w % 2),
+    k = 16 j + 2 q + 8 (w // 2) + {0, 1}): the kernel loads 16 bytes at its row's offset
+    ring_offset(page_row(m), 16 q) plus c tiles and takes half w // 2 of word jj; that is the
+    cache's latent_of(k) of page row page_row(m)."""
+    for wq, lane in LANES:
+        g, q = lane // 4, lane % 4
+        for w in range(4):
+            m = 16 * wq + g + 8 * (w % 2)
+            unit = ring_offset(page_row(m), 16 * q)
+            for j in range(36):
+                c, jj = j // 4, j % 4
+                for i in range(2):
+                    k = 16 * j + 2 * q + 8 * (w // 2) + i
+                    at = unit + c * 64 * 64 + 4 * jj + 2 * (w // 2) + i
+                    assert at == ring_offset(page_row(m), latent_of(k))
+
+
+def test_q_permutation_stores():
+    """_q_ready: destination chunk 2 jj + e2 of a 64-wide group takes the source pairs
+    8 q + 2 jj + e2 (q = 0..3) as its words q: logical pair 4 (2 jj + e2) + q holds the cache's
+    pair latent_of of it."""
+    for jj in range(4):
+        for e2 in range(2):
+            for q in range(4):
+                logical = 4 * (2 * jj + e2) + q
+                assert latent_of(2 * logical) == 2 * (8 * q + 2 * jj + e2)
+                assert latent_of(2 * logical + 1) == 2 * (8 * q + 2 * jj + e2) + 1
+
+
+def test_v_operand_rows_and_columns():
+    """O^T's A for k-step ks, m-tile t: words 2 e + hh are (d row g + 8 hh, keys 2 q + 8 e +
+    {0, 1}); the kernel pairs byte 2 t + hh of the rows page_row(16 ks + 8 e + 2 q + o),
+    o = 0, 1, at the thread's chunk: cache column d_of(t, hh), as the epilogue stores it. Its
+    row offsets are those of rows 2 q + o plus (16 ks + 8 e) rows."""
+    for wq, lane in LANES:
+        g, q = lane // 4, lane % 4
+        for ks in range(4):
+            for e in range(2):
+                for o in range(2):
+                    row = page_row(16 * ks + 8 * e + 2 * q + o)
+                    assert row == 16 * ks + 8 * e + page_row(2 * q + o)
+                    for t in range(8):
+                        for hh in range(2):
+                            at = ring_offset(row, v_chunk(wq, g)) + 2 * t + hh
+                            assert at == ring_offset(row, d_of(t, hh, wq, g))
+                    assert (ring_offset(row, v_chunk(wq, g))
+                            == ring_offset(page_row(2 * q + o), v_chunk(wq, g))
+                            + (16 * ks + 8 * e) * 64)
+
+
+def phases_conflict_free(addr):
+    """addr(lane) for one 16-byte load of a warp: each quarter warp (8 lanes, one shared-memory
+    wavefront) hits 8 distinct 16-byte bank groups."""
+    return all(len({addr(ln) // 16 % 8 for ln in range(p, p + 8)}) == 8 for p in range(0, 32, 8))
+
+
+def s_load(wq, h, c):
+    """S^T's 16-byte load of group c, row half h: lane -> byte offset."""
+    return lambda ln: ring_offset(page_row(16 * wq + 8 * h + ln // 4), 64 * c + 16 * (ln % 4))
+
+
+def v_load(wq, ks, e, o):
+    """O^T's 16-byte load of k-step ks, key row 2 q + 8 e + o: lane -> byte offset."""
+    return lambda ln: ring_offset(page_row(16 * ks + 8 * e + 2 * (ln % 4) + o),
+                                  v_chunk(wq, ln // 4))
+
+
+def test_loads_are_bank_conflict_free():
+    for wq in range(4):
+        assert all(phases_conflict_free(s_load(wq, h, c)) for h in range(2) for c in range(9))
+        assert all(phases_conflict_free(v_load(wq, ks, e, o))
+                   for ks in range(4) for e in range(2) for o in range(2))
+    # without the key order (rows 2 q + o as they are) O^T's loads would conflict
+    assert not phases_conflict_free(lambda ln: ring_offset(2 * (ln % 4), v_chunk(0, ln // 4)))
+
+
+def test_stages_and_registry():
+    assert [rs_stages(n) for n in KEYSM_RS_COLUMNS] == [5, 4]
+    c = registry.DecodeStepConfig("sm90_keysm_rs", "bf16", True, kv_fp8=True, columns=16)
+    assert (c.name, c.key()) == ("step_sm90_keysm_rs", {"dtype": "bf16", "causal": True,
+                                                         "kv": "e4m3", "columns": 16})
+    for bad in (dict(columns=16), dict(columns=32, kv_fp8=True), dict(columns=0, kv_fp8=True)):
+        with pytest.raises(ValueError):
+            registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, **bad)
+    got = registry.variants(("bf16",), (False,), ("keysm_rs",))
+    assert sorted(v.config.columns for v in got) == [8, 16]
+
+
+LAYOUT_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup, OperandMajorMode
+from torch_mla.cute_kernels.sm90_keysm_decode import smem_layouts
+from torch_mla.cute_kernels.sm90_keysm_rs_decode import q_byte
+
+def byte(layout, coord):
+    sw, o = layout.inner, 2 * cute.crd2idx(coord, layout.outer)
+    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+    return o ^ ((o & mask) >> sw.num_shift)
+
+@cute.jit
+def check(n: cutlass.Constexpr):
+    dt = cutlass.Float16
+    _, sQ, _, _, _, _ = smem_layouts(dt, n, 2, 1)
+    bad_q = sum(byte(sQ, (r, k, 0)) != q_byte(r, k, n) for r in range(n) for k in range(0, 576, 5))
+    # register A: word w of a k-step is (m g + 8 (w % 2), k 2 q + 8 (w // 2) + {0, 1})
+    bad_a = 0
+    for mn in ((64, n), (64, n)):
+        mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN,
+                                                cutlass.Float32, (1, 1, 1), mn,
+                                                warpgroup.OperandSource.RMEM)
+        tv = mma.tv_layout_A_tiled
+        for t in cutlass.range_constexpr(128):
+            for v in cutlass.range_constexpr(8):
+                w, i = v // 2, v % 2
+                m = 16 * (t // 32) + (t % 32) // 4 + 8 * (w % 2)
+                k = 2 * (t % 4) + 8 * (w // 2) + i
+                bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
+    print(f"n {n}: Q {bad_q}, A {bad_a} wrong")
+
+for n in (8, 16):
+    check(n)
+"""
+
+
+def test_layouts_match_the_models(tmp_path):
+    """q_byte is the DSL's Q layout; the register A fragment's order is the one the kernel
+    fills (word w: rows g + 8 (w % 2), k 2 q + 8 (w // 2))."""
+    script = tmp_path / "layouts.py"
+    script.write_text(LAYOUT_SCRIPT)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    lines = [x for x in res.stdout.splitlines() if "wrong" in x]
+    assert_expected_inline("\n".join(lines), """\
+n 8: Q 0, A 0 wrong
+n 16: Q 0, A 0 wrong""")
+
+
+def test_dispatch_flag(monkeypatch):
+    """TORCH_MLA_KEYSM_RS=1 (read at each call) sends an e4m3 cache's keys-on-M steps of 8 or
+    16 columns to this kernel."""
+    monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
+    assert not dispatch.keysm_rs_on()
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
+    assert dispatch.keysm_rs_on()
+    assert "sm90_keysm_rs" in dispatch.STEPS
+
+
+# ---- on an SM90 GPU -----------------------------------------------------------------------------
+
+sm90 = pytest.mark.skipif(not torch.cuda.is_available()
+                          or torch.cuda.get_device_capability() != (9, 0),
+                          reason="needs an SM90 GPU")
+
+
+@pytest.fixture
+def keysm_rs(monkeypatch):
+    """TORCH_MLA_KEYSM_RS=1, and a count of this kernel's launches by columns."""
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
+    for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE", "TORCH_MLA_KEYSM"):
+        monkeypatch.delenv(name, raising=False)
+    launched = {}
+
+    def count(dtype, causal, index, columns, orig=dispatch.STEPS["sm90_keysm_rs"]):
+        launched[columns] = launched.get(columns, 0) + 1
+        return orig(dtype, causal, index, columns)
+    monkeypatch.setitem(dispatch.STEPS, "sm90_keysm_rs", count)
+    return launched
+
+
+def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, q_scale=1.0):
+    from test_fp8 import fp8_inputs
+    from test_kernel_sm90 import TOL
+
+    from torch_mla.reference import mla_decode_reference
+
+    scale = 576**-0.5
+    inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, device="cuda")
+    q = (inp.q * q_scale).to(dtype)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    before = sum(launched.values())
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
+                                    softmax_scale=scale, causal=causal, kv_scale=kv_scale)
+    assert sum(launched.values()) == before + 1, "the ping-pong kernel did not run"
+    ref_out, ref_lse = mla_decode_reference(q, cache, inp.block_table, inp.cache_seqlens, scale,
+                                            causal, 512, kv_scale=kv_scale)
+    assert not out.isnan().any(), "NaN in output"
+    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
+    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    return sched
+
+
+LENS = [20, 140, 4096, 0, 1, 65, 1000]
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
+                                            (4, 3, True), (3, 1, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grid(keysm_rs, h_q, s_q, causal, dtype):
+    sched = run_and_check(keysm_rs, LENS, s_q, h_q, causal, dtype)
+    assert sched.num_splits[-1].item() > len(LENS)  # split requests: partials and the combine
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("b", [1, 6, 128, 300])
+def test_varlen_batches(keysm_rs, b):
+    from test_keysm import varlen_seqlens
+
+    run_and_check(keysm_rs, varlen_seqlens(b), 1, 16, False)
+    run_and_check(keysm_rs, varlen_seqlens(b), 2, 8, True)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
+def test_page_boundaries(keysm_rs, L):
+    run_and_check(keysm_rs, [L, L + 1, max(L - 1, 0)], 1, 16, False)
+
+
+@pytest.mark.cuda
+@sm90
+def test_whole_requests_and_q_range(keysm_rs):
+    parts = torch.cuda.get_device_properties(0).multi_processor_count
+    lens = [640 - 7] * (2 * parts)
+    sched = run_and_check(keysm_rs, lens, 1, 16, False)
+    assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
+    for q_scale in (1e-20, 3e4):  # the f16 factor keeps tiny and large q exact
+        run_and_check(keysm_rs, LENS, 1, 16, False, q_scale=q_scale)

@@ -1,0 +1,418 @@
+"""Keys-on-M MLA decode on Hopper over an e4m3 cache: page operands from registers, two consumer
+warpgroups on alternate pages ("ping-pong").
+
+The keys-on-M kernel (sm90_keysm_decode.py, docs/kernels/keysm.md) expands each fp8 page into a
+16-bit work buffer that both MMAs then read from shared memory: ~300 KB of shared-memory traffic
+a page, and the page's chain (expansion, S^T, column softmax, P^T, O^T) runs in one warpgroup.
+Here neither happens:
+
+  - no work buffer: each consumer thread converts its own A operands straight from the fp8 ring
+    into registers (cvt.rn.f16x2.e4m3x2, exact) and the MMAs take A from registers (RS wgmma,
+    f16): S^T's A is the page (keys x latent), O^T's A is V^T (d x keys). Shared-memory traffic
+    a page: the fp8 page read twice (72 KB), Q^T (18 KB at 16 columns) and P^T.
+  - two consumer warpgroups take the same query columns and alternate pages (the page count's
+    parity), each with its own online softmax and O^T, merged through shared memory at the
+    segment's end (the second warpgroup's O^T, maxima and sums; the first stores). One page's
+    conversions and softmax run under the other warpgroup's MMAs, with no barrier between them
+    within a segment.
+
+Orders, chosen so that every shared-memory load is a conflict-free 16-byte one
+(tests/test_keysm_rs.py checks them against the DSL's fragment layouts and counts bank
+conflicts):
+  - The ring lands with TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4 in a 64-byte row).
+  - Keys: S^T's row m (and P^T's key m) is page row page_row(m) (bit 0 ^= bit 1).
+  - Latent (S^T's k): a thread's 16 bytes of a 64-wide group are four k-steps of its fragment
+    (logical k 16 jj + 2 q + {0, 1, 8, 9} for k-step jj and lane % 4 = q), so Q is permuted to
+    match (latent_of) when it is converted, once a segment.
+  - d (O^T's rows): a thread's 16 bytes of a key row hold its two rows of each of the 8 m-tiles
+    (d_of); the epilogue stores each value at its cache column.
+Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-on-M kernel does);
+fp16 q is only permuted. P is written in f16.
+
+Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8 or 16 columns (query rows a CTA);
+one latent head per launch. Status: compiled and checked on the CPU; see docs/kernels/keysm.md.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
+
+from ..constants import D_QK, D_V, KEYSM_RS_COLUMNS, PAGE_SIZE
+from . import softmax
+from .decode_base import TmaLoads, aligned, shared_struct
+from .ptx import (
+    bar_arrive,
+    bar_sync,
+    bf16x2_to_f16x2,
+    e4m3x4_f16,
+    fence_operand,
+    int_as_f32,
+    lds128,
+    prmt,
+    sts,
+)
+from .sm90_keysm_decode import (
+    BF16_INF,
+    N_TILES,
+    PAGE_ELEMS,
+    TILE_ELEMS,
+    MLADecodeSm90KeysM,
+    q_f16_factors,
+    smem_layouts,
+)
+
+# Named barriers (1-3: the keys-on-M kernel's; 2 + wg is each warpgroup's own).
+NB_PAIR = 4  # both consumer warpgroups: Q's largest magnitude shared, then Q converted
+NB_MERGE = 5  # the second warpgroup's O^T, maxima, sums are in sMerge (it arrives, the first waits)
+
+
+def rs_stages(columns: int) -> int:
+    """fp8 ring stages (36 KB each) that fit in 227 KB beside Q, two P^T tiles, the merge buffer
+    and the column maxima: 5 at 8 columns, 4 at 16."""
+    fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + merge_floats(columns) * 128 * 4
+             + 16 * columns * 4 + 2048)
+    return min(5, (227 * 1024 - fixed) // PAGE_ELEMS)
+
+
+def merge_floats(columns: int) -> int:
+    """Floats a consumer thread hands over at a segment's end: its O^T values (512 x columns /
+    128), then the running max and partial sum of each of its columns."""
+    return 4 * columns + columns // 2
+
+
+# ---- index arithmetic, modelled in Python (tests/test_keysm_rs.py checks it) ------------------
+
+
+def page_row(m):
+    """The page row of key m of S^T (its M index) and of P^T: bit 0 ^= bit 1 (an involution).
+    Makes O^T's loads (rows 2 q + {0, 1, 8, 9}) and S^T's (rows g, g + 8) conflict-free under the
+    ring's swizzle."""
+    return m ^ ((m >> 1) & 1)
+
+
+def ring_offset(row, byte):
+    """Byte offset of (page row, latent byte) in an fp8 ring stage: 9 tiles of 64 rows x 64 bytes,
+    4 KB apart, TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4)."""
+    tile, b = byte // 64, byte % 64
+    return (tile * TILE_ELEMS + row * 64 + (((b // 16) ^ ((row >> 1) & 3)) * 16) + b % 16)
+
+
+def latent_of(k):
+    """The cache latent index whose value S^T's fragment takes at logical k: a thread with
+    lane % 4 = q reads bytes 16 q .. 16 q + 15 of each 64-wide group, byte 4 jj + e being k-step
+    jj's k = 2 q + (e % 2) + 8 (e // 2) of that step."""
+    c, rem = k // 64, k % 64
+    jj, r16 = rem // 16, rem % 16
+    q, e = (r16 % 8) // 2, r16 % 2 + 2 * (r16 // 8)
+    return 64 * c + 16 * q + 4 * jj + e
+
+
+def v_chunk(wq, g):
+    """The cache latent byte where thread (warp wq, lane / 4 = g)'s 16 d values start."""
+    return 64 * (2 * wq + g // 4) + 16 * (g % 4)
+
+
+def d_of(t, h, wq, g):
+    """The cache column (d) of O^T's row 64 t + 16 wq + g + 8 h: byte 2 t + h of the thread's
+    chunk."""
+    return v_chunk(wq, g) + 2 * t + h
+
+
+def q_byte(row, k, n):
+    """Byte offset of element (row, k) of a 16-bit Q tile of n rows x 576 in the K-major
+    128-byte-swizzled layout (8-row x 64-element atoms, rows first): chunk ^= row % 8."""
+    o = 2 * ((row % 8) * 64 + (row // 8) * 512 + (k // 64) * 64 * n + k % 64)
+    return o ^ (((o >> 7) & 7) << 4)
+
+
+class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
+    """Keys-on-M decode over an e4m3 cache with register page operands and two ping-pong consumer
+    warpgroups; see the module docstring."""
+
+    pingpong = True
+
+    def __init__(self, dtype, causal: bool, columns: int):
+        assert columns in KEYSM_RS_COLUMNS, columns
+        super().__init__(dtype, causal, columns, kv_fp8=True)
+        self.wgs = 2
+        # + a producer warpgroup whose registers setmaxnreg gives to the consumers (REGS: with
+        # 288 threads ptxas caps every thread at 168 registers and spills)
+        self.num_threads = 3 * 128
+        self.regs = (40, 232)  # (the producer spills at 24)
+        self.stages = rs_stages(columns)
+        self.buffers = 0  # no 16-bit page buffer
+
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        n = self.n_wg
+        self.q_f16 = self.dtype == cutlass.BFloat16
+        dt = cutlass.Float16
+        self.mma_dtype = dt
+        q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, _ = smem_layouts(dt, n, 2, 1)
+        kmode, mnmode = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
+        rmem = warpgroup.OperandSource.RMEM
+        tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
+                                                    (PAGE_SIZE, n), rmem)
+        tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, mnmode, Float32, (1, 1, 1),
+                                                    (PAGE_SIZE, n), rmem)
+        mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
+        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
+        op = cpasync.CopyBulkTensorTileG2SOp()
+        tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, q_tile, (n, D_QK))
+        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self._tile8(), (PAGE_SIZE, 64))
+        i64 = cutlass.Int64
+        self.shared_storage = shared_struct(
+            sQ=aligned(dt, n * D_QK),
+            sP=aligned(dt, 2 * n * PAGE_SIZE),
+            sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
+            sMerge=aligned(Float32, 128 * merge_floats(n)),
+            sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
+            barFull=cute.struct.MemRange[i64, self.stages],
+            barEmpty=cute.struct.MemRange[i64, self.stages],
+            barQ=cute.struct.MemRange[i64, 2],
+            sQmax=cute.struct.MemRange[Int32, 8],
+        )
+        size = self.shared_storage.size_in_bytes()
+        assert size <= 227 * 1024, size
+        return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
+            fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
+
+    @staticmethod
+    def _tile8():
+        """A ring tile as TMA writes it: 64 rows x 64 bytes, 64-byte swizzle."""
+        return cute.make_composed_layout(cute.make_swizzle(2, 4, 3), 0,
+                                         cute.make_layout((PAGE_SIZE, 64), stride=(64, 1)))
+
+    @cute.jit
+    def _fp8_ring(self, storage):
+        """The ring as the TMA writes it, (64 rows, 64 bytes, 1, 9 tiles, stages), swizzled."""
+        k8 = cute.recast_ptr(storage.sK8.data_ptr(), cute.make_swizzle(2, 4, 3),
+                             dtype=cutlass.Uint8)
+        return cute.make_tensor(k8, cute.make_layout(
+            (PAGE_SIZE, 64, 1, N_TILES, self.stages),
+            stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
+
+    # ---- the consumer's hooks -----------------------------------------------------------------
+    @cute.jit
+    def _operands(self, thr_s, thr_o, sQ, sK, sVt, sPt, wg):
+        """Register A fragments (two of S^T's four k-steps, two of O^T's k-step: one is filled
+        while the MMAs read the other), Q^T and P^T; this thread's ring offsets."""
+        dt = self.mma_dtype
+        rKa = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)  # (8, 1, 4)
+        rKb = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)
+        rVa = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)  # (8, 8, 1)
+        rVb = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, 0]))  # (MMA, 1, 36)
+        tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
+        tidx, _, _ = cute.arch.thread_idx()
+        lane = tidx % 32
+        wq = (tidx // 32) % 4
+        g, q = lane // 4, lane % 4
+        # S^T: rows 16 wq + g (+ 8), unit q of each 64-byte group
+        k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
+        # O^T: rows 2 q + o (+ 16 ks + 8 e), the thread's d chunk
+        v_row = [page_row(2 * q + o) for o in range(2)]
+        v_off = [ring_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
+        self.d_k_off, self.d_v_row, self.d_v_off = k_off, v_row, v_off
+        return rKa, rKb, tSrQ, rVa, rVb, tOrP
+
+    def _key_row(self, key):
+        return page_row(key)
+
+    @cute.jit
+    def _prepare_stage(self, s, valid, tidx, lane, bar_empty):
+        return s  # read in place; released after O^T
+
+    @cute.jit
+    def _mma_s(self, ops, acc_S, s, ob, wq, lane):
+        """S^T = K Q^T: 9 groups of 4 k-steps; group c's A (two 16-byte loads: rows g, g + 8)
+        is converted into one register buffer while the MMAs of group c - 1 read the other."""
+        rKa, rKb, tSrQ, _, _, _ = ops
+        base = self.d_k8 + s * PAGE_ELEMS
+        a = [base + self.d_k_off[h] for h in range(2)]
+        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
+        fence_operand(acc_S)
+        x = [lds128(a[h]) for h in range(2)]
+        for c in cutlass.range_constexpr(N_TILES):
+            cur = x
+            if const_expr(c + 1 < N_TILES):
+                x = [lds128(a[h] + (c + 1) * TILE_ELEMS) for h in range(2)]
+            buf = rKa if const_expr(c % 2 == 0) else rKb
+            if const_expr(c >= 2):
+                warpgroup.wait_group(1)  # group c - 2, the last reader of buf, is done
+            b32 = cute.recast_tensor(buf, Int32)
+            for jj in cutlass.range_constexpr(4):
+                lo_g, hi_g = e4m3x4_f16(cur[0][jj])
+                lo_h, hi_h = e4m3x4_f16(cur[1][jj])
+                b32[4 * jj] = lo_g
+                b32[4 * jj + 1] = lo_h
+                b32[4 * jj + 2] = hi_g
+                b32[4 * jj + 3] = hi_h
+            fence_operand(buf)
+            warpgroup.fence()
+            for jj in cutlass.range_constexpr(4):
+                atom_s.set(warpgroup.Field.ACCUMULATE, c * 4 + jj != 0)
+                cute.gemm(atom_s, acc_S, buf[None, None, jj], tSrQ[None, None, 4 * c + jj],
+                          acc_S)
+            warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_S)
+
+    @cute.jit
+    def _mma_o(self, ops, acc_O, s, ob, valid, wq, lane):
+        """O^T += V^T P^T: per k-step of 16 keys, the thread's four key rows (2 q + {0, 1, 8,
+        9}; rows at or past `valid` as 0: the cache may hold NaN there) are paired by prmt into
+        8 m-tiles' A fragments in one register buffer while the MMAs of the last k-step read the
+        other."""
+        _, _, _, rVa, rVb, tOrP = ops
+        base = self.d_k8 + s * PAGE_ELEMS
+        atom_o = cute.make_mma_atom(self.d_tiled_o.op)
+        atom_o.set(warpgroup.Field.ACCUMULATE, True)
+        raw = cute.make_rmem_tensor(16, Int32)
+        fence_operand(acc_O)
+        for ks in cutlass.range_constexpr(PAGE_SIZE // 16):
+            for e in cutlass.range_constexpr(2):
+                for o in cutlass.range_constexpr(2):
+                    w = lds128(base + self.d_v_off[o] + (16 * ks + 8 * e) * 64)
+                    for i in cutlass.range_constexpr(4):
+                        raw[4 * (2 * e + o) + i] = w[i]
+            if valid < PAGE_SIZE:
+                for e in cutlass.range_constexpr(2):
+                    for o in cutlass.range_constexpr(2):
+                        if 16 * ks + 8 * e + self.d_v_row[o] >= valid:
+                            for i in cutlass.range_constexpr(4):
+                                raw[4 * (2 * e + o) + i] = Int32(0)
+            buf = rVa if const_expr(ks % 2 == 0) else rVb
+            if const_expr(ks >= 2):
+                warpgroup.wait_group(1)
+            b32 = cute.recast_tensor(buf, Int32)
+            for t in cutlass.range_constexpr(8):
+                sel = 0x5140 if t % 2 == 0 else 0x7362
+                for e in cutlass.range_constexpr(2):
+                    pair = prmt(raw[4 * (2 * e) + t // 2], raw[4 * (2 * e + 1) + t // 2], sel)
+                    lo, hi = e4m3x4_f16(pair)
+                    b32[4 * t + 2 * e] = lo
+                    b32[4 * t + 2 * e + 1] = hi
+            fence_operand(buf)
+            warpgroup.fence()
+            cute.gemm(atom_o, acc_O, buf[None, None, 0], tOrP[None, None, ks], acc_O)
+            warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_O)
+
+    @cute.jit
+    def _q_ready(self, wg, wq, lane, wtid, tidx) -> Float32:
+        """Both consumer warpgroups, once Q has landed: Q (n x 576) permuted in place to S^T's
+        latent order (latent_of), bf16 q converted to f16 times the power of two
+        q_f16_factors picks from the tile's largest |q|; returns that factor's inverse (1 for
+        fp16 q). A thread takes whole 128-byte runs (a row's 64-wide group): what it writes, it
+        alone read."""
+        n = self.n_wg
+        runs = n * N_TILES
+        waves = (runs + 255) // 256
+        base = self.d_q_base
+        held = []
+        big = Int32(0)
+        for w in cutlass.range_constexpr(waves):
+            run = cutlass.min(w * 256 + tidx, runs - 1)  # (idle threads read the last run)
+            row, c = run % n, run // n
+            at = base + q_byte(row, 64 * c, n)
+            sw = row % 8
+            words = []
+            for u in cutlass.range_constexpr(8):
+                words += lds128(at + ((u ^ sw) * 16))
+            held.append(words)
+            if const_expr(self.q_f16):
+                for x in words:
+                    a = x & 0x7FFF7FFF
+                    for h in (a & 0xFFFF, a >> 16):
+                        big = cutlass.max(big, cutlass.select_(h < BF16_INF, h, Int32(0)))
+        inv = Float32(1.0)
+        mul = Float32(1.0)
+        if const_expr(self.q_f16):
+            for off in cutlass.range_constexpr(5):
+                big = cutlass.max(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
+            qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(8))
+            if lane == 0:
+                qmax[4 * wg + wq] = big
+            cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+            for i in cutlass.range_constexpr(8):
+                big = cutlass.max(big, qmax[i])
+            mul_bits, inv_bits = q_f16_factors(big, cutlass.max)
+            mul = int_as_f32(mul_bits)
+            inv = int_as_f32(inv_bits)
+        for w in cutlass.range_constexpr(waves):
+            run = w * 256 + tidx
+            if run < runs:
+                row, c = run % n, run // n
+                at = base + q_byte(row, 64 * c, n)
+                sw = row % 8
+                words = held[w]
+                if const_expr(self.q_f16):
+                    words = [bf16x2_to_f16x2(x, mul) for x in words]
+                # destination chunk 2 jj + e2 takes the pairs 8 q + 2 jj + e2, q = 0..3
+                for jj in cutlass.range_constexpr(4):
+                    for e2 in cutlass.range_constexpr(2):
+                        sts(at + (((2 * jj + e2) ^ sw) * 16),
+                            [words[8 * q + 2 * jj + e2] for q in range(4)])
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        return inv
+
+    @cute.jit
+    def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,
+                         m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc):
+        """The segment's end: the second warpgroup hands its O^T, maxima and partial sums over
+        (sMerge, thread by thread); the first merges them into its own (the split-KV rule:
+        each side times 2^(its max - the larger)) and stores through _epilogue."""
+        ncol = self.n_wg // 4
+        nf = merge_floats(self.n_wg)
+        sM = self.d_storage.sMerge.get_tensor(cute.make_layout((nf, 128), stride=(1, nf)))
+        n_o = cute.size(acc_O)
+        if wg == 1:
+            for i in cutlass.range_constexpr(n_o):
+                sM[i, wtid] = acc_O[i]
+            for jc in cutlass.range_constexpr(ncol):
+                sM[n_o + jc, wtid] = m_run[jc]
+                sM[n_o + ncol + jc, wtid] = l_run[jc]
+            bar_arrive(NB_MERGE, 256)
+        else:
+            bar_sync(NB_MERGE, 256)
+            f0 = [None] * ncol
+            f1 = [None] * ncol
+            for jc in cutlass.range_constexpr(ncol):
+                m1 = sM[n_o + jc, wtid]
+                m_new, m_use, f0[jc] = softmax.online_max(m_run[jc], m1)
+                f1[jc] = cute.math.exp2(m1 - m_use, fastmath=True)
+                m_run[jc] = m_new
+                l_run[jc] = l_run[jc] * f0[jc] + sM[n_o + ncol + jc, wtid] * f1[jc]
+            per_tile = n_o // (D_V // 64)
+            for i in cutlass.range_constexpr(n_o):
+                v = i % per_tile
+                jc = 2 * (v // 4) + v % 2
+                acc_O[i] = acc_O[i] * f0[jc] + sM[i, wtid] * f1[jc]
+            self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, 0, wq, lane, acc_O, m_run,
+                           l_run, sMax, mO, mLSE, mOacc, mLSEacc)
+
+    @cute.jit
+    def _store_o(self, acc_O, inv, gOut, out_dtype: cutlass.Constexpr, col0, rows, wq, lane):
+        """gOut (rows, 512) of out_dtype: O^T's row 64 t + 16 wq + g + 8 h is cache column
+        d_of(t, h, wq, g); each value scaled by its column's inv."""
+        per_tile = cute.size(acc_O) // (D_V // 64)
+        g = lane // 4
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v, mt = i % per_tile, i // per_tile
+            jc = 2 * (v // 4) + v % 2
+            row = col0 + 8 * (v // 4) + 2 * (lane % 4) + v % 2
+            if row < rows:
+                gOut[row, d_of(mt, (v // 2) % 2, wq, g)] = (acc_O[i] * inv[jc]).to(out_dtype)
+
+
+def decode_kernel(config, arch: str):
+    """The kernel a registry config asks for (dtype, causal, columns); arch is sm_90a."""
+    from ..contract import dsl_dtype
+
+    return MLADecodeSm90KeysMRS(dsl_dtype(config.dtype), config.causal, config.columns)
