@@ -321,8 +321,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
     TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
     e4m3 cache, which TORCH_MLA_KEYSM_RS=1 picks, not built by default), the schedule kernel,
-    append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with
-    int32/int64 slots; "decode" and "combine" alone serve benchmarks."""
+    append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from
+    bf16/fp16/fp32 sources with int32/int64 slots; "decode" and "combine" alone serve
+    benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
     steps = [native] if "step" in kernels else []
