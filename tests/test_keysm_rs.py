@@ -17,6 +17,8 @@ from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
     d_of,
     latent_of,
     page_row,
+    q_byte,
+    q_unit,
     ring_offset,
     rs_stages,
     v_chunk,
@@ -63,6 +65,16 @@ def test_q_permutation_stores():
                 logical = 4 * (2 * jj + e2) + q
                 assert latent_of(2 * logical) == 2 * (8 * q + 2 * jj + e2)
                 assert latent_of(2 * logical + 1) == 2 * (8 * q + 2 * jj + e2) + 1
+
+
+@pytest.mark.parametrize("n", KEYSM_RS_COLUMNS)
+def test_q_units(n):
+    """_q_ready's 16-byte units (q_unit) hold the elements q_byte places there."""
+    for row in range(n):
+        for c in range(9):
+            for u in range(8):
+                for i in range(8):
+                    assert q_unit(row, c, u, n) + 2 * i == q_byte(row, 64 * c + 8 * u + i, n)
 
 
 def test_v_operand_rows_and_columns():

@@ -129,6 +129,12 @@ def q_byte(row, k, n):
     return o ^ (((o >> 7) & 7) << 4)
 
 
+def q_unit(row, c, u, n):
+    """q_byte of element (row, 64 c + 8 u): where the 16-byte unit u of the row's 64-wide group
+    c lies (its 128-byte run is contiguous; the unit's place in it is u ^ row % 8)."""
+    return 2 * ((row % 8) * 64 + (row // 8) * 512 + c * 64 * n) + ((u ^ (row % 8)) * 16)
+
+
 class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     """Keys-on-M decode over an e4m3 cache with register page operands and two ping-pong consumer
     warpgroups; see the module docstring."""
@@ -319,11 +325,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         for w in cutlass.range_constexpr(waves):
             run = cutlass.min(w * 256 + tidx, runs - 1)  # (idle threads read the last run)
             row, c = run % n, run // n
-            at = base + q_byte(row, 64 * c, n)
-            sw = row % 8
             words = []
             for u in cutlass.range_constexpr(8):
-                words += lds128(at + ((u ^ sw) * 16))
+                words += lds128(base + q_unit(row, c, u, n))
             held.append(words)
             if const_expr(self.q_f16):
                 for x in words:
@@ -348,15 +352,13 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             run = w * 256 + tidx
             if run < runs:
                 row, c = run % n, run // n
-                at = base + q_byte(row, 64 * c, n)
-                sw = row % 8
                 words = held[w]
                 if const_expr(self.q_f16):
                     words = [bf16x2_to_f16x2(x, mul) for x in words]
                 # destination chunk 2 jj + e2 takes the pairs 8 q + 2 jj + e2, q = 0..3
                 for jj in cutlass.range_constexpr(4):
                     for e2 in cutlass.range_constexpr(2):
-                        sts(at + (((2 * jj + e2) ^ sw) * 16),
+                        sts(base + q_unit(row, c, 2 * jj + e2, n),
                             [words[8 * q + 2 * jj + e2] for q in range(4)])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
