@@ -125,7 +125,7 @@ def test_loads_are_bank_conflict_free():
 
 
 def test_stages_and_registry():
-    assert [rs_stages(n) for n in KEYSM_RS_COLUMNS] == [5, 4]
+    assert [rs_stages(n) for n in KEYSM_RS_COLUMNS] == [4, 4]
     c = registry.DecodeStepConfig("sm90_keysm_rs", "bf16", True, kv_fp8=True, columns=16)
     assert (c.name, c.key()) == ("step_sm90_keysm_rs", {"dtype": "bf16", "causal": True,
                                                          "kv": "e4m3", "columns": 16})

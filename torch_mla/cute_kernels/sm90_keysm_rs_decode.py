@@ -71,11 +71,15 @@ NB_MERGE = 5  # the second warpgroup's O^T, maxima, sums are in sMerge (it arriv
 
 
 def rs_stages(columns: int) -> int:
-    """fp8 ring stages (36 KB each) that fit in 227 KB beside Q, two P^T tiles, the merge buffer
-    and the column maxima: 5 at 8 columns, 4 at 16."""
+    """fp8 ring stages (36 KB each) beside Q, two P^T tiles, the merge buffer and the column
+    maxima in 227 KB, an even number (4 at 8 and 16 columns): the warpgroups take pages by the
+    page count's parity, so each stage then serves one warpgroup. With an odd ring a stage
+    alternates between them and a warpgroup a lap ahead waits for its parity while the other's
+    phase is still open: the wait passes on the phase before (tests/test_keysm.py,
+    test_ring_protocol_pingpong; the 5-stage variant failed on the H200)."""
     fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + merge_floats(columns) * 128 * 4
              + 16 * columns * 4 + 2048)
-    return min(5, (227 * 1024 - fixed) // PAGE_ELEMS)
+    return min(4, (227 * 1024 - fixed) // PAGE_ELEMS // 2 * 2)
 
 
 def merge_floats(columns: int) -> int:
