@@ -487,23 +487,29 @@ def test_fp16_and_odd_head_counts(keysm):
 @sm90
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_graph_replays_with_new_lengths(keysm, fp8):
+    graph_replays(2, 16, fp8)
+    assert keysm
+
+
+def graph_replays(s_q, h_q, fp8):
     """One step (schedule and decode) captured in a CUDA graph, replayed on new lengths, pages
-    and queries of the same shapes: each replay matches the reference."""
+    and queries of the same shapes: each replay matches the reference (tests/test_keysm_rs.py
+    runs it too)."""
     from test_fp8 import fp8_inputs
 
     shapes = dict(device="cuda", max_blocks=6, num_blocks=14)
     lens = ([70, 3, 300], [129, 64, 0], [5, 250, 190])
     if fp8:
-        steps = [fp8_inputs(x, 2, 16, **shapes) for x in lens]
+        steps = [fp8_inputs(x, s_q, h_q, **shapes) for x in lens]
         steps = [(i.q, c, i.block_table, i.cache_seqlens, s) for i, c, s in steps]
     else:
-        steps = [make_decode_inputs(x, 2, 16, **shapes) for x in lens]
+        steps = [make_decode_inputs(x, s_q, h_q, **shapes) for x in lens]
         steps = [(i.q, i.kv_cache, i.block_table, i.cache_seqlens, None) for i in steps]
     static = [t.clone() for t in steps[0][:4]]
     kv_scale = steps[0][4]
 
     def step(q, kv_cache, block_table, cache_seqlens):
-        sched = torch_mla.get_decode_schedule(cache_seqlens, 2, 16)
+        sched = torch_mla.get_decode_schedule(cache_seqlens, s_q, h_q)
         return torch_mla.mla_decode(q, kv_cache, block_table, cache_seqlens, sched, causal=True,
                                     kv_scale=kv_scale)
 
@@ -524,7 +530,6 @@ def test_graph_replays_with_new_lengths(keysm, fp8):
             torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
     finally:
         torch_mla.set_value_checks(True)
-    assert keysm
 
 
 def test_q_f16_factors():

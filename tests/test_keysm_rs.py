@@ -283,3 +283,13 @@ def test_whole_requests_and_q_range(keysm_rs):
     assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
     for q_scale in (1e-20, 3e4):  # the f16 factor keeps tiny and large q exact
         run_and_check(keysm_rs, LENS, 1, 16, False, q_scale=q_scale)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5)])
+def test_graph_replays_with_new_lengths(keysm_rs, s_q, h_q):
+    from test_keysm import graph_replays
+
+    graph_replays(s_q, h_q, True)
+    assert set(keysm_rs) == {8 if s_q * h_q <= 8 else 16}

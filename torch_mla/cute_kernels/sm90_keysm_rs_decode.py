@@ -274,21 +274,29 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _mma_o(self, ops, acc_O, s, ob, valid, wq, lane):
         """O^T += V^T P^T: per k-step of 16 keys, the thread's four key rows (2 q + {0, 1, 8,
-        9}; rows at or past `valid` as 0: the cache may hold NaN there) are paired by prmt into
-        8 m-tiles' A fragments in one register buffer while the MMAs of the last k-step read the
-        other."""
+        9}; rows at or past `valid` as 0: the cache may hold NaN there), loaded a k-step ahead,
+        are paired by prmt into 8 m-tiles' A fragments in one register buffer while the MMAs of
+        the last k-step read the other."""
         _, _, _, rVa, rVb, tOrP = ops
         base = self.d_k8 + s * PAGE_ELEMS
         atom_o = cute.make_mma_atom(self.d_tiled_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
-        raw = cute.make_rmem_tensor(16, Int32)
-        fence_operand(acc_O)
-        for ks in cutlass.range_constexpr(PAGE_SIZE // 16):
+        # the four rows of a k-step, loaded one k-step ahead
+        raws = [cute.make_rmem_tensor(16, Int32), cute.make_rmem_tensor(16, Int32)]
+
+        def load(ks):
             for e in cutlass.range_constexpr(2):
                 for o in cutlass.range_constexpr(2):
                     w = lds128(base + self.d_v_off[o] + (16 * ks + 8 * e) * 64)
                     for i in cutlass.range_constexpr(4):
-                        raw[4 * (2 * e + o) + i] = w[i]
+                        raws[ks % 2][4 * (2 * e + o) + i] = w[i]
+
+        fence_operand(acc_O)
+        load(0)
+        for ks in cutlass.range_constexpr(PAGE_SIZE // 16):
+            raw = raws[ks % 2]
+            if const_expr(ks + 1 < PAGE_SIZE // 16):
+                load(ks + 1)
             if valid < PAGE_SIZE:
                 for e in cutlass.range_constexpr(2):
                     for o in cutlass.range_constexpr(2):
