@@ -69,7 +69,7 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32, Int32, const_expr
+from cutlass import Boolean, Float32, Int32, const_expr
 from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..constants import D_QK, D_V, KEYSM_COLUMNS, PAGE_SIZE
@@ -223,6 +223,9 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # Two consumer warpgroups on alternate pages of the same columns, merged at a segment's end
     # (sm90_keysm_rs_decode.py).
     pingpong = False
+    # softmax.online_max's threshold: a column's max is raised only past it (log2 units; P then
+    # stays below 2^max_slack) and O^T is rescaled only where a warp's max moved; None: always.
+    max_slack = None
 
     @property
     def own_count(self) -> int:
@@ -673,9 +676,17 @@ class MLADecodeSm90KeysM(DecodeKernel):
         m_col = self._across_keys(m_thr, cute.arch.fmax, sMax, p, wg, wq, lane)
         m_use = [None] * ncol
         factor = [None] * ncol
+        rescale = Boolean(False)
         for jc in cutlass.range_constexpr(ncol):
             m_blk = m_col[jc]
-            m_new, m_use[jc], factor[jc] = softmax.online_max(m_run[jc], m_blk * scale_log2)
+            m_old = m_run[jc]
+            m_new, m_use[jc], factor[jc] = softmax.online_max(m_old, m_blk * scale_log2,
+                                                              self.max_slack)
+            if const_expr(self.max_slack is not None):
+                # O^T's columns are 0 while their max is -inf (P was 0): only a finite max
+                # that moved needs a rescale
+                if m_old != -Float32.inf:
+                    rescale = rescale | (m_new != m_old)
             m_run[jc] = m_new
 
         # P = 2^(S scale - m); partial column sums; O^T columns rescaled.
@@ -687,10 +698,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
             part_sum[jc] = part_sum[jc] + pv
         for jc in cutlass.range_constexpr(ncol):
             l_run[jc] = l_run[jc] * factor[jc] + part_sum[jc]
-        per_tile = cute.size(acc_O) // (D_V // 64)
-        for i in cutlass.range_constexpr(cute.size(acc_O)):
-            v = i % per_tile
-            acc_O[i] = acc_O[i] * factor[2 * (v // 4) + v % 2]
+        if const_expr(self.max_slack is None):
+            self._rescale(acc_O, factor)
+        elif cute.arch.vote_any_sync(rescale):
+            self._rescale(acc_O, factor)
 
         # P^T -> smem in 16 bits: word h + 2 j holds key 16 wq + lane / 4 + 8 h, columns
         # 8 j + 2 (lane % 4) + {0, 1} (adjacent in the MN-major tile).
@@ -713,6 +724,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cnt[0] = cnt[0] + 1
         if const_expr(self.pingpong):
             cnt[2] = cnt[2] + 1
+
+    @cute.jit
+    def _rescale(self, acc_O, factor):
+        """O^T's columns times their factors (the online softmax's new max)."""
+        per_tile = cute.size(acc_O) // (D_V // 64)
+        for i in cutlass.range_constexpr(cute.size(acc_O)):
+            v = i % per_tile
+            acc_O[i] = acc_O[i] * factor[2 * (v // 4) + v % 2]
 
     @cute.jit
     def _entry_bias(self, s, wq, lane):

@@ -144,6 +144,8 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     warpgroups; see the module docstring."""
 
     pingpong = True
+    # P < 2^8 in f16; most pages then skip O^T's rescale (64 multiplies a thread at 16 columns)
+    max_slack = 8.0
 
     def __init__(self, dtype, causal: bool, columns: int):
         assert columns in KEYSM_RS_COLUMNS, columns
@@ -414,15 +416,21 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _store_o(self, acc_O, inv, gOut, out_dtype: cutlass.Constexpr, col0, rows, wq, lane):
         """gOut (rows, 512) of out_dtype: O^T's row 64 t + 16 wq + g + 8 h is cache column
-        d_of(t, h, wq, g); each value scaled by its column's inv."""
+        d_of(t, h, wq, g); each value scaled by its column's inv. The two rows h = 0, 1 of a
+        thread are adjacent columns: one store."""
         per_tile = cute.size(acc_O) // (D_V // 64)
         g = lane // 4
+        pair = cute.make_rmem_tensor(2, out_dtype)
         for i in cutlass.range_constexpr(cute.size(acc_O)):
             v, mt = i % per_tile, i // per_tile
-            jc = 2 * (v // 4) + v % 2
-            row = col0 + 8 * (v // 4) + 2 * (lane % 4) + v % 2
-            if row < rows:
-                gOut[row, d_of(mt, (v // 2) % 2, wq, g)] = (acc_O[i] * inv[jc]).to(out_dtype)
+            if const_expr((v // 2) % 2 == 0):  # with its h = 1 partner, i + 2: d and d + 1
+                jc = 2 * (v // 4) + v % 2
+                row = col0 + 8 * (v // 4) + 2 * (lane % 4) + v % 2
+                if row < rows:
+                    pair[0] = (acc_O[i] * inv[jc]).to(out_dtype)
+                    pair[1] = (acc_O[i + 2] * inv[jc]).to(out_dtype)
+                    dst = cute.local_tile(gOut[row, None], (2,), (d_of(mt, 0, wq, g) // 2,))
+                    dst.store(pair.load())
 
 
 def decode_kernel(config, arch: str):
