@@ -28,20 +28,6 @@ from torch_mla.ops import dispatch, registry
 LANES = [(wq, lane) for wq in range(4) for lane in range(32)]
 
 
-def test_integer_e4m3_conversion():
-    """V's conversion on the integer pipe: every non-NaN e4m3 byte to f16 bits of its value
-    times 2^-8, exactly."""
-    from torch_mla.cute_kernels.ptx import e4m3_f16_int_model
-
-    b = torch.arange(256, dtype=torch.uint8)
-    v = b.view(torch.float8_e4m3fn).double()
-    bits = torch.tensor([e4m3_f16_int_model(x) for x in range(256)], dtype=torch.int32)
-    h = bits.to(torch.int16).view(torch.float16).double()  # (two's complement: the same bits)
-    ok = ~v.isnan()
-    assert ok.sum() == 254
-    assert torch.equal(h[ok], v[ok] / 256)
-
-
 def test_orders_are_bijections():
     assert all(page_row(page_row(m)) == m for m in range(64))
     assert sorted(latent_of(k) for k in range(576)) == list(range(576))

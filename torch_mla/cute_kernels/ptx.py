@@ -191,30 +191,6 @@ def e4m3x4_f16(word: Int32, *, loc=None, ip=None):
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
-def e4m3_f16_int_model(b: int) -> int:
-    """e4m3x4_f16_int's arithmetic on one byte b, in Python: the f16 bits it makes, whose value
-    is b's e4m3 value times 2^-8 (tests/test_keysm_rs.py checks every non-NaN byte)."""
-    return ((b + (b & 0x80)) << 7) & 0xFFFF
-
-
-@dsl_user_op
-def e4m3x4_f16_int(word: Int32, *, loc=None, ip=None):
-    """e4m3x4_f16 on the integer pipe, times 2^-8: each byte b of bytes 0-1 (then 2-3) spread to
-    the low byte of a 16-bit half (prmt), then (b + (b & 0x80)) << 7: the sign doubles into bit
-    8 (bit 15 after the shift), exponent and mantissa land in f16's bits 7-13, so the f16 is the
-    e4m3 value times 2^-8 exactly (the exponent biases are 7 and 15; subnormals stay exact). No
-    NaN (0x7f is 480 x 2^-8). Four integer instructions an f16x2, where cvt takes one of the
-    conversion pipe's slots (a quarter of the integer pipe's rate)."""
-    res = llvm.inline_asm(
-        llvm.StructType.get_literal([T.i32()] * 2), [Int32(word).ir_value(loc=loc, ip=ip)],
-        "{ .reg .b32 u, v, m, n;\nprmt.b32 u, $2, 0, 0x4140;\nprmt.b32 v, $2, 0, 0x4342;\n"
-        "and.b32 m, u, 0x00800080;\nand.b32 n, v, 0x00800080;\nadd.u32 u, u, m;\n"
-        "add.u32 v, v, n;\nshl.b32 $0, u, 7;\nshl.b32 $1, v, 7; }",
-        "=r,=r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
-
-
 @dsl_user_op
 def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """prmt.b32: the four bytes of the result picked by selector's nibbles (lowest first) from

@@ -226,9 +226,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # softmax.online_max's threshold: a column's max is raised only past it (log2 units; P then
     # stays below 2^max_slack) and O^T is rescaled only where a warp's max moved; None: always.
     max_slack = None
-    # V's values reach O^T times 2^-v_shift (the ping-pong kernel's integer conversion): the
-    # epilogue multiplies by 2^v_shift.
-    v_shift = 0
 
     @property
     def own_count(self) -> int:
@@ -878,8 +875,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
             inv[jc] = softmax.inv_sum(total[jc])
             if const_expr(self.kv_fp8):
                 inv[jc] = inv[jc] * self.d_kv_scale  # V's scale
-            if const_expr(self.v_shift != 0):
-                inv[jc] = inv[jc] * float(2**self.v_shift)
         splitkv.store_result(
             pieces, lambda t, i, dt: self._store_o(acc_O, inv, t[i, None, None], dt, col0, rows,
                                                    wq, lane),

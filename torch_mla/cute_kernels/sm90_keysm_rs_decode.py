@@ -49,7 +49,6 @@ from .ptx import (
     bar_sync,
     bf16x2_to_f16x2,
     e4m3x4_f16,
-    e4m3x4_f16_int,
     fence_operand,
     int_as_f32,
     lds128,
@@ -147,9 +146,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     pingpong = True
     # P < 2^8 in f16; most pages then skip O^T's rescale (64 multiplies a thread at 16 columns)
     max_slack = 8.0
-    # V's conversion on the integer pipe (e4m3x4_f16_int: values times 2^-8), S^T's on cvt: the
-    # two pipes share the page's 272 conversions a thread
-    v_shift = 8
 
     def __init__(self, dtype, causal: bool, columns: int):
         assert columns in KEYSM_RS_COLUMNS, columns
@@ -317,7 +313,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                 sel = 0x5140 if t % 2 == 0 else 0x7362
                 for e in cutlass.range_constexpr(2):
                     pair = prmt(raw[4 * (2 * e) + t // 2], raw[4 * (2 * e + 1) + t // 2], sel)
-                    lo, hi = e4m3x4_f16_int(pair)
+                    lo, hi = e4m3x4_f16(pair)
                     b32[4 * t + 2 * e] = lo
                     b32[4 * t + 2 * e + 1] = hi
             fence_operand(buf)
