@@ -112,7 +112,8 @@ KEYSM_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
 dtype, causal, cache, columns = sys.argv[1], sys.argv[2] == "causal", sys.argv[3], int(sys.argv[4])
-registry.build(registry.DecodeStepConfig("sm90_keysm", dtype, causal, kv_fp8=cache == "fp8",
+backend = sys.argv[5] if len(sys.argv) > 5 else "sm90_keysm"
+registry.build(registry.DecodeStepConfig(backend, dtype, causal, kv_fp8=cache == "fp8",
                                          columns=columns), "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -121,7 +122,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         if "MLADecodeSm90KeysM" not in ptx.split("(", 1)[0]:
             continue
         for k in ["wgmma.mma_async", r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)",
-                  "cp.async.bulk.tensor", "ld.local", "st.local", "cvt.rn.f16x2.e4m3x2",
+                  "cp.async.bulk.tensor", "ld.local", "st.local", "cvt.rn.f16x2.e4m3x2", "prmt.b32",
                   "setmaxnreg", "griddepcontrol.launch_dependents", "vprintf", "trap;",
                   "mbarrier.try_wait"]:
             found = re.findall(k, ptx)
@@ -169,6 +170,34 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     assert c["setmaxnreg"] == (2 if consumers == 2 else 0), c
     assert c["cvt.rn.f16x2.e4m3x2"] == (8 * 18 // consumers if cache == "fp8" else 0), c
     print(f"keysm {dtype} {causal} {cache} {columns} columns (N = {n_wg}): ptxas {p}")
+    if p:
+        assert not p["serialised"], p
+        assert p["spill"] == 0, p
+
+
+@pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
+def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
+    """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py, opt-in): per page 36 + 32
+    wgmma m64nNk16 f16 with A from registers, S^T's 144 and O^T's 128 conversions a thread (the
+    page converted once for each MMA) and O^T's 64 byte pairings (prmt), 9 TMA tile loads a page
+    and 9 for Q, setmaxnreg (two consumer warpgroups and a producer warpgroup), no local memory
+    in the PTX; ptxas (where installed): no spill, no serialised wgmma."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, "fp8", str(columns),
+                          "sm90_keysm_rs"], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    c, p = got["counts"], got["ptxas"]
+    mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
+    assert c["wgmma.mma_async"] == 36 + 32, c
+    assert c[mma] == [f"m64n{columns}k16.f32.f16.f16"], c
+    assert c["cvt.rn.f16x2.e4m3x2"] == 144 + 128 and c["prmt.b32"] == 64, c
+    assert c["cp.async.bulk.tensor"] == 9 + 9, c
+    assert c["setmaxnreg"] == 2, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    assert c["griddepcontrol.launch_dependents"] == 1, c
+    print(f"keysm_rs {dtype} {causal} {columns} columns: ptxas {p}")
     if p:
         assert not p["serialised"], p
         assert p["spill"] == 0, p

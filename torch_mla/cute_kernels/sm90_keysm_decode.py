@@ -60,8 +60,11 @@ s_q * h_q <= 32 (up to 64 with TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0:
 dispatch.keysm_columns). f16 MMAs: one factor per Q tile, so a row whose magnitude is below
 2^-29 of the tile's largest loses bits (not a case seen in models).
 Status: verified on the H200 (tests, memcheck, fuzz); docs/kernels/keysm.md has its speed.
-The f16 MMAs ran there (session 19); their exclusion of inf / NaN from the tile's factor did
-not (added after the device time was spent; compiled and checked on the CPU).
+The f16 MMAs ran there (session 19), with their exclusion of inf / NaN from the tile's factor
+in session 20 (no GPU test feeds an inf; tests/test_keysm.py checks the factors on the CPU).
+The ping-pong subclass (sm90_keysm_rs_decode.py) replaces the consumer's hooks (_operands,
+_q_ready, _mma_s, _mma_o, _prepare_stage, _key_row, _store_o) and adds _merge_and_store,
+which the consumer calls when pingpong.
 """
 
 from __future__ import annotations

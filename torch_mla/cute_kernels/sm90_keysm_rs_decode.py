@@ -30,7 +30,10 @@ Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-o
 fp16 q is only permuted. P is written in f16.
 
 Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8 or 16 columns (query rows a CTA);
-one latent head per launch. Status: compiled and checked on the CPU; see docs/kernels/keysm.md.
+one latent head per launch; the ring has an even number of stages (rs_stages). Status: verified
+on the H200 (tests/test_keysm_rs.py's GPU tests, memcheck, CUDA-graph replays); opt-in
+(TORCH_MLA_KEYSM_RS=1): 0.76-0.80x the keys-on-M kernel's time on the memory-bound rows, slower
+on small batches (docs/kernels/keysm.md, "Ping-pong variant").
 """
 
 from __future__ import annotations
