@@ -254,18 +254,21 @@ def test_plan_and_stages():
 
 # ---- the layouts the kernel builds, against the models (host-side CuTe DSL) -------------------
 
-LAYOUT_SCRIPT = r"""
-import cutlass, cutlass.cute as cute
-import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass.cute.nvgpu import warpgroup
-from torch_mla.cute_kernels.sm90_keysm_decode import acc_coord, fp8_unit, pt_offset, smem_layouts
-
+BYTE_OF = r"""
 def byte(layout, coord):
     # The byte offset of coord (16-bit elements): the atom's swizzle (printed as DSL and CuTe
     # C++ define it, on byte addresses, as TMA and wgmma apply it) of the outer offset.
     sw, o = layout.inner, 2 * cute.crd2idx(coord, layout.outer)
     mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
     return o ^ ((o & mask) >> sw.num_shift)
+"""
+
+LAYOUT_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup
+from torch_mla.cute_kernels.sm90_keysm_decode import acc_coord, fp8_unit, pt_offset, smem_layouts
+""" + BYTE_OF + r"""
 
 @cute.jit
 def check(n: cutlass.Constexpr, buffers: cutlass.Constexpr):
@@ -319,22 +322,27 @@ def test_layouts_match_the_models(tmp_path):
     """P^T's offsets (pt_offset), V^T over the page buffers, the fp8 expansion's destinations
     (fp8_unit), the accumulator order of both MMAs (acc_coord) and O^T's m-tiles (the
     epilogue's d of each register) are the DSL's own."""
-    script = tmp_path / "layouts.py"  # the DSL compiles from source files only
-    script.write_text(LAYOUT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "wrong" in x]
-    assert_expected_inline("\n".join(lines), """\
+    assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
 n 8 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
 n 8 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
 n 16 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
 n 16 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
 n 32 buffers 1: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong
 n 32 buffers 2: P^T 0, V^T 0, fp8 0, C 0, O^T 0 wrong""")
+
+
+def wrong_lines(tmp_path, source: str) -> str:
+    """Runs a host-side CuTe DSL script (sm_90a; the DSL compiles from source files only) and
+    returns its lines that count what is "wrong"."""
+    script = tmp_path / "layouts.py"
+    script.write_text(source)
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
+               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    return "\n".join(x for x in res.stdout.splitlines() if "wrong" in x)
 
 
 # ---- registry and dispatch --------------------------------------------------------------------
@@ -393,7 +401,7 @@ def keysm(monkeypatch):
     for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE"):
         monkeypatch.delenv(name, raising=False)
     launched = {}
-    for kind in ("sm90_keysm", "sm90_keysm_fp8"):
+    for kind in ("sm90_keysm", "sm90_keysm_fp8", "sm90_keysm_rs"):
         def count(dtype, causal, index, columns, kind=kind, orig=dispatch.STEPS[kind]):
             launched[kind, columns] = launched.get((kind, columns), 0) + 1
             return orig(dtype, causal, index, columns)
@@ -401,9 +409,9 @@ def keysm(monkeypatch):
     return launched
 
 
-def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16):
+def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16, q_scale=1.0):
     """The kernel against the fp32 reference (the SM90 kernel's tolerances: bf16 P, as
-    FlashMLA's test); fp8: over the same dequantized cache."""
+    FlashMLA's test); fp8: over the same dequantized cache; q times q_scale."""
     from test_fp8 import fp8_inputs
     from test_kernel_sm90 import TOL
 
@@ -413,7 +421,7 @@ def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16
     else:
         inp = make_decode_inputs(lens, s_q, h_q, dtype=dtype, device="cuda")
         cache, kv_scale = inp.kv_cache, None
-    q = inp.q.to(dtype)
+    q = (inp.q * q_scale).to(dtype)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     before = sum(keysm.values())
     out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,

@@ -3,15 +3,13 @@ its operand orders modelled in Python and checked against the DSL's fragment lay
 shared-memory loads counted for bank conflicts, the registry entry and the dispatch's flag; on an
 SM90 GPU the kernel against the fp32 reference (TORCH_MLA_KEYSM_RS=1)."""
 
-import os
-import subprocess
-import sys
 
 import pytest
 import torch
 from expecttest import assert_expected_inline
+from test_keysm import BYTE_OF, keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
+from test_keysm import run_and_check as keysm_check
 
-import torch_mla
 from torch_mla.constants import KEYSM_RS_COLUMNS
 from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
     d_of,
@@ -142,11 +140,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup, OperandMajorMode
 from torch_mla.cute_kernels.sm90_keysm_decode import smem_layouts
 from torch_mla.cute_kernels.sm90_keysm_rs_decode import q_byte
-
-def byte(layout, coord):
-    sw, o = layout.inner, 2 * cute.crd2idx(coord, layout.outer)
-    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
-    return o ^ ((o & mask) >> sw.num_shift)
+""" + BYTE_OF + r"""
 
 @cute.jit
 def check(n: cutlass.Constexpr):
@@ -155,17 +149,16 @@ def check(n: cutlass.Constexpr):
     bad_q = sum(byte(sQ, (r, k, 0)) != q_byte(r, k, n) for r in range(n) for k in range(0, 576, 5))
     # register A: word w of a k-step is (m g + 8 (w % 2), k 2 q + 8 (w // 2) + {0, 1})
     bad_a = 0
-    for mn in ((64, n), (64, n)):
-        mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN,
-                                                cutlass.Float32, (1, 1, 1), mn,
-                                                warpgroup.OperandSource.RMEM)
-        tv = mma.tv_layout_A_tiled
-        for t in cutlass.range_constexpr(128):
-            for v in cutlass.range_constexpr(8):
-                w, i = v // 2, v % 2
-                m = 16 * (t // 32) + (t % 32) // 4 + 8 * (w % 2)
-                k = 2 * (t % 4) + 8 * (w // 2) + i
-                bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
+    mma = sm90_utils.make_trivial_tiled_mma(dt, dt, OperandMajorMode.K, OperandMajorMode.MN,
+                                            cutlass.Float32, (1, 1, 1), (64, n),
+                                            warpgroup.OperandSource.RMEM)
+    tv = mma.tv_layout_A_tiled
+    for t in cutlass.range_constexpr(128):
+        for v in cutlass.range_constexpr(8):
+            w, i = v // 2, v % 2
+            m = 16 * (t // 32) + (t % 32) // 4 + 8 * (w % 2)
+            k = 2 * (t % 4) + 8 * (w // 2) + i
+            bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
     print(f"n {n}: Q {bad_q}, A {bad_a} wrong")
 
 for n in (8, 16):
@@ -176,71 +169,38 @@ for n in (8, 16):
 def test_layouts_match_the_models(tmp_path):
     """q_byte is the DSL's Q layout; the register A fragment's order is the one the kernel
     fills (word w: rows g + 8 (w % 2), k 2 q + 8 (w // 2))."""
-    script = tmp_path / "layouts.py"
-    script.write_text(LAYOUT_SCRIPT)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a",
-               PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, str(script)], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    lines = [x for x in res.stdout.splitlines() if "wrong" in x]
-    assert_expected_inline("\n".join(lines), """\
+    assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
 n 8: Q 0, A 0 wrong
 n 16: Q 0, A 0 wrong""")
 
 
 def test_dispatch_flag(monkeypatch):
     """TORCH_MLA_KEYSM_RS=1 (read at each call) sends an e4m3 cache's keys-on-M steps of 8 or
-    16 columns to this kernel."""
+    16 columns to this kernel; without it, or at 32 columns, or over a 16-bit cache, the
+    keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
-    assert not dispatch.keysm_rs_on()
+    got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
+    assert got == ["sm90_keysm", "sm90_keysm_fp8"] * 3
     monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
-    assert dispatch.keysm_rs_on()
-    assert "sm90_keysm_rs" in dispatch.STEPS
+    got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
+    assert got == ["sm90_keysm", "sm90_keysm_rs"] * 2 + ["sm90_keysm", "sm90_keysm_fp8"]
+    assert all(k in dispatch.STEPS for k in got)
 
 
-# ---- on an SM90 GPU -----------------------------------------------------------------------------
-
-sm90 = pytest.mark.skipif(not torch.cuda.is_available()
-                          or torch.cuda.get_device_capability() != (9, 0),
-                          reason="needs an SM90 GPU")
+# ---- on an SM90 GPU (test_keysm.py's fixture and check, with TORCH_MLA_KEYSM_RS=1) ------------
 
 
 @pytest.fixture
-def keysm_rs(monkeypatch):
-    """TORCH_MLA_KEYSM_RS=1, and a count of this kernel's launches by columns."""
+def rs(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
+    """test_keysm.py's launch count, with TORCH_MLA_KEYSM_RS=1."""
     monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
-    for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE", "TORCH_MLA_KEYSM"):
-        monkeypatch.delenv(name, raising=False)
-    launched = {}
-
-    def count(dtype, causal, index, columns, orig=dispatch.STEPS["sm90_keysm_rs"]):
-        launched[columns] = launched.get(columns, 0) + 1
-        return orig(dtype, causal, index, columns)
-    monkeypatch.setitem(dispatch.STEPS, "sm90_keysm_rs", count)
-    return launched
+    return keysm
 
 
 def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, q_scale=1.0):
-    from test_fp8 import fp8_inputs
-    from test_kernel_sm90 import TOL
-
-    from torch_mla.reference import mla_decode_reference
-
-    scale = 576**-0.5
-    inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, device="cuda")
-    q = (inp.q * q_scale).to(dtype)
-    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
-    before = sum(launched.values())
-    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
-                                    softmax_scale=scale, causal=causal, kv_scale=kv_scale)
-    assert sum(launched.values()) == before + 1, "the ping-pong kernel did not run"
-    ref_out, ref_lse = mla_decode_reference(q, cache, inp.block_table, inp.cache_seqlens, scale,
-                                            causal, 512, kv_scale=kv_scale)
-    assert not out.isnan().any(), "NaN in output"
-    torch.testing.assert_close(out.float(), ref_out.float(), **TOL[dtype])
-    torch.testing.assert_close(lse, ref_lse, atol=1e-4, rtol=1e-4)
+    """test_keysm.py's check over an e4m3 cache, which this kernel took."""
+    sched = keysm_check(launched, lens, s_q, h_q, causal, fp8=True, dtype=dtype, q_scale=q_scale)
+    assert {kind for kind, _ in launched} == {"sm90_keysm_rs"}, launched
     return sched
 
 
@@ -252,44 +212,44 @@ LENS = [20, 140, 4096, 0, 1, 65, 1000]
 @pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
                                             (4, 3, True), (3, 1, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
-def test_grid(keysm_rs, h_q, s_q, causal, dtype):
-    sched = run_and_check(keysm_rs, LENS, s_q, h_q, causal, dtype)
+def test_grid(rs, h_q, s_q, causal, dtype):
+    sched = run_and_check(rs, LENS, s_q, h_q, causal, dtype)
     assert sched.num_splits[-1].item() > len(LENS)  # split requests: partials and the combine
 
 
 @pytest.mark.cuda
 @sm90
 @pytest.mark.parametrize("b", [1, 6, 128, 300])
-def test_varlen_batches(keysm_rs, b):
+def test_varlen_batches(rs, b):
     from test_keysm import varlen_seqlens
 
-    run_and_check(keysm_rs, varlen_seqlens(b), 1, 16, False)
-    run_and_check(keysm_rs, varlen_seqlens(b), 2, 8, True)
+    run_and_check(rs, varlen_seqlens(b), 1, 16, False)
+    run_and_check(rs, varlen_seqlens(b), 2, 8, True)
 
 
 @pytest.mark.cuda
 @sm90
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
-def test_page_boundaries(keysm_rs, L):
-    run_and_check(keysm_rs, [L, L + 1, max(L - 1, 0)], 1, 16, False)
+def test_page_boundaries(rs, L):
+    run_and_check(rs, [L, L + 1, max(L - 1, 0)], 1, 16, False)
 
 
 @pytest.mark.cuda
 @sm90
-def test_whole_requests_and_q_range(keysm_rs):
+def test_whole_requests_and_q_range(rs):
     parts = torch.cuda.get_device_properties(0).multi_processor_count
     lens = [640 - 7] * (2 * parts)
-    sched = run_and_check(keysm_rs, lens, 1, 16, False)
+    sched = run_and_check(rs, lens, 1, 16, False)
     assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
     for q_scale in (1e-20, 3e4):  # the f16 factor keeps tiny and large q exact
-        run_and_check(keysm_rs, LENS, 1, 16, False, q_scale=q_scale)
+        run_and_check(rs, LENS, 1, 16, False, q_scale=q_scale)
 
 
 @pytest.mark.cuda
 @sm90
 @pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5)])
-def test_graph_replays_with_new_lengths(keysm_rs, s_q, h_q):
+def test_graph_replays_with_new_lengths(rs, s_q, h_q):
     from test_keysm import graph_replays
 
     graph_replays(s_q, h_q, True)
-    assert set(keysm_rs) == {8 if s_q * h_q <= 8 else 16}
+    assert set(rs) == {("sm90_keysm_rs", 8 if s_q * h_q <= 8 else 16)}

@@ -95,6 +95,14 @@ def keysm_max_rows() -> int:
     return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
+def keysm_kind(columns: int, fp8: bool) -> str:
+    """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
+    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1 and it takes the columns (8, 16)."""
+    if not fp8:
+        return "sm90_keysm"
+    return "sm90_keysm_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "sm90_keysm_fp8"
+
+
 def keysm_columns(backend: str, rows: int, compute: str = "exact") -> int:
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
@@ -315,10 +323,8 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     rows = s_q * g
     columns = keysm_columns(backend, rows, compute)
     if columns:
-        kind = "sm90_keysm"
-        if scales is not None:
-            kind += "_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "_fp8"
-        step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index, columns)
+        step = STEPS[keysm_kind(columns, scales is not None)](out_dtype, bool(causal) and s_q > 1,
+                                                              index, columns)
     else:
         step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
