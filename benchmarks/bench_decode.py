@@ -26,8 +26,9 @@ import sys
 import torch
 
 import torch_mla
-from torch_mla.constants import PAGE_SIZE
+from torch_mla.constants import KEYSM_RS_COLUMNS, PAGE_SIZE
 from torch_mla.devtools import breakdown_us
+from torch_mla.ops import dispatch
 from torch_mla.ops.sparse import sparse_backend
 from torch_mla.reference import mla_decode_reference
 from torch_mla.testing import (
@@ -303,7 +304,9 @@ def main(argv=None):
                       + f", rel err {k_err:.1e} |")
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
-            if args.rs:
+            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 16 rows)
+            rs_rows = dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_RS_COLUMNS
+            if args.rs and args.fp8 and rs_rows:
                 os.environ["TORCH_MLA_KEYSM_RS"] = "1"
                 try:
                     r_us, _, r_gbps, r_err, _ = run_config(*cfg, check=check, fp8=args.fp8)

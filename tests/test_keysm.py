@@ -409,13 +409,13 @@ def keysm(monkeypatch):
     return launched
 
 
-def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16, q_scale=1.0):
+def run_and_check(keysm, lens, s_q, h_q, causal, fp8=False, dtype=torch.bfloat16, q_scale=1.0,
+                  scale=576**-0.5):
     """The kernel against the fp32 reference (the SM90 kernel's tolerances: bf16 P, as
     FlashMLA's test); fp8: over the same dequantized cache; q times q_scale."""
     from test_fp8 import fp8_inputs
     from test_kernel_sm90 import TOL
 
-    scale = 576**-0.5
     if fp8:
         inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, device="cuda")
     else:

@@ -197,9 +197,10 @@ def rs(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
     return keysm
 
 
-def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, q_scale=1.0):
-    """test_keysm.py's check over an e4m3 cache, which this kernel took."""
-    sched = keysm_check(launched, lens, s_q, h_q, causal, fp8=True, dtype=dtype, q_scale=q_scale)
+def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, **kw):
+    """test_keysm.py's check over an e4m3 cache (kw: its q_scale, scale), which this kernel
+    took."""
+    sched = keysm_check(launched, lens, s_q, h_q, causal, fp8=True, dtype=dtype, **kw)
     assert {kind for kind, _ in launched} == {"sm90_keysm_rs"}, launched
     return sched
 
@@ -241,8 +242,10 @@ def test_whole_requests_and_q_range(rs):
     lens = [640 - 7] * (2 * parts)
     sched = run_and_check(rs, lens, 1, 16, False)
     assert sched.num_splits[-1].item() == len(lens), "premise: no request split"
-    for q_scale in (1e-20, 3e4):  # the f16 factor keeps tiny and large q exact
-        run_and_check(rs, LENS, 1, 16, False, q_scale=q_scale)
+    # the f16 factor keeps tiny q exact (the scale makes up for it: ordinary scores) and large q
+    # (peaky scores: maxima that move by more than 2^8, O^T rescaled)
+    run_and_check(rs, LENS, 1, 16, False, q_scale=1e-20, scale=576**-0.5 * 1e20)
+    run_and_check(rs, LENS, 1, 16, False, q_scale=3e4)
 
 
 @pytest.mark.cuda

@@ -30,10 +30,11 @@ Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-o
 fp16 q is only permuted. P is written in f16.
 
 Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8 or 16 columns (query rows a CTA);
-one latent head per launch; the ring has an even number of stages (rs_stages). Status: verified
-on the H200 (tests/test_keysm_rs.py's GPU tests, memcheck, CUDA-graph replays); opt-in
-(TORCH_MLA_KEYSM_RS=1): 0.76-0.80x the keys-on-M kernel's time on the memory-bound rows, slower
-on small batches (docs/kernels/keysm.md, "Ping-pong variant").
+one latent head per launch; the ring has an even number of stages (rs_stages). Status: run on
+the H200 in session 20 (GPU tests, memcheck, CUDA-graph replays, each on this version or one
+differing only as docs/kernels/keysm.md "Ping-pong variant" says; fp16 q's barrier in _q_ready
+added after the device time was spent, compiled only); opt-in (TORCH_MLA_KEYSM_RS=1):
+0.76-0.80x the keys-on-M kernel's time on the memory-bound rows, slower on small batches.
 """
 
 from __future__ import annotations
@@ -331,8 +332,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         """Both consumer warpgroups, once Q has landed: Q (n x 576) permuted in place to S^T's
         latent order (latent_of), bf16 q converted to f16 times the power of two
         q_f16_factors picks from the tile's largest |q|; returns that factor's inverse (1 for
-        fp16 q). A thread takes whole 128-byte runs (a row's 64-wide group): what it writes, it
-        alone read."""
+        fp16 q). A thread takes whole 128-byte runs (a row's 64-wide group), read into registers
+        before barrier 4 and written after it: threads without a run read the last one (for the
+        largest |q|; nothing else), so its owner writes it only once they are past."""
         n = self.n_wg
         runs = n * N_TILES
         waves = (runs + 255) // 256
@@ -359,7 +361,8 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(8))
             if lane == 0:
                 qmax[4 * wg + wq] = big
-            cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        if const_expr(self.q_f16):
             for i in cutlass.range_constexpr(8):
                 big = cutlass.max(big, qmax[i])
             mul_bits, inv_bits = q_f16_factors(big, cutlass.max)
