@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The keys-on-M ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py) on
+# the H200, in one device call (~5 min): logs in $OUT (few files: a run returns at most 10).
+#
+#   source .devpkgs/b/setup.sh && bash tools/gpu_keysm_rs.sh
+#
+# Stages (each has a timeout: a kernel whose mbarriers never complete hangs rather than fails):
+#   precompile  the keys-on-M steps (8, 16, 32 columns, both cache formats), the ping-pong
+#               steps, schedule: parallel processes
+#   tests       tests/test_keysm_rs.py on the GPU (grid, varlen, page edges, q range, graph
+#               replays against the fp32 reference)
+#   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py, TORCH_MLA_KEYSM_RS=1
+#   bench_bf16, bench_fp8
+#               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs, one process
+#               each, same machine start: the memory-bound rows and the small-batch ones where the
+#               variant loses (the reason it is opt-in); each row's "ping-pong" line against its
+#               keys-on-M line
+#   ncu         the b 128, s_k 8192, h_q 16 row's warp states and instruction mix
+# Success: every stage rc=0, "N passed", "ERROR SUMMARY: 0 errors", rel err ~1e-4 or below.
+source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
+
+preamble flashmla-sm90
+
+run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels keysm,keysm_rs,schedule
+run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_rs.py
+TORCH_MLA_KEYSM_RS=1 memcheck 90 python -m tools.keysm_memcheck
+ROWS="128,1,8192,16 128,1,8192,8 64,1,16384,16 128,2,8192,8 16,1,32768,16 64,1,2048,16
+      32,1,4096,16 1,1,4096,16"
+# shellcheck disable=SC2086
+run bench_bf16 120 python benchmarks/bench_decode.py --keysm --no-check $ROWS
+# shellcheck disable=SC2086
+run bench_fp8 150 python benchmarks/bench_decode.py --keysm --fp8 --rs $ROWS
+TORCH_MLA_KEYSM_RS=1 run ncu 120 ncu --clock-control none --section SpeedOfLight \
+  --section WarpStateStats --section InstructionStats --print-details all -k regex:KeysMRS \
+  --launch-skip 1 -c 1 python -m tools.profile_one 128 1 8192 16 exact
+finish
