@@ -33,6 +33,17 @@ def test_tiny_cases_pass_and_replay(tmp_path):
     assert [without_time(line) for line in again[:-1]] == [without_time(lines[13]), without_time(lines[4])]
 
 
+def test_fp8_cases_pass_and_replay(tmp_path):
+    """--fp8: the cache quantized to e4m3 (kv_scale), the fp64 computation over the same
+    dequantized values; the repro carries the flag."""
+    rc, lines = fuzz(tmp_path, "--cases", "6", "--seed", "3", "--fp8")
+    assert rc == 0 and lines[-1].startswith("summary: cases=6 passed=6 failed=0 ")
+    rc, again = fuzz(tmp_path, "--seed", "3", "--fp8", "--only", "5")
+    assert rc == 0 and without_time(again[0]) == without_time(lines[5])
+    args = fuzz_decode.parse_args(["--device", "cpu", "--fp8"])
+    assert "--fp8" in fuzz_decode.repro(args, 5)
+
+
 def wrong_scale(real, args):
     q, kv, table, lens, scale, causal, d_v = args
     return real(q, kv, table, lens, scale * 1.25, causal, d_v)

@@ -19,7 +19,11 @@ out == 0 and lse == +inf exactly, and nothing is NaN.
     python -m tools.fuzz_decode --device cpu --cases 20                                   # CPU
 
 Without the caching allocator every tensor is its own allocation, so memcheck also sees a read
-that lands in a neighbouring tensor. ``--max-h-kv 8`` adds h_kv > 1 (default 1).
+that lands in a neighbouring tensor. ``--max-h-kv 8`` adds h_kv > 1 (default 1). ``--fp8``: every
+case's cache quantized to float8_e4m3fn at the per-tensor scale amax / 448 (the NaN poison stays
+NaN), mla_decode given kv_scale (exact mode), the reference over the same dequantized values; with
+TORCH_MLA_KEYSM_RS=1 the cases of 8 or 16 query rows a KV head run the ping-pong keys-on-M
+kernel.
 
 A failing case prints a one-line repro (``--only K`` reruns case K). Exit status 1 on any failure.
 """
@@ -39,7 +43,7 @@ import torch
 import torch_mla
 from torch_mla.constants import D_QK, D_V, PAGE_SIZE
 from torch_mla.devtools import runs_kernel
-from torch_mla.reference import mla_decode_reference
+from torch_mla.reference import dequantize_fp8, mla_decode_reference, quantize_fp8
 from torch_mla.testing import (
     DECODE_TOL,
     LSE_TOL,
@@ -144,7 +148,7 @@ def draw_case(seed: int, index: int, max_b: int, max_len: int, max_tokens: int, 
                 q_mult, softmax_scale, schedule, num_sms)
 
 
-def build_inputs(case: Case, seed: int, device: torch.device):
+def build_inputs(case: Case, seed: int, device: torch.device, fp8: bool = False):
     pages = [-(-L // PAGE_SIZE) for L in case.lens]
     g = torch.Generator(device=device)
     g.manual_seed(random.Random(f"torch_mla-fuzz-data:{seed}:{case.index}").getrandbits(62))
@@ -154,10 +158,15 @@ def build_inputs(case: Case, seed: int, device: torch.device):
                              num_blocks=max(1, sum(pages) + case.spare_pages))
     if case.q_mult != 1.0:
         inp.q = (inp.q.float() * case.q_mult).to(inp.q.dtype)
-    return inp
+    kv_scale = None
+    if fp8:
+        cache = inp.kv_cache.float()
+        kv_scale = (cache.nan_to_num(0).abs().amax().clamp(min=1e-30) / 448).reshape(1)
+        inp.kv_cache = quantize_fp8(cache, kv_scale)
+    return inp, kv_scale
 
 
-def reference_chunked(inp, scale: float, causal: bool, lens: tuple[int, ...]):
+def reference_chunked(inp, scale: float, causal: bool, lens: tuple[int, ...], kv_scale=None):
     """mla_decode_reference, REF_CHUNK requests per call, each call's table cut to its longest
     request (the reference gathers the table's whole width)."""
     outs, lses = [], []
@@ -166,7 +175,8 @@ def reference_chunked(inp, scale: float, causal: bool, lens: tuple[int, ...]):
         width = max(1, -(-max(lens[start:stop]) // PAGE_SIZE))
         o, lse = mla_decode_reference(inp.q[start:stop], inp.kv_cache,
                                       inp.block_table[start:stop, :width].contiguous(),
-                                      inp.cache_seqlens[start:stop], scale, causal, D_V)
+                                      inp.cache_seqlens[start:stop], scale, causal, D_V,
+                                      kv_scale=kv_scale)
         outs.append(o)
         lses.append(lse)
     return torch.cat(outs), torch.cat(lses)
@@ -202,9 +212,11 @@ def passed(m: dict) -> bool:
             and not m["inf_mismatch"])
 
 
-def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, dict]:
-    """Runs one case: (passed, its errors as text, the largest of each error)."""
-    inp = build_inputs(case, seed, device)
+def run_case(case: Case, seed: int, device: torch.device,
+             fp8: bool = False) -> tuple[bool, str, dict]:
+    """Runs one case: (passed, its errors as text, the largest of each error); fp8: over an e4m3
+    cache (build_inputs)."""
+    inp, kv_scale = build_inputs(case, seed, device, fp8)
     scale = case.softmax_scale if case.softmax_scale is not None else D_QK**-0.5
     args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)
     scheds = {}
@@ -214,11 +226,14 @@ def run_case(case: Case, seed: int, device: torch.device) -> tuple[bool, str, di
     if case.schedule in ("inside", "both"):
         scheds["inside"] = None
     results = {name: torch_mla.mla_decode(*args, sched, softmax_scale=scale, causal=case.causal,
-                                          d_v=D_V) for name, sched in scheds.items()}
+                                          d_v=D_V, kv_scale=kv_scale)
+               for name, sched in scheds.items()}
     if device.type == "cpu":
-        ref_out, ref_lse = mla_decode_fp64(*args, scale, case.causal, D_V)
+        cache = inp.kv_cache if kv_scale is None else dequantize_fp8(inp.kv_cache, kv_scale)
+        ref_out, ref_lse = mla_decode_fp64(inp.q, cache, inp.block_table, inp.cache_seqlens,
+                                           scale, case.causal, D_V)
     else:
-        ref_out, ref_lse = reference_chunked(inp, scale, case.causal, case.lens)
+        ref_out, ref_lse = reference_chunked(inp, scale, case.causal, case.lens, kv_scale)
     dtype = DTYPES[case.dtype]
     ok, parts, worst = True, [], {}
     if device.type == "cuda" and not runs_kernel(inp.q, inp.kv_cache, D_V):
@@ -264,6 +279,8 @@ def parse_args(argv):
                    default="random",
                    help="pass the schedule in, let mla_decode compute it, or a random one of "
                         "these per case; 'both' runs each case both ways (and compares them)")
+    p.add_argument("--fp8", action="store_true",
+                   help="over a float8_e4m3fn cache with kv_scale (exact mode)")
     p.add_argument("--log", help="write one line per case and the summary here")
     args = p.parse_args(argv)
     defaults = LIMITS["small" if args.small else args.device]
@@ -282,7 +299,7 @@ def repro(args, index: int) -> str:
         "python", "-m", "tools.fuzz_decode", "--device", args.device, "--seed", str(args.seed),
         "--max-b", str(args.max_b), "--max-len", str(args.max_len),
         "--max-tokens", str(args.max_tokens), "--max-h-kv", str(args.max_h_kv),
-        "--schedule", args.schedule, "--only", str(index)])
+        "--schedule", args.schedule, *(["--fp8"] if args.fp8 else []), "--only", str(index)])
 
 
 def main(argv=None) -> int:
@@ -295,7 +312,8 @@ def main(argv=None) -> int:
     indices = args.only if args.only is not None else range(args.cases)
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"fuzz_decode: {len(indices)} cases on {where}, seed {args.seed}, max_b {args.max_b}, "
-          f"max_len {args.max_len}, max_tokens {args.max_tokens}, max_h_kv {args.max_h_kv}",
+          f"max_len {args.max_len}, max_tokens {args.max_tokens}, max_h_kv {args.max_h_kv}"
+          + (", e4m3 cache" if args.fp8 else ""),
           file=sys.stderr, flush=True)
     log = open(args.log, "w") if args.log else None
     t0 = time.time()
@@ -308,7 +326,7 @@ def main(argv=None) -> int:
             t = time.time()
             lost = False
             try:
-                ok, detail, errs = run_case(case, args.seed, device)
+                ok, detail, errs = run_case(case, args.seed, device, args.fp8)
             except Exception as e:  # a failed case, reported like any other
                 ok, detail, errs = False, f"error={type(e).__name__}: {str(e).splitlines()[0]}", {}
                 # After an illegal access the CUDA context is unusable: later cases would fail too.
