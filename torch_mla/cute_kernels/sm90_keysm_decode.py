@@ -173,6 +173,18 @@ def fp8_unit(u):
 BF16_INF = 0x7F80  # bits of a bf16 infinity: magnitudes at or above it are inf or NaN
 
 
+def finite_bf16_max(big, words):
+    """q_f16: big raised to the largest finite magnitude, as bf16 bits (non-negative floats sort
+    as their bits), of the bf16 pairs in `words` (32-bit words, traced inline). An inf or NaN is
+    left out: it would shrink every row's factor to 2^-114, zeroing the tile's other rows; it
+    converts as itself instead."""
+    for x in words:
+        a = x & 0x7FFF7FFF
+        for h in (a & 0xFFFF, a >> 16):
+            big = cutlass.max(big, cutlass.select_(h < BF16_INF, h, Int32(0)))
+    return big
+
+
 def q_f16_factors(big, imax=max):
     """q_f16: for `big` the largest finite |q| of a Q tile as bf16 bits (non-negative floats
     sort as their bits; inf and NaN left out, they convert as themselves), the float32 bits of
@@ -822,13 +834,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         for w in cutlass.range_constexpr(waves):
             u = w * 128 + wtid
             if u < units:
-                x = lds128(base + u * 16)
-                for i in cutlass.range_constexpr(4):
-                    a = x[i] & 0x7FFF7FFF
-                    for h in (a & 0xFFFF, a >> 16):
-                        # (an inf or NaN would shrink every row's factor to 2^-114, zeroing
-                        # the other rows: it passes the conversion as itself instead)
-                        big = cutlass.max(big, cutlass.select_(h < BF16_INF, h, Int32(0)))
+                big = finite_bf16_max(big, lds128(base + u * 16))
         for off in cutlass.range_constexpr(5):
             big = cutlass.max(big, cute.arch.shuffle_sync_bfly(big, offset=1 << off))
         qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(4 * self.consumers))

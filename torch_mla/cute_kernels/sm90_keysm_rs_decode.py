@@ -60,11 +60,11 @@ from .ptx import (
     sts,
 )
 from .sm90_keysm_decode import (
-    BF16_INF,
     N_TILES,
     PAGE_ELEMS,
     TILE_ELEMS,
     MLADecodeSm90KeysM,
+    finite_bf16_max,
     q_f16_factors,
     smem_layouts,
 )
@@ -349,10 +349,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                 words += lds128(base + q_unit(row, c, u, n))
             held.append(words)
             if const_expr(self.q_f16):
-                for x in words:
-                    a = x & 0x7FFF7FFF
-                    for h in (a & 0xFFFF, a >> 16):
-                        big = cutlass.max(big, cutlass.select_(h < BF16_INF, h, Int32(0)))
+                big = finite_bf16_max(big, words)
         inv = Float32(1.0)
         mul = Float32(1.0)
         if const_expr(self.q_f16):
