@@ -45,22 +45,27 @@ from torch_mla.testing import (
 COPY_GBPS = 4246.0
 MATMUL_TFLOPS = 679.0
 
-def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool = False):
+def run_config(b, s_q, s_k, h_q, causal, check: bool, flash_mla=None, fp8: bool = False,
+               compute: str = "exact"):
     """fp8: torch_mla runs over the cache quantized to float8_e4m3fn (one scale, amax / 448;
-    exact mode), FlashMLA over the bf16 one; bytes count 1 per cache element."""
+    exact mode, or fast mode with compute="fp8", whose lse is not checked here: its bound is
+    tests/test_fp8.py's check_fast_mode), FlashMLA over the bf16 one; bytes count 1 per cache
+    element."""
     inp = make_anchor_inputs(b, s_q, h_q, s_k)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     cache, kw = inp.kv_cache, {}
     if fp8:
         cache, kw["kv_scale"] = quantize_per_tensor(cache)
+        kw["compute"] = compute
     args = (inp.q, cache, inp.block_table, inp.cache_seqlens, sched)
     err = float("nan")
     if check:
         out, lse = torch_mla.mla_decode(*args, causal=causal, **kw)
-        ref, ref_lse = mla_decode_reference(inp.q, cache, inp.block_table,
-                                            inp.cache_seqlens, 576**-0.5, causal, 512, **kw)
+        ref, ref_lse = mla_decode_reference(inp.q, cache, inp.block_table, inp.cache_seqlens,
+                                            576**-0.5, causal, 512, kv_scale=kw.get("kv_scale"))
         err = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
-        assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4), "lse mismatch"
+        if compute == "exact":
+            assert torch.allclose(lse, ref_lse, atol=1e-3, rtol=1e-4), "lse mismatch"
     us = graph_time_us(lambda: torch_mla.mla_decode(*args, causal=causal, **kw))
     fm_us = float("nan")
     if flash_mla is not None:
@@ -240,6 +245,33 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
         sys.stdout.flush()
 
 
+def fast_lines(cfg, check, us, k_us, rs_rows):
+    """--fast: fast mode on the heads-on-M kernel, then (where it takes the shape) the keys-on-M
+    fast variant, each against the exact rows' times (us: heads-on-M, k_us: keys-on-M)."""
+    os.environ["TORCH_MLA_KEYSM"] = "0"
+    f_us = float("nan")
+    try:
+        f_us, _, f_gbps, f_err, _ = run_config(*cfg, check=check, fp8=True, compute="fp8")
+        print(f"|   | fast heads-on-M {f_us:.1f} us, {f_gbps:.0f} GB/s "
+              f"({100 * f_gbps / COPY_GBPS:.0f} % copy), {f_us / us:.3f} x the row above, "
+              f"rel err {f_err:.1e} |")
+    except AssertionError as e:
+        print(f"|   | fast heads-on-M: {e} |")
+    os.environ["TORCH_MLA_KEYSM"] = "1"
+    if rs_rows:
+        os.environ["TORCH_MLA_KEYSM_FAST"] = "1"
+        try:
+            r_us, _, r_gbps, r_err, _ = run_config(*cfg, check=check, fp8=True, compute="fp8")
+            print(f"|   | fast keys-on-M {r_us:.1f} us, {r_gbps:.0f} GB/s "
+                  f"({100 * r_gbps / COPY_GBPS:.0f} % copy), {r_us / us:.3f} x the row above, "
+                  f"{r_us / k_us:.3f} x keys-on-M, {r_us / f_us:.3f} x fast heads-on-M, "
+                  f"rel err {r_err:.1e} |")
+        except AssertionError as e:
+            print(f"|   | fast keys-on-M: {e} |")
+        finally:
+            os.environ.pop("TORCH_MLA_KEYSM_FAST")
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="only a few configurations")
@@ -263,6 +295,10 @@ def main(argv=None):
     ap.add_argument("--rs", action="store_true",
                     help="with --keysm --fp8: also the ping-pong keys-on-M kernel "
                          "(TORCH_MLA_KEYSM_RS=1) where it takes the shape")
+    ap.add_argument("--fast", action="store_true",
+                    help="with --keysm --fp8: also fast mode (compute='fp8') on the heads-on-M "
+                         "kernel and, where it takes the shape, the keys-on-M fast variant "
+                         "(TORCH_MLA_KEYSM_FAST=1)")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
     if args.sparse:
@@ -317,6 +353,8 @@ def main(argv=None):
                     print(f"|   | ping-pong keys-on-M: {e} |")
                 finally:
                     os.environ.pop("TORCH_MLA_KEYSM_RS")
+            if args.fast and args.fp8:
+                fast_lines(cfg, check, us, k_us, rs_rows)
             os.environ["TORCH_MLA_KEYSM"] = "0"
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)

@@ -401,7 +401,7 @@ def keysm(monkeypatch):
     for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE"):
         monkeypatch.delenv(name, raising=False)
     launched = {}
-    for kind in ("sm90_keysm", "sm90_keysm_fp8", "sm90_keysm_rs"):
+    for kind in ("sm90_keysm", "sm90_keysm_fp8", "sm90_keysm_rs", "sm90_keysm_fast"):
         def count(dtype, causal, index, columns, kind=kind, orig=dispatch.STEPS[kind]):
             launched[kind, columns] = launched.get((kind, columns), 0) + 1
             return orig(dtype, causal, index, columns)

@@ -2,7 +2,8 @@
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
                                    [--kernels step,fp8_step,fp8_fast,sparse,keysm,keysm64,keysm_rs,
-                                              decode,combine,portable,schedule,append_kv]
+                                              keysm_fast,decode,combine,portable,schedule,
+                                              append_kv]
                                    [--jobs N]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
@@ -15,7 +16,8 @@ append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn)
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
 (``TORCH_MLA_KEYSM=1``), ``keysm_rs`` the keys-on-M ping-pong steps over an e4m3 cache
-(``TORCH_MLA_KEYSM_RS=1``); decode and combine alone serve benchmarks. The variants are listed in
+(``TORCH_MLA_KEYSM_RS=1``), ``keysm_fast`` their fast mode (``TORCH_MLA_KEYSM_FAST=1``); decode
+and combine alone serve benchmarks. The variants are listed in
 torch_mla/ops/registry.py.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container

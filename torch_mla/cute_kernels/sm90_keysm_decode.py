@@ -533,7 +533,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
                 l_run.fill(0.0)
                 acc_O.fill(0.0)
                 cute.arch.mbarrier_wait(bar_q, ring_slot(cnt[1], 1)[1])
-                seg_scale = scale_log2 * self._q_ready(wg, wq, lane, wtid, tidx)
+                # per column jc of the thread: the softmax scale times Q's factor
+                seg_scale = [scale_log2 * f for f in self._q_ready(wg, wq, lane, wtid, tidx)]
                 nb_req = splitkv.num_blocks(L)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     valid = Int32(PAGE_SIZE)
@@ -584,17 +585,22 @@ class MLADecodeSm90KeysM(DecodeKernel):
         return tSrK, tSrQ, tOrV, tOrP
 
     @cute.jit
-    def _q_ready(self, wg, wq, lane, wtid, tidx) -> Float32:
-        """Once Q has landed: the segment's factor of the softmax scale (q_f16: Q converted,
-        _q_to_f16)."""
+    def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
+        """Once Q has landed: the segment's factor of the softmax scale for each of the
+        thread's columns jc (q_f16: Q converted, _q_to_f16; one factor for all here)."""
         f = Float32(1.0)
         if const_expr(self.q_f16):
             f = self._q_to_f16(wg, wq, lane, wtid)
-        return f
+        return [f] * (self.n_wg // 4)
 
     def _key_row(self, key):
         """The page row (key) of S^T's row `key` and P^T's key `key`: the same here."""
         return key
+
+    def _pt_key(self, m):
+        """P^T's key (O^T's k) that S^T's row m is written to: m (the two share their key
+        order) unless a subclass orders S^T's rows and O^T's k differently."""
+        return m
 
     @cute.jit
     def _mma_s(self, ops, acc_S, s, ob, wq, lane):
@@ -695,7 +701,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         for jc in cutlass.range_constexpr(ncol):
             m_blk = m_col[jc]
             m_old = m_run[jc]
-            m_new, m_use[jc], factor[jc] = softmax.online_max(m_old, m_blk * scale_log2,
+            m_new, m_use[jc], factor[jc] = softmax.online_max(m_old, m_blk * scale_log2[jc],
                                                               self.max_slack)
             if const_expr(self.max_slack is not None):
                 # O^T's columns are 0 while their max is -inf (P was 0): only a finite max
@@ -708,7 +714,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         part_sum = [Float32(0.0)] * ncol
         for idx in cutlass.range_constexpr(cute.size(acc_S)):
             jc = 2 * (idx // 4) + idx % 2
-            pv = softmax.exp_scaled(acc_S[idx], scale_log2, m_use[jc])
+            pv = softmax.exp_scaled(acc_S[idx], scale_log2[jc], m_use[jc])
             acc_S[idx] = pv
             part_sum[jc] = part_sum[jc] + pv
         for jc in cutlass.range_constexpr(ncol):
@@ -726,7 +732,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
         p_base = self.d_p_base + wg * (n_wg * PAGE_SIZE * 2)
         for w in cutlass.range_constexpr(cute.size(rP32)):
             h, j = w % 2, w // 2
-            key = 16 * wq + lane // 4 + 8 * h
+            key = self._pt_key(16 * wq + lane // 4 + 8 * h)
             sts(p_base + 2 * pt_offset(key, 8 * j + 2 * (lane % 4), n_wg), [rP32[w]])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)

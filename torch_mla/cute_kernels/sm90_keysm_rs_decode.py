@@ -102,11 +102,12 @@ def page_row(m):
     return m ^ ((m >> 1) & 1)
 
 
-def ring_offset(row, byte):
+def ring_offset(row, byte, rows=PAGE_SIZE):
     """Byte offset of (page row, latent byte) in an fp8 ring stage: 9 tiles of 64 rows x 64 bytes,
-    4 KB apart, TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4)."""
+    4 KB apart, TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4). rows: another tile height
+    in the same layout (the fast mode's e4m3 Q: 9 tiles of n rows x 64 bytes)."""
     tile, b = byte // 64, byte % 64
-    return (tile * TILE_ELEMS + row * 64 + (((b // 16) ^ ((row >> 1) & 3)) * 16) + b % 16)
+    return tile * rows * 64 + row * 64 + (((b // 16) ^ ((row >> 1) & 3)) * 16) + b % 16
 
 
 def latent_of(k):
@@ -170,8 +171,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, _ = smem_layouts(dt, n, 2, 1)
         kmode, mnmode = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
-        tiled_s = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
-                                                    (PAGE_SIZE, n), rmem)
         tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, mnmode, Float32, (1, 1, 1),
                                                     (PAGE_SIZE, n), rmem)
         mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
@@ -190,11 +189,20 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             barEmpty=cute.struct.MemRange[i64, self.stages],
             barQ=cute.struct.MemRange[i64, 2],
             sQmax=cute.struct.MemRange[Int32, 8],
+            **self._more_smem(),
         )
         size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
-            fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, tiled_s, tiled_o)
+            fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, self._tiled_s(), tiled_o)
+
+    def _tiled_s(self):
+        """S^T's tiled MMA: f16, A (the page) from registers, B (Q^T) from shared memory."""
+        dt = self.mma_dtype
+        kmode = cute.nvgpu.OperandMajorMode.K
+        return sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, kmode, Float32, (1, 1, 1),
+                                                 (PAGE_SIZE, self.n_wg),
+                                                 warpgroup.OperandSource.RMEM)
 
     @staticmethod
     def _tile8():
@@ -214,26 +222,33 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     # ---- the consumer's hooks -----------------------------------------------------------------
     @cute.jit
     def _operands(self, thr_s, thr_o, sQ, sK, sVt, sPt, wg):
-        """Register A fragments (two of S^T's four k-steps, two of O^T's k-step: one is filled
-        while the MMAs read the other), Q^T and P^T; this thread's ring offsets."""
+        """S^T's operands (_s_operands), then O^T's: two register A fragments of a k-step (one
+        is filled while the MMAs read the other) and P^T; this thread's ring offsets."""
         dt = self.mma_dtype
-        rKa = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)  # (8, 1, 4)
-        rKb = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)
         rVa = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)  # (8, 8, 1)
         rVb = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)
-        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, 0]))  # (MMA, 1, 36)
         tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
         wq = (tidx // 32) % 4
         g, q = lane // 4, lane % 4
-        # S^T: rows 16 wq + g (+ 8), unit q of each 64-byte group
-        k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
         # O^T: rows 2 q + o (+ 16 ks + 8 e), the thread's d chunk
         v_row = [page_row(2 * q + o) for o in range(2)]
-        v_off = [ring_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
-        self.d_k_off, self.d_v_row, self.d_v_off = k_off, v_row, v_off
-        return rKa, rKb, tSrQ, rVa, rVb, tOrP
+        self.d_v_row = v_row
+        self.d_v_off = [ring_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
+        return self._s_operands(thr_s, sQ, wq, g, q) + (rVa, rVb, tOrP)
+
+    @cute.jit
+    def _s_operands(self, thr_s, sQ, wq, g, q):
+        """S^T's: two register A fragments (two of its four k-steps of a 64-wide group: one is
+        filled while the MMAs read the other), Q^T; this thread's ring offsets."""
+        dt = self.mma_dtype
+        rKa = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)  # (8, 1, 4)
+        rKb = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, 0]))  # (MMA, 1, 36)
+        # rows 16 wq + g (+ 8), unit q of each 64-byte group
+        self.d_k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
+        return rKa, rKb, tSrQ
 
     def _key_row(self, key):
         return page_row(key)
@@ -328,13 +343,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         fence_operand(acc_O)
 
     @cute.jit
-    def _q_ready(self, wg, wq, lane, wtid, tidx) -> Float32:
+    def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
         """Both consumer warpgroups, once Q has landed: Q (n x 576) permuted in place to S^T's
         latent order (latent_of), bf16 q converted to f16 times the power of two
         q_f16_factors picks from the tile's largest |q|; returns that factor's inverse (1 for
-        fp16 q). A thread takes whole 128-byte runs (a row's 64-wide group), read into registers
-        before barrier 4 and written after it: threads without a run read the last one (for the
-        largest |q|; nothing else), so its owner writes it only once they are past."""
+        fp16 q), once for each of the thread's columns. A thread takes whole 128-byte runs (a
+        row's 64-wide group), read into registers before barrier 4 and written after it:
+        threads without a run read the last one (for the largest |q|; nothing else), so its
+        owner writes it only once they are past."""
         n = self.n_wg
         runs = n * N_TILES
         waves = (runs + 255) // 256
@@ -379,7 +395,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                             [words[8 * q + 2 * jj + e2] for q in range(4)])
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
-        return inv
+        return [inv] * (n // 4)
 
     @cute.jit
     def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,

@@ -12,7 +12,7 @@ API (stable, for the ops, tests and tools):
     find_decode_kernel / find_schedule_kernel / find_append_kernel   the ops' kernel choice
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
-    keysm_columns(backend, rows, compute)   the keys-on-M variant's columns, or 0
+    keysm_columns(backend, rows, compute, q_fp8)   the keys-on-M variant's columns, or 0
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
@@ -87,6 +87,9 @@ _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 # Its ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py), where the
 # columns are in KEYSM_RS_COLUMNS: TORCH_MLA_KEYSM_RS=1 (opt-in while it is measured).
 keysm_rs_on = _env_flag("TORCH_MLA_KEYSM_RS")
+# Its fast mode (compute="fp8", cute_kernels/sm90_keysm_fast_decode.py) for bf16/fp16 q where
+# s_q * h_q <= 16: TORCH_MLA_KEYSM_FAST=1 (opt-in while it is measured).
+keysm_fast_on = _env_flag("TORCH_MLA_KEYSM_FAST")
 
 
 def keysm_max_rows() -> int:
@@ -95,21 +98,30 @@ def keysm_max_rows() -> int:
     return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
-def keysm_kind(columns: int, fp8: bool) -> str:
+def keysm_kind(columns: int, fp8: bool, compute: str = "exact") -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
-    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1 and it takes the columns (8, 16)."""
+    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1 and it takes the columns (8, 16);
+    in fast mode (compute="fp8") that variant's fast mode."""
     if not fp8:
         return "sm90_keysm"
+    if compute == "fp8":
+        return "sm90_keysm_fast"
     return "sm90_keysm_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "sm90_keysm_fp8"
 
 
-def keysm_columns(backend: str, rows: int, compute: str = "exact") -> int:
+def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool = False) -> int:
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
     backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
-    mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them)."""
-    if backend != "sm90" or compute != "exact":
+    mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
+    in fast mode (compute="fp8", q not float8_e4m3fn) where TORCH_MLA_KEYSM_FAST=1 and
+    rows <= 16 (its fast variant's columns, KEYSM_RS_COLUMNS)."""
+    if backend != "sm90":
         return 0
+    if compute != "exact":
+        if q_fp8 or not keysm_fast_on():
+            return 0
+        return keysm_columns_for(rows, min(KEYSM_RS_COLUMNS[-1], keysm_max_rows()))
     return keysm_columns_for(rows, keysm_max_rows())
 
 
@@ -321,10 +333,10 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    columns = keysm_columns(backend, rows, compute)
+    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"))
     if columns:
-        step = STEPS[keysm_kind(columns, scales is not None)](out_dtype, bool(causal) and s_q > 1,
-                                                              index, columns)
+        step = STEPS[keysm_kind(columns, scales is not None, compute)](
+            out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
         step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
@@ -401,6 +413,7 @@ _STEP_KINDS = {
     "sm90_keysm": {"backend": "sm90_keysm"},
     "sm90_keysm_fp8": {"backend": "sm90_keysm", "kv_fp8": True},
     "sm90_keysm_rs": {"backend": "sm90_keysm_rs", "kv_fp8": True},
+    "sm90_keysm_fast": {"backend": "sm90_keysm_fast", "kv_fp8": True, "compute": "fp8"},
 }
 
 
@@ -431,6 +444,8 @@ STEPS = {
                                                                   causal, SM90_ARCH, columns),
     "sm90_keysm_rs": lambda dtype, causal, index, columns: _step("sm90_keysm_rs", dtype,
                                                                  causal, SM90_ARCH, columns),
+    "sm90_keysm_fast": lambda dtype, causal, index, columns: _step("sm90_keysm_fast", dtype,
+                                                                   causal, SM90_ARCH, columns),
 }
 
 

@@ -76,6 +76,11 @@ class _Config:
         return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
 
+# The keys-on-M step backends (module cute_kernels/<backend>_decode.py): the kernel, its
+# ping-pong variant over an e4m3 cache (exact mode) and that variant's fast mode.
+KEYSM_BACKENDS = ("sm90_keysm", "sm90_keysm_rs", "sm90_keysm_fast")
+
+
 @dataclasses.dataclass(frozen=True)
 class DecodeStepConfig(_Config):
     """The decode kernel of ``backend`` and the combine behind one host call (what mla_decode
@@ -84,10 +89,13 @@ class DecodeStepConfig(_Config):
     backend: "sm90" (MLADecodeSm90, sm_90a), "sm100" (MLADecodeSm100, sm_100a), "sm80" (the
     portable MLADecodeSm80, any arch from sm_80) or "sm90_keysm" (MLADecodeSm90KeysM, sm_90a,
     keys on the MMA's M side, by default where s_q * h_q <= 32: dispatch.keysm_columns;
-    ``columns``, the query rows a CTA takes, 8, 16, 32 or 64, is part of its build). dtype:
-    "bf16" or "fp16", q's and out's.
-    kv_fp8 (sm90, sm90_keysm): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast mode
-    (MLADecodeSm90Fast); q_fp8: its q is float8_e4m3fn (passed as bytes; out is dtype).
+    ``columns``, the query rows a CTA takes, 8, 16, 32 or 64, is part of its build), and over a
+    float8_e4m3fn cache at 8 or 16 columns its ping-pong variant "sm90_keysm_rs" (exact mode)
+    and "sm90_keysm_fast" (its fast mode, compute="fp8"). dtype: "bf16" or "fp16", q's and
+    out's.
+    kv_fp8 (sm90, sm90_keysm*): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast
+    mode (MLADecodeSm90Fast; sm90_keysm_fast); q_fp8 (sm90 only): its q is float8_e4m3fn
+    (passed as bytes; out is dtype).
     tiles (sm80 only): the portable kernel's (block_m, block_n, stages) instead of
     Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes."""
 
@@ -104,21 +112,22 @@ class DecodeStepConfig(_Config):
 
     def __post_init__(self):
         object.__setattr__(self, "causal", bool(self.causal))
-        if (self.backend not in ("sm90", "sm80", "sm100", "sm90_keysm", "sm90_keysm_rs")
+        if (self.backend not in ("sm90", "sm80", "sm100") + KEYSM_BACKENDS
                 or self.dtype not in ("bf16", "fp16")):
             raise ValueError(f"no decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}")
-        keysm = self.backend in ("sm90_keysm", "sm90_keysm_rs")
+        keysm = self.backend in KEYSM_BACKENDS
         if keysm != (self.columns in KEYSM_COLUMNS):
             raise ValueError(f"columns={self.columns}: the {self.backend} kernel takes one of "
                              f"{KEYSM_COLUMNS}, the others none")
-        if keysm and self.compute != "exact":
-            raise ValueError(f"the {self.backend} kernel has no fp8-MMA (fast) mode")
-        if self.backend == "sm90_keysm_rs" and (not self.kv_fp8
-                                                or self.columns not in KEYSM_RS_COLUMNS):
-            raise ValueError(f"the sm90_keysm_rs kernel reads a float8_e4m3fn cache with "
-                             f"columns in {KEYSM_RS_COLUMNS}")
-        if self.kv_fp8 and self.backend not in ("sm90", "sm90_keysm", "sm90_keysm_rs"):
+        if keysm and (self.compute == "fp8") != (self.backend == "sm90_keysm_fast"):
+            raise ValueError(f"the {self.backend} kernel runs compute="
+                             f"{'fp8' if self.backend == 'sm90_keysm_fast' else 'exact'!r} only")
+        if self.backend in ("sm90_keysm_rs", "sm90_keysm_fast") and (
+                not self.kv_fp8 or self.q_fp8 or self.columns not in KEYSM_RS_COLUMNS):
+            raise ValueError(f"the {self.backend} kernel reads a float8_e4m3fn cache with "
+                             f"bf16/fp16 q and columns in {KEYSM_RS_COLUMNS}")
+        if self.kv_fp8 and self.backend not in ("sm90",) + KEYSM_BACKENDS:
             raise ValueError(f"no float8_e4m3fn-cache kernel for backend {self.backend!r}")
         if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
             raise ValueError(f"compute={self.compute!r}, q_fp8={self.q_fp8} needs kv_fp8 and "
@@ -302,8 +311,8 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "keysm_rs", "decode",
-           "combine", "portable", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "keysm_rs", "keysm_fast",
+           "decode", "combine", "portable", "schedule", "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "sparse", "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
 APPEND_SLOTS = ("int32", "int64")
@@ -320,7 +329,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
     cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
     TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
-    e4m3 cache, which TORCH_MLA_KEYSM_RS=1 picks, not built by default), the schedule kernel,
+    e4m3 cache, which TORCH_MLA_KEYSM_RS=1 picks, and "keysm_fast" that variant's fast mode,
+    which TORCH_MLA_KEYSM_FAST=1 picks, neither built by default), the schedule kernel,
     append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from
     bf16/fp16/fp32 sources with int32/int64 slots; "decode" and "combine" alone serve
     benchmarks."""
@@ -348,6 +358,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             if "keysm_rs" in kernels:
                 out += [DecodeStepConfig("sm90_keysm_rs", dt, c, kv_fp8=True, columns=n)
                         for n in KEYSM_RS_COLUMNS for c in causal]
+            if "keysm_fast" in kernels:
+                out += [DecodeStepConfig("sm90_keysm_fast", dt, c, kv_fp8=True, compute="fp8",
+                                         columns=n) for n in KEYSM_RS_COLUMNS for c in causal]
         if "sparse" in kernels:
             out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
             if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend)

@@ -1,0 +1,201 @@
+"""Fast mode of the ping-pong keys-on-M kernel (cute_kernels/sm90_keysm_fast_decode.py): its
+e4m3 Q layout checked against the DSL's, the registry entry and the dispatch's flag; on an SM90
+GPU the kernel against the fp32 reference within fast mode's bounds (test_fp8.check_fast_mode:
+2.5 x the error of storing the cache in e4m3; lse within Q's rounding), TORCH_MLA_KEYSM_FAST=1."""
+
+import pytest
+import torch
+from expecttest import assert_expected_inline
+from test_keysm import keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
+
+import torch_mla
+from torch_mla.constants import KEYSM_RS_COLUMNS
+from torch_mla.cute_kernels.sm90_keysm_rs_decode import page_row, ring_offset
+from torch_mla.ops import dispatch, registry
+from torch_mla.testing import capture_graph, varlen_seqlens
+
+
+def test_q8_offsets_are_a_bijection():
+    for n in KEYSM_RS_COLUMNS:
+        got = sorted(ring_offset(r, b, n) for r in range(n) for b in range(576))
+        assert got == list(range(n * 576))
+
+
+LAYOUT_SCRIPT = r"""
+import cutlass, cutlass.cute as cute
+from cutlass.cute.nvgpu import warpgroup
+from torch_mla.cute_kernels.sm90_keysm_rs_decode import ring_offset
+
+def byte(layout, coord):
+    # 8-bit elements: the swizzle (on byte addresses) of the outer offset
+    sw, o = layout.inner, cute.crd2idx(coord, layout.outer)
+    mask = ((1 << sw.num_bits) - 1) << (sw.num_base + sw.num_shift)
+    return o ^ ((o & mask) >> sw.num_shift)
+
+@cute.jit
+def check(n: cutlass.Constexpr):
+    f8 = cutlass.Float8E4M3FN
+    atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
+    q8 = cute.tile_to_shape(atom, (n, 576), order=(0, 1))
+    ring = cute.tile_to_shape(atom, (64, 576, 4), order=(0, 1, 2))
+    bad_q = sum(byte(q8, (r, k)) != ring_offset(r, k, n) for r in range(n) for k in range(576))
+    bad_k = sum(byte(ring, (r, k, s)) != s * 64 * 576 + ring_offset(r, k)
+                for s in range(4) for r in range(64) for k in range(0, 576, 3))
+    print(f"n {n}: Q8 {bad_q}, ring {bad_k} wrong")
+
+for n in (8, 16):
+    check(n)
+"""
+
+
+def test_layouts_match_the_models(tmp_path):
+    """The wgmma's K-major SW64 e4m3 layouts are the ones the kernel writes (Q8: ring_offset
+    with n rows) and TMA lands (the ring: ring_offset, stages a page apart)."""
+    assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
+n 8: Q8 0, ring 0 wrong
+n 16: Q8 0, ring 0 wrong""")
+
+
+def test_pt_key_pairs_s_rows_with_v_rows():
+    """S^T's row m is page row m; P^T's key page_row(m) meets V^T's row page_row(page_row(m))
+    in O^T: the same page row."""
+    assert all(page_row(page_row(m)) == m for m in range(64))
+
+
+def test_registry_and_dispatch(monkeypatch):
+    c = registry.DecodeStepConfig("sm90_keysm_fast", "bf16", True, kv_fp8=True, compute="fp8",
+                                  columns=16)
+    assert (c.name, c.key()) == ("step_sm90_keysm_fast", {
+        "dtype": "bf16", "causal": True, "kv": "e4m3", "compute": "fp8", "columns": 16})
+    for bad in (dict(columns=16, kv_fp8=True), dict(columns=32, kv_fp8=True, compute="fp8"),
+                dict(columns=16, kv_fp8=True, compute="fp8", q_fp8=True)):
+        with pytest.raises(ValueError):
+            registry.DecodeStepConfig("sm90_keysm_fast", "bf16", False, **bad)
+    with pytest.raises(ValueError):
+        registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, kv_fp8=True, compute="fp8",
+                                  columns=16)
+    got = registry.variants(("bf16",), (False,), ("keysm_fast",))
+    assert sorted(v.config.columns for v in got) == [8, 16]
+    for name in ("TORCH_MLA_KEYSM_FAST", "TORCH_MLA_KEYSM"):
+        monkeypatch.delenv(name, raising=False)
+    rows = (1, 8, 9, 16, 17, 32)
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 6
+    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 0, 0]
+    assert dispatch.keysm_columns("sm90", 8, "fp8", q_fp8=True) == 0
+    assert dispatch.keysm_columns("sm80", 8, "fp8") == 0
+    assert dispatch.keysm_kind(16, True, "fp8") == "sm90_keysm_fast"
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "0")
+    assert dispatch.keysm_columns("sm90", 8, "fp8") == 0
+
+
+# ---- on an SM90 GPU ---------------------------------------------------------------------------
+
+
+@pytest.fixture
+def fast(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
+    """test_keysm.py's launch count, with TORCH_MLA_KEYSM_FAST=1."""
+    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
+    return keysm
+
+
+def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, mult=1.0,
+                  outliers=False):
+    """Fast mode over an e4m3 cache (test_fp8.fp8_inputs, times mult; outliers: four latent
+    channels 30 x the rest) against the fp32 reference within test_fp8.check_fast_mode's
+    bounds; this kernel must have run."""
+    from test_fp8 import SCALE, check_fast_mode, fp8_inputs, quantize_fp8
+
+    inp, cache, kv_scale = fp8_inputs(lens, s_q, h_q, mult, device="cuda")
+    latents = inp.kv_cache.float() * mult
+    if outliers:
+        latents[..., [3, 100, 257, 511]] *= 30
+        kv_scale = (latents.nan_to_num(0).abs().amax() / 448).reshape(1)
+        cache = quantize_fp8(latents, kv_scale)
+    q = (inp.q.float() * mult).to(dtype)
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
+    before = dict(launched)
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
+                                    softmax_scale=SCALE, causal=causal, kv_scale=kv_scale,
+                                    compute="fp8")
+    ran = {k for k in launched if launched[k] != before.get(k)}
+    assert {kind for kind, _ in ran} == {"sm90_keysm_fast"}, launched
+    return check_fast_mode(out, lse, q, None, cache, kv_scale, latents.to(dtype),
+                           inp.block_table, inp.cache_seqlens, SCALE, causal), sched
+
+
+LENS = [20, 140, 4096, 0, 1, 65, 1000]
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
+                                            (4, 3, True), (3, 1, False), (1, 1, False)])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_grid(fast, h_q, s_q, causal, dtype):
+    _, sched = run_and_check(fast, LENS, s_q, h_q, causal, dtype)
+    assert sched.num_splits[-1].item() > len(LENS)  # split requests: partials and the combine
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("b", [1, 6, 128, 300])
+def test_varlen_batches(fast, b):
+    run_and_check(fast, varlen_seqlens(b), 1, 16, False)
+    run_and_check(fast, varlen_seqlens(b), 2, 8, True)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
+def test_page_boundaries(fast, L):
+    run_and_check(fast, [L, L + 1, max(L - 1, 0)], 1, 16, False)
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("mult,outliers", [(0.1, False), (10.0, False), (20.0, False),
+                                           (1.0, True)])
+def test_data(fast, mult, outliers, capsys):
+    """Near-uniform (randn / 100 scores), peaky (2 randn: scores in the hundreds) and
+    outlier-channel data: within 2.5 x e_store each."""
+    e_store, _ = run_and_check(fast, LENS, 1, 16, False, mult=mult, outliers=outliers)
+    with capsys.disabled():
+        print(f"\nmult {mult} outliers {outliers}: e_store {e_store:.2e}")
+
+
+@pytest.mark.cuda
+@sm90
+def test_graph_replays_with_new_lengths(fast):
+    """One step captured in a CUDA graph, replayed on new lengths, pages and queries: each
+    replay equals an eager call (the same kernel) and is within fast mode's bounds."""
+    from test_fp8 import SCALE, check_fast_mode, fp8_inputs
+
+    s_q, h_q = 2, 8
+    shapes = dict(device="cuda", max_blocks=6, num_blocks=14)
+    steps = [fp8_inputs(x, s_q, h_q, **shapes) for x in ([70, 3, 300], [129, 64, 0],
+                                                         [5, 250, 190])]
+    static = [t.clone() for t in (steps[0][0].q, steps[0][1], steps[0][0].block_table,
+                                  steps[0][0].cache_seqlens, steps[0][2])]
+
+    def step(q, cache, table, lens, kv_scale):
+        sched = torch_mla.get_decode_schedule(lens, s_q, h_q)
+        return torch_mla.mla_decode(q, cache, table, lens, sched, causal=True,
+                                    kv_scale=kv_scale, compute="fp8")
+
+    torch_mla.set_value_checks(False)
+    try:
+        graph, (out, lse) = capture_graph(step, static)
+        for inp, cache, kv_scale in steps * 2:
+            for dst, src in zip(static, [inp.q, cache, inp.block_table, inp.cache_seqlens,
+                                         kv_scale]):
+                dst.copy_(src)
+            graph.replay()
+            torch.cuda.synchronize()
+            eager = step(*static)
+            assert torch.equal(out, eager[0]) and torch.equal(lse, eager[1])
+            check_fast_mode(out, lse, static[0], None, static[1], static[4], inp.kv_cache,
+                            *static[2:4], SCALE, True)
+    finally:
+        torch_mla.set_value_checks(True)
+    assert set(fast) == {("sm90_keysm_fast", 16)}
