@@ -298,7 +298,7 @@ def main(argv=None):
     ap.add_argument("--fast", action="store_true",
                     help="with --keysm --fp8: also fast mode (compute='fp8') on the heads-on-M "
                          "kernel and, where it takes the shape, the keys-on-M fast variant "
-                         "(TORCH_MLA_KEYSM_FAST=1)")
+                         "(the dispatch's choice there)")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
     if args.sparse:

@@ -203,6 +203,38 @@ def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
         assert p["spill"] == 0, p
 
 
+@pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
+def test_sm90_keysm_fast_kernel_compiles(tmp_path, dtype, causal, columns):
+    """Fast mode of the ping-pong variant (sm90_keysm_fast_decode.py): per page 18 e4m3 wgmma
+    m64nNk32 for S^T (both operands from shared memory) and O^T's 32 f16 ones with A from
+    registers (128 conversions, 64 prmt a thread), Q quantized by 32 cvt.rn.satfinite.e4m3x2 a
+    thread a segment, no local memory; ptxas (where installed): no spill, no serialised
+    wgmma."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    script = KEYSM_SCRIPT.replace('columns=columns)', 'columns=columns, compute="fp8")').replace(
+        '"cvt.rn.f16x2.e4m3x2", "prmt.b32"', '"cvt.rn.f16x2.e4m3x2", "prmt.b32", "satfinite.e4m3x2"'
+    ).replace(r'"wgmma.mma_async", r"wgmma', r'"wgmma.mma_async", r"wgmma.mma_async.sync.aligned.'
+              r'(m64n\d+k\d+.f32.\w+.\w+)", r"wgmma')
+    res = subprocess.run([sys.executable, "-c", script, dtype, causal, "fp8", str(columns),
+                          "sm90_keysm_fast"], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    c, p = got["counts"], got["ptxas"]
+    assert c["wgmma.mma_async"] == 18 + 32, c
+    assert c[r"wgmma.mma_async.sync.aligned.(m64n\d+k\d+.f32.\w+.\w+)"] == [
+        f"m64n{columns}k16.f32.f16.f16", f"m64n{columns}k32.f32.e4m3.e4m3"], c
+    assert c["cvt.rn.f16x2.e4m3x2"] == 128 and c["prmt.b32"] == 64, c
+    assert c["satfinite.e4m3x2"] == 32, c
+    assert c["cp.async.bulk.tensor"] == 9 + 9, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    print(f"keysm_fast {dtype} {causal} {columns} columns: ptxas {p}")
+    if p:
+        assert not p["serialised"], p
+        assert p["spill"] == 0, p
+
+
 SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry

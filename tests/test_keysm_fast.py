@@ -1,7 +1,8 @@
 """Fast mode of the ping-pong keys-on-M kernel (cute_kernels/sm90_keysm_fast_decode.py): its
-e4m3 Q layout checked against the DSL's, the registry entry and the dispatch's flag; on an SM90
-GPU the kernel against the fp32 reference within fast mode's bounds (test_fp8.check_fast_mode:
-2.5 x the error of storing the cache in e4m3; lse within Q's rounding), TORCH_MLA_KEYSM_FAST=1."""
+e4m3 Q layout checked against the DSL's, the registry entry and the dispatch's choice (fast mode
+where s_q * h_q <= 16 unless TORCH_MLA_KEYSM_FAST=0); on an SM90 GPU the kernel against the fp32
+reference within fast mode's bounds (test_fp8.check_fast_mode: 2.5 x the error of storing the
+cache in e4m3; lse within Q's rounding)."""
 
 import pytest
 import torch
@@ -79,9 +80,10 @@ def test_registry_and_dispatch(monkeypatch):
     for name in ("TORCH_MLA_KEYSM_FAST", "TORCH_MLA_KEYSM"):
         monkeypatch.delenv(name, raising=False)
     rows = (1, 8, 9, 16, 17, 32)
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 0, 0]
+    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "0")
     assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 6
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
-    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 0, 0]
     assert dispatch.keysm_columns("sm90", 8, "fp8", q_fp8=True) == 0
     assert dispatch.keysm_columns("sm80", 8, "fp8") == 0
     assert dispatch.keysm_kind(16, True, "fp8") == "sm90_keysm_fast"
@@ -94,8 +96,8 @@ def test_registry_and_dispatch(monkeypatch):
 
 @pytest.fixture
 def fast(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
-    """test_keysm.py's launch count, with TORCH_MLA_KEYSM_FAST=1."""
-    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
+    """test_keysm.py's launch count (TORCH_MLA_KEYSM_FAST unset: the default)."""
+    monkeypatch.delenv("TORCH_MLA_KEYSM_FAST", raising=False)
     return keysm
 
 

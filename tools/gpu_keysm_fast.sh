@@ -8,7 +8,7 @@
 #   precompile  the keys-on-M steps, the ping-pong and fast steps, the heads-on-M fp8 steps
 #               (exact and fast), schedule: parallel processes
 #   tests       tests/test_keysm_fast.py on the GPU, then tests/test_fp8.py's fast-mode cases
-#               with TORCH_MLA_KEYSM_FAST=1 (those of <= 16 rows a KV head run this kernel)
+#               (the dispatch's default: those of <= 16 rows a KV head run this kernel)
 #   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py, fast mode
 #   bench_bf16, bench_fp8
 #               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs --fast, one
@@ -21,7 +21,7 @@ preamble flashmla-sm90
 run precompile 200 python -m torch_mla.precompile --arch sm_90a \
   --kernels keysm,keysm_rs,keysm_fast,fp8_step,fp8_fast,schedule
 run tests 200 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_fast.py
-TORCH_MLA_KEYSM_FAST=1 run tests_fp8 200 python -m pytest -m cuda -q -p no:cacheprovider \
+run tests_fp8 200 python -m pytest -m cuda -q -p no:cacheprovider \
   tests/test_fp8.py -k "not exact"
 TORCH_MLA_KEYSM_FAST=1 memcheck 90 python -m tools.keysm_memcheck
 ROWS=${ROWS:-"128,1,8192,16 128,1,8192,8 64,1,16384,16 128,2,8192,8 16,1,32768,16 64,1,2048,16

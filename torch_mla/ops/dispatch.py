@@ -88,8 +88,9 @@ _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 # columns are in KEYSM_RS_COLUMNS: TORCH_MLA_KEYSM_RS=1 (opt-in while it is measured).
 keysm_rs_on = _env_flag("TORCH_MLA_KEYSM_RS")
 # Its fast mode (compute="fp8", cute_kernels/sm90_keysm_fast_decode.py) for bf16/fp16 q where
-# s_q * h_q <= 16: TORCH_MLA_KEYSM_FAST=1 (opt-in while it is measured).
-keysm_fast_on = _env_flag("TORCH_MLA_KEYSM_FAST")
+# s_q * h_q <= 16, by default (faster than the heads-on-M fast mode on every row measured:
+# docs/kernels/keysm.md "Fast mode"); TORCH_MLA_KEYSM_FAST=0 (or TORCH_MLA_KEYSM=0): never.
+keysm_fast_off = _env_flag("TORCH_MLA_KEYSM_FAST", "0")
 
 
 def keysm_max_rows() -> int:
@@ -114,12 +115,12 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool =
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
     backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
     mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
-    in fast mode (compute="fp8", q not float8_e4m3fn) where TORCH_MLA_KEYSM_FAST=1 and
-    rows <= 16 (its fast variant's columns, KEYSM_RS_COLUMNS)."""
+    in fast mode (compute="fp8", q not float8_e4m3fn) where rows <= 16 (its fast variant's
+    columns, KEYSM_RS_COLUMNS), unless TORCH_MLA_KEYSM_FAST=0."""
     if backend != "sm90":
         return 0
     if compute != "exact":
-        if q_fp8 or not keysm_fast_on():
+        if q_fp8 or keysm_fast_off():
             return 0
         return keysm_columns_for(rows, min(KEYSM_RS_COLUMNS[-1], keysm_max_rows()))
     return keysm_columns_for(rows, keysm_max_rows())
