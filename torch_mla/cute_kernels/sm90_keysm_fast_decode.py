@@ -25,7 +25,10 @@ m to P^T's key page_row(m) (_pt_key; page_row is an involution).
 Limits: as the ping-pong variant (e4m3 cache, 8 or 16 columns, page 64, d 576 / 512), with
 bf16 or fp16 q (an e4m3 q runs the heads-on-M fast mode). An inf in q makes its row NaN (as
 the heads-on-M fast mode). Status: compiled for sm_90a (CI checks its PTX); run on the H200
-in session 21 (docs/kernels/keysm.md "Fast mode").
+in session 21 (GPU tests, test_fp8's fast-mode cases, memcheck, CUDA-graph replays); the
+dispatch's choice in fast mode where s_q * h_q <= 16 (TORCH_MLA_KEYSM_FAST=0: never), 0.69-0.72x
+the heads-on-M fast mode's time on the rows measured, the exact ping-pong's time
+(docs/kernels/keysm.md, "Fast mode on the ping-pong variant").
 """
 
 from __future__ import annotations
