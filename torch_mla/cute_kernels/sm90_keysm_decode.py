@@ -604,12 +604,13 @@ class MLADecodeSm90KeysM(DecodeKernel):
 
     @cute.jit
     def _mma_s(self, ops, acc_S, s, ob, wq, lane):
-        """S^T = K Q^T over page buffer ob: 9 tiles x 4 k-steps of 16; waits for it."""
-        tSrK, tSrQ, _, _ = ops
+        """S^T = K Q^T over page buffer ob (ops[0], ops[1]: K's and Q^T's shared-memory
+        fragments): its k-steps (9 tiles x 4 of 16; the fast mode's 18 of 32); waits for it."""
+        tSrK, tSrQ = ops[0], ops[1]
         atom_s = cute.make_mma_atom(self.d_tiled_s.op)
         fence_operand(acc_S)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(N_TILES * 4):
+        for k in cutlass.range_constexpr(cute.size(tSrQ, mode=[2])):
             atom_s.set(warpgroup.Field.ACCUMULATE, k != 0)
             cute.gemm(atom_s, acc_S, tSrK[None, None, k, ob], tSrQ[None, None, k], acc_S)
         warpgroup.commit_group()

@@ -41,8 +41,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, PAGE_SIZE
 from .decode_base import aligned
-from .ptx import e4m3x4, fence_operand, lds128, sts, unpack16x2
-from .sm90_keysm_decode import N_TILES
+from .ptx import e4m3x4, lds128, sts, unpack16x2
+from .sm90_keysm_decode import N_TILES, MLADecodeSm90KeysM
 from .sm90_keysm_rs_decode import NB_PAIR, MLADecodeSm90KeysMRS, page_row, q_unit, ring_offset
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
@@ -88,19 +88,9 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
     def _pt_key(self, m):
         return page_row(m)
 
-    @cute.jit
-    def _mma_s(self, ops, acc_S, s, ob, wq, lane):
-        """S^T = K Q8^T over ring stage s: 18 k-steps of 32; waits for them."""
-        tSrK, tSrQ, _, _, _, _ = ops
-        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
-        fence_operand(acc_S)
-        warpgroup.fence()
-        for k in cutlass.range_constexpr(D_QK // 32):
-            atom_s.set(warpgroup.Field.ACCUMULATE, k != 0)
-            cute.gemm(atom_s, acc_S, tSrK[None, None, k, s], tSrQ[None, None, k], acc_S)
-        warpgroup.commit_group()
-        warpgroup.wait_group(0)
-        fence_operand(acc_S)
+    # S^T from shared memory, as the keys-on-M kernel's (ops: K's and Q8's fragments; the
+    # stage is the page buffer: _prepare_stage returns it)
+    _mma_s = MLADecodeSm90KeysM._mma_s
 
     @cute.jit
     def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
