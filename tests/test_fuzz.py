@@ -79,3 +79,25 @@ def test_broken_decode_is_caught(tmp_path, monkeypatch, capsys, breakage, sympto
     assert printed[0] == failed[0]
     assert printed[1] == (f"  repro: python -m tools.fuzz_decode --device cpu --seed 7 --max-b 4 --max-len 320 "
                           f"--max-tokens 1024 --max-h-kv 1 --schedule random --only {k}")
+
+
+def one_key_short(real, args, kwargs):
+    q, kv, table, lens, *rest = args
+    return real(q, kv, table, (lens - 1).clamp(min=0), *rest, **kwargs)
+
+
+def test_fast_cases_pass_and_a_missed_key_is_caught(tmp_path, monkeypatch):
+    """--fast: fast mode's bounds (2.5 x e_store, lse within Q's rounding); on the CPU the decode
+    is the reference, so the cases pass, and a decode that misses each request's last key
+    fails them (a softmax scale 1.25x too large would not: the bounds are that loose); the
+    repro carries the flag."""
+    rc, lines = fuzz(tmp_path, "--cases", "6", "--seed", "3", "--fast")
+    assert rc == 0 and lines[-1].startswith("summary: cases=6 passed=6 failed=0 ")
+    assert "--fast" in fuzz_decode.repro(fuzz_decode.parse_args(["--device", "cpu", "--fast"]), 5)
+    real = decode.mla_decode_reference
+    monkeypatch.setattr(decode, "mla_decode_reference",
+                        lambda *args, **kwargs: one_key_short(real, args, kwargs))
+    rc, lines = fuzz(tmp_path, "--cases", "8", "--seed", "7", "--fast")
+    failed = [line for line in lines[:-1] if line.split()[2] == "FAIL"]
+    assert rc == 1 and len(failed) == 8, lines
+    assert all("error=" not in line for line in failed), failed  # failed on the bounds

@@ -23,7 +23,13 @@ that lands in a neighbouring tensor. ``--max-h-kv 8`` adds h_kv > 1 (default 1).
 case's cache quantized to float8_e4m3fn at the per-tensor scale amax / 448 (the NaN poison stays
 NaN), mla_decode given kv_scale (exact mode), the reference over the same dequantized values; with
 TORCH_MLA_KEYSM_RS=1 the cases of 8 or 16 query rows a KV head run the ping-pong keys-on-M
-kernel.
+kernel. ``--fast``: the same over an e4m3 cache in fast mode (compute="fp8"; its cases of <= 16
+rows a KV head run the keys-on-M fast kernel), q at its drawn size without the large multipliers
+(fast mode's bound is for ordinary scores: Q's e4m3 rounding moves a score by up to
+2^-4 |q| |k| scale), checked as tests/test_fp8.py's check_fast_mode does: the output's relative
+error within 2.5 x e_store (the reference over the dequantized cache against the reference over
+the original latents), each lse within 1e-3 + that score bound; out_tol and lse_tol are those
+ratios.
 
 A failing case prints a one-line repro (``--only K`` reruns case K). Exit status 1 on any failure.
 """
@@ -159,6 +165,7 @@ def build_inputs(case: Case, seed: int, device: torch.device, fp8: bool = False)
     if case.q_mult != 1.0:
         inp.q = (inp.q.float() * case.q_mult).to(inp.q.dtype)
     kv_scale = None
+    inp.original = inp.kv_cache
     if fp8:
         cache = inp.kv_cache.float()
         kv_scale = (cache.nan_to_num(0).abs().amax().clamp(min=1e-30) / 448).reshape(1)
@@ -206,6 +213,34 @@ def compare(out, lse, ref_out, ref_lse, dtype) -> dict:
     return dict(zip(keys, stats))
 
 
+def compare_fast(out, lse, ref_out, ref_lse, orig_out, q, cache, kv_scale, scale) -> dict:
+    """Fast mode's errors (module docstring): out_tol = |out - ref| / |ref| over 2.5 e_store,
+    lse_tol = the largest |lse - ref_lse| over 1e-3 + 2^-4 |q_row| max|k| scale."""
+    def rel(a, b):
+        return (a.double() - b.double()).norm() / b.double().norm().clamp(min=1e-30)
+
+    e_store = rel(ref_out, orig_out)
+    if ref_out.double().norm() == 0:
+        out_tol = torch.where(out.double().norm() == 0, 0.0, math.inf)
+    else:
+        out_tol = rel(out, ref_out) / (2.5 * e_store).clamp(min=1e-30)
+    k_max = dequantize_fp8(cache, kv_scale).double().nan_to_num(0).norm(dim=-1).amax()
+    bound = 2.0**-4 * q.double().norm(dim=-1).transpose(1, 2) * k_max * scale
+    fin = torch.isfinite(ref_lse)
+    lse_err = torch.where(fin, (lse.double() - ref_lse.double()).abs(), 0.0)
+    empty = torch.isposinf(ref_lse).transpose(1, 2)[..., None]
+    stats = torch.stack([
+        (out.double() - ref_out.double()).abs().max(), rel(out, ref_out), out_tol.double(),
+        lse_err.max(), (lse_err / (1e-3 + bound)).max(),
+        (out.isnan().any() | lse.isnan().any()).double(),
+        ((out != 0) & empty).any().double(),
+        (torch.isposinf(lse) != torch.isposinf(ref_lse)).any().double(),
+    ]).tolist()
+    keys = ("out_abs", "out_rel", "out_tol", "lse_abs", "lse_tol", "nan", "empty_nonzero",
+            "inf_mismatch")
+    return dict(zip(keys, stats))
+
+
 def passed(m: dict) -> bool:
     # Written so that a NaN error fails.
     return (m["out_tol"] <= 1 and m["lse_tol"] <= 1 and not m["nan"] and not m["empty_nonzero"]
@@ -213,9 +248,12 @@ def passed(m: dict) -> bool:
 
 
 def run_case(case: Case, seed: int, device: torch.device,
-             fp8: bool = False) -> tuple[bool, str, dict]:
+             fp8: bool = False, fast: bool = False) -> tuple[bool, str, dict]:
     """Runs one case: (passed, its errors as text, the largest of each error); fp8: over an e4m3
-    cache (build_inputs)."""
+    cache (build_inputs); fast: in fast mode (module docstring), q without its multiplier."""
+    if fast:
+        fp8 = True
+        case = dataclasses.replace(case, q_mult=1.0)
     inp, kv_scale = build_inputs(case, seed, device, fp8)
     scale = case.softmax_scale if case.softmax_scale is not None else D_QK**-0.5
     args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens)
@@ -226,7 +264,8 @@ def run_case(case: Case, seed: int, device: torch.device,
     if case.schedule in ("inside", "both"):
         scheds["inside"] = None
     results = {name: torch_mla.mla_decode(*args, sched, softmax_scale=scale, causal=case.causal,
-                                          d_v=D_V, kv_scale=kv_scale)
+                                          d_v=D_V, kv_scale=kv_scale,
+                                          compute="fp8" if fast else "exact")
                for name, sched in scheds.items()}
     if device.type == "cpu":
         cache = inp.kv_cache if kv_scale is None else dequantize_fp8(inp.kv_cache, kv_scale)
@@ -238,8 +277,19 @@ def run_case(case: Case, seed: int, device: torch.device,
     ok, parts, worst = True, [], {}
     if device.type == "cuda" and not runs_kernel(inp.q, inp.kv_cache, D_V):
         parts.append("path=reference")  # on the GPU: the reference checked against itself
+    if fast:
+        orig = dataclasses.replace(inp, kv_cache=inp.original)  # (the latents before e4m3)
+        if device.type == "cpu":
+            orig_out, _ = mla_decode_fp64(inp.q, inp.original, inp.block_table,
+                                          inp.cache_seqlens, scale, case.causal, D_V)
+        else:
+            orig_out, _ = reference_chunked(orig, scale, case.causal, case.lens)
     for name, (out, lse) in results.items():
-        m = compare(out, lse, ref_out, ref_lse, dtype)
+        if fast:
+            m = compare_fast(out, lse, ref_out, ref_lse, orig_out, inp.q, inp.kv_cache,
+                             kv_scale, scale)
+        else:
+            m = compare(out, lse, ref_out, ref_lse, dtype)
         ok &= passed(m)
         for key in ("out_tol", "lse_tol"):
             worst[key] = max(worst.get(key, 0.0), m[key], key=lambda v: (v != v, v))
@@ -281,6 +331,9 @@ def parse_args(argv):
                         "these per case; 'both' runs each case both ways (and compares them)")
     p.add_argument("--fp8", action="store_true",
                    help="over a float8_e4m3fn cache with kv_scale (exact mode)")
+    p.add_argument("--fast", action="store_true",
+                   help="over a float8_e4m3fn cache in fast mode (compute='fp8'), fast mode's "
+                        "bounds")
     p.add_argument("--log", help="write one line per case and the summary here")
     args = p.parse_args(argv)
     defaults = LIMITS["small" if args.small else args.device]
@@ -299,7 +352,8 @@ def repro(args, index: int) -> str:
         "python", "-m", "tools.fuzz_decode", "--device", args.device, "--seed", str(args.seed),
         "--max-b", str(args.max_b), "--max-len", str(args.max_len),
         "--max-tokens", str(args.max_tokens), "--max-h-kv", str(args.max_h_kv),
-        "--schedule", args.schedule, *(["--fp8"] if args.fp8 else []), "--only", str(index)])
+        "--schedule", args.schedule, *(["--fp8"] if args.fp8 else []),
+        *(["--fast"] if args.fast else []), "--only", str(index)])
 
 
 def main(argv=None) -> int:
@@ -313,7 +367,7 @@ def main(argv=None) -> int:
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(f"fuzz_decode: {len(indices)} cases on {where}, seed {args.seed}, max_b {args.max_b}, "
           f"max_len {args.max_len}, max_tokens {args.max_tokens}, max_h_kv {args.max_h_kv}"
-          + (", e4m3 cache" if args.fp8 else ""),
+          + (", e4m3 cache" if args.fp8 else "") + (", fast mode" if args.fast else ""),
           file=sys.stderr, flush=True)
     log = open(args.log, "w") if args.log else None
     t0 = time.time()
@@ -326,7 +380,7 @@ def main(argv=None) -> int:
             t = time.time()
             lost = False
             try:
-                ok, detail, errs = run_case(case, args.seed, device, args.fp8)
+                ok, detail, errs = run_case(case, args.seed, device, args.fp8, args.fast)
             except Exception as e:  # a failed case, reported like any other
                 ok, detail, errs = False, f"error={type(e).__name__}: {str(e).splitlines()[0]}", {}
                 # After an illegal access the CUDA context is unusable: later cases would fail too.

@@ -10,6 +10,7 @@
 #   tests       tests/test_keysm_fast.py on the GPU, then tests/test_fp8.py's fast-mode cases
 #               (the dispatch's default: those of <= 16 rows a KV head run this kernel)
 #   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py, fast mode
+#   fuzz        tools/fuzz_decode.py --fast, 2000 cases (fast mode's bounds)
 #   bench_bf16, bench_fp8
 #               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs --fast, one
 #               process each, same machine start
@@ -24,6 +25,7 @@ run tests 200 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_f
 run tests_fp8 200 python -m pytest -m cuda -q -p no:cacheprovider \
   tests/test_fp8.py -k "not exact"
 TORCH_MLA_KEYSM_FAST=1 memcheck 90 python -m tools.keysm_memcheck
+run fuzz 200 python -m tools.fuzz_decode --fast --cases 2000 --seed 0
 ROWS=${ROWS:-"128,1,8192,16 128,1,8192,8 64,1,16384,16 128,2,8192,8 16,1,32768,16 64,1,2048,16
       32,1,4096,16 1,1,4096,16"}
 # shellcheck disable=SC2086
