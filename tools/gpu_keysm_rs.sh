@@ -10,7 +10,7 @@
 #   tests       tests/test_keysm_rs.py on the GPU (grid, varlen, page edges, q range, graph
 #               replays against the fp32 reference)
 #   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py, TORCH_MLA_KEYSM_RS=1
-#   fuzz        tools/fuzz_decode.py --fp8, 1000 cases, TORCH_MLA_KEYSM_RS=1
+#   fuzz        tools/fuzz_decode.py --fp8, 2000 cases, TORCH_MLA_KEYSM_RS=1
 #   bench_bf16, bench_fp8
 #               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs, one process
 #               each, same machine start: the memory-bound rows and the small-batch ones where the
@@ -27,7 +27,7 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a \
 run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_rs.py
 TORCH_MLA_KEYSM_RS=1 memcheck 90 python -m tools.keysm_memcheck
 # (fp8 cases of every head count: those of 8 or 16 rows a KV head run the ping-pong kernel)
-TORCH_MLA_KEYSM_RS=1 run fuzz 150 python -m tools.fuzz_decode --fp8 --cases 1000 --seed 0
+TORCH_MLA_KEYSM_RS=1 run fuzz 150 python -m tools.fuzz_decode --fp8 --cases 2000 --seed 0
 ROWS="128,1,8192,16 128,1,8192,8 64,1,16384,16 128,2,8192,8 16,1,32768,16 64,1,2048,16
       32,1,4096,16 1,1,4096,16"
 # shellcheck disable=SC2086
