@@ -11,7 +11,8 @@ from test_keysm import keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
 
 import torch_mla
 from torch_mla.constants import KEYSM_RS_COLUMNS
-from torch_mla.cute_kernels.sm90_keysm_rs_decode import page_row, ring_offset
+from torch_mla.cute_kernels.sm90_keysm_fast_decode import flat_latent_of, q8_word
+from torch_mla.cute_kernels.sm90_keysm_rs_decode import page_row, ring_offset, v_chunk
 from torch_mla.ops import dispatch, registry
 from torch_mla.testing import capture_graph, varlen_seqlens
 
@@ -22,9 +23,61 @@ def test_q8_offsets_are_a_bijection():
         assert got == list(range(n * 576))
 
 
+def test_latent_order():
+    """flat_latent_of is a bijection of each 64-byte group; Q8's word w holds four consecutive
+    latent bytes, those of the run's word q8_word(w)."""
+    assert sorted(flat_latent_of(k) for k in range(576)) == list(range(576))
+    assert all(flat_latent_of(k) // 64 == k // 64 for k in range(576))
+    for w in range(16):
+        for c in range(9):
+            at = [flat_latent_of(64 * c + 4 * w + i) for i in range(4)]
+            assert at == [64 * c + 4 * q8_word(w) + i for i in range(4)]
+
+
+def test_s_operand_reads_its_fragment():
+    """S^T's A, register r of k-step j = 2 c + h for thread (warp wq, lane; g = lane / 4,
+    q = lane % 4): the DSL's fragment (checked by LAYOUT_SCRIPT) holds row 16 wq + g + 8 (r % 2)
+    and k 4 q + 16 (r // 2) + i; the kernel puts there byte i of word 2 h + r // 2 of its
+    16-byte load of that row at 64 c + 16 q: the cache's flat_latent_of of that k."""
+    for lane in range(32):
+        q = lane % 4
+        for j in range(18):
+            c, h = j // 2, j % 2
+            for r in range(4):
+                for i in range(4):
+                    k = 32 * j + 4 * q + 16 * (r // 2) + i
+                    assert 64 * c + 16 * q + 4 * (2 * h + r // 2) + i == flat_latent_of(k)
+
+
+def bank_groups(addresses):
+    """The 16-byte bank groups (0..7) of one 8-lane phase of 16-byte loads."""
+    return [(a // 16) % 8 for a in addresses]
+
+
+def test_stage_loads_bank_conflicts():
+    """The page rows are 576 bytes (144 words: rows alternate bank halves). S^T's loads (rows
+    g, g + 8 of a warp's 16, bytes 16 q of a group) are conflict-free; O^T's (rows
+    page_row(2 q + o) + 8 e + 16 ks, the thread's d chunk) are 2-way conflicted, the least
+    without a swizzle: a phase's lanes hold two d chunks (g) and the rows bring two bank
+    halves."""
+    for wq in range(4):
+        for phase in range(4):
+            lanes = range(8 * phase, 8 * phase + 8)
+            for h in range(2):
+                for c in range(9):
+                    got = bank_groups((16 * wq + 8 * h + ln // 4) * 576 + 64 * c + 16 * (ln % 4)
+                                      for ln in lanes)
+                    assert sorted(got) == list(range(8))
+            for o in range(2):
+                got = bank_groups(page_row(2 * (ln % 4) + o) * 576 + v_chunk(wq, ln // 4)
+                                  for ln in lanes)
+                assert max(got.count(x) for x in got) == 2
+
+
 LAYOUT_SCRIPT = r"""
 import cutlass, cutlass.cute as cute
-from cutlass.cute.nvgpu import warpgroup
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass.cute.nvgpu import warpgroup, OperandMajorMode
 from torch_mla.cute_kernels.sm90_keysm_rs_decode import ring_offset
 
 def byte(layout, coord):
@@ -38,11 +91,21 @@ def check(n: cutlass.Constexpr):
     f8 = cutlass.Float8E4M3FN
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
     q8 = cute.tile_to_shape(atom, (n, 576), order=(0, 1))
-    ring = cute.tile_to_shape(atom, (64, 576, 4), order=(0, 1, 2))
     bad_q = sum(byte(q8, (r, k)) != ring_offset(r, k, n) for r in range(n) for k in range(576))
-    bad_k = sum(byte(ring, (r, k, s)) != s * 64 * 576 + ring_offset(r, k)
-                for s in range(4) for r in range(64) for k in range(0, 576, 3))
-    print(f"n {n}: Q8 {bad_q}, ring {bad_k} wrong")
+    # S^T's register A fragment (e4m3 m64nNk32): value v is byte v % 4 of register v // 4,
+    # row g + 8 (r % 2), k 4 q + 16 (r // 2) + byte
+    mma = sm90_utils.make_trivial_tiled_mma(f8, f8, OperandMajorMode.K, OperandMajorMode.K,
+                                            cutlass.Float32, (1, 1, 1), (64, n),
+                                            warpgroup.OperandSource.RMEM)
+    tv = mma.tv_layout_A_tiled
+    bad_a = 0
+    for t in cutlass.range_constexpr(128):
+        for v in cutlass.range_constexpr(16):
+            r, i = v // 4, v % 4
+            m = 16 * (t // 32) + (t % 32) // 4 + 8 * (r % 2)
+            k = 4 * (t % 4) + 16 * (r // 2) + i
+            bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
+    print(f"n {n}: Q8 {bad_q}, A {bad_a} wrong")
 
 for n in (8, 16):
     check(n)
@@ -50,11 +113,11 @@ for n in (8, 16):
 
 
 def test_layouts_match_the_models(tmp_path):
-    """The wgmma's K-major SW64 e4m3 layouts are the ones the kernel writes (Q8: ring_offset
-    with n rows) and TMA lands (the ring: ring_offset, stages a page apart)."""
+    """The wgmma's K-major SW64 e4m3 layout of Q8 is the one the kernel writes (ring_offset
+    with n rows); the register A fragment of S^T is the one it fills."""
     assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
-n 8: Q8 0, ring 0 wrong
-n 16: Q8 0, ring 0 wrong""")
+n 8: Q8 0, A 0 wrong
+n 16: Q8 0, A 0 wrong""")
 
 
 def test_pt_key_pairs_s_rows_with_v_rows():

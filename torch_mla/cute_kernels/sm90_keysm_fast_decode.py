@@ -36,16 +36,33 @@ from __future__ import annotations
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
-from cutlass import Float32
-from cutlass.cute.nvgpu import warpgroup
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..constants import D_QK, PAGE_SIZE
 from .decode_base import aligned
-from .ptx import e4m3x4, lds128, sts, unpack16x2
-from .sm90_keysm_decode import N_TILES, MLADecodeSm90KeysM
+from .ptx import L2_EVICT_FIRST, e4m3x4, fence_operand, lds128, sts, unpack16x2
+from .sm90_keysm_decode import N_TILES, PAGE_ELEMS, ring_slot
 from .sm90_keysm_rs_decode import NB_PAIR, MLADecodeSm90KeysMRS, page_row, q_unit, ring_offset
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value
+LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
+
+
+def flat_latent_of(k):
+    """The cache latent byte of S^T's logical k: a thread with lane % 4 = q loads bytes
+    16 q .. 16 q + 15 of each 64-byte group c; its registers of k-step 2 c + h are words 2 h
+    (k 4 q .. 4 q + 3) and 2 h + 1 (k 16 + 4 q ..) of that load."""
+    c, rem = k // 64, k % 64
+    h, r = rem // 32, rem % 32
+    q, i = (r % 16) // 4, r % 4
+    return 64 * c + 16 * q + 8 * h + 4 * (r // 16) + i
+
+
+def q8_word(w):
+    """Q8's word w of a 64-byte group (logical k 4 w .. 4 w + 3) is the run's latent word
+    q8_word(w) (flat_latent_of, in words)."""
+    return flat_latent_of(4 * w) // 4 % 16
 
 
 class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
@@ -59,28 +76,75 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
             sRunMax=cute.struct.MemRange[Float32, n * N_TILES],  # amax of (row, 64-wide group)
         )
 
+    # A ring stage is the page as the cache holds it (64 rows of 576 bytes, unswizzled), landed
+    # by one TMA box of 144 rows x 256 bytes: whole 128-byte lines.
+    row_bytes = D_QK
+
+    def _stage_offset(self, row, byte):
+        return row * D_QK + byte
+
+    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
+        loads, extra = super()._prepare(mQ, mKV, fp8)
+        # The cache's pages as (256 bytes, 144 rows, pages): a page's rows are contiguous
+        # (contract: rows 576 bytes apart, checked by the ops).
+        view = cute.make_tensor(mKV.iterator, cute.make_layout(
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
+            stride=(1, LINE_BOX, mKV.layout.stride[0])))
+        box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
+        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
+                                                     box, (LINE_BOX, PAGE_ELEMS // LINE_BOX))
+        return loads._replace(kv_atom=tma_k, kv_view=tma_mKV), extra
+
+    @cute.jit
+    def _fp8_ring(self, storage):
+        """The ring as the TMA writes it: (256 bytes, 144 rows, stages)."""
+        k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
+        return cute.make_tensor(k8, cute.make_layout(
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, self.stages), stride=(1, LINE_BOX, PAGE_ELEMS)))
+
+    @cute.jit
+    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
+        """The TMA partitions of the ring's stages (TMA, stages) and the cache's pages (TMA,
+        pages): one box a page."""
+        g = cute.local_tile(tma_mKV, (LINE_BOX, PAGE_ELEMS // LINE_BOX), (0, 0, None))
+        return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                     cute.group_modes(sK_tma, 0, 2), cute.group_modes(g, 0, 2))
+
+    @cute.jit
+    def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
+        """The producer warp: cache page `page` into the ring stage of use cnt[0] (one box),
+        once its last reader released it; cnt[0] += 1."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
+                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        cnt[0] = cnt[0] + 1
+
     def _tiled_s(self):
-        """S^T's tiled MMA: e4m3 x e4m3 -> fp32, both operands K-major from shared memory."""
+        """S^T's tiled MMA: e4m3 x e4m3 -> fp32, A (the page) from registers, B (Q8^T) from
+        shared memory."""
         f8 = cutlass.Float8E4M3FN
         kmode = cute.nvgpu.OperandMajorMode.K
         return sm90_utils.make_trivial_tiled_mma(f8, f8, kmode, kmode, Float32, (1, 1, 1),
-                                                 (PAGE_SIZE, self.n_wg))
+                                                 (PAGE_SIZE, self.n_wg),
+                                                 warpgroup.OperandSource.RMEM)
 
     @cute.jit
     def _s_operands(self, thr_s, sQ, wq, g, q):
-        """S^T's shared-memory fragments: the ring's stages as e4m3 (64 keys, 576, stages) and
-        Q8 (n, 576), both K-major SW64."""
+        """S^T's: a register A fragment of two k-steps (a 64-byte group), Q8 (n, 576) K-major
+        SW64 in shared memory; this thread's stage offsets (rows 16 wq + g, + 8; bytes 16 q of
+        each group)."""
         f8 = cutlass.Float8E4M3FN
         atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
-        ring = cute.tile_to_shape(atom, (PAGE_SIZE, D_QK, self.stages), order=(0, 1, 2))
         q8 = cute.tile_to_shape(atom, (self.n_wg, D_QK), order=(0, 1))
-        sK8 = cute.make_tensor(
-            cute.recast_ptr(self.d_storage.sK8.data_ptr(), ring.inner, dtype=f8), ring.outer)
         sQ8 = cute.make_tensor(
             cute.recast_ptr(self.d_storage.sQ8.data_ptr(), q8.inner, dtype=f8), q8.outer)
-        tSrK = thr_s.make_fragment_A(thr_s.partition_A(sK8))  # (MMA, 1, 18, stages)
+        rK = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), f8)  # (16, 1, 2)
         tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ8))  # (MMA, 1, 18)
-        return tSrK, tSrQ, None
+        self.d_k_off = [(16 * wq + 8 * h + g) * D_QK + 16 * q for h in range(2)]
+        return rK, tSrQ, None
 
     def _key_row(self, key):
         return key
@@ -88,9 +152,35 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
     def _pt_key(self, m):
         return page_row(m)
 
-    # S^T from shared memory, as the keys-on-M kernel's (ops: K's and Q8's fragments; the
-    # stage is the page buffer: _prepare_stage returns it)
-    _mma_s = MLADecodeSm90KeysM._mma_s
+    @cute.jit
+    def _mma_s(self, ops, acc_S, s, ob, wq, lane):
+        """S^T = K Q8^T over ring stage s: per 64-byte group c, the thread's two 16-byte loads
+        (rows g, g + 8) are its A registers of k-steps 2 c and 2 c + 1 as they are (e4m3, in
+        the latent order flat_latent_of); waits for the MMAs."""
+        rK, tSrQ, _, _, _, _ = ops
+        base = self.d_k8 + s * PAGE_ELEMS
+        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
+        fence_operand(acc_S)
+        b32 = cute.recast_tensor(rK, Int32)
+        for c in cutlass.range_constexpr(N_TILES):
+            x = [lds128(base + self.d_k_off[h] + 64 * c) for h in range(2)]
+            if const_expr(c > 0):
+                warpgroup.wait_group(0)  # group c - 1, the last reader of rK, is done
+            for jj in cutlass.range_constexpr(2):
+                # registers 0-3 of k-step jj: rows g, g + 8 of words 2 jj, then of 2 jj + 1
+                b32[4 * jj] = x[0][2 * jj]
+                b32[4 * jj + 1] = x[1][2 * jj]
+                b32[4 * jj + 2] = x[0][2 * jj + 1]
+                b32[4 * jj + 3] = x[1][2 * jj + 1]
+            fence_operand(rK)
+            warpgroup.fence()
+            for jj in cutlass.range_constexpr(2):
+                atom_s.set(warpgroup.Field.ACCUMULATE, c * 2 + jj != 0)
+                cute.gemm(atom_s, acc_S, rK[None, None, jj], tSrQ[None, None, 2 * c + jj],
+                          acc_S)
+            warpgroup.commit_group()
+        warpgroup.wait_group(0)
+        fence_operand(acc_S)
 
     @cute.jit
     def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
@@ -122,11 +212,12 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
         inv = Float32(0.0)
         if amax > 0.0:
             inv = Float32(E4M3_MAX) / amax
-        out = []
+        lat = []  # the run's 16 words of e4m3, latent order
         for i in cutlass.range_constexpr(16):
             a = unpack16x2(words[2 * i], bf16)
             b = unpack16x2(words[2 * i + 1], bf16)
-            out.append(e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
+            lat.append(e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
+        out = [lat[q8_word(w)] for w in range(16)]  # S^T's k order (flat_latent_of)
         if tidx < runs:
             q8 = self.d_storage.sQ8.data_ptr().toint()
             for u in cutlass.range_constexpr(4):

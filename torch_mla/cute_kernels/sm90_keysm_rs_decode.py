@@ -235,7 +235,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # O^T: rows 2 q + o (+ 16 ks + 8 e), the thread's d chunk
         v_row = [page_row(2 * q + o) for o in range(2)]
         self.d_v_row = v_row
-        self.d_v_off = [ring_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
+        self.d_v_off = [self._stage_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
         return self._s_operands(thr_s, sQ, wq, g, q) + (rVa, rVb, tOrP)
 
     @cute.jit
@@ -249,6 +249,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # rows 16 wq + g (+ 8), unit q of each 64-byte group
         self.d_k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
         return rKa, rKb, tSrQ
+
+    # Bytes between a page row and the next one 8 rows on in a ring stage, over 8 (the tiles'
+    # 64-byte rows; the 64-byte swizzle repeats every 8 rows).
+    row_bytes = 64
+
+    def _stage_offset(self, row, byte):
+        """Byte offset of (page row, latent byte) in a ring stage."""
+        return ring_offset(row, byte)
 
     def _key_row(self, key):
         return page_row(key)
@@ -308,7 +316,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         def load(ks):
             for e in cutlass.range_constexpr(2):
                 for o in cutlass.range_constexpr(2):
-                    w = lds128(base + self.d_v_off[o] + (16 * ks + 8 * e) * 64)
+                    w = lds128(base + self.d_v_off[o] + (16 * ks + 8 * e) * self.row_bytes)
                     for i in cutlass.range_constexpr(4):
                         raws[ks % 2][4 * (2 * e + o) + i] = w[i]
 
