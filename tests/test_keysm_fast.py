@@ -148,6 +148,9 @@ def test_registry_and_dispatch(monkeypatch):
     assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 6
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
     assert dispatch.keysm_columns("sm90", 8, "fp8", q_fp8=True) == 0
+    # (its pages are whole 36 KB blocks: one KV head only)
+    assert dispatch.keysm_columns("sm90", 8, "fp8", h_kv=4) == 0
+    assert dispatch.keysm_columns("sm90", 8, "exact", h_kv=4) == 8
     assert dispatch.keysm_columns("sm80", 8, "fp8") == 0
     assert dispatch.keysm_kind(16, True, "fp8") == "sm90_keysm_fast"
     monkeypatch.setenv("TORCH_MLA_KEYSM", "0")

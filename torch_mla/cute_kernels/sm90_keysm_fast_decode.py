@@ -85,8 +85,9 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
 
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
         loads, extra = super()._prepare(mQ, mKV, fp8)
-        # The cache's pages as (256 bytes, 144 rows, pages): a page's rows are contiguous
-        # (contract: rows 576 bytes apart, checked by the ops).
+        # The cache's pages as (256 bytes, 144 rows, pages): a page's 64 rows must be
+        # contiguous, 576 bytes apart: a contiguous cache of one KV head (the ops check the
+        # first; the dispatch sends only h_kv 1 here, dispatch.keysm_columns).
         view = cute.make_tensor(mKV.iterator, cute.make_layout(
             (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
             stride=(1, LINE_BOX, mKV.layout.stride[0])))

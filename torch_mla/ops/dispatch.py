@@ -110,17 +110,19 @@ def keysm_kind(columns: int, fp8: bool, compute: str = "exact") -> str:
     return "sm90_keysm_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "sm90_keysm_fp8"
 
 
-def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool = False) -> int:
+def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool = False,
+                  h_kv: int = 1) -> int:
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
     backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
     mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
-    in fast mode (compute="fp8", q not float8_e4m3fn) where rows <= 16 (its fast variant's
+    in fast mode (compute="fp8", q not float8_e4m3fn, one KV head: its pages are loaded as
+    whole 36 KB blocks, which h_kv > 1 interleaves) where rows <= 16 (its fast variant's
     columns, KEYSM_RS_COLUMNS), unless TORCH_MLA_KEYSM_FAST=0."""
     if backend != "sm90":
         return 0
     if compute != "exact":
-        if q_fp8 or keysm_fast_off():
+        if q_fp8 or h_kv != 1 or keysm_fast_off():
             return 0
         return keysm_columns_for(rows, min(KEYSM_RS_COLUMNS[-1], keysm_max_rows()))
     return keysm_columns_for(rows, keysm_max_rows())
@@ -334,7 +336,7 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"))
+    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
     if columns:
         step = STEPS[keysm_kind(columns, scales is not None, compute)](
             out_dtype, bool(causal) and s_q > 1, index, columns)
