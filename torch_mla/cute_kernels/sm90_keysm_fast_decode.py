@@ -1,14 +1,12 @@
 """Keys-on-M MLA decode on Hopper over an e4m3 cache, fast mode (compute="fp8"): S^T on the e4m3
-wgmma straight from the ring, O^T as the ping-pong variant computes it.
+wgmma with the page's bytes as its A operand, O^T as the ping-pong variant computes it.
 
 The ping-pong variant (sm90_keysm_rs_decode.py) converts every page twice into f16 registers:
-once as S^T's A (keys x latent, 144 conversions a thread) and once as O^T's A (V^T, 128). S^T's
-operands are both K-major in the latent, which the e4m3 wgmma takes from shared memory as they
-are: the ring stage as TMA lands it (9 tiles of 64 keys x 64 bytes, 64-byte swizzle, the
-canonical K-major SW64 layout of 8-bit operands) and Q quantized to e4m3. So here
+once as S^T's A (keys x latent, 144 conversions a thread) and once as O^T's A (V^T, 128). The
+e4m3 wgmma takes e4m3 bytes as they are, so here
 
-    S^T = K Q8^T      e4m3 wgmma m64nNk32, A (the page) and B (Q8^T) from shared memory:
-                      18 instructions a page, no conversion, no register operand
+    S^T = K Q8^T      e4m3 wgmma m64nNk32, A (the page) from registers, loaded from the ring
+                      and used as loaded (no conversion), B (Q8^T) from shared memory
     O^T += V^T P^T    unchanged: V^T converted exactly into f16 registers, P in f16
 
 Q is quantized per query row (an S^T column) at each segment's start, by both consumer
@@ -18,17 +16,31 @@ takes amax / 448. That is the only rounding this mode adds to exact mode: the ca
 P and the accumulation are as the ping-pong variant has them (P in f16, V exact, fp32 sums), so
 its error is Q's e4m3 rounding (2^-4 relative a value) through the scores.
 
-Orders: S^T's row m is page row m (the ring's own order); O^T's k keeps the ping-pong
-variant's order (k = page_row(key), conflict-free V^T loads), so the consumer writes S^T's row
-m to P^T's key page_row(m) (_pt_key; page_row is an involution).
+The ring holds whole-line pages: one TMA box of 144 rows x 256 bytes lands a page (64 rows of
+576 bytes, as the cache holds it: 36 KB of whole 128-byte lines) unswizzled. The ping-pong's
+64-byte-wide swizzled tiles read half lines, every other one straddling two (576-byte rows);
+loading alone, that ring is 4% slower (docs/kernels/keysm.md, "What bounds it").
+
+Orders (tests/test_keysm_fast.py checks them against the DSL's fragment and counts bank
+conflicts):
+  - S^T's row m is page row m. A thread (lane % 4 = q) loads 16 bytes of each 64-byte group c
+    of its rows g, g + 8: rows 576 bytes apart alternate bank halves, so these loads are
+    conflict-free. Its words 2 h and 2 h + 1 are its registers of k-step 2 c + h as they are,
+    which fixes S^T's latent order (flat_latent_of); Q8 is written in it (q8_word).
+  - O^T's k keeps the ping-pong's key order (k = page_row(key)), its loads at the page's 576-byte
+    pitch (2-way conflicted: unswizzled rows give a phase two bank halves for its two d
+    chunks); the consumer writes S^T's row m to P^T's key page_row(m) (_pt_key; page_row is an
+    involution).
 
 Limits: as the ping-pong variant (e4m3 cache, 8 or 16 columns, page 64, d 576 / 512), with
-bf16 or fp16 q (an e4m3 q runs the heads-on-M fast mode). An inf in q makes its row NaN (as
-the heads-on-M fast mode). Status: compiled for sm_90a (CI checks its PTX); run on the H200
-in session 21 (GPU tests, test_fp8's fast-mode cases, memcheck, CUDA-graph replays); the
-dispatch's choice in fast mode where s_q * h_q <= 16 (TORCH_MLA_KEYSM_FAST=0: never), 0.69-0.72x
-the heads-on-M fast mode's time on the rows measured, the exact ping-pong's time
-(docs/kernels/keysm.md, "Fast mode on the ping-pong variant").
+bf16 or fp16 q (an e4m3 q runs the heads-on-M fast mode) and one KV head (a page's rows must
+be contiguous: dispatch.keysm_columns). An inf in q makes its row NaN (as the heads-on-M fast
+mode). Status (session 21): compiled for sm_90a (CI checks its PTX); this version ran its GPU
+tests on the H200 (tests/test_keysm_fast.py: grid, varlen, page edges, data, CUDA-graph
+replays), not yet memcheck or fuzz (the first version, S^T from shared memory over the
+ping-pong's ring, passed both); the dispatch's choice in fast mode where s_q * h_q <= 16
+(TORCH_MLA_KEYSM_FAST=0: never). docs/kernels/keysm.md, "Fast mode on the ping-pong variant",
+has its speed.
 """
 
 from __future__ import annotations
