@@ -307,7 +307,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
                                             compute="fp8")
-        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, and P in e4m3 on the fp8 tensor cores)""")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too above 16 query rows a KV head)""")
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
                       dispatch.run_sm90_fp8)
 
@@ -600,6 +600,21 @@ def test_sm90_fp8_data_scales_fp16_and_fp8_q(mult, compute, kernel_env):
 def test_sm90_fp8_long_context_and_h_kv_heads(compute, kernel_env):
     run_fp8_and_check([32768, 5], 1, 128, False, scale=0.01, compute=compute)
     run_fp8_and_check([20, 140, 0, 65], 2, 16, True, h_kv=4, compute=compute)
+
+
+@pytest.mark.cuda
+@sm90
+def test_sm90_fp8_fast_zero_query_row(kernel_env):
+    """Fast mode on the heads-on-M kernel (64 rows): a query row of zeros gives the mean of V,
+    not NaN (e4m3_row_factors: a finite scale for amax 0)."""
+    inp, cache, kv_scale = fp8_inputs([20, 140, 65], 1, 64, device="cuda")
+    q = inp.q.clone()
+    q[:, :, 7] = 0
+    sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 1, 64)
+    out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
+                                    kv_scale=kv_scale, compute="fp8")
+    check_fast_mode(out, lse, q, None, cache, kv_scale, inp.kv_cache, inp.block_table,
+                    inp.cache_seqlens, SCALE, False)
 
 
 @pytest.mark.cuda

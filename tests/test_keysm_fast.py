@@ -168,7 +168,7 @@ def fast(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
 
 
 def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, mult=1.0,
-                  outliers=False):
+                  outliers=False, zero_head=None):
     """Fast mode over an e4m3 cache (test_fp8.fp8_inputs, times mult; outliers: four latent
     channels 30 x the rest) against the fp32 reference within test_fp8.check_fast_mode's
     bounds; this kernel must have run."""
@@ -181,6 +181,8 @@ def run_and_check(launched, lens, s_q, h_q, causal, dtype=torch.bfloat16, mult=1
         kv_scale = (latents.nan_to_num(0).abs().amax() / 448).reshape(1)
         cache = quantize_fp8(latents, kv_scale)
     q = (inp.q.float() * mult).to(dtype)
+    if zero_head is not None:
+        q[:, :, zero_head] = 0  # its scores all 0: out is the mean of V, lse log(keys)
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)
     before = dict(launched)
     out, lse = torch_mla.mla_decode(q, cache, inp.block_table, inp.cache_seqlens, sched,
@@ -230,6 +232,16 @@ def test_data(fast, mult, outliers, capsys):
     e_store, _ = run_and_check(fast, LENS, 1, 16, False, mult=mult, outliers=outliers)
     with capsys.disabled():
         print(f"\nmult {mult} outliers {outliers}: e_store {e_store:.2e}")
+
+
+@pytest.mark.cuda
+@sm90
+def test_zero_query_row(fast):
+    """A query row of zeros (its amax 0) gives the mean of V, not NaN: e4m3_row_factors keeps
+    its scale finite (masked keys -inf, not -inf x 0). Lengths off the page size: masked keys
+    on every last page."""
+    run_and_check(fast, LENS, 1, 16, False, zero_head=5)
+    run_and_check(fast, LENS, 2, 8, True, zero_head=0)
 
 
 @pytest.mark.cuda

@@ -241,6 +241,21 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
 
 
+E4M3_MAX = 448.0  # the largest finite e4m3 value
+# A row's largest |value| is raised to this before its factors are taken (e4m3_row_factors).
+E4M3_AMAX_FLOOR = 448.0 * 2.0**-126
+
+
+def e4m3_row_factors(amax: Float32):
+    """(inv, scale) that quantize a row whose largest magnitude is amax to e4m3 (x inv lands in
+    +-448) and dequantize it (x scale = amax / 448). amax is first raised to 448 x 2^-126, so
+    both factors are finite normal floats: an all-zero row quantizes to zeros with a finite
+    scale (its scores 0, masked keys -inf; a 0 scale would make them -inf x 0 = NaN), a row
+    below it keeps 448 / amax finite (its zeros stay 0, not 0 x inf). Traced inline."""
+    a = cute.arch.fmax(amax, Float32(E4M3_AMAX_FLOOR))
+    return Float32(E4M3_MAX) / a, a * Float32(1.0 / E4M3_MAX)
+
+
 @dsl_user_op
 def unpack16x2(w: Int32, bf16: bool, *, loc=None, ip=None):
     """A word of two bf16 (or fp16) values -> the two as fp32 (low half first)."""

@@ -59,6 +59,7 @@ from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligne
 from .ptx import (
     L2_EVICT_FIRST,
     bulk_s2g,
+    e4m3_row_factors,
     e4m3_store16,
     e4m3x4,
     fence_operand,
@@ -1007,10 +1008,7 @@ class MLADecodeSm90(DecodeKernel):
                     amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=1))
             amax = cute.arch.fmax(amax, cute.arch.shuffle_sync_bfly(amax, offset=2))
-            inv = Float32(0.0)
-            if amax > 0.0:
-                inv = Float32(448.0) / amax
-            scale = amax * Float32(1.0 / 448.0)
+            inv, scale = e4m3_row_factors(amax)
             for i in cutlass.range_constexpr(36):  # (unpacked again: fewer live registers)
                 a = unpack16x2(raw[2 * i], bf16)
                 b = unpack16x2(raw[2 * i + 1], bf16)

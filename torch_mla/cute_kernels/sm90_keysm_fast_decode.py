@@ -53,11 +53,18 @@ from cutlass.cute.nvgpu import cpasync, warpgroup
 
 from ..constants import D_QK, PAGE_SIZE
 from .decode_base import aligned
-from .ptx import L2_EVICT_FIRST, e4m3x4, fence_operand, lds128, sts, unpack16x2
+from .ptx import (
+    L2_EVICT_FIRST,
+    e4m3_row_factors,
+    e4m3x4,
+    fence_operand,
+    lds128,
+    sts,
+    unpack16x2,
+)
 from .sm90_keysm_decode import N_TILES, PAGE_ELEMS, ring_slot
 from .sm90_keysm_rs_decode import NB_PAIR, MLADecodeSm90KeysMRS, page_row, q_unit, ring_offset
 
-E4M3_MAX = 448.0  # the largest finite e4m3 value
 LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
 
 
@@ -222,9 +229,7 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
         amax = run_max[row]
         for t in cutlass.range_constexpr(1, N_TILES):
             amax = cute.arch.fmax(amax, run_max[t * n + row])
-        inv = Float32(0.0)
-        if amax > 0.0:
-            inv = Float32(E4M3_MAX) / amax
+        inv, scale = e4m3_row_factors(amax)
         lat = []  # the run's 16 words of e4m3, latent order
         for i in cutlass.range_constexpr(16):
             a = unpack16x2(words[2 * i], bf16)
@@ -236,7 +241,7 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
             for u in cutlass.range_constexpr(4):
                 sts(q8 + ring_offset(row, 64 * c + 16 * u, n), out[4 * u:4 * u + 4])
             if c == 0:
-                scales[row] = amax * Float32(1.0 / E4M3_MAX)
+                scales[row] = scale
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
         return [scales[8 * (jc // 2) + 2 * (lane % 4) + jc % 2] for jc in range(n // 4)]
