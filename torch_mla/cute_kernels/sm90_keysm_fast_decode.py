@@ -38,7 +38,8 @@ be contiguous: dispatch.keysm_columns). An inf in q makes its row NaN (as the he
 mode). Status (session 21): compiled for sm_90a (CI checks its PTX); this version ran its GPU
 tests on the H200 (tests/test_keysm_fast.py: grid, varlen, page edges, data, CUDA-graph
 replays), not yet memcheck or fuzz (the first version, S^T from shared memory over the
-ping-pong's ring, passed both); the dispatch's choice in fast mode where s_q * h_q <= 16
+ping-pong's ring, passed both), nor the zero-row fix (e4m3_row_factors, compiled only); the
+dispatch's choice in fast mode where s_q * h_q <= 16
 (TORCH_MLA_KEYSM_FAST=0: never). docs/kernels/keysm.md, "Fast mode on the ping-pong variant",
 has its speed.
 """
