@@ -250,8 +250,8 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         self.d_k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
         return rKa, rKb, tSrQ
 
-    # Bytes between a page row and the next one 8 rows on in a ring stage, over 8 (the tiles'
-    # 64-byte rows; the 64-byte swizzle repeats every 8 rows).
+    # Bytes from a page row to the next in a ring stage, for _mma_o's steps of 8 and 16 rows
+    # (a tile's 64-byte rows; the swizzle repeats every 8 rows, so those steps keep it).
     row_bytes = 64
 
     def _stage_offset(self, row, byte):
