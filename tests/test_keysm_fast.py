@@ -279,3 +279,18 @@ def test_graph_replays_with_new_lengths(fast):
     finally:
         torch_mla.set_value_checks(True)
     assert set(fast) == {("sm90_keysm_fast", 16)}
+
+
+def test_load_only_tool_refuses_a_shared_cache(monkeypatch):
+    """tools/keysm_load_only.py: an unknown mode, or a load-only mode without its own
+    TORCH_MLA_CACHE_DIR (its build would be cached under the shipped kernel's key), stops
+    before anything is built or swapped."""
+    from tools import keysm_load_only
+    from torch_mla.cute_kernels import sm90_keysm_fast_decode as fast
+
+    shipped = fast.MLADecodeSm90KeysMFast
+    monkeypatch.delenv("TORCH_MLA_CACHE_DIR", raising=False)
+    for argv in (["bogus"], ["pages"], ["ring64"]):
+        with pytest.raises(SystemExit):
+            keysm_load_only.main(argv)
+    assert fast.MLADecodeSm90KeysMFast is shipped
