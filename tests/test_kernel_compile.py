@@ -112,9 +112,9 @@ KEYSM_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
 dtype, causal, cache, columns = sys.argv[1], sys.argv[2] == "causal", sys.argv[3], int(sys.argv[4])
-backend = sys.argv[5] if len(sys.argv) > 5 else "sm90_keysm"
+backend, compute = sys.argv[5], sys.argv[6]
 registry.build(registry.DecodeStepConfig(backend, dtype, causal, kv_fp8=cache == "fp8",
-                                         columns=columns), "sm_90a")
+                                         columns=columns, compute=compute), "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     text = open(f).read()
@@ -122,9 +122,10 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
         if "MLADecodeSm90KeysM" not in ptx.split("(", 1)[0]:
             continue
         for k in ["wgmma.mma_async", r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)",
+                  r"wgmma.mma_async.sync.aligned.(m64n\d+k\d+.f32.\w+.\w+)",
                   "cp.async.bulk.tensor", "ld.local", "st.local", "cvt.rn.f16x2.e4m3x2", "prmt.b32",
-                  "setmaxnreg", "griddepcontrol.launch_dependents", "vprintf", "trap;",
-                  "mbarrier.try_wait"]:
+                  "satfinite.e4m3x2", "setmaxnreg", "griddepcontrol.launch_dependents", "vprintf",
+                  "trap;", "mbarrier.try_wait"]:
             found = re.findall(k, ptx)
             counts[k] = sorted(set(found)) if "(" in k else len(found)
         if shutil.which("ptxas"):
@@ -136,6 +137,26 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
             ptxas["serialised"] = "C7512" in res.stderr or "C7520" in res.stderr
 print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
+
+
+def keysm_ptx(tmp_path, dtype, causal, cache, columns, backend="sm90_keysm", compute="exact"):
+    """KEYSM_SCRIPT's counts of one keys-on-M step build's PTX, and ptxas's figures (empty
+    where ptxas is not installed)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, cache, str(columns),
+                          backend, compute], env=env, capture_output=True, text=True,
+                         timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    return got["counts"], got["ptxas"]
+
+
+def assert_ptxas_clean(p):
+    """ptxas (where installed): no spill, no serialised wgmma."""
+    if p:
+        assert not p["serialised"], p
+        assert p["spill"] == 0, p
 
 
 @pytest.mark.parametrize("dtype,causal,cache,columns", [("bf16", "causal", "same", 16),
@@ -151,13 +172,7 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     128 consumer threads), no local memory in the PTX, no call. ptxas (where installed):
     registers printed, no spill and no serialised wgmma (at 64 columns with the setmaxnreg split
     of REGS)."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, cache,
-                          str(columns)], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    c, p = got["counts"], got["ptxas"]
+    c, p = keysm_ptx(tmp_path, dtype, causal, cache, columns)
     consumers, n_wg = (2, 32) if columns == 64 else (1, columns)
     assert c["wgmma.mma_async"] == 36 + 32, c
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
@@ -170,9 +185,7 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     assert c["setmaxnreg"] == (2 if consumers == 2 else 0), c
     assert c["cvt.rn.f16x2.e4m3x2"] == (8 * 18 // consumers if cache == "fp8" else 0), c
     print(f"keysm {dtype} {causal} {cache} {columns} columns (N = {n_wg}): ptxas {p}")
-    if p:
-        assert not p["serialised"], p
-        assert p["spill"] == 0, p
+    assert_ptxas_clean(p)
 
 
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
@@ -182,13 +195,7 @@ def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
     page converted once for each MMA) and O^T's 64 byte pairings (prmt), 9 TMA tile loads a page
     and 9 for Q, setmaxnreg (two consumer warpgroups and a producer warpgroup), no local memory
     in the PTX; ptxas (where installed): no spill, no serialised wgmma."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, "fp8", str(columns),
-                          "sm90_keysm_rs"], env=env, capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    c, p = got["counts"], got["ptxas"]
+    c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_rs")
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
     assert c["wgmma.mma_async"] == 36 + 32, c
     assert c[mma] == [f"m64n{columns}k16.f32.f16.f16"], c
@@ -198,9 +205,7 @@ def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     assert c["griddepcontrol.launch_dependents"] == 1, c
     print(f"keysm_rs {dtype} {causal} {columns} columns: ptxas {p}")
-    if p:
-        assert not p["serialised"], p
-        assert p["spill"] == 0, p
+    assert_ptxas_clean(p)
 
 
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
@@ -209,18 +214,7 @@ def test_sm90_keysm_fast_kernel_compiles(tmp_path, dtype, causal, columns):
     18 e4m3 wgmma m64nNk32 for S^T and O^T's 32 f16 ones, both with A from registers (O^T's:
     128 conversions, 64 prmt a thread), Q quantized by 32 cvt.rn.satfinite.e4m3x2 a thread a
     segment, no local memory; ptxas (where installed): no spill, no serialised wgmma."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    script = KEYSM_SCRIPT.replace('columns=columns)', 'columns=columns, compute="fp8")').replace(
-        '"cvt.rn.f16x2.e4m3x2", "prmt.b32"', '"cvt.rn.f16x2.e4m3x2", "prmt.b32", "satfinite.e4m3x2"'
-    ).replace(r'"wgmma.mma_async", r"wgmma', r'"wgmma.mma_async", r"wgmma.mma_async.sync.aligned.'
-              r'(m64n\d+k\d+.f32.\w+.\w+)", r"wgmma')
-    res = subprocess.run([sys.executable, "-c", script, dtype, causal, "fp8", str(columns),
-                          "sm90_keysm_fast"], env=env, capture_output=True, text=True,
-                         timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    c, p = got["counts"], got["ptxas"]
+    c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_fast", "fp8")
     assert c["wgmma.mma_async"] == 18 + 32, c
     assert c[r"wgmma.mma_async.sync.aligned.(m64n\d+k\d+.f32.\w+.\w+)"] == [
         f"m64n{columns}k16.f32.f16.f16", f"m64n{columns}k32.f32.e4m3.e4m3"], c
@@ -229,9 +223,7 @@ def test_sm90_keysm_fast_kernel_compiles(tmp_path, dtype, causal, columns):
     assert c["cp.async.bulk.tensor"] == 1 + 9, c  # a page in one box; Q
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     print(f"keysm_fast {dtype} {causal} {columns} columns: ptxas {p}")
-    if p:
-        assert not p["serialised"], p
-        assert p["spill"] == 0, p
+    assert_ptxas_clean(p)
 
 
 SPARSE_SCRIPT = r"""

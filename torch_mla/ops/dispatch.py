@@ -12,7 +12,7 @@ API (stable, for the ops, tests and tools):
     find_decode_kernel / find_schedule_kernel / find_append_kernel   the ops' kernel choice
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
-    keysm_columns(backend, rows, compute, q_fp8)   the keys-on-M variant's columns, or 0
+    keysm_columns(backend, rows, compute, q_fp8, h_kv)   the keys-on-M step's columns, or 0
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
