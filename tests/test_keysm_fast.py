@@ -11,15 +11,14 @@ from test_keysm import keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
 
 import torch_mla
 from torch_mla.constants import KEYSM_RS_COLUMNS
-from torch_mla.cute_kernels.sm90_keysm_fast_decode import flat_latent_of, q8_word
-from torch_mla.cute_kernels.sm90_keysm_rs_decode import page_row, ring_offset, v_chunk
+from torch_mla.cute_kernels.sm90_keysm_fast_decode import flat_latent_of, q8_word, sw64_offset
 from torch_mla.ops import dispatch, registry
 from torch_mla.testing import capture_graph, varlen_seqlens
 
 
 def test_q8_offsets_are_a_bijection():
     for n in KEYSM_RS_COLUMNS:
-        got = sorted(ring_offset(r, b, n) for r in range(n) for b in range(576))
+        got = sorted(sw64_offset(r, b, n) for r in range(n) for b in range(576))
         assert got == list(range(n * 576))
 
 
@@ -49,36 +48,11 @@ def test_s_operand_reads_its_fragment():
                     assert 64 * c + 16 * q + 4 * (2 * h + r // 2) + i == flat_latent_of(k)
 
 
-def bank_groups(addresses):
-    """The 16-byte bank groups (0..7) of one 8-lane phase of 16-byte loads."""
-    return [(a // 16) % 8 for a in addresses]
-
-
-def test_stage_loads_bank_conflicts():
-    """The page rows are 576 bytes (144 words: rows alternate bank halves). S^T's loads (rows
-    g, g + 8 of a warp's 16, bytes 16 q of a group) are conflict-free; O^T's (rows
-    page_row(2 q + o) + 8 e + 16 ks, the thread's d chunk) are 2-way conflicted, the least
-    without a swizzle: a phase's lanes hold two d chunks (g) and the rows bring two bank
-    halves."""
-    for wq in range(4):
-        for phase in range(4):
-            lanes = range(8 * phase, 8 * phase + 8)
-            for h in range(2):
-                for c in range(9):
-                    got = bank_groups((16 * wq + 8 * h + ln // 4) * 576 + 64 * c + 16 * (ln % 4)
-                                      for ln in lanes)
-                    assert sorted(got) == list(range(8))
-            for o in range(2):
-                got = bank_groups(page_row(2 * (ln % 4) + o) * 576 + v_chunk(wq, ln // 4)
-                                  for ln in lanes)
-                assert max(got.count(x) for x in got) == 2
-
-
 LAYOUT_SCRIPT = r"""
 import cutlass, cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass.cute.nvgpu import warpgroup, OperandMajorMode
-from torch_mla.cute_kernels.sm90_keysm_rs_decode import ring_offset
+from torch_mla.cute_kernels.sm90_keysm_fast_decode import sw64_offset
 
 def byte(layout, coord):
     # 8-bit elements: the swizzle (on byte addresses) of the outer offset
@@ -91,7 +65,7 @@ def check(n: cutlass.Constexpr):
     f8 = cutlass.Float8E4M3FN
     atom = warpgroup.make_smem_layout_atom(warpgroup.SmemLayoutAtomKind.K_SW64, f8)
     q8 = cute.tile_to_shape(atom, (n, 576), order=(0, 1))
-    bad_q = sum(byte(q8, (r, k)) != ring_offset(r, k, n) for r in range(n) for k in range(576))
+    bad_q = sum(byte(q8, (r, k)) != sw64_offset(r, k, n) for r in range(n) for k in range(576))
     # S^T's register A fragment (e4m3 m64nNk32): value v is byte v % 4 of register v // 4,
     # row g + 8 (r % 2), k 4 q + 16 (r // 2) + byte
     mma = sm90_utils.make_trivial_tiled_mma(f8, f8, OperandMajorMode.K, OperandMajorMode.K,
@@ -113,17 +87,11 @@ for n in (8, 16):
 
 
 def test_layouts_match_the_models(tmp_path):
-    """The wgmma's K-major SW64 e4m3 layout of Q8 is the one the kernel writes (ring_offset
-    with n rows); the register A fragment of S^T is the one it fills."""
+    """The wgmma's K-major SW64 e4m3 layout of Q8 is the one the kernel writes
+    (sw64_offset); the register A fragment of S^T is the one it fills."""
     assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
 n 8: Q8 0, A 0 wrong
 n 16: Q8 0, A 0 wrong""")
-
-
-def test_pt_key_pairs_s_rows_with_v_rows():
-    """S^T's row m is page row m; P^T's key page_row(m) meets V^T's row page_row(page_row(m))
-    in O^T: the same page row."""
-    assert all(page_row(page_row(m)) == m for m in range(64))
 
 
 def test_registry_and_dispatch(monkeypatch):
@@ -290,7 +258,7 @@ def test_load_only_tool_refuses_a_shared_cache(monkeypatch):
 
     shipped = fast.MLADecodeSm90KeysMFast
     monkeypatch.delenv("TORCH_MLA_CACHE_DIR", raising=False)
-    for argv in (["bogus"], ["pages"], ["ring64"]):
+    for argv in (["bogus"], ["pages"], ["ring64"]):  # (ring64: a mode until session 22)
         with pytest.raises(SystemExit):
             keysm_load_only.main(argv)
     assert fast.MLADecodeSm90KeysMFast is shipped

@@ -17,7 +17,6 @@ from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
     page_row,
     q_byte,
     q_unit,
-    ring_offset,
     rs_stages,
     v_chunk,
 )
@@ -31,26 +30,23 @@ def test_orders_are_bijections():
     assert sorted(latent_of(k) for k in range(576)) == list(range(576))
     assert sorted(d_of(t, h, wq, lane // 4) for t in range(8) for h in range(2)
                   for wq, lane in LANES if lane % 4 == 0) == list(range(512))
-    offsets = sorted(ring_offset(r, b) for r in range(64) for b in range(576))
-    assert offsets == list(range(64 * 576))
 
 
 def test_s_operand_reads_its_fragment():
     """S^T's A, word w of k-step j = 4 c + jj (the fragment's row m = 16 wq + g + 8 (w % 2),
-    k = 16 j + 2 q + 8 (w // 2) + {0, 1}): the kernel loads 16 bytes at its row's offset
-    ring_offset(page_row(m), 16 q) plus c tiles and takes half w // 2 of word jj; that is the
-    cache's latent_of(k) of page row page_row(m)."""
+    k = 16 j + 2 q + 8 (w // 2) + {0, 1}): the kernel loads 16 bytes of page row m (576 bytes a
+    row in the ring stage) at 64 c + 16 q and takes half w // 2 of word jj; that is the cache's
+    latent_of(k) of that row."""
     for wq, lane in LANES:
         g, q = lane // 4, lane % 4
         for w in range(4):
             m = 16 * wq + g + 8 * (w % 2)
-            unit = ring_offset(page_row(m), 16 * q)
             for j in range(36):
                 c, jj = j // 4, j % 4
                 for i in range(2):
                     k = 16 * j + 2 * q + 8 * (w // 2) + i
-                    at = unit + c * 64 * 64 + 4 * jj + 2 * (w // 2) + i
-                    assert at == ring_offset(page_row(m), latent_of(k))
+                    at = m * 576 + 64 * c + 16 * q + 4 * jj + 2 * (w // 2) + i
+                    assert at == m * 576 + latent_of(k)
 
 
 def test_q_permutation_stores():
@@ -79,7 +75,7 @@ def test_v_operand_rows_and_columns():
     """O^T's A for k-step ks, m-tile t: words 2 e + hh are (d row g + 8 hh, keys 2 q + 8 e +
     {0, 1}); the kernel pairs byte 2 t + hh of the rows page_row(16 ks + 8 e + 2 q + o),
     o = 0, 1, at the thread's chunk: cache column d_of(t, hh), as the epilogue stores it. Its
-    row offsets are those of rows 2 q + o plus (16 ks + 8 e) rows."""
+    row offsets are those of rows page_row(2 q + o) plus (16 ks + 8 e) rows."""
     for wq, lane in LANES:
         g, q = lane // 4, lane % 4
         for ks in range(4):
@@ -89,37 +85,41 @@ def test_v_operand_rows_and_columns():
                     assert row == 16 * ks + 8 * e + page_row(2 * q + o)
                     for t in range(8):
                         for hh in range(2):
-                            at = ring_offset(row, v_chunk(wq, g)) + 2 * t + hh
-                            assert at == ring_offset(row, d_of(t, hh, wq, g))
-                    assert (ring_offset(row, v_chunk(wq, g))
-                            == ring_offset(page_row(2 * q + o), v_chunk(wq, g))
-                            + (16 * ks + 8 * e) * 64)
+                            assert v_chunk(wq, g) + 2 * t + hh == d_of(t, hh, wq, g)
 
 
-def phases_conflict_free(addr):
-    """addr(lane) for one 16-byte load of a warp: each quarter warp (8 lanes, one shared-memory
-    wavefront) hits 8 distinct 16-byte bank groups."""
-    return all(len({addr(ln) // 16 % 8 for ln in range(p, p + 8)}) == 8 for p in range(0, 32, 8))
+def test_pt_key_pairs_s_rows_with_v_rows():
+    """S^T's row m is page row m; P^T's key page_row(m) (_pt_key) meets V^T's row
+    page_row(page_row(m)) in O^T: the same page row."""
+    assert all(page_row(page_row(m)) == m for m in range(64))
 
 
-def s_load(wq, h, c):
-    """S^T's 16-byte load of group c, row half h: lane -> byte offset."""
-    return lambda ln: ring_offset(page_row(16 * wq + 8 * h + ln // 4), 64 * c + 16 * (ln % 4))
+def bank_groups(addresses):
+    """The 16-byte bank groups (0..7) of one 8-lane phase of 16-byte loads."""
+    return [(a // 16) % 8 for a in addresses]
 
 
-def v_load(wq, ks, e, o):
-    """O^T's 16-byte load of k-step ks, key row 2 q + 8 e + o: lane -> byte offset."""
-    return lambda ln: ring_offset(page_row(16 * ks + 8 * e + 2 * (ln % 4) + o),
-                                  v_chunk(wq, ln // 4))
-
-
-def test_loads_are_bank_conflict_free():
+def test_stage_loads_bank_conflicts():
+    """The page rows are 576 bytes (144 words: rows alternate bank halves). S^T's loads (rows
+    g, g + 8 of a warp's 16, bytes 16 q of a group) are conflict-free; O^T's (rows
+    page_row(2 q + o) + 8 e + 16 ks, the thread's d chunk) are 2-way conflicted, the least
+    without a swizzle: a phase's lanes hold two d chunks (g) and the rows bring two bank
+    halves. Without page_row (rows 2 q + o, all of one parity) they would be 4-way."""
     for wq in range(4):
-        assert all(phases_conflict_free(s_load(wq, h, c)) for h in range(2) for c in range(9))
-        assert all(phases_conflict_free(v_load(wq, ks, e, o))
-                   for ks in range(4) for e in range(2) for o in range(2))
-    # without the key order (rows 2 q + o as they are) O^T's loads would conflict
-    assert not phases_conflict_free(lambda ln: ring_offset(2 * (ln % 4), v_chunk(0, ln // 4)))
+        for phase in range(4):
+            lanes = range(8 * phase, 8 * phase + 8)
+            for h in range(2):
+                for c in range(9):
+                    got = bank_groups((16 * wq + 8 * h + ln // 4) * 576 + 64 * c + 16 * (ln % 4)
+                                      for ln in lanes)
+                    assert sorted(got) == list(range(8))
+            for o in range(2):
+                got = bank_groups(page_row(2 * (ln % 4) + o) * 576 + v_chunk(wq, ln // 4)
+                                  for ln in lanes)
+                assert max(got.count(x) for x in got) == 2
+                plain = bank_groups((2 * (ln % 4) + o) * 576 + v_chunk(wq, ln // 4)
+                                    for ln in lanes)
+                assert max(plain.count(x) for x in plain) == 4
 
 
 def test_stages_and_registry():
@@ -176,8 +176,8 @@ n 16: Q 0, A 0 wrong""")
 
 def test_dispatch_flag(monkeypatch):
     """TORCH_MLA_KEYSM_RS=1 (read at each call) sends an e4m3 cache's keys-on-M steps of 8 or
-    16 columns to this kernel; without it, or at 32 columns, or over a 16-bit cache, the
-    keys-on-M steps run."""
+    16 columns and one KV head to this kernel; without it, or at 32 columns, or over a 16-bit
+    cache or several KV heads, the keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
     got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
     assert got == ["sm90_keysm", "sm90_keysm_fp8"] * 3
@@ -185,6 +185,8 @@ def test_dispatch_flag(monkeypatch):
     got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
     assert got == ["sm90_keysm", "sm90_keysm_rs"] * 2 + ["sm90_keysm", "sm90_keysm_fp8"]
     assert all(k in dispatch.STEPS for k in got)
+    # (a cache of several KV heads interleaves a page's rows: the keys-on-M fp8 step)
+    assert dispatch.keysm_kind(16, True, "exact", h_kv=2) == "sm90_keysm_fp8"
 
 
 # ---- on an SM90 GPU (test_keysm.py's fixture and check, with TORCH_MLA_KEYSM_RS=1) ------------

@@ -5,14 +5,12 @@
 MODE (run each in its own process and TORCH_MLA_CACHE_DIR: a load-only build would otherwise be
 cached under the shipped kernel's key):
     real     the shipped fast kernel (cute_kernels/sm90_keysm_fast_decode.py)
-    ring64   load-only over the ping-pong variant's ring (9 TMA tiles of 64 rows x 64 bytes a
-             page, 64-byte swizzle): the consumers take each ring stage and release it at once
     pages    load-only over the shipped ring (one TMA box of 144 rows x 256 bytes a page)
 Everything else (schedule, producer, Q, the combine) is the shipped kernel's. Prints per row the
 time of one decode call in a CUDA graph (fast mode, benchmarks/bench_decode.run_config; no
 check: load-only outputs are garbage), GB/s and % of the copy ceiling. docs/kernels/keysm.md,
-"What bounds it", has session 21's numbers, taken with the same classes from a scratch script
-(ring64 was then the shipped kernel's own ring); this tool has not run in this form yet.
+"What bounds it", has session 21's numbers (then also over the 64-byte swizzled ring the
+ping-pong variant had before session 22) and session 22's from this tool.
 """
 
 from __future__ import annotations
@@ -23,8 +21,7 @@ import sys
 import cutlass.cute as cute
 
 from torch_mla.cute_kernels import sm90_keysm_fast_decode as fast
-from torch_mla.cute_kernels.sm90_keysm_decode import MLADecodeSm90KeysM, ring_slot
-from torch_mla.cute_kernels.sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
+from torch_mla.cute_kernels.sm90_keysm_decode import ring_slot
 
 ROWS = ["128,1,8192,16", "64,1,16384,16", "16,1,32768,16"]
 
@@ -44,18 +41,9 @@ class LoadOnly(fast.MLADecodeSm90KeysMFast):
         cnt[2] = cnt[2] + 1
 
 
-class LoadOnlyRing64(LoadOnly):
-    """LoadOnly over the ping-pong variant's ring of 64-byte swizzled tiles."""
-
-    _prepare = MLADecodeSm90KeysMRS._prepare
-    _fp8_ring = MLADecodeSm90KeysMRS._fp8_ring
-    _ring_partitions = MLADecodeSm90KeysM._ring_partitions
-    _load_page = MLADecodeSm90KeysM._load_page
-
-
 def main(argv: list[str]) -> None:
     mode = argv[0] if argv else "real"
-    classes = {"real": None, "ring64": LoadOnlyRing64, "pages": LoadOnly}
+    classes = {"real": None, "pages": LoadOnly}
     if mode not in classes:
         raise SystemExit(f"MODE is one of {sorted(classes)}, got {mode!r}")
     if classes[mode] is not None:

@@ -50,12 +50,11 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
-from cutlass.cute.nvgpu import cpasync, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, PAGE_SIZE
 from .decode_base import aligned
 from .ptx import (
-    L2_EVICT_FIRST,
     e4m3_row_factors,
     e4m3x4,
     fence_operand,
@@ -63,10 +62,15 @@ from .ptx import (
     sts,
     unpack16x2,
 )
-from .sm90_keysm_decode import N_TILES, PAGE_ELEMS, ring_slot
-from .sm90_keysm_rs_decode import NB_PAIR, MLADecodeSm90KeysMRS, page_row, q_unit, ring_offset
+from .sm90_keysm_decode import N_TILES, PAGE_ELEMS
+from .sm90_keysm_rs_decode import NB_PAIR, MLADecodeSm90KeysMRS, q_unit
 
-LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
+
+def sw64_offset(row, byte, rows):
+    """Byte offset of Q8's (row, latent byte) (n = rows rows): the wgmma's K-major e4m3 layout
+    with the 64-byte swizzle, 9 tiles of n rows x 64 bytes, the 16-byte unit ^= (row / 2) % 4."""
+    tile, b = byte // 64, byte % 64
+    return tile * rows * 64 + row * 64 + (((b // 16) ^ ((row >> 1) & 3)) * 16) + b % 16
 
 
 def flat_latent_of(k):
@@ -91,57 +95,10 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
     def _more_smem(self) -> dict:
         n = self.n_wg
         return dict(
-            sQ8=aligned(cutlass.Uint8, n * D_QK),  # Q in e4m3 (ring_offset with n rows)
+            sQ8=aligned(cutlass.Uint8, n * D_QK),  # Q in e4m3 (sw64_offset)
             sQScale=cute.struct.MemRange[Float32, n],  # each row's amax / 448
             sRunMax=cute.struct.MemRange[Float32, n * N_TILES],  # amax of (row, 64-wide group)
         )
-
-    # A ring stage is the page as the cache holds it (64 rows of 576 bytes, unswizzled), landed
-    # by one TMA box of 144 rows x 256 bytes: whole 128-byte lines.
-    row_bytes = D_QK
-
-    def _stage_offset(self, row, byte):
-        return row * D_QK + byte
-
-    def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
-        loads, extra = super()._prepare(mQ, mKV, fp8)
-        # The cache's pages as (256 bytes, 144 rows, pages): a page's 64 rows must be
-        # contiguous, 576 bytes apart: a contiguous cache of one KV head (the ops check the
-        # first; the dispatch sends only h_kv 1 here, dispatch.keysm_columns).
-        view = cute.make_tensor(mKV.iterator, cute.make_layout(
-            (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
-            stride=(1, LINE_BOX, mKV.layout.stride[0])))
-        box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
-        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(cpasync.CopyBulkTensorTileG2SOp(), view,
-                                                     box, (LINE_BOX, PAGE_ELEMS // LINE_BOX))
-        return loads._replace(kv_atom=tma_k, kv_view=tma_mKV), extra
-
-    @cute.jit
-    def _fp8_ring(self, storage):
-        """The ring as the TMA writes it: (256 bytes, 144 rows, stages)."""
-        k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
-        return cute.make_tensor(k8, cute.make_layout(
-            (LINE_BOX, PAGE_ELEMS // LINE_BOX, self.stages), stride=(1, LINE_BOX, PAGE_ELEMS)))
-
-    @cute.jit
-    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
-        """The TMA partitions of the ring's stages (TMA, stages) and the cache's pages (TMA,
-        pages): one box a page."""
-        g = cute.local_tile(tma_mKV, (LINE_BOX, PAGE_ELEMS // LINE_BOX), (0, 0, None))
-        return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
-                                     cute.group_modes(sK_tma, 0, 2), cute.group_modes(g, 0, 2))
-
-    @cute.jit
-    def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
-        """The producer warp: cache page `page` into the ring stage of use cnt[0] (one box),
-        once its last reader released it; cnt[0] += 1."""
-        s, parity = ring_slot(cnt[0], self.stages)
-        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
-        with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
-        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
-                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-        cnt[0] = cnt[0] + 1
 
     def _tiled_s(self):
         """S^T's tiled MMA: e4m3 x e4m3 -> fp32, A (the page) from registers, B (Q8^T) from
@@ -166,12 +123,6 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
         tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ8))  # (MMA, 1, 18)
         self.d_k_off = [(16 * wq + 8 * h + g) * D_QK + 16 * q for h in range(2)]
         return rK, tSrQ, None
-
-    def _key_row(self, key):
-        return key
-
-    def _pt_key(self, m):
-        return page_row(m)
 
     @cute.jit
     def _mma_s(self, ops, acc_S, s, ob, wq, lane):
@@ -240,7 +191,7 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
         if tidx < runs:
             q8 = self.d_storage.sQ8.data_ptr().toint()
             for u in cutlass.range_constexpr(4):
-                sts(q8 + ring_offset(row, 64 * c + 16 * u, n), out[4 * u:4 * u + 4])
+                sts(q8 + sw64_offset(row, 64 * c + 16 * u, n), out[4 * u:4 * u + 4])
             if c == 0:
                 scales[row] = scale
         cute.arch.fence_view_async_shared()

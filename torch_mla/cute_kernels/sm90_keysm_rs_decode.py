@@ -49,6 +49,7 @@ from ..constants import D_QK, D_V, KEYSM_RS_COLUMNS, PAGE_SIZE
 from . import softmax
 from .decode_base import TmaLoads, aligned, shared_struct
 from .ptx import (
+    L2_EVICT_FIRST,
     bar_arrive,
     bar_sync,
     bf16x2_to_f16x2,
@@ -62,10 +63,10 @@ from .ptx import (
 from .sm90_keysm_decode import (
     N_TILES,
     PAGE_ELEMS,
-    TILE_ELEMS,
     MLADecodeSm90KeysM,
     finite_bf16_max,
     q_f16_factors,
+    ring_slot,
     smem_layouts,
 )
 
@@ -92,22 +93,17 @@ def merge_floats(columns: int) -> int:
     return 4 * columns + columns // 2
 
 
+LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
+
+
 # ---- index arithmetic, modelled in Python (tests/test_keysm_rs.py checks it) ------------------
 
 
 def page_row(m):
-    """The page row of key m of S^T (its M index) and of P^T: bit 0 ^= bit 1 (an involution).
-    Makes O^T's loads (rows 2 q + {0, 1, 8, 9}) and S^T's (rows g, g + 8) conflict-free under the
-    ring's swizzle."""
+    """The page row of O^T's key m (its k index; P^T's key m): bit 0 ^= bit 1 (an involution).
+    A load phase of O^T (lanes q = 0..3 on key rows 2 q + o) then reads rows of both parities:
+    576-byte rows alternate bank halves, so the phase is 2-way conflicted instead of 4-way."""
     return m ^ ((m >> 1) & 1)
-
-
-def ring_offset(row, byte, rows=PAGE_SIZE):
-    """Byte offset of (page row, latent byte) in an fp8 ring stage: 9 tiles of 64 rows x 64 bytes,
-    4 KB apart, TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4). rows: another tile height
-    in the same layout (the fast mode's e4m3 Q: 9 tiles of n rows x 64 bytes)."""
-    tile, b = byte // 64, byte % 64
-    return tile * rows * 64 + row * 64 + (((b // 16) ^ ((row >> 1) & 3)) * 16) + b % 16
 
 
 def latent_of(k):
@@ -174,10 +170,17 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, mnmode, Float32, (1, 1, 1),
                                                     (PAGE_SIZE, n), rmem)
         mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
-        mKV_t = cute.make_tensor(mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, q_tile, (n, D_QK))
-        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, mKV_t, self._tile8(), (PAGE_SIZE, 64))
+        # The cache's pages as (256 bytes, 144 rows, pages): a page's 64 rows must be
+        # contiguous, 576 bytes apart: a contiguous cache of one KV head (the ops check the
+        # first; the dispatch sends only h_kv 1 here, dispatch.keysm_kind).
+        view = cute.make_tensor(mKV.iterator, cute.make_layout(
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
+            stride=(1, LINE_BOX, mKV.layout.stride[0])))
+        box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
+        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, view, box,
+                                                     (LINE_BOX, PAGE_ELEMS // LINE_BOX))
         i64 = cutlass.Int64
         self.shared_storage = shared_struct(
             sQ=aligned(dt, n * D_QK),
@@ -204,20 +207,32 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                                                  (PAGE_SIZE, self.n_wg),
                                                  warpgroup.OperandSource.RMEM)
 
-    @staticmethod
-    def _tile8():
-        """A ring tile as TMA writes it: 64 rows x 64 bytes, 64-byte swizzle."""
-        return cute.make_composed_layout(cute.make_swizzle(2, 4, 3), 0,
-                                         cute.make_layout((PAGE_SIZE, 64), stride=(64, 1)))
-
     @cute.jit
     def _fp8_ring(self, storage):
-        """The ring as the TMA writes it, (64 rows, 64 bytes, 1, 9 tiles, stages), swizzled."""
-        k8 = cute.recast_ptr(storage.sK8.data_ptr(), cute.make_swizzle(2, 4, 3),
-                             dtype=cutlass.Uint8)
+        """The ring as the TMA writes it: (256 bytes, 144 rows, stages)."""
+        k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
         return cute.make_tensor(k8, cute.make_layout(
-            (PAGE_SIZE, 64, 1, N_TILES, self.stages),
-            stride=(64, 1, 0, TILE_ELEMS, PAGE_ELEMS)))
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, self.stages), stride=(1, LINE_BOX, PAGE_ELEMS)))
+
+    @cute.jit
+    def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
+        """The TMA partitions of the ring's stages (TMA, stages) and the cache's pages (TMA,
+        pages): one box a page."""
+        g = cute.local_tile(tma_mKV, (LINE_BOX, PAGE_ELEMS // LINE_BOX), (0, 0, None))
+        return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
+                                     cute.group_modes(sK_tma, 0, 2), cute.group_modes(g, 0, 2))
+
+    @cute.jit
+    def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
+        """The producer warp: cache page `page` into the ring stage of use cnt[0] (one box),
+        once its last reader released it; cnt[0] += 1."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
+                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        cnt[0] = cnt[0] + 1
 
     # ---- the consumer's hooks -----------------------------------------------------------------
     @cute.jit
@@ -246,20 +261,19 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         rKa = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)  # (8, 1, 4)
         rKb = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)
         tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, 0]))  # (MMA, 1, 36)
-        # rows 16 wq + g (+ 8), unit q of each 64-byte group
-        self.d_k_off = [ring_offset(page_row(16 * wq + 8 * h + g), 16 * q) for h in range(2)]
+        # rows 16 wq + g (+ 8), bytes 16 q of each 64-byte group
+        self.d_k_off = [self._stage_offset(16 * wq + 8 * h + g, 16 * q) for h in range(2)]
         return rKa, rKb, tSrQ
 
-    # Bytes from a page row to the next in a ring stage, for _mma_o's steps of 8 and 16 rows
-    # (a tile's 64-byte rows; the swizzle repeats every 8 rows, so those steps keep it).
-    row_bytes = 64
+    # A ring stage is the page as the cache holds it: 64 rows of 576 bytes, unswizzled.
+    row_bytes = D_QK
 
     def _stage_offset(self, row, byte):
         """Byte offset of (page row, latent byte) in a ring stage."""
-        return ring_offset(row, byte)
+        return row * D_QK + byte
 
-    def _key_row(self, key):
-        return page_row(key)
+    def _pt_key(self, m):
+        return page_row(m)
 
     @cute.jit
     def _prepare_stage(self, s, valid, tidx, lane, bar_empty):
@@ -278,7 +292,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         for c in cutlass.range_constexpr(N_TILES):
             cur = x
             if const_expr(c + 1 < N_TILES):
-                x = [lds128(a[h] + (c + 1) * TILE_ELEMS) for h in range(2)]
+                x = [lds128(a[h] + (c + 1) * 64) for h in range(2)]
             buf = rKa if const_expr(c % 2 == 0) else rKb
             if const_expr(c >= 2):
                 warpgroup.wait_group(1)  # group c - 2, the last reader of buf, is done

@@ -99,15 +99,18 @@ def keysm_max_rows() -> int:
     return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
-def keysm_kind(columns: int, fp8: bool, compute: str = "exact") -> str:
+def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1) -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
-    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1 and it takes the columns (8, 16);
-    in fast mode (compute="fp8") that variant's fast mode."""
+    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1, it takes the columns (8, 16) and
+    the cache has one KV head (its pages are loaded as whole 36 KB blocks, which h_kv > 1
+    interleaves); in fast mode (compute="fp8") that variant's fast mode."""
     if not fp8:
         return "sm90_keysm"
     if compute == "fp8":
         return "sm90_keysm_fast"
-    return "sm90_keysm_rs" if columns in KEYSM_RS_COLUMNS and keysm_rs_on() else "sm90_keysm_fp8"
+    if columns in KEYSM_RS_COLUMNS and h_kv == 1 and keysm_rs_on():
+        return "sm90_keysm_rs"
+    return "sm90_keysm_fp8"
 
 
 def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool = False,
@@ -338,7 +341,7 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     rows = s_q * g
     columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
     if columns:
-        step = STEPS[keysm_kind(columns, scales is not None, compute)](
+        step = STEPS[keysm_kind(columns, scales is not None, compute, h_kv)](
             out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
         step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
