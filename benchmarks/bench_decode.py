@@ -290,8 +290,9 @@ def main(argv=None):
                     help="with --sparse-kernels: only these h_q (comma-separated)")
     ap.add_argument("--keysm", action="store_true",
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
-                         "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64) in the same run, with its "
-                         "error against the reference")
+                         "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64; over an fp8 cache "
+                         "TORCH_MLA_KEYSM_RS=0, not its ping-pong variant) in the same run, with "
+                         "its error against the reference")
     ap.add_argument("--rs", action="store_true",
                     help="with --keysm --fp8: also the ping-pong keys-on-M kernel "
                          "(TORCH_MLA_KEYSM_RS=1) where it takes the shape")
@@ -331,6 +332,7 @@ def main(argv=None):
               f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {ratio:.3f} | {err:.1e} |")
         if args.keysm:
             os.environ["TORCH_MLA_KEYSM"] = "1"
+            os.environ["TORCH_MLA_KEYSM_RS"] = "0"  # (the keys-on-M kernel at every batch)
             k_us = float("nan")
             try:
                 k_us, _, k_gbps, k_err, _ = run_config(*cfg, check=check, fp8=args.fp8)
@@ -352,10 +354,11 @@ def main(argv=None):
                 except AssertionError as e:
                     print(f"|   | ping-pong keys-on-M: {e} |")
                 finally:
-                    os.environ.pop("TORCH_MLA_KEYSM_RS")
+                    os.environ["TORCH_MLA_KEYSM_RS"] = "0"
             if args.fast and args.fp8:
                 fast_lines(cfg, check, us, k_us, rs_rows)
             os.environ["TORCH_MLA_KEYSM"] = "0"
+            os.environ.pop("TORCH_MLA_KEYSM_RS")
         if args.breakdown:
             inp = make_anchor_inputs(b, s_q, h_q, s_k)
             sched = torch_mla.get_decode_schedule(inp.cache_seqlens, s_q, h_q)

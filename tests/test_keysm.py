@@ -397,8 +397,10 @@ sm90 = pytest.mark.skipif(not torch.cuda.is_available()
 
 @pytest.fixture
 def keysm(monkeypatch):
-    """TORCH_MLA_KEYSM=1, and a count of the keys-on-M steps launched by (kind, columns)."""
+    """TORCH_MLA_KEYSM=1 (TORCH_MLA_KEYSM_RS=0: over an e4m3 cache the keys-on-M kernel
+    itself at every batch), and a count of the keys-on-M steps launched by (kind, columns)."""
     monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "0")
     for name in ("TORCH_MLA_FORCE_REFERENCE", "TORCH_MLA_PORTABLE"):
         monkeypatch.delenv(name, raising=False)
     launched = {}

@@ -10,7 +10,7 @@ from expecttest import assert_expected_inline
 from test_keysm import BYTE_OF, keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
 from test_keysm import run_and_check as keysm_check
 
-from torch_mla.constants import KEYSM_RS_COLUMNS
+from torch_mla.constants import KEYSM_RS_COLUMNS, KEYSM_RS_MIN_BATCH
 from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
     d_of,
     latent_of,
@@ -174,19 +174,27 @@ n 8: Q 0, A 0 wrong
 n 16: Q 0, A 0 wrong""")
 
 
-def test_dispatch_flag(monkeypatch):
-    """TORCH_MLA_KEYSM_RS=1 (read at each call) sends an e4m3 cache's keys-on-M steps of 8 or
-    16 columns and one KV head to this kernel; without it, or at 32 columns, or over a 16-bit
-    cache or several KV heads, the keys-on-M steps run."""
+def test_dispatch_choice(monkeypatch):
+    """An e4m3 cache's keys-on-M steps of 8 or 16 columns and one KV head run this kernel from a
+    batch of KEYSM_RS_MIN_BATCH (read at each call: TORCH_MLA_KEYSM_RS=1 at any batch, =0
+    never); at 32 columns, over a 16-bit cache or several KV heads the keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
-    got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
-    assert got == ["sm90_keysm", "sm90_keysm_fp8"] * 3
-    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
-    got = [dispatch.keysm_kind(n, f) for n in (8, 16, 32) for f in (False, True)]
-    assert got == ["sm90_keysm", "sm90_keysm_rs"] * 2 + ["sm90_keysm", "sm90_keysm_fp8"]
-    assert all(k in dispatch.STEPS for k in got)
+    rs = ["sm90_keysm", "sm90_keysm_rs"] * 2 + ["sm90_keysm", "sm90_keysm_fp8"]
+    plain = ["sm90_keysm", "sm90_keysm_fp8"] * 3
+
+    def kinds(batch):
+        return [dispatch.keysm_kind(n, f, "exact", 1, batch) for n in (8, 16, 32)
+                for f in (False, True)]
+
+    assert kinds(KEYSM_RS_MIN_BATCH) == kinds(128) == rs
+    assert kinds(KEYSM_RS_MIN_BATCH - 1) == kinds(1) == plain
+    assert all(k in dispatch.STEPS for k in rs + plain)
     # (a cache of several KV heads interleaves a page's rows: the keys-on-M fp8 step)
-    assert dispatch.keysm_kind(16, True, "exact", h_kv=2) == "sm90_keysm_fp8"
+    assert dispatch.keysm_kind(16, True, "exact", 2, 128) == "sm90_keysm_fp8"
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
+    assert kinds(1) == rs
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "0")
+    assert kinds(128) == plain
 
 
 # ---- on an SM90 GPU (test_keysm.py's fixture and check, with TORCH_MLA_KEYSM_RS=1) ------------

@@ -23,6 +23,10 @@ KEYSM_DEFAULT_ROWS = 32
 # The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
 # columns.
 KEYSM_RS_COLUMNS = (8, 16)
+# The ping-pong variant is the exact mode's default from this batch on (below it the keys-on-M
+# kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md "Kernel
+# choice over an e4m3 cache").
+KEYSM_RS_MIN_BATCH = 8
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
 META_BEGIN_REQ = 0  # first request of the part

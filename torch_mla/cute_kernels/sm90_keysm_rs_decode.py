@@ -16,11 +16,17 @@ Here neither happens:
     conversions and softmax run under the other warpgroup's MMAs, with no barrier between them
     within a segment.
 
-Orders, chosen so that every shared-memory load is a conflict-free 16-byte one
-(tests/test_keysm_rs.py checks them against the DSL's fragment layouts and counts bank
+The ring holds whole-line pages: one TMA box of 144 rows x 256 bytes lands a page (64 rows of
+576 bytes, as the cache holds it: 36 KB of whole 128-byte lines), unswizzled. (Until session 22
+it held 9 tiles of 64 rows x 64 bytes with TMA's 64-byte swizzle, every other one straddling two
+lines: 3.5-4% slower on the memory-bound rows, docs/kernels/keysm.md "Whole-line pages".)
+
+Orders (tests/test_keysm_rs.py checks them against the DSL's fragment layouts and counts bank
 conflicts):
-  - The ring lands with TMA's 64-byte swizzle (16-byte unit ^= (row / 2) % 4 in a 64-byte row).
-  - Keys: S^T's row m (and P^T's key m) is page row page_row(m) (bit 0 ^= bit 1).
+  - Keys: S^T's row m is page row m; P^T's key (O^T's k) m is page row page_row(m) (bit 0 ^=
+    bit 1, an involution: the consumer writes S^T's row m to P^T's key page_row(m), _pt_key).
+    S^T's loads (rows g, g + 8, 576 bytes apart: rows alternate bank halves) are conflict-free;
+    O^T's are 2-way conflicted, the least without a swizzle (4-way without page_row).
   - Latent (S^T's k): a thread's 16 bytes of a 64-wide group are four k-steps of its fragment
     (logical k 16 jj + 2 q + {0, 1, 8, 9} for k-step jj and lane % 4 = q), so Q is permuted to
     match (latent_of) when it is converted, once a segment.
@@ -30,11 +36,11 @@ Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-o
 fp16 q is only permuted. P is written in f16.
 
 Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8 or 16 columns (query rows a CTA);
-one latent head per launch; the ring has an even number of stages (rs_stages). Status: run on
-the H200 in session 20 (GPU tests, memcheck, CUDA-graph replays, each on this version or one
-differing only as docs/kernels/keysm.md "Ping-pong variant" says; fp16 q's barrier in _q_ready
-added after the device time was spent, compiled only); opt-in (TORCH_MLA_KEYSM_RS=1):
-0.76-0.80x the keys-on-M kernel's time on the memory-bound rows, slower on small batches.
+one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); the ring has an even
+number of stages (rs_stages). Status: the whole-line version ran on the H200 in session 22 (GPU
+tests, memcheck, fuzz 2000 cases, CUDA-graph replays); the dispatch's choice in exact mode from
+a batch of KEYSM_RS_MIN_BATCH (8; TORCH_MLA_KEYSM_RS=1: every batch, =0: never): 0.73-0.79x the
+keys-on-M kernel's time on the memory-bound rows, up to 1.19x it at b 1.
 """
 
 from __future__ import annotations

@@ -36,6 +36,7 @@ from ..constants import (
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
     KEYSM_RS_COLUMNS,
+    KEYSM_RS_MIN_BATCH,
     LOG2_E,
     PAGE_SIZE,
 )
@@ -85,8 +86,10 @@ portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 keysm_wide = _env_flag("TORCH_MLA_KEYSM")
 _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 # Its ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py), where the
-# columns are in KEYSM_RS_COLUMNS: TORCH_MLA_KEYSM_RS=1 (opt-in while it is measured).
-keysm_rs_on = _env_flag("TORCH_MLA_KEYSM_RS")
+# columns are in KEYSM_RS_COLUMNS: from a batch of KEYSM_RS_MIN_BATCH by default;
+# TORCH_MLA_KEYSM_RS=1 at every batch, TORCH_MLA_KEYSM_RS=0 never.
+keysm_rs_always = _env_flag("TORCH_MLA_KEYSM_RS")
+keysm_rs_off = _env_flag("TORCH_MLA_KEYSM_RS", "0")
 # Its fast mode (compute="fp8", cute_kernels/sm90_keysm_fast_decode.py) for bf16/fp16 q where
 # s_q * h_q <= 16, by default (faster than the heads-on-M fast mode on every row measured:
 # docs/kernels/keysm.md "Fast mode"); TORCH_MLA_KEYSM_FAST=0 (or TORCH_MLA_KEYSM=0): never.
@@ -99,17 +102,20 @@ def keysm_max_rows() -> int:
     return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
-def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1) -> str:
+def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
+               batch: int = KEYSM_RS_MIN_BATCH) -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
-    cache its ping-pong variant where TORCH_MLA_KEYSM_RS=1, it takes the columns (8, 16) and
-    the cache has one KV head (its pages are loaded as whole 36 KB blocks, which h_kv > 1
-    interleaves); in fast mode (compute="fp8") that variant's fast mode."""
+    cache its ping-pong variant where it takes the columns (8, 16), the cache has one KV head
+    (its pages are loaded as whole 36 KB blocks, which h_kv > 1 interleaves) and ``batch``
+    (requests) is at least KEYSM_RS_MIN_BATCH (TORCH_MLA_KEYSM_RS=1: at any batch, =0: never);
+    in fast mode (compute="fp8") that variant's fast mode."""
     if not fp8:
         return "sm90_keysm"
     if compute == "fp8":
         return "sm90_keysm_fast"
-    if columns in KEYSM_RS_COLUMNS and h_kv == 1 and keysm_rs_on():
-        return "sm90_keysm_rs"
+    if columns in KEYSM_RS_COLUMNS and h_kv == 1:
+        if keysm_rs_always() or (batch >= KEYSM_RS_MIN_BATCH and not keysm_rs_off()):
+            return "sm90_keysm_rs"
     return "sm90_keysm_fp8"
 
 
@@ -341,7 +347,7 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     rows = s_q * g
     columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
     if columns:
-        step = STEPS[keysm_kind(columns, scales is not None, compute, h_kv)](
+        step = STEPS[keysm_kind(columns, scales is not None, compute, h_kv, b)](
             out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
         step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
