@@ -262,3 +262,18 @@ def test_load_only_tool_refuses_a_shared_cache(monkeypatch):
         with pytest.raises(SystemExit):
             keysm_load_only.main(argv)
     assert fast.MLADecodeSm90KeysMFast is shipped
+
+
+def test_fast_mode_error_tool_on_cpu(capsys):
+    """tools/fast_mode_error.py on a CPU: mla_decode is the reference there (its error 0); the
+    emulations run, P in f16 far closer to the reference than P in e4m3."""
+    from tools import fast_mode_error
+
+    fast_mode_error.main(["--device", "cpu", "--lengths", "200", "--heads", "8"])
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| 8 |")]
+    assert len(rows) == 2  # plain, outliers
+    for r in rows:
+        assert r[5].strip() == "0.00 / 0.00 / 0.00"
+        e4m3, f16 = float(r[6]), float(r[8])
+        assert 0 < f16 < e4m3 / 2, r
