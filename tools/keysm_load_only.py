@@ -21,6 +21,7 @@ import sys
 import cutlass.cute as cute
 
 from torch_mla.cute_kernels import sm90_keysm_fast_decode as fast
+from torch_mla.cute_kernels.sm90_keysm_decode import ring_slot
 
 ROWS = ["128,1,8192,16", "64,1,16384,16", "16,1,32768,16"]
 
@@ -31,8 +32,8 @@ class LoadOnly(fast.MLADecodeSm90KeysMFast):
     @cute.jit
     def _block(self, blk, valid, L, col0, min_border, scale_log2, cnt, tidx, wg, wq, lane, ops,
                acc_S, acc_O, rP, m_run, l_run, sMax, bar_full, bar_empty):
-        s, full, parity = self._full_slot(cnt[0])
-        cute.arch.mbarrier_wait(bar_full + full, parity)
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_full + s, parity)
         cute.arch.sync_warp()
         if lane == 0:
             cute.arch.mbarrier_arrive(bar_empty + s)

@@ -238,8 +238,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # Two consumer warpgroups on alternate pages of the same columns, merged at a segment's end
     # (sm90_keysm_rs_decode.py).
     pingpong = False
-    # full barriers a ring stage (the ping-pong variant: one per warpgroup, _full_slot)
-    full_per_stage = 1
     # softmax.online_max's threshold: a column's max is raised only past it (log2 units; P then
     # stays below 2^max_slack) and O^T is rescaled only where a warp's max moved; None: always.
     max_slack = None
@@ -373,9 +371,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
             cpasync.prefetch_descriptor(tma_q)
             if const_expr(tma_k is not None):
                 cpasync.prefetch_descriptor(tma_k)
-            for i in cutlass.range_constexpr(self.stages * self.full_per_stage):
-                cute.arch.mbarrier_init(bar_full + i, self.k_arrivals)
             for i in cutlass.range_constexpr(self.stages):
+                cute.arch.mbarrier_init(bar_full + i, self.k_arrivals)
                 cute.arch.mbarrier_init(bar_empty + i, 4 * self.consumers)
             cute.arch.mbarrier_init(bar_q, 1)
             cute.arch.mbarrier_init(bar_q + 1, 4 * self.wgs)
@@ -596,12 +593,6 @@ class MLADecodeSm90KeysM(DecodeKernel):
             f = self._q_to_f16(wg, wq, lane, wtid)
         return [f] * (self.n_wg // 4)
 
-    def _full_slot(self, count):
-        """The ring stage of the count-th page, its full barrier's index and the parity of the
-        phase that use waits for (ring_slot)."""
-        s, parity = ring_slot(count, self.stages)
-        return s, s, parity
-
     def _key_row(self, key):
         """The page row (key) of S^T's row `key` and P^T's key `key`: the same here."""
         return key
@@ -675,8 +666,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         lives in the register tensors (cnt, acc_O, m_run, l_run)."""
         n_wg = self.n_wg
         ncol = n_wg // 4
-        s, full, parity = self._full_slot(cnt[0])
-        cute.arch.mbarrier_wait(bar_full + full, parity)
+        s, parity = ring_slot(cnt[0], self.stages)
+        cute.arch.mbarrier_wait(bar_full + s, parity)
         # (read while the stage is ours: an fp8 stage is released before the mask below)
         entry_bias = self._entry_bias(s, wq, lane)
         if const_expr(self.cp_async_tiles and not self.kv_fp8):

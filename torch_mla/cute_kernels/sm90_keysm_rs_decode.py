@@ -81,35 +81,22 @@ NB_PAIR = 4  # both consumer warpgroups: Q's largest magnitude shared, then Q co
 NB_MERGE = 5  # the second warpgroup's O^T, maxima, sums are in sMerge (it arrives, the first waits)
 
 
-NB_MERGE_READ = 6  # the first warpgroup has read a merge round (it arrives, the second waits)
-RS_STAGES = 5  # fp8 ring stages (36 KB each); odd rings work with a full barrier per warpgroup
-
-
-def pingpong_slot(count, stages: int):
-    """(ring stage, full barrier index, parity) of the count-th page. The warpgroups take pages
-    by the page count's parity, and each stage has a full barrier per warpgroup (2 s + wg), on
-    which the producer's TMA of a page arrives: a warpgroup's barrier then sees only its own
-    pages, the lap-th of them at that stage waiting for parity lap % 2 (lap: the count over
-    lcm(stages, 2)). One full barrier a stage works for an even ring only (each stage then
-    serves one warpgroup); with an odd one a warpgroup a lap ahead would wait for its parity
-    while the other's phase of the stage is still open, and pass on the phase before
-    (tests/test_keysm.py, test_ring_protocol_pingpong; seen on the H200 in session 20)."""
-    lap = stages if stages % 2 == 0 else 2 * stages
-    s = count % stages
-    return s, 2 * s + count % 2, (count // lap) % 2
+def rs_stages(columns: int) -> int:
+    """fp8 ring stages (36 KB each) beside Q, two P^T tiles, the merge buffer and the column
+    maxima in 227 KB, an even number (4 at 8 and 16 columns): the warpgroups take pages by the
+    page count's parity, so each stage then serves one warpgroup. With an odd ring a stage
+    alternates between them and a warpgroup a lap ahead waits for its parity while the other's
+    phase is still open: the wait passes on the phase before (tests/test_keysm.py,
+    test_ring_protocol_pingpong; the 5-stage variant failed on the H200)."""
+    fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + merge_floats(columns) * 128 * 4
+             + 16 * columns * 4 + 2048)
+    return min(4, (227 * 1024 - fixed) // PAGE_ELEMS // 2 * 2)
 
 
 def merge_floats(columns: int) -> int:
-    """Floats a consumer thread hands over at a segment's end: the running max and partial sum
-    of each of its columns, then its O^T values (512 x columns / 128)."""
+    """Floats a consumer thread hands over at a segment's end: its O^T values (512 x columns /
+    128), then the running max and partial sum of each of its columns."""
     return 4 * columns + columns // 2
-
-
-def merge_round(k: int, rounds: int, columns: int) -> range:
-    """The floats (merge_floats' order) of merge round k of `rounds`: sMerge holds one round's
-    floats of every thread, so fewer bytes at more rounds."""
-    per = -(-merge_floats(columns) // rounds)
-    return range(k * per, min((k + 1) * per, merge_floats(columns)))
 
 
 LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
@@ -164,7 +151,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     warpgroups; see the module docstring."""
 
     pingpong = True
-    full_per_stage = 2  # one per warpgroup (pingpong_slot)
     # P < 2^8 in f16; most pages then skip O^T's rescale (64 multiplies a thread at 16 columns)
     max_slack = 8.0
 
@@ -176,8 +162,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # 288 threads ptxas caps every thread at 168 registers and spills)
         self.num_threads = 3 * 128
         self.regs = (40, 232)  # (the producer spills at 24)
-        self.stages = RS_STAGES
-        self.merge_rounds = 1  # (_prepare: the fewest that fit)
+        self.stages = rs_stages(columns)
         self.buffers = 0  # no 16-bit page buffer
 
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
@@ -203,23 +188,19 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, view, box,
                                                      (LINE_BOX, PAGE_ELEMS // LINE_BOX))
         i64 = cutlass.Int64
-        for rounds in range(1, merge_floats(n) + 1):  # the fewest merge rounds that fit
-            self.merge_rounds = rounds
-            self.shared_storage = shared_struct(
-                sQ=aligned(dt, n * D_QK),
-                sP=aligned(dt, 2 * n * PAGE_SIZE),
-                sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
-                sMerge=aligned(Float32, 128 * len(merge_round(0, rounds, n))),
-                sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
-                barFull=cute.struct.MemRange[i64, 2 * self.stages],
-                barEmpty=cute.struct.MemRange[i64, self.stages],
-                barQ=cute.struct.MemRange[i64, 2],
-                sQmax=cute.struct.MemRange[Int32, 8],
-                **self._more_smem(),
-            )
-            size = self.shared_storage.size_in_bytes()
-            if size <= 227 * 1024:
-                break
+        self.shared_storage = shared_struct(
+            sQ=aligned(dt, n * D_QK),
+            sP=aligned(dt, 2 * n * PAGE_SIZE),
+            sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
+            sMerge=aligned(Float32, 128 * merge_floats(n)),
+            sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
+            barFull=cute.struct.MemRange[i64, self.stages],
+            barEmpty=cute.struct.MemRange[i64, self.stages],
+            barQ=cute.struct.MemRange[i64, 2],
+            sQmax=cute.struct.MemRange[Int32, 8],
+            **self._more_smem(),
+        )
+        size = self.shared_storage.size_in_bytes()
         assert size <= 227 * 1024, size
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, self._tiled_s(), tiled_o)
@@ -250,19 +231,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _load_page(self, tma_k, tKgK, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
         """The producer warp: cache page `page` into the ring stage of use cnt[0] (one box),
-        once its last reader released it, arriving on the full barrier of the page's warpgroup;
-        cnt[0] += 1."""
+        once its last reader released it; cnt[0] += 1."""
         s, parity = ring_slot(cnt[0], self.stages)
-        _, full, _ = pingpong_slot(cnt[0], self.stages)
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
         with cute.arch.elect_one():
-            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + full, page_bytes)
-        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + full,
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
                   cache_policy=cutlass.Int64(L2_EVICT_FIRST))
         cnt[0] = cnt[0] + 1
-
-    def _full_slot(self, count):
-        return pingpong_slot(count, self.stages)
 
     # ---- the consumer's hooks -----------------------------------------------------------------
     @cute.jit
@@ -452,51 +428,35 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,
                          m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc):
-        """The segment's end: the second warpgroup hands its maxima, partial sums and O^T over
-        (sMerge, thread by thread, in merge_rounds rounds: named barrier 5 when a round is
-        written, 6 when it is read); the first merges them into its own (the split-KV rule:
+        """The segment's end: the second warpgroup hands its O^T, maxima and partial sums over
+        (sMerge, thread by thread); the first merges them into its own (the split-KV rule:
         each side times 2^(its max - the larger)) and stores through _epilogue."""
         ncol = self.n_wg // 4
-        rounds = self.merge_rounds
-        per = len(merge_round(0, rounds, self.n_wg))
-        sM = self.d_storage.sMerge.get_tensor(cute.make_layout((per, 128), stride=(1, per)))
+        nf = merge_floats(self.n_wg)
+        sM = self.d_storage.sMerge.get_tensor(cute.make_layout((nf, 128), stride=(1, nf)))
         n_o = cute.size(acc_O)
-        per_tile = n_o // (D_V // 64)
-        # each side's factor per column (registers: set in one round, used in later ones)
-        f0 = cute.make_rmem_tensor(ncol, Float32)
-        f1 = cute.make_rmem_tensor(ncol, Float32)
-        for k in cutlass.range_constexpr(rounds):
-            part = merge_round(k, rounds, self.n_wg)
-            if wg == 1:
-                if const_expr(k > 0):
-                    bar_sync(NB_MERGE_READ, 256)
-                for x in cutlass.range_constexpr(part.start, part.stop):
-                    if const_expr(x < ncol):
-                        sM[x - part.start, wtid] = m_run[x]
-                    elif const_expr(x < 2 * ncol):
-                        sM[x - part.start, wtid] = l_run[x - ncol]
-                    else:
-                        sM[x - part.start, wtid] = acc_O[x - 2 * ncol]
-                bar_arrive(NB_MERGE, 256)
-            else:
-                bar_sync(NB_MERGE, 256)
-                for x in cutlass.range_constexpr(part.start, part.stop):
-                    v = sM[x - part.start, wtid]
-                    if const_expr(x < ncol):
-                        m_new, m_use, f_own = softmax.online_max(m_run[x], v)
-                        f0[x] = f_own
-                        f1[x] = cute.math.exp2(v - m_use, fastmath=True)
-                        m_run[x] = m_new
-                        l_run[x] = l_run[x] * f0[x]
-                    elif const_expr(x < 2 * ncol):
-                        l_run[x - ncol] = l_run[x - ncol] + v * f1[x - ncol]
-                    else:
-                        i = x - 2 * ncol
-                        jc = 2 * (i % per_tile // 4) + i % per_tile % 2
-                        acc_O[i] = acc_O[i] * f0[jc] + v * f1[jc]
-                if const_expr(k + 1 < rounds):
-                    bar_arrive(NB_MERGE_READ, 256)
-        if wg == 0:
+        if wg == 1:
+            for i in cutlass.range_constexpr(n_o):
+                sM[i, wtid] = acc_O[i]
+            for jc in cutlass.range_constexpr(ncol):
+                sM[n_o + jc, wtid] = m_run[jc]
+                sM[n_o + ncol + jc, wtid] = l_run[jc]
+            bar_arrive(NB_MERGE, 256)
+        else:
+            bar_sync(NB_MERGE, 256)
+            f0 = [None] * ncol
+            f1 = [None] * ncol
+            for jc in cutlass.range_constexpr(ncol):
+                m1 = sM[n_o + jc, wtid]
+                m_new, m_use, f0[jc] = softmax.online_max(m_run[jc], m1)
+                f1[jc] = cute.math.exp2(m1 - m_use, fastmath=True)
+                m_run[jc] = m_new
+                l_run[jc] = l_run[jc] * f0[jc] + sM[n_o + ncol + jc, wtid] * f1[jc]
+            per_tile = n_o // (D_V // 64)
+            for i in cutlass.range_constexpr(n_o):
+                v = i % per_tile
+                jc = 2 * (v // 4) + v % 2
+                acc_O[i] = acc_O[i] * f0[jc] + sM[i, wtid] * f1[jc]
             self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, 0, wq, lane, acc_O, m_run,
                            l_run, sMax, mO, mLSE, mOacc, mLSEacc)
 
