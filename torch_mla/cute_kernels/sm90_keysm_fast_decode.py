@@ -16,13 +16,13 @@ takes amax / 448. That is the only rounding this mode adds to exact mode: the ca
 P and the accumulation are as the ping-pong variant has them (P in f16, V exact, fp32 sums), so
 its error is Q's e4m3 rounding (2^-4 relative a value) through the scores.
 
-The ring holds whole-line pages: one TMA box of 144 rows x 256 bytes lands a page (64 rows of
-576 bytes, as the cache holds it: 36 KB of whole 128-byte lines) unswizzled. The ping-pong's
-64-byte-wide swizzled tiles read half lines, every other one straddling two (576-byte rows);
-loading alone, that ring is 4% slower (docs/kernels/keysm.md, "What bounds it").
+The ring is the ping-pong's (since session 22; this variant had it first): whole-line pages, one
+TMA box of 144 rows x 256 bytes a page (64 rows of 576 bytes, as the cache holds it: 36 KB of
+whole 128-byte lines), unswizzled. 64-byte-wide swizzled tiles read half lines, every other one
+straddling two; loading alone, that ring was 4% slower (docs/kernels/keysm.md, "What bounds it").
 
-Orders (tests/test_keysm_fast.py checks them against the DSL's fragment and counts bank
-conflicts):
+Orders (tests/test_keysm_fast.py and test_keysm_rs.py check them against the DSL's fragments
+and count bank conflicts):
   - S^T's row m is page row m. A thread (lane % 4 = q) loads 16 bytes of each 64-byte group c
     of its rows g, g + 8: rows 576 bytes apart alternate bank halves, so these loads are
     conflict-free. Its words 2 h and 2 h + 1 are its registers of k-step 2 c + h as they are,
@@ -35,13 +35,11 @@ conflicts):
 Limits: as the ping-pong variant (e4m3 cache, 8 or 16 columns, page 64, d 576 / 512), with
 bf16 or fp16 q (an e4m3 q runs the heads-on-M fast mode) and one KV head (a page's rows must
 be contiguous: dispatch.keysm_columns). An inf in q makes its row NaN (as the heads-on-M fast
-mode). Status (session 21): compiled for sm_90a (CI checks its PTX); this version ran its GPU
-tests on the H200 (tests/test_keysm_fast.py: grid, varlen, page edges, data, CUDA-graph
-replays), not yet memcheck or fuzz (the first version, S^T from shared memory over the
-ping-pong's ring, passed both), nor the zero-row fix (e4m3_row_factors, compiled only); the
-dispatch's choice in fast mode where s_q * h_q <= 16
-(TORCH_MLA_KEYSM_FAST=0: never). docs/kernels/keysm.md, "Fast mode on the ping-pong variant",
-has its speed.
+mode). Status: compiled for sm_90a (CI checks its PTX); run on the H200 in session 22
+(tests/test_keysm_fast.py: grid, varlen, page edges, data, the zero query row, CUDA-graph
+replays; compute-sanitizer memcheck; `fuzz_decode --fast`: every case it took passed); the
+dispatch's choice in fast mode where s_q * h_q <= 16 (TORCH_MLA_KEYSM_FAST=0: never).
+docs/kernels/keysm.md, "Fast mode on the ping-pong variant", has its speed.
 """
 
 from __future__ import annotations
