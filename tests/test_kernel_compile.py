@@ -190,7 +190,7 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
 
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
 def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
-    """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py, opt-in): per page 36 + 32
+    """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py): per page 36 + 32
     wgmma m64nNk16 f16 with A from registers, S^T's 144 and O^T's 128 conversions a thread (the
     page converted once for each MMA) and O^T's 64 byte pairings (prmt), one TMA box a page and
     9 tiles for Q, setmaxnreg (two consumer warpgroups and a producer warpgroup), no local memory

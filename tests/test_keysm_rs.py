@@ -32,21 +32,34 @@ def test_orders_are_bijections():
                   for wq, lane in LANES if lane % 4 == 0) == list(range(512))
 
 
+def rs_kernels():
+    """The ping-pong kernel and its fast subclass, as objects (their index hooks are Python)."""
+    import cutlass
+
+    from torch_mla.cute_kernels.sm90_keysm_fast_decode import MLADecodeSm90KeysMFast
+    from torch_mla.cute_kernels.sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
+
+    return [cls(cutlass.BFloat16, False, 16) for cls in (MLADecodeSm90KeysMRS,
+                                                          MLADecodeSm90KeysMFast)]
+
+
 def test_s_operand_reads_its_fragment():
     """S^T's A, word w of k-step j = 4 c + jj (the fragment's row m = 16 wq + g + 8 (w % 2),
-    k = 16 j + 2 q + 8 (w // 2) + {0, 1}): the kernel loads 16 bytes of page row m (576 bytes a
-    row in the ring stage) at 64 c + 16 q and takes half w // 2 of word jj; that is the cache's
-    latent_of(k) of that row."""
+    k = 16 j + 2 q + 8 (w // 2) + {0, 1}): the kernel loads 16 bytes at _stage_offset(16 wq +
+    8 h + g, 16 q) plus 64 c (_s_operands, _mma_s) and takes half w // 2 of word jj; that is
+    the cache's latent_of(k) of S^T's row m's page row (_key_row)."""
+    kern = rs_kernels()[0]
     for wq, lane in LANES:
         g, q = lane // 4, lane % 4
         for w in range(4):
             m = 16 * wq + g + 8 * (w % 2)
+            load = kern._stage_offset(m, 16 * q)
             for j in range(36):
                 c, jj = j // 4, j % 4
                 for i in range(2):
                     k = 16 * j + 2 * q + 8 * (w // 2) + i
-                    at = m * 576 + 64 * c + 16 * q + 4 * jj + 2 * (w // 2) + i
-                    assert at == m * 576 + latent_of(k)
+                    at = load + 64 * c + 4 * jj + 2 * (w // 2) + i
+                    assert at == kern._stage_offset(kern._key_row(m), latent_of(k))
 
 
 def test_q_permutation_stores():
@@ -73,25 +86,29 @@ def test_q_units(n):
 
 def test_v_operand_rows_and_columns():
     """O^T's A for k-step ks, m-tile t: words 2 e + hh are (d row g + 8 hh, keys 2 q + 8 e +
-    {0, 1}); the kernel pairs byte 2 t + hh of the rows page_row(16 ks + 8 e + 2 q + o),
-    o = 0, 1, at the thread's chunk: cache column d_of(t, hh), as the epilogue stores it. Its
-    row offsets are those of rows page_row(2 q + o) plus (16 ks + 8 e) rows."""
+    {0, 1}); the kernel pairs byte 2 t + hh of its loads at d_v_off[o] (_stage_offset of page
+    row page_row(2 q + o), the thread's chunk) plus (16 ks + 8 e) row_bytes: the page row
+    page_row(16 ks + 8 e + 2 q + o) at cache column d_of(t, hh), as the epilogue stores it."""
+    kern = rs_kernels()[0]
     for wq, lane in LANES:
         g, q = lane // 4, lane % 4
-        for ks in range(4):
-            for e in range(2):
-                for o in range(2):
+        for o in range(2):
+            base = kern._stage_offset(page_row(2 * q + o), v_chunk(wq, g))
+            for ks in range(4):
+                for e in range(2):
                     row = page_row(16 * ks + 8 * e + 2 * q + o)
-                    assert row == 16 * ks + 8 * e + page_row(2 * q + o)
                     for t in range(8):
                         for hh in range(2):
-                            assert v_chunk(wq, g) + 2 * t + hh == d_of(t, hh, wq, g)
+                            at = base + (16 * ks + 8 * e) * kern.row_bytes + 2 * t + hh
+                            assert at == kern._stage_offset(row, d_of(t, hh, wq, g))
 
 
 def test_pt_key_pairs_s_rows_with_v_rows():
-    """S^T's row m is page row m; P^T's key page_row(m) (_pt_key) meets V^T's row
-    page_row(page_row(m)) in O^T: the same page row."""
-    assert all(page_row(page_row(m)) == m for m in range(64))
+    """S^T's row m is written to P^T's key _pt_key(m); O^T's key k reads page row page_row(k);
+    that must be S^T's row m's page row (_key_row), in both variants."""
+    for kern in rs_kernels():
+        assert all(page_row(kern._pt_key(m)) == kern._key_row(m) for m in range(64))
+        assert [kern._key_row(m) for m in range(64)] == list(range(64))
 
 
 def bank_groups(addresses):

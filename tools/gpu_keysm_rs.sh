@@ -14,8 +14,8 @@
 #   bench_bf16, bench_fp8
 #               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs, one process
 #               each, same machine start: the memory-bound rows and the small-batch ones where the
-#               variant loses (the reason it is opt-in); each row's "ping-pong" line against its
-#               keys-on-M line
+#               variant loses (the dispatch takes it from a batch of 8); each row's "ping-pong"
+#               line against its keys-on-M line
 #   ncu         the b 128, s_k 8192, h_q 16 row's warp states and instruction mix
 # Success: every stage rc=0, "N passed", "ERROR SUMMARY: 0 errors", rel err ~1e-4 or below.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish

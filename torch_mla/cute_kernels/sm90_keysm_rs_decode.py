@@ -19,7 +19,7 @@ Here neither happens:
 The ring holds whole-line pages: one TMA box of 144 rows x 256 bytes lands a page (64 rows of
 576 bytes, as the cache holds it: 36 KB of whole 128-byte lines), unswizzled. (Until session 22
 it held 9 tiles of 64 rows x 64 bytes with TMA's 64-byte swizzle, every other one straddling two
-lines: 3.5-4% slower on the memory-bound rows, docs/kernels/keysm.md "Whole-line pages".)
+lines: 3.6-4.1% slower on the memory-bound rows, docs/kernels/keysm.md "Session 22".)
 
 Orders (tests/test_keysm_rs.py checks them against the DSL's fragment layouts and counts bank
 conflicts):
@@ -87,7 +87,9 @@ def rs_stages(columns: int) -> int:
     page count's parity, so each stage then serves one warpgroup. With an odd ring a stage
     alternates between them and a warpgroup a lap ahead waits for its parity while the other's
     phase is still open: the wait passes on the phase before (tests/test_keysm.py,
-    test_ring_protocol_pingpong; the 5-stage variant failed on the H200)."""
+    test_ring_protocol_pingpong; session 20's 5-stage variant failed on the H200). Session 22's
+    5-stage ring with a full barrier per warpgroup was correct but slower (docs/kernels/keysm.md,
+    "Five ring stages")."""
     fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + merge_floats(columns) * 128 * 4
              + 16 * columns * 4 + 2048)
     return min(4, (227 * 1024 - fixed) // PAGE_ELEMS // 2 * 2)

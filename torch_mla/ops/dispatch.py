@@ -103,7 +103,7 @@ def keysm_max_rows() -> int:
 
 
 def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
-               batch: int = KEYSM_RS_MIN_BATCH) -> str:
+               batch: int = 1) -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
     cache its ping-pong variant where it takes the columns (8, 16), the cache has one KV head
     (its pages are loaded as whole 36 KB blocks, which h_kv > 1 interleaves) and ``batch``
@@ -210,7 +210,7 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
             f"compute capability {major}.{minor}")
         return "reference", (f"float8_e4m3fn cache on {why}: the only FP8 kernel is the SM90 "
                              f"one ({deq})")
-    why = "exact mode (pages expanded to 16 bits on chip, 16-bit MMAs)"
+    why = "exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs)"
     if compute == "fp8":
         why = ("fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in "
                "e4m3 too above 16 query rows a KV head)")
