@@ -264,7 +264,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         for q_dtype in (torch.bfloat16, torch.float16, FP8):
             name, why = dispatch.decode_backend("cuda", q_dtype, cache_dtype=FP8)
-            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages expanded to 16 bits on chip, 16-bit MMAs) (its keys-on-M variant where s_q * h_q <= 32)""")
+            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs) (its keys-on-M variant where s_q * h_q <= 32)""")
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 self.assertIs(dispatch.find_decode_kernel(self.query(q_dtype), cache, 512),

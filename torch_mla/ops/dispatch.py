@@ -151,7 +151,7 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
 
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200; with a
-        float8_e4m3fn cache its "exact" variant: pages expanded to 16 bits on chip), ``"sm100"``
+        float8_e4m3fn cache its "exact" variant: pages converted to 16 bits on chip), ``"sm100"``
         (the CuTe DSL kernel for B200, only with ``TORCH_MLA_SM100=1``: it has not run on a
         Blackwell GPU yet), ``"sm80"`` (the portable CuTe DSL kernel on SM80-class
         instructions, for every other GPU of compute capability 8.0 or newer, and on any of them
