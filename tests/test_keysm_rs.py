@@ -214,6 +214,26 @@ def test_dispatch_choice(monkeypatch):
     assert kinds(128) == plain
 
 
+def test_launch_choice(monkeypatch):
+    """run_split_kv's step (dispatch.step_kind) over an e4m3 cache, 16 rows a KV head: the
+    ping-pong from a batch of 8 with one KV head, the keys-on-M fp8 step below it or with two;
+    fast mode's own; 40 rows the heads-on-M step."""
+    monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
+    for name in ("TORCH_MLA_KEYSM", "TORCH_MLA_KEYSM_FAST"):
+        monkeypatch.delenv(name, raising=False)
+
+    def kind(rows, h_kv, batch, compute="exact"):
+        key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast"
+        return dispatch.step_kind("sm90", key, rows, compute, h_kv, batch, True)
+
+    assert kind(16, 1, 8) == ("sm90_keysm_rs", 16)
+    assert kind(8, 1, 128) == ("sm90_keysm_rs", 8)
+    assert kind(16, 1, 7) == kind(16, 2, 128) == ("sm90_keysm_fp8", 16)
+    assert kind(16, 1, 1, "fp8") == ("sm90_keysm_fast", 16)
+    assert kind(40, 1, 128) == ("sm90_fp8", 0)
+    assert dispatch.step_kind("sm90", "sm90", 16, "exact", 1, 128, False) == ("sm90_keysm", 16)
+
+
 # ---- on an SM90 GPU (test_keysm.py's fixture and check, with TORCH_MLA_KEYSM_RS=1) ------------
 
 

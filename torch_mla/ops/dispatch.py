@@ -13,6 +13,7 @@ API (stable, for the ops, tests and tools):
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
     keysm_columns(backend, rows, compute, q_fp8, h_kv)   the keys-on-M step's columns, or 0
+    step_kind(backend, key, rows, compute, h_kv, batch, fp8)   run_split_kv's STEPS key
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
@@ -135,6 +136,17 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool =
             return 0
         return keysm_columns_for(rows, min(KEYSM_RS_COLUMNS[-1], keysm_max_rows()))
     return keysm_columns_for(rows, keysm_max_rows())
+
+
+def step_kind(backend: str, key: str, rows: int, compute: str, h_kv: int, batch: int,
+              fp8: bool) -> tuple[str, int]:
+    """run_split_kv's choice: (the STEPS key, the keys-on-M columns or 0) for ``rows`` query
+    rows a KV head of a batch of ``batch`` requests; key is the backend's own step
+    (backend, + "_fp8" or "_fp8_fast" over a float8_e4m3fn cache, + "_q8" for e4m3 q)."""
+    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
+    if columns:
+        return keysm_kind(columns, fp8, compute, h_kv, batch), columns
+    return key, 0
 
 
 def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D_QK,
@@ -345,12 +357,11 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
-    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
+    kind, columns = step_kind(backend, key, rows, compute, h_kv, b, scales is not None)
     if columns:
-        step = STEPS[keysm_kind(columns, scales is not None, compute, h_kv, b)](
-            out_dtype, bool(causal) and s_q > 1, index, columns)
+        step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
-        step = STEPS[key](out_dtype, bool(causal) and s_q > 1, index)
+        step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
     variant = combine_variant(b, parts, rows)
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
