@@ -275,5 +275,5 @@ def test_fast_mode_error_tool_on_cpu(capsys):
     assert len(rows) == 2  # plain, outliers
     for r in rows:
         assert r[5].strip() == "0.00 / 0.00 / 0.00"
-        e4m3, f16 = float(r[6]), float(r[8])
+        e4m3, f16 = float(r[6]), float(r[9])
         assert 0 < f16 < e4m3 / 2, r

@@ -12,7 +12,8 @@ allows 2.5):
     segments: fewer steps accumulated in one wgmma accumulator);
   - emulations in float64 with Q in e4m3 per row (448 / its largest |q|, as both fast kernels
     quantize it) and one softmax max over the request: P as e4m3(2^8 p) rounded to nearest (the
-    heads-on-M fast mode's P), the same after a random dither of one e4m3 step, and P in f16
+    heads-on-M fast mode's P), the same after a dither of one e4m3 step, random or taken from
+    bits 8-15 of p in fp32 (free of a random source: what a kernel could use), and P in f16
     (the keys-on-M fast kernel's numerics).
 On a CPU mla_decode is the reference (its columns read 0). docs/kernels/keysm.md, "Fast mode's
 error", has the H200's numbers and their reading.
@@ -41,13 +42,18 @@ def e4m3(x: torch.Tensor) -> torch.Tensor:
 
 def emulate(q: torch.Tensor, k: torch.Tensor, g: torch.Generator) -> dict:
     """Fast mode's output for q [h, 576] over the dequantized keys k [L, 576] (V = k[:, :512]),
-    float64, one max over the request: P in e4m3 rounded to nearest, dithered, and in f16."""
+    float64, one max over the request: P in e4m3 rounded to nearest, dithered (random; by p's
+    own low bits in fp32), and in f16."""
     qa = q.abs().amax(-1, keepdim=True).clamp(min=1e-30)
     s = (e4m3(q * 448 / qa) * qa / 448) @ k.T * SCALE
-    p = torch.exp(s - s.amax(-1, keepdim=True)) * 256  # 2^P_SHIFT p (sm90_decode.P_SHIFT)
+    # 2^P_SHIFT p (sm90_decode.P_SHIFT), in fp32 as a kernel holds it
+    p = (torch.exp(s - s.amax(-1, keepdim=True)) * 256).float()
+    low = ((p.view(torch.int32) >> 8) & 0xFF).double()
+    p = p.double()
     step = torch.exp2(torch.floor(torch.log2(p.clamp(min=2**-6))) - 3)  # e4m3's step at p
     u = torch.rand(p.shape, generator=g, dtype=torch.float64, device=p.device) - 0.5
-    forms = {"e4m3": e4m3(p), "dither": e4m3(p + u * step), "f16": p.half().double()}
+    forms = {"e4m3": e4m3(p), "dither": e4m3(p + u * step),
+             "low bits": e4m3(p + ((low + 0.5) / 256 - 0.5) * step), "f16": p.half().double()}
     return {name: (P @ k[:, :512]) / p.sum(-1, keepdim=True) for name, P in forms.items()}
 
 
@@ -61,8 +67,8 @@ def main(argv=None) -> None:
     g = torch.Generator(device=device)
     g.manual_seed(0)
     print("| h_q | data | length | e_store | kernel, 1 / 8 / 132 parts | emulated P e4m3 | "
-          "dithered | f16 |")
-    print("|---|---|---|---|---|---|---|---|")
+          "dithered | dithered by low bits | f16 |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for h_q in (int(x) for x in args.heads.split(",")):
         for outliers in (False, True):
             for L in (int(x) for x in args.lengths.split(",")):
@@ -91,7 +97,8 @@ def main(argv=None) -> None:
                 print(f"| {h_q} | {'4 channels x 30' if outliers else 'plain'} | {L} | "
                       f"{e_store:.2e} | {' / '.join(kernel)} | "
                       + " | ".join(f"{rel(emu[n], r0) / e_store:.2f}"
-                                   for n in ("e4m3", "dither", "f16")) + " |", flush=True)
+                                   for n in ("e4m3", "dither", "low bits", "f16")) + " |",
+                      flush=True)
 
 
 if __name__ == "__main__":
