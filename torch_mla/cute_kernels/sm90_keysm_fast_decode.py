@@ -119,7 +119,7 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
             cute.recast_ptr(self.d_storage.sQ8.data_ptr(), q8.inner, dtype=f8), q8.outer)
         rK = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), f8)  # (16, 1, 2)
         tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ8))  # (MMA, 1, 18)
-        self.d_k_off = [(16 * wq + 8 * h + g) * D_QK + 16 * q for h in range(2)]
+        self.d_k_off = [self._stage_offset(16 * wq + 8 * h + g, 16 * q) for h in range(2)]
         return rK, tSrQ, None
 
     @cute.jit
