@@ -26,7 +26,7 @@ import sys
 import torch
 
 import torch_mla
-from torch_mla.constants import KEYSM_RS_COLUMNS, PAGE_SIZE
+from torch_mla.constants import KEYSM_FAST_COLUMNS, KEYSM_RS_COLUMNS, PAGE_SIZE
 from torch_mla.devtools import breakdown_us
 from torch_mla.ops import dispatch
 from torch_mla.ops.sparse import sparse_backend
@@ -342,7 +342,7 @@ def main(argv=None):
                       + f", rel err {k_err:.1e} |")
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
-            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 16 rows)
+            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 32 rows)
             rs_rows = dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_RS_COLUMNS
             if args.rs and args.fp8 and rs_rows:
                 os.environ["TORCH_MLA_KEYSM_RS"] = "1"
@@ -356,7 +356,8 @@ def main(argv=None):
                 finally:
                     os.environ["TORCH_MLA_KEYSM_RS"] = "0"
             if args.fast and args.fp8:
-                fast_lines(cfg, check, us, k_us, rs_rows)
+                fast_lines(cfg, check, us, k_us,
+                           dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_FAST_COLUMNS)
             os.environ["TORCH_MLA_KEYSM"] = "0"
             os.environ.pop("TORCH_MLA_KEYSM_RS")
         if args.breakdown:

@@ -10,14 +10,14 @@ from expecttest import assert_expected_inline
 from test_keysm import keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
 
 import torch_mla
-from torch_mla.constants import KEYSM_RS_COLUMNS
+from torch_mla.constants import KEYSM_FAST_COLUMNS
 from torch_mla.cute_kernels.sm90_keysm_fast_decode import flat_latent_of, q8_word, sw64_offset
 from torch_mla.ops import dispatch, registry
 from torch_mla.testing import capture_graph, varlen_seqlens
 
 
 def test_q8_offsets_are_a_bijection():
-    for n in KEYSM_RS_COLUMNS:
+    for n in KEYSM_FAST_COLUMNS:
         got = sorted(sw64_offset(r, b, n) for r in range(n) for b in range(576))
         assert got == list(range(n * 576))
 

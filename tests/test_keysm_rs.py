@@ -14,10 +14,11 @@ from torch_mla.constants import KEYSM_RS_COLUMNS, KEYSM_RS_MIN_BATCH
 from torch_mla.cute_kernels.sm90_keysm_rs_decode import (
     d_of,
     latent_of,
+    merge_round,
+    merge_rounds,
     page_row,
     q_byte,
     q_unit,
-    rs_stages,
     v_chunk,
 )
 from torch_mla.ops import dispatch, registry
@@ -139,15 +140,27 @@ def test_stage_loads_bank_conflicts():
                 assert max(plain.count(x) for x in plain) == 4
 
 
-def test_stages_and_registry():
-    assert [rs_stages(n) for n in KEYSM_RS_COLUMNS] == [4, 4]
-    c = registry.DecodeStepConfig("sm90_keysm_rs", "bf16", True, kv_fp8=True, columns=16)
+def test_merge_rounds_and_registry():
+    """One merge round at 8 and 16 columns, three at 32 (O^T's 128 floats a thread); the rounds
+    cover each float once, maxima and sums first (round 0 computes the factors)."""
+    assert [merge_rounds(n) for n in KEYSM_RS_COLUMNS] == [1, 1, 3]
+    for n in KEYSM_RS_COLUMNS:
+        k = merge_rounds(n)
+        got = [x for r in range(k) for x in merge_round(r, k, n)]
+        assert got == list(range(n // 2 + 4 * n))
+        assert n // 2 <= len(merge_round(0, k, n))  # (the maxima and sums in round 0)
+    c = registry.DecodeStepConfig("sm90_keysm_rs", "bf16", True, kv_fp8=True, columns=32)
     assert (c.name, c.key()) == ("step_sm90_keysm_rs", {"dtype": "bf16", "causal": True,
-                                                         "kv": "e4m3", "columns": 16})
-    for bad in (dict(columns=16), dict(columns=32, kv_fp8=True), dict(columns=0, kv_fp8=True)):
+                                                         "kv": "e4m3", "columns": 32})
+    for bad in (dict(columns=16), dict(columns=64, kv_fp8=True), dict(columns=0, kv_fp8=True)):
         with pytest.raises(ValueError):
             registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, **bad)
+    with pytest.raises(ValueError):  # (fast mode: 8 and 16 columns)
+        registry.DecodeStepConfig("sm90_keysm_fast", "bf16", False, kv_fp8=True, compute="fp8",
+                                  columns=32)
     got = registry.variants(("bf16",), (False,), ("keysm_rs",))
+    assert sorted(v.config.columns for v in got) == [8, 16, 32]
+    got = registry.variants(("bf16",), (False,), ("keysm_fast",))
     assert sorted(v.config.columns for v in got) == [8, 16]
 
 
@@ -178,7 +191,7 @@ def check(n: cutlass.Constexpr):
             bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
     print(f"n {n}: Q {bad_q}, A {bad_a} wrong")
 
-for n in (8, 16):
+for n in (8, 16, 32):
     check(n)
 """
 
@@ -188,19 +201,20 @@ def test_layouts_match_the_models(tmp_path):
     fills (word w: rows g + 8 (w % 2), k 2 q + 8 (w // 2))."""
     assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
 n 8: Q 0, A 0 wrong
-n 16: Q 0, A 0 wrong""")
+n 16: Q 0, A 0 wrong
+n 32: Q 0, A 0 wrong""")
 
 
 def test_dispatch_choice(monkeypatch):
-    """An e4m3 cache's keys-on-M steps of 8 or 16 columns and one KV head run this kernel from a
-    batch of KEYSM_RS_MIN_BATCH (read at each call: TORCH_MLA_KEYSM_RS=1 at any batch, =0
-    never); at 32 columns, over a 16-bit cache or several KV heads the keys-on-M steps run."""
+    """An e4m3 cache's keys-on-M steps of 8, 16 or 32 columns and one KV head run this kernel
+    from a batch of KEYSM_RS_MIN_BATCH (read at each call: TORCH_MLA_KEYSM_RS=1 at any batch, =0
+    never); at 64 columns, over a 16-bit cache or several KV heads the keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
-    rs = ["sm90_keysm", "sm90_keysm_rs"] * 2 + ["sm90_keysm", "sm90_keysm_fp8"]
-    plain = ["sm90_keysm", "sm90_keysm_fp8"] * 3
+    rs = ["sm90_keysm", "sm90_keysm_rs"] * 3 + ["sm90_keysm", "sm90_keysm_fp8"]
+    plain = ["sm90_keysm", "sm90_keysm_fp8"] * 4
 
     def kinds(batch):
-        return [dispatch.keysm_kind(n, f, "exact", 1, batch) for n in (8, 16, 32)
+        return [dispatch.keysm_kind(n, f, "exact", 1, batch) for n in (8, 16, 32, 64)
                 for f in (False, True)]
 
     assert kinds(KEYSM_RS_MIN_BATCH) == kinds(128) == rs
@@ -228,6 +242,8 @@ def test_launch_choice(monkeypatch):
 
     assert kind(16, 1, 8) == ("sm90_keysm_rs", 16)
     assert kind(8, 1, 128) == ("sm90_keysm_rs", 8)
+    assert kind(32, 1, 128) == ("sm90_keysm_rs", 32)
+    assert kind(32, 1, 128, "fp8") == ("sm90_fp8_fast", 0)  # (fast mode: <= 16 rows)
     assert kind(16, 1, 7) == kind(16, 2, 128) == ("sm90_keysm_fp8", 16)
     assert kind(16, 1, 1, "fp8") == ("sm90_keysm_fast", 16)
     assert kind(40, 1, 128) == ("sm90_fp8", 0)
@@ -258,7 +274,8 @@ LENS = [20, 140, 4096, 0, 1, 65, 1000]
 @pytest.mark.cuda
 @sm90
 @pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
-                                            (4, 3, True), (3, 1, False)])
+                                            (4, 3, True), (3, 1, False), (32, 1, False),
+                                            (16, 2, True), (10, 3, True), (17, 1, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_grid(rs, h_q, s_q, causal, dtype):
     sched = run_and_check(rs, LENS, s_q, h_q, causal, dtype)
@@ -273,6 +290,7 @@ def test_varlen_batches(rs, b):
 
     run_and_check(rs, varlen_seqlens(b), 1, 16, False)
     run_and_check(rs, varlen_seqlens(b), 2, 8, True)
+    run_and_check(rs, varlen_seqlens(b), 1, 32, False)
 
 
 @pytest.mark.cuda
@@ -280,6 +298,7 @@ def test_varlen_batches(rs, b):
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
 def test_page_boundaries(rs, L):
     run_and_check(rs, [L, L + 1, max(L - 1, 0)], 1, 16, False)
+    run_and_check(rs, [L, L + 1, max(L - 1, 0)], 1, 32, False)
 
 
 @pytest.mark.cuda
@@ -293,13 +312,14 @@ def test_whole_requests_and_q_range(rs):
     # (peaky scores: maxima that move by more than 2^8, O^T rescaled)
     run_and_check(rs, LENS, 1, 16, False, q_scale=1e-20, scale=576**-0.5 * 1e20)
     run_and_check(rs, LENS, 1, 16, False, q_scale=3e4)
+    run_and_check(rs, LENS, 1, 32, False, q_scale=3e4)
 
 
 @pytest.mark.cuda
 @sm90
-@pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5)])
+@pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5), (2, 16)])
 def test_graph_replays_with_new_lengths(rs, s_q, h_q):
     from test_keysm import graph_replays
 
     graph_replays(s_q, h_q, True)
-    assert set(rs) == {("sm90_keysm_rs", 8 if s_q * h_q <= 8 else 16)}
+    assert set(rs) == {("sm90_keysm_rs", dispatch.keysm_columns_for(s_q * h_q, 32))}

@@ -21,8 +21,9 @@ KEYSM_COLUMNS = (8, 16, 32, 64)
 # TORCH_MLA_KEYSM=0 turns it off.
 KEYSM_DEFAULT_ROWS = 32
 # The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
-# columns.
-KEYSM_RS_COLUMNS = (8, 16)
+# columns in exact mode, and in fast mode (cute_kernels/sm90_keysm_fast_decode.py).
+KEYSM_RS_COLUMNS = (8, 16, 32)
+KEYSM_FAST_COLUMNS = (8, 16)
 # The ping-pong variant is the exact mode's default from this batch on (below it the keys-on-M
 # kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md "Kernel
 # choice over an e4m3 cache").

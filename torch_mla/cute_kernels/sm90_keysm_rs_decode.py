@@ -79,26 +79,43 @@ from .sm90_keysm_decode import (
 # Named barriers (1-3: the keys-on-M kernel's; 2 + wg is each warpgroup's own).
 NB_PAIR = 4  # both consumer warpgroups: Q's largest magnitude shared, then Q converted
 NB_MERGE = 5  # the second warpgroup's O^T, maxima, sums are in sMerge (it arrives, the first waits)
+NB_MERGE_READ = 6  # the first warpgroup has read a merge round (it arrives, the second waits)
 
 
-def rs_stages(columns: int) -> int:
-    """fp8 ring stages (36 KB each) beside Q, two P^T tiles, the merge buffer and the column
-    maxima in 227 KB, an even number (4 at 8 and 16 columns): the warpgroups take pages by the
-    page count's parity, so each stage then serves one warpgroup. With an odd ring a stage
-    alternates between them and a warpgroup a lap ahead waits for its parity while the other's
-    phase is still open: the wait passes on the phase before (tests/test_keysm.py,
-    test_ring_protocol_pingpong; session 20's 5-stage variant failed on the H200). Session 22's
-    5-stage ring with a full barrier per warpgroup was correct but slower (docs/kernels/keysm.md,
-    "Five ring stages")."""
-    fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + merge_floats(columns) * 128 * 4
-             + 16 * columns * 4 + 2048)
-    return min(4, (227 * 1024 - fixed) // PAGE_ELEMS // 2 * 2)
+RS_STAGES = 4  # fp8 ring stages (36 KB each); an even number (merge_rounds)
 
 
 def merge_floats(columns: int) -> int:
-    """Floats a consumer thread hands over at a segment's end: its O^T values (512 x columns /
-    128), then the running max and partial sum of each of its columns."""
-    return 4 * columns + columns // 2
+    """Floats a consumer thread hands over at a segment's end: the running max and partial sum
+    of each of its columns, then its O^T values (512 x columns / 128)."""
+    return columns // 2 + 4 * columns
+
+
+def merge_round(k: int, rounds: int, columns: int) -> range:
+    """The floats (merge_floats' order) of merge round k of `rounds`: sMerge holds one round's
+    floats of every thread."""
+    per = -(-merge_floats(columns) // rounds)
+    return range(k * per, min((k + 1) * per, merge_floats(columns)))
+
+
+def merge_rounds(columns: int) -> int:
+    """The fewest merge rounds whose sMerge (128 threads x one round's floats) fits beside Q,
+    two P^T tiles, the RS_STAGES ring stages and the column maxima in 227 KB (2 KB spare for
+    the barriers and alignment): 1 at 8 and 16 columns, 3 at 32 (O^T alone is 64 KB there).
+
+    The ring has an even number of stages: the warpgroups take pages by the page count's
+    parity, so each stage then serves one warpgroup. With an odd ring a stage alternates
+    between them and a warpgroup a lap ahead waits for its parity while the other's phase is
+    still open: the wait passes on the phase before (tests/test_keysm.py,
+    test_ring_protocol_pingpong; session 20's 5-stage variant failed on the H200). Session 22's
+    5-stage ring with a full barrier per warpgroup was correct but slower (docs/kernels/keysm.md,
+    "Five ring stages")."""
+    fixed = (columns * D_QK * 2 + 2 * columns * PAGE_SIZE * 2 + RS_STAGES * PAGE_ELEMS
+             + 16 * columns * 4 + 2048)
+    for rounds in range(1, merge_floats(columns) + 1):
+        if fixed + len(merge_round(0, rounds, columns)) * 128 * 4 <= 227 * 1024:
+            return rounds
+    raise ValueError(columns)
 
 
 LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
@@ -163,8 +180,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # + a producer warpgroup whose registers setmaxnreg gives to the consumers (REGS: with
         # 288 threads ptxas caps every thread at 168 registers and spills)
         self.num_threads = 3 * 128
-        self.regs = (40, 232)  # (the producer spills at 24)
-        self.stages = rs_stages(columns)
+        # (the producer spills at 24; at 32 columns ptxas serialises the wgmmas below 240)
+        self.regs = (32, 240) if columns == 32 else (40, 232)
+        self.stages = RS_STAGES
+        self.merge_rounds = merge_rounds(columns)
+        # O^T's A fragments per k-step in this many groups of m-tiles: a group's register
+        # buffer is filled while the MMAs read the other's (two groups at 32 columns, where
+        # O^T itself takes 128 registers a thread)
+        self.o_groups = 2 if columns == 32 else 1
         self.buffers = 0  # no 16-bit page buffer
 
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
@@ -194,7 +217,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             sQ=aligned(dt, n * D_QK),
             sP=aligned(dt, 2 * n * PAGE_SIZE),
             sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
-            sMerge=aligned(Float32, 128 * merge_floats(n)),
+            sMerge=aligned(Float32, 128 * len(merge_round(0, self.merge_rounds, n))),
             sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
             barFull=cute.struct.MemRange[i64, self.stages],
             barEmpty=cute.struct.MemRange[i64, self.stages],
@@ -248,8 +271,10 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         """S^T's operands (_s_operands), then O^T's: two register A fragments of a k-step (one
         is filled while the MMAs read the other) and P^T; this thread's ring offsets."""
         dt = self.mma_dtype
-        rVa = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)  # (8, 8, 1)
-        rVb = cute.make_rmem_tensor(thr_o.partition_shape_A((D_V, 16)), dt)
+        d_group = D_V // self.o_groups  # O^T rows an m-tile group covers
+        rVa = cute.make_rmem_tensor(thr_o.partition_shape_A((d_group, 16)), dt)  # (8, 8, 1)
+        rVb = cute.make_rmem_tensor(thr_o.partition_shape_A((d_group, 16)), dt)
+        self.d_o_group = thr_o.partition_shape_C((d_group, self.n_wg))
         tOrP = thr_o.make_fragment_B(thr_o.partition_B(sPt[None, None, wg]))  # (MMA, 1, 4)
         tidx, _, _ = cute.arch.thread_idx()
         lane = tidx % 32
@@ -342,6 +367,12 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                     for i in cutlass.range_constexpr(4):
                         raws[ks % 2][4 * (2 * e + o) + i] = w[i]
 
+        groups = self.o_groups
+        tiles = (D_V // 64) // groups  # m-tiles a group
+        accs = [acc_O]
+        if const_expr(groups > 1):  # views of acc_O's m-tiles (its layout is compact)
+            accs = [cute.make_tensor(acc_O.iterator + gi * (cute.size(acc_O) // groups),
+                                     cute.make_layout(self.d_o_group)) for gi in range(groups)]
         fence_operand(acc_O)
         load(0)
         for ks in cutlass.range_constexpr(PAGE_SIZE // 16):
@@ -354,21 +385,24 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                         if 16 * ks + 8 * e + self.d_v_row[o] >= valid:
                             for i in cutlass.range_constexpr(4):
                                 raw[4 * (2 * e + o) + i] = Int32(0)
-            buf = rVa if const_expr(ks % 2 == 0) else rVb
-            if const_expr(ks >= 2):
-                warpgroup.wait_group(1)
-            b32 = cute.recast_tensor(buf, Int32)
-            for t in cutlass.range_constexpr(8):
-                sel = 0x5140 if t % 2 == 0 else 0x7362
-                for e in cutlass.range_constexpr(2):
-                    pair = prmt(raw[4 * (2 * e) + t // 2], raw[4 * (2 * e + 1) + t // 2], sel)
-                    lo, hi = e4m3x4_f16(pair)
-                    b32[4 * t + 2 * e] = lo
-                    b32[4 * t + 2 * e + 1] = hi
-            fence_operand(buf)
-            warpgroup.fence()
-            cute.gemm(atom_o, acc_O, buf[None, None, 0], tOrP[None, None, ks], acc_O)
-            warpgroup.commit_group()
+            for gi in cutlass.range_constexpr(groups):
+                j = ks * groups + gi  # MMA group count: its buffer is j's parity
+                buf = rVa if const_expr(j % 2 == 0) else rVb
+                if const_expr(j >= 2):
+                    warpgroup.wait_group(1)
+                b32 = cute.recast_tensor(buf, Int32)
+                for tl in cutlass.range_constexpr(tiles):
+                    t = gi * tiles + tl
+                    sel = 0x5140 if t % 2 == 0 else 0x7362
+                    for e in cutlass.range_constexpr(2):
+                        pair = prmt(raw[4 * (2 * e) + t // 2], raw[4 * (2 * e + 1) + t // 2], sel)
+                        lo, hi = e4m3x4_f16(pair)
+                        b32[4 * tl + 2 * e] = lo
+                        b32[4 * tl + 2 * e + 1] = hi
+                fence_operand(buf)
+                warpgroup.fence()
+                cute.gemm(atom_o, accs[gi], buf[None, None, 0], tOrP[None, None, ks], accs[gi])
+                warpgroup.commit_group()
         warpgroup.wait_group(0)
         fence_operand(acc_O)
 
@@ -434,31 +468,46 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         (sMerge, thread by thread); the first merges them into its own (the split-KV rule:
         each side times 2^(its max - the larger)) and stores through _epilogue."""
         ncol = self.n_wg // 4
-        nf = merge_floats(self.n_wg)
-        sM = self.d_storage.sMerge.get_tensor(cute.make_layout((nf, 128), stride=(1, nf)))
+        rounds = self.merge_rounds
+        per = len(merge_round(0, rounds, self.n_wg))
+        sM = self.d_storage.sMerge.get_tensor(cute.make_layout((per, 128), stride=(1, per)))
         n_o = cute.size(acc_O)
-        if wg == 1:
-            for i in cutlass.range_constexpr(n_o):
-                sM[i, wtid] = acc_O[i]
-            for jc in cutlass.range_constexpr(ncol):
-                sM[n_o + jc, wtid] = m_run[jc]
-                sM[n_o + ncol + jc, wtid] = l_run[jc]
-            bar_arrive(NB_MERGE, 256)
-        else:
-            bar_sync(NB_MERGE, 256)
-            f0 = [None] * ncol
-            f1 = [None] * ncol
-            for jc in cutlass.range_constexpr(ncol):
-                m1 = sM[n_o + jc, wtid]
-                m_new, m_use, f0[jc] = softmax.online_max(m_run[jc], m1)
-                f1[jc] = cute.math.exp2(m1 - m_use, fastmath=True)
-                m_run[jc] = m_new
-                l_run[jc] = l_run[jc] * f0[jc] + sM[n_o + ncol + jc, wtid] * f1[jc]
-            per_tile = n_o // (D_V // 64)
-            for i in cutlass.range_constexpr(n_o):
-                v = i % per_tile
-                jc = 2 * (v // 4) + v % 2
-                acc_O[i] = acc_O[i] * f0[jc] + sM[i, wtid] * f1[jc]
+        per_tile = n_o // (D_V // 64)
+        # each side's factor per column (registers: set in round 0, used in later ones)
+        f0 = cute.make_rmem_tensor(ncol, Float32)
+        f1 = cute.make_rmem_tensor(ncol, Float32)
+        for k in cutlass.range_constexpr(rounds):
+            part = merge_round(k, rounds, self.n_wg)
+            if wg == 1:
+                if const_expr(k > 0):
+                    bar_sync(NB_MERGE_READ, 256)
+                for x in cutlass.range_constexpr(part.start, part.stop):
+                    if const_expr(x < ncol):
+                        sM[x - part.start, wtid] = m_run[x]
+                    elif const_expr(x < 2 * ncol):
+                        sM[x - part.start, wtid] = l_run[x - ncol]
+                    else:
+                        sM[x - part.start, wtid] = acc_O[x - 2 * ncol]
+                bar_arrive(NB_MERGE, 256)
+            else:
+                bar_sync(NB_MERGE, 256)
+                for x in cutlass.range_constexpr(part.start, part.stop):
+                    v = sM[x - part.start, wtid]
+                    if const_expr(x < ncol):
+                        m_new, m_use, f_own = softmax.online_max(m_run[x], v)
+                        f0[x] = f_own
+                        f1[x] = cute.math.exp2(v - m_use, fastmath=True)
+                        m_run[x] = m_new
+                        l_run[x] = l_run[x] * f0[x]
+                    elif const_expr(x < 2 * ncol):
+                        l_run[x - ncol] = l_run[x - ncol] + v * f1[x - ncol]
+                    else:
+                        i = x - 2 * ncol
+                        jc = 2 * (i % per_tile // 4) + i % per_tile % 2
+                        acc_O[i] = acc_O[i] * f0[jc] + v * f1[jc]
+                if const_expr(k + 1 < rounds):
+                    bar_arrive(NB_MERGE_READ, 256)
+        if wg == 0:
             self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, 0, wq, lane, acc_O, m_run,
                            l_run, sMax, mO, mLSE, mOacc, mLSEacc)
 

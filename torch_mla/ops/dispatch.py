@@ -36,6 +36,7 @@ from ..constants import (
     D_V,
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
+    KEYSM_FAST_COLUMNS,
     KEYSM_RS_COLUMNS,
     KEYSM_RS_MIN_BATCH,
     LOG2_E,
@@ -106,7 +107,8 @@ def keysm_max_rows() -> int:
 def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
                batch: int = 1) -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
-    cache its ping-pong variant where it takes the columns (8, 16), the cache has one KV head
+    cache its ping-pong variant where it takes the columns (KEYSM_RS_COLUMNS: 8, 16, 32), the
+    cache has one KV head
     (its pages are loaded as whole 36 KB blocks, which h_kv > 1 interleaves) and ``batch``
     (requests) is at least KEYSM_RS_MIN_BATCH (TORCH_MLA_KEYSM_RS=1: at any batch, =0: never);
     in fast mode (compute="fp8") that variant's fast mode."""
@@ -128,13 +130,13 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool =
     mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
     in fast mode (compute="fp8", q not float8_e4m3fn, one KV head: its pages are loaded as
     whole 36 KB blocks, which h_kv > 1 interleaves) where rows <= 16 (its fast variant's
-    columns, KEYSM_RS_COLUMNS), unless TORCH_MLA_KEYSM_FAST=0."""
+    columns, KEYSM_FAST_COLUMNS), unless TORCH_MLA_KEYSM_FAST=0."""
     if backend != "sm90":
         return 0
     if compute != "exact":
         if q_fp8 or h_kv != 1 or keysm_fast_off():
             return 0
-        return keysm_columns_for(rows, min(KEYSM_RS_COLUMNS[-1], keysm_max_rows()))
+        return keysm_columns_for(rows, min(KEYSM_FAST_COLUMNS[-1], keysm_max_rows()))
     return keysm_columns_for(rows, keysm_max_rows())
 
 

@@ -28,6 +28,7 @@ from ..constants import (
     COMBINE_WARPS_PER_ROW,
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
+    KEYSM_FAST_COLUMNS,
     KEYSM_RS_COLUMNS,
 )
 from ..contract import indexer_unsupported
@@ -123,10 +124,11 @@ class DecodeStepConfig(_Config):
         if keysm and (self.compute == "fp8") != (self.backend == "sm90_keysm_fast"):
             raise ValueError(f"the {self.backend} kernel runs compute="
                              f"{'fp8' if self.backend == 'sm90_keysm_fast' else 'exact'!r} only")
-        if self.backend in ("sm90_keysm_rs", "sm90_keysm_fast") and (
-                not self.kv_fp8 or self.q_fp8 or self.columns not in KEYSM_RS_COLUMNS):
+        pp_columns = {"sm90_keysm_rs": KEYSM_RS_COLUMNS,
+                      "sm90_keysm_fast": KEYSM_FAST_COLUMNS}.get(self.backend)
+        if pp_columns and (not self.kv_fp8 or self.q_fp8 or self.columns not in pp_columns):
             raise ValueError(f"the {self.backend} kernel reads a float8_e4m3fn cache with "
-                             f"bf16/fp16 q and columns in {KEYSM_RS_COLUMNS}")
+                             f"bf16/fp16 q and columns in {pp_columns}")
         if self.kv_fp8 and self.backend not in ("sm90",) + KEYSM_BACKENDS:
             raise ValueError(f"no float8_e4m3fn-cache kernel for backend {self.backend!r}")
         if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
@@ -362,7 +364,7 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                         for n in KEYSM_RS_COLUMNS for c in causal]
             if "keysm_fast" in kernels:
                 out += [DecodeStepConfig("sm90_keysm_fast", dt, c, kv_fp8=True, compute="fp8",
-                                         columns=n) for n in KEYSM_RS_COLUMNS for c in causal]
+                                         columns=n) for n in KEYSM_FAST_COLUMNS for c in causal]
         if "sparse" in kernels:
             out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
             if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend)
