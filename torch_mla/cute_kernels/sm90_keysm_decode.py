@@ -405,6 +405,13 @@ class MLADecodeSm90KeysM(DecodeKernel):
             stride=(self.n_wg, 1, 4 * self.n_wg, 4 * self.n_wg * self.wgs)))
 
         walk = splitkv.read_part(tensors.metadata, part)
+        if const_expr(self.wgs > 1):
+            # setmaxnreg moves registers within what the launch gave the CTA (the per-thread cap
+            # times the threads); asking for more blocks the increase forever (a hang, not an
+            # error: the 32-column ping-pong's first try, session 23)
+            cap = 65536 // self.num_threads // 8 * 8
+            assert (self.num_threads - 128 * self.wgs) * self.regs[0] \
+                + 128 * self.wgs * self.regs[1] <= cap * self.num_threads, self.regs
         if warp >= 4 * self.wgs:
             if const_expr(self.wgs > 1):
                 cute.arch.setmaxregister_decrease(self.regs[0])

@@ -180,8 +180,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # + a producer warpgroup whose registers setmaxnreg gives to the consumers (REGS: with
         # 288 threads ptxas caps every thread at 168 registers and spills)
         self.num_threads = 3 * 128
-        # (the producer spills at 24; at 32 columns ptxas serialises the wgmmas below 240)
-        self.regs = (32, 240) if columns == 32 else (40, 232)
+        # 128 p + 256 c <= 168 x 384 (the launch's registers). At 32 columns ptxas serialises
+        # the wgmmas below 240 (no spill at 24 then); at 8 and 16 the producer spilled at 24.
+        self.regs = (24, 240) if columns == 32 else (40, 232)
         self.stages = RS_STAGES
         self.merge_rounds = merge_rounds(columns)
         # O^T's A fragments per k-step in this many groups of m-tiles: a group's register
