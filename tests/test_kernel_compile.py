@@ -188,13 +188,15 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     assert_ptxas_clean(p)
 
 
-@pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8)])
+@pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8),
+                                                  ("bf16", "plain", 32)])
 def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
     """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py): per page 36 + 32
     wgmma m64nNk16 f16 with A from registers, S^T's 144 and O^T's 128 conversions a thread (the
     page converted once for each MMA) and O^T's 64 byte pairings (prmt), one TMA box a page and
     9 tiles for Q, setmaxnreg (two consumer warpgroups and a producer warpgroup), no local memory
-    in the PTX; ptxas (where installed): no spill, no serialised wgmma."""
+    in the PTX; ptxas (where installed): no spill, no serialised wgmma (at 32 columns O^T's
+    A in two m-tile groups and 240 registers a consumer thread)."""
     c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_rs")
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
     assert c["wgmma.mma_async"] == 36 + 32, c

@@ -207,8 +207,9 @@ n 32: Q 0, A 0 wrong""")
 
 def test_dispatch_choice(monkeypatch):
     """An e4m3 cache's keys-on-M steps of 8, 16 or 32 columns and one KV head run this kernel
-    from a batch of KEYSM_RS_MIN_BATCH (read at each call: TORCH_MLA_KEYSM_RS=1 at any batch, =0
-    never); at 64 columns, over a 16-bit cache or several KV heads the keys-on-M steps run."""
+    from a batch of KEYSM_RS_MIN_BATCH[columns] (8, 8, 32; read at each call:
+    TORCH_MLA_KEYSM_RS=1 at any batch, =0 never); at 64 columns, over a 16-bit cache or several
+    KV heads the keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
     rs = ["sm90_keysm", "sm90_keysm_rs"] * 3 + ["sm90_keysm", "sm90_keysm_fp8"]
     plain = ["sm90_keysm", "sm90_keysm_fp8"] * 4
@@ -217,8 +218,11 @@ def test_dispatch_choice(monkeypatch):
         return [dispatch.keysm_kind(n, f, "exact", 1, batch) for n in (8, 16, 32, 64)
                 for f in (False, True)]
 
-    assert kinds(KEYSM_RS_MIN_BATCH) == kinds(128) == rs
-    assert kinds(KEYSM_RS_MIN_BATCH - 1) == kinds(1) == plain
+    assert KEYSM_RS_MIN_BATCH == {8: 8, 16: 8, 32: 32}
+    assert kinds(32) == kinds(128) == rs
+    assert kinds(7) == kinds(1) == plain
+    # between the two thresholds: 8 and 16 columns only
+    assert kinds(8) == kinds(31) == rs[:4] + plain[4:]
     assert all(k in dispatch.STEPS for k in rs + plain)
     # (a cache of several KV heads interleaves a page's rows: the keys-on-M fp8 step)
     assert dispatch.keysm_kind(16, True, "exact", 2, 128) == "sm90_keysm_fp8"
@@ -242,7 +246,8 @@ def test_launch_choice(monkeypatch):
 
     assert kind(16, 1, 8) == ("sm90_keysm_rs", 16)
     assert kind(8, 1, 128) == ("sm90_keysm_rs", 8)
-    assert kind(32, 1, 128) == ("sm90_keysm_rs", 32)
+    assert kind(32, 1, 128) == kind(32, 1, 32) == ("sm90_keysm_rs", 32)
+    assert kind(32, 1, 31) == ("sm90_keysm_fp8", 32)
     assert kind(32, 1, 128, "fp8") == ("sm90_fp8_fast", 0)  # (fast mode: <= 16 rows)
     assert kind(16, 1, 7) == kind(16, 2, 128) == ("sm90_keysm_fp8", 16)
     assert kind(16, 1, 1, "fp8") == ("sm90_keysm_fast", 16)

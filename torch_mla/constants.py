@@ -24,10 +24,10 @@ KEYSM_DEFAULT_ROWS = 32
 # columns in exact mode, and in fast mode (cute_kernels/sm90_keysm_fast_decode.py).
 KEYSM_RS_COLUMNS = (8, 16, 32)
 KEYSM_FAST_COLUMNS = (8, 16)
-# The ping-pong variant is the exact mode's default from this batch on (below it the keys-on-M
-# kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md "Kernel
-# choice over an e4m3 cache").
-KEYSM_RS_MIN_BATCH = 8
+# The ping-pong variant is the exact mode's default from this batch on, by columns (below it the
+# keys-on-M kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md
+# "Kernel choice over an e4m3 cache" and, for 32 columns, "Session 23").
+KEYSM_RS_MIN_BATCH = {8: 8, 16: 8, 32: 32}
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):
 META_BEGIN_REQ = 0  # first request of the part

@@ -88,7 +88,7 @@ portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 keysm_wide = _env_flag("TORCH_MLA_KEYSM")
 _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 # Its ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py), where the
-# columns are in KEYSM_RS_COLUMNS: from a batch of KEYSM_RS_MIN_BATCH by default;
+# columns are in KEYSM_RS_COLUMNS: from a batch of KEYSM_RS_MIN_BATCH[columns] by default;
 # TORCH_MLA_KEYSM_RS=1 at every batch, TORCH_MLA_KEYSM_RS=0 never.
 keysm_rs_always = _env_flag("TORCH_MLA_KEYSM_RS")
 keysm_rs_off = _env_flag("TORCH_MLA_KEYSM_RS", "0")
@@ -110,14 +110,15 @@ def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
     cache its ping-pong variant where it takes the columns (KEYSM_RS_COLUMNS: 8, 16, 32), the
     cache has one KV head
     (its pages are loaded as whole 36 KB blocks, which h_kv > 1 interleaves) and ``batch``
-    (requests) is at least KEYSM_RS_MIN_BATCH (TORCH_MLA_KEYSM_RS=1: at any batch, =0: never);
+    (requests) is at least KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16 columns, 32 at 32;
+    TORCH_MLA_KEYSM_RS=1: at any batch, =0: never);
     in fast mode (compute="fp8") that variant's fast mode."""
     if not fp8:
         return "sm90_keysm"
     if compute == "fp8":
         return "sm90_keysm_fast"
     if columns in KEYSM_RS_COLUMNS and h_kv == 1:
-        if keysm_rs_always() or (batch >= KEYSM_RS_MIN_BATCH and not keysm_rs_off()):
+        if keysm_rs_always() or (batch >= KEYSM_RS_MIN_BATCH[columns] and not keysm_rs_off()):
             return "sm90_keysm_rs"
     return "sm90_keysm_fp8"
 
