@@ -12,9 +12,9 @@ sm_90a, the portable one elsewhere), on sm_90a the decode step over a float8_e4m
 (``fp8_step``: q and output in each dtype; ``fp8_fast``: its fast mode, compute="fp8", with q
 in each dtype and in float8_e4m3fn; ``keysm``: the keys-on-M steps of 8, 16 and 32 columns,
 both cache formats, which the dispatch runs where s_q * h_q <= 32; ``keysm_rs``: the keys-on-M
-ping-pong variant over an e4m3 cache, 8 and 16 columns, which it runs in exact mode from a
-batch of 8; ``keysm_fast``: that variant's fast mode, which it runs in fast mode where
-s_q * h_q <= 16), the schedule kernel and
+ping-pong variant over an e4m3 cache, 8, 16 and 32 columns, which it runs in exact mode from a
+batch of 8 (32 at 32 columns); ``keysm_fast``: that variant's fast mode, which it runs in
+fast mode where s_q * h_q <= 16), the schedule kernel and
 append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns

@@ -35,12 +35,20 @@ conflicts):
 Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-on-M kernel does);
 fp16 q is only permuted. P is written in f16.
 
-Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8 or 16 columns (query rows a CTA);
-one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); the ring has an even
-number of stages (rs_stages). Status: the whole-line version ran on the H200 in session 22 (GPU
-tests, memcheck, fuzz 2000 cases, CUDA-graph replays); the dispatch's choice in exact mode from
-a batch of KEYSM_RS_MIN_BATCH (8; TORCH_MLA_KEYSM_RS=1: every batch, =0: never): 0.73-0.79x the
-keys-on-M kernel's time on the memory-bound rows, up to 1.19x it at b 1.
+Registers and shared memory by columns: at 8 and 16 a consumer thread has 232 registers and
+the second warpgroup's O^T, maxima and sums go over in one merge round; at 32 (O^T alone 128
+registers a thread) 240 registers, O^T's A operands of a k-step filled in two m-tile groups
+(o_groups), the merge in three rounds of 48 floats (merge_rounds: what fits beside four ring
+stages).
+
+Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8, 16 or 32 columns (query rows a
+CTA); one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); the ring has an
+even number of stages (RS_STAGES, merge_rounds). Status: the whole-line version ran on the H200
+in session 22 (GPU tests, memcheck, fuzz 2000 cases, CUDA-graph replays), 32 columns in session
+23 (GPU tests, memcheck, fuzz 2000 cases); the dispatch's choice in exact mode from a batch of
+KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16 columns, 32 at 32; TORCH_MLA_KEYSM_RS=1: every batch,
+=0: never): 0.73-0.79x the keys-on-M kernel's time on the memory-bound rows, up to 1.19x it at
+b 1 (1.36x at 32 columns).
 """
 
 from __future__ import annotations
@@ -465,9 +473,10 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,
                          m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc):
-        """The segment's end: the second warpgroup hands its O^T, maxima and partial sums over
-        (sMerge, thread by thread); the first merges them into its own (the split-KV rule:
-        each side times 2^(its max - the larger)) and stores through _epilogue."""
+        """The segment's end: the second warpgroup hands its maxima, partial sums and O^T over
+        (sMerge, thread by thread, in merge_rounds rounds: named barrier 5 when a round is
+        written, 6 when it has been read); the first merges them into its own (the split-KV
+        rule: each side times 2^(its max - the larger)) and stores through _epilogue."""
         ncol = self.n_wg // 4
         rounds = self.merge_rounds
         per = len(merge_round(0, rounds, self.n_wg))
