@@ -81,7 +81,7 @@ def check(n: cutlass.Constexpr):
             bad_a += cute.crd2idx((t, v), tv) != m + 64 * k
     print(f"n {n}: Q8 {bad_q}, A {bad_a} wrong")
 
-for n in (8, 16):
+for n in (8, 16, 32):
     check(n)
 """
 
@@ -91,7 +91,8 @@ def test_layouts_match_the_models(tmp_path):
     (sw64_offset); the register A fragment of S^T is the one it fills."""
     assert_expected_inline(wrong_lines(tmp_path, LAYOUT_SCRIPT), """\
 n 8: Q8 0, A 0 wrong
-n 16: Q8 0, A 0 wrong""")
+n 16: Q8 0, A 0 wrong
+n 32: Q8 0, A 0 wrong""")
 
 
 def test_registry_and_dispatch(monkeypatch):
@@ -99,7 +100,7 @@ def test_registry_and_dispatch(monkeypatch):
                                   columns=16)
     assert (c.name, c.key()) == ("step_sm90_keysm_fast", {
         "dtype": "bf16", "causal": True, "kv": "e4m3", "compute": "fp8", "columns": 16})
-    for bad in (dict(columns=16, kv_fp8=True), dict(columns=32, kv_fp8=True, compute="fp8"),
+    for bad in (dict(columns=16, kv_fp8=True), dict(columns=64, kv_fp8=True, compute="fp8"),
                 dict(columns=16, kv_fp8=True, compute="fp8", q_fp8=True)):
         with pytest.raises(ValueError):
             registry.DecodeStepConfig("sm90_keysm_fast", "bf16", False, **bad)
@@ -107,13 +108,13 @@ def test_registry_and_dispatch(monkeypatch):
         registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, kv_fp8=True, compute="fp8",
                                   columns=16)
     got = registry.variants(("bf16",), (False,), ("keysm_fast",))
-    assert sorted(v.config.columns for v in got) == [8, 16]
+    assert sorted(v.config.columns for v in got) == [8, 16, 32]
     for name in ("TORCH_MLA_KEYSM_FAST", "TORCH_MLA_KEYSM"):
         monkeypatch.delenv(name, raising=False)
-    rows = (1, 8, 9, 16, 17, 32)
-    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 0, 0]
+    rows = (1, 8, 9, 16, 17, 32, 33)
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 32, 32, 0]
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "0")
-    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 6
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 7
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
     assert dispatch.keysm_columns("sm90", 8, "fp8", q_fp8=True) == 0
     # (its pages are whole 36 KB blocks: one KV head only)
@@ -168,7 +169,8 @@ LENS = [20, 140, 4096, 0, 1, 65, 1000]
 @pytest.mark.cuda
 @sm90
 @pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
-                                            (4, 3, True), (3, 1, False), (1, 1, False)])
+                                            (4, 3, True), (3, 1, False), (1, 1, False),
+                                            (32, 1, False), (16, 2, True), (17, 1, False)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_grid(fast, h_q, s_q, causal, dtype):
     _, sched = run_and_check(fast, LENS, s_q, h_q, causal, dtype)
@@ -181,6 +183,7 @@ def test_grid(fast, h_q, s_q, causal, dtype):
 def test_varlen_batches(fast, b):
     run_and_check(fast, varlen_seqlens(b), 1, 16, False)
     run_and_check(fast, varlen_seqlens(b), 2, 8, True)
+    run_and_check(fast, varlen_seqlens(b), 1, 32, False)
 
 
 @pytest.mark.cuda
@@ -188,6 +191,7 @@ def test_varlen_batches(fast, b):
 @pytest.mark.parametrize("L", [1, 63, 64, 65, 127, 128, 129, 191, 193])
 def test_page_boundaries(fast, L):
     run_and_check(fast, [L, L + 1, max(L - 1, 0)], 1, 16, False)
+    run_and_check(fast, [L, L + 1, max(L - 1, 0)], 1, 32, False)
 
 
 @pytest.mark.cuda
@@ -197,9 +201,10 @@ def test_page_boundaries(fast, L):
 def test_data(fast, mult, outliers, capsys):
     """Near-uniform (randn / 100 scores), peaky (2 randn: scores in the hundreds) and
     outlier-channel data: within 2.5 x e_store each."""
-    e_store, _ = run_and_check(fast, LENS, 1, 16, False, mult=mult, outliers=outliers)
-    with capsys.disabled():
-        print(f"\nmult {mult} outliers {outliers}: e_store {e_store:.2e}")
+    for h_q in (16, 32):
+        e_store, _ = run_and_check(fast, LENS, 1, h_q, False, mult=mult, outliers=outliers)
+        with capsys.disabled():
+            print(f"\nh_q {h_q} mult {mult} outliers {outliers}: e_store {e_store:.2e}")
 
 
 @pytest.mark.cuda
@@ -210,16 +215,17 @@ def test_zero_query_row(fast):
     on every last page."""
     run_and_check(fast, LENS, 1, 16, False, zero_head=5)
     run_and_check(fast, LENS, 2, 8, True, zero_head=0)
+    run_and_check(fast, LENS, 1, 32, False, zero_head=21)
 
 
 @pytest.mark.cuda
 @sm90
-def test_graph_replays_with_new_lengths(fast):
+@pytest.mark.parametrize("s_q,h_q", [(2, 8), (2, 16)])
+def test_graph_replays_with_new_lengths(fast, s_q, h_q):
     """One step captured in a CUDA graph, replayed on new lengths, pages and queries: each
     replay equals an eager call (the same kernel) and is within fast mode's bounds."""
     from test_fp8 import SCALE, check_fast_mode, fp8_inputs
 
-    s_q, h_q = 2, 8
     shapes = dict(device="cuda", max_blocks=6, num_blocks=14)
     steps = [fp8_inputs(x, s_q, h_q, **shapes) for x in ([70, 3, 300], [129, 64, 0],
                                                          [5, 250, 190])]
@@ -246,7 +252,7 @@ def test_graph_replays_with_new_lengths(fast):
                             *static[2:4], SCALE, True)
     finally:
         torch_mla.set_value_checks(True)
-    assert set(fast) == {("sm90_keysm_fast", 16)}
+    assert set(fast) == {("sm90_keysm_fast", s_q * h_q)}
 
 
 def test_load_only_tool_refuses_a_shared_cache(monkeypatch):

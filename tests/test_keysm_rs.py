@@ -155,13 +155,13 @@ def test_merge_rounds_and_registry():
     for bad in (dict(columns=16), dict(columns=64, kv_fp8=True), dict(columns=0, kv_fp8=True)):
         with pytest.raises(ValueError):
             registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, **bad)
-    with pytest.raises(ValueError):  # (fast mode: 8 and 16 columns)
+    with pytest.raises(ValueError):  # (fast mode: 8, 16 and 32 columns)
         registry.DecodeStepConfig("sm90_keysm_fast", "bf16", False, kv_fp8=True, compute="fp8",
-                                  columns=32)
+                                  columns=64)
     got = registry.variants(("bf16",), (False,), ("keysm_rs",))
     assert sorted(v.config.columns for v in got) == [8, 16, 32]
     got = registry.variants(("bf16",), (False,), ("keysm_fast",))
-    assert sorted(v.config.columns for v in got) == [8, 16]
+    assert sorted(v.config.columns for v in got) == [8, 16, 32]
 
 
 LAYOUT_SCRIPT = r"""
@@ -248,7 +248,8 @@ def test_launch_choice(monkeypatch):
     assert kind(8, 1, 128) == ("sm90_keysm_rs", 8)
     assert kind(32, 1, 128) == kind(32, 1, 32) == ("sm90_keysm_rs", 32)
     assert kind(32, 1, 31) == ("sm90_keysm_fp8", 32)
-    assert kind(32, 1, 128, "fp8") == ("sm90_fp8_fast", 0)  # (fast mode: <= 16 rows)
+    assert kind(32, 1, 1, "fp8") == ("sm90_keysm_fast", 32)
+    assert kind(40, 1, 128, "fp8") == ("sm90_fp8_fast", 0)
     assert kind(16, 1, 7) == kind(16, 2, 128) == ("sm90_keysm_fp8", 16)
     assert kind(16, 1, 1, "fp8") == ("sm90_keysm_fast", 16)
     assert kind(40, 1, 128) == ("sm90_fp8", 0)

@@ -23,7 +23,7 @@ KEYSM_DEFAULT_ROWS = 32
 # The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
 # columns in exact mode, and in fast mode (cute_kernels/sm90_keysm_fast_decode.py).
 KEYSM_RS_COLUMNS = (8, 16, 32)
-KEYSM_FAST_COLUMNS = (8, 16)
+KEYSM_FAST_COLUMNS = (8, 16, 32)
 # The ping-pong variant is the exact mode's default from this batch on, by columns (below it the
 # keys-on-M kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md
 # "Kernel choice over an e4m3 cache" and, for 32 columns, "Session 23").

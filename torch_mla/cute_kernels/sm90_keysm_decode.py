@@ -696,6 +696,7 @@ class MLADecodeSm90KeysM(DecodeKernel):
                     acc_S[idx] = -Float32.inf
         self._mask_entries(acc_S, entry_bias)
 
+        scale_log2 = self._page_scale(scale_log2, lane)
         # Column maxima: the two row halves, then the column's lanes and warps (_across_keys;
         # smem slot: the parity of this warpgroup's page count; its next write to it is two of
         # its pages later, past a barrier every reader meets after reading).
@@ -761,6 +762,11 @@ class MLADecodeSm90KeysM(DecodeKernel):
         for i in cutlass.range_constexpr(cute.size(acc_O)):
             v = i % per_tile
             acc_O[i] = acc_O[i] * factor[2 * (v // 4) + v % 2]
+
+    def _page_scale(self, scale_log2: list, lane) -> list:
+        """The softmax scale of each of the thread's columns for a page, from the segment's
+        (the list _q_ready's factors made): the same here (fast mode's per-row Q scales)."""
+        return scale_log2
 
     @cute.jit
     def _entry_bias(self, s, wq, lane):

@@ -156,45 +156,76 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
     def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
         """Both consumer warpgroups, once Q has landed: Q (n x 576, 16-bit, as TMA landed it)
         -> Q8 in e4m3, each row times 448 / its largest |q|; returns the thread's columns'
-        amax / 448 (their factors of the softmax scale). A thread takes a (row, 64-wide group)
-        run: its amax to sRunMax, barrier 4, the row's amax from its 9 runs, the run quantized
-        into Q8, barrier 4. Threads without a run read the last one and store nothing."""
+        amax / 448 (their factors of the softmax scale; 1 at 32 columns, where _page_scale
+        applies them). A thread takes a (row, 64-wide group)
+        run (two at 32 columns, 288 runs: waves of 256): its amax to sRunMax, barrier 4, the
+        row's amax from its 9 runs, the run quantized into Q8, barrier 4. Threads without a run
+        read the last one and store nothing."""
         n = self.n_wg
         runs = n * N_TILES
-        run = cutlass.min(tidx, runs - 1)
-        row, c = run % n, run // n
+        waves = (runs + 255) // 256  # (2 at 32 columns: 288 runs)
         bf16 = self.dtype == cutlass.BFloat16
         run_max = self.d_storage.sRunMax.get_tensor(cute.make_layout(runs))
         scales = self.d_storage.sQScale.get_tensor(cute.make_layout(n))
-        words = []
-        for u in cutlass.range_constexpr(8):
-            words += lds128(self.d_q_base + q_unit(row, c, u, n))
-        amax = Float32(0.0)
-        for w in words:
-            for v in unpack16x2(w, bf16):
-                amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
-        if tidx < runs:
-            run_max[run] = amax
+        held = []
+        for wv in cutlass.range_constexpr(waves):
+            run = cutlass.min(wv * 256 + tidx, runs - 1)
+            row, c = run % n, run // n
+            words = []
+            for u in cutlass.range_constexpr(8):
+                words += lds128(self.d_q_base + q_unit(row, c, u, n))
+            if const_expr(waves == 1):  # (more waves read their runs again: registers)
+                held.append(words)
+            amax = Float32(0.0)
+            for w in words:
+                for v in unpack16x2(w, bf16):
+                    amax = cute.arch.fmax(amax, cute.arch.fmax(v, -v))
+            if wv * 256 + tidx < runs:
+                run_max[run] = amax
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
-        amax = run_max[row]
-        for t in cutlass.range_constexpr(1, N_TILES):
-            amax = cute.arch.fmax(amax, run_max[t * n + row])
-        inv, scale = e4m3_row_factors(amax)
-        lat = []  # the run's 16 words of e4m3, latent order
-        for i in cutlass.range_constexpr(16):
-            a = unpack16x2(words[2 * i], bf16)
-            b = unpack16x2(words[2 * i + 1], bf16)
-            lat.append(e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
-        out = [lat[q8_word(w)] for w in range(16)]  # S^T's k order (flat_latent_of)
-        if tidx < runs:
-            q8 = self.d_storage.sQ8.data_ptr().toint()
-            for u in cutlass.range_constexpr(4):
-                sts(q8 + sw64_offset(row, 64 * c + 16 * u, n), out[4 * u:4 * u + 4])
-            if c == 0:
-                scales[row] = scale
+        for wv in cutlass.range_constexpr(waves):
+            run = cutlass.min(wv * 256 + tidx, runs - 1)
+            row, c = run % n, run // n
+            if const_expr(waves == 1):
+                words = held[wv]
+            else:
+                words = []
+                for u in cutlass.range_constexpr(8):
+                    words += lds128(self.d_q_base + q_unit(row, c, u, n))
+            amax = run_max[row]
+            for t in cutlass.range_constexpr(1, N_TILES):
+                amax = cute.arch.fmax(amax, run_max[t * n + row])
+            inv, scale = e4m3_row_factors(amax)
+            lat = []  # the run's 16 words of e4m3, latent order
+            for i in cutlass.range_constexpr(16):
+                a = unpack16x2(words[2 * i], bf16)
+                b = unpack16x2(words[2 * i + 1], bf16)
+                lat.append(e4m3x4(a[0] * inv, a[1] * inv, b[0] * inv, b[1] * inv))
+            out = [lat[q8_word(w)] for w in range(16)]  # S^T's k order (flat_latent_of)
+            if wv * 256 + tidx < runs:
+                q8 = self.d_storage.sQ8.data_ptr().toint()
+                for u in cutlass.range_constexpr(4):
+                    sts(q8 + sw64_offset(row, 64 * c + 16 * u, n), out[4 * u:4 * u + 4])
+                if c == 0:
+                    scales[row] = scale
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
-        return [scales[8 * (jc // 2) + 2 * (lane % 4) + jc % 2] for jc in range(n // 4)]
+        if const_expr(n < 32):
+            return [scales[self._col(jc, lane)] for jc in range(n // 4)]
+        return [Float32(1.0)] * (n // 4)  # (at 32 columns _page_scale reads them: registers)
+
+    def _col(self, jc, lane):
+        """The thread's column jc (of n // 4)."""
+        return 8 * (jc // 2) + 2 * (lane % 4) + jc % 2
+
+    @cute.jit
+    def _page_scale(self, scale_log2: list, lane) -> list:
+        """At 32 columns the rows' Q scales are read from sQScale every page: eight scales held
+        through a segment beside O^T (128 registers) made ptxas spill."""
+        if const_expr(self.n_wg < 32):
+            return scale_log2
+        scales = self.d_storage.sQScale.get_tensor(cute.make_layout(self.n_wg))
+        return [scale_log2[jc] * scales[self._col(jc, lane)] for jc in range(self.n_wg // 4)]
 
 
 def decode_kernel(config, arch: str):

@@ -192,7 +192,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         # the wgmmas below 240 (no spill at 24 then); at 8 and 16 the producer spilled at 24.
         self.regs = (24, 240) if columns == 32 else (40, 232)
         self.stages = RS_STAGES
-        self.merge_rounds = merge_rounds(columns)
+        self.merge_rounds = merge_rounds(columns)  # (more in _prepare where _more_smem needs)
         # O^T's A fragments per k-step in this many groups of m-tiles: a group's register
         # buffer is filled while the MMAs read the other's (two groups at 32 columns, where
         # O^T itself takes 128 registers a thread)
@@ -222,19 +222,23 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, view, box,
                                                      (LINE_BOX, PAGE_ELEMS // LINE_BOX))
         i64 = cutlass.Int64
-        self.shared_storage = shared_struct(
-            sQ=aligned(dt, n * D_QK),
-            sP=aligned(dt, 2 * n * PAGE_SIZE),
-            sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
-            sMerge=aligned(Float32, 128 * len(merge_round(0, self.merge_rounds, n))),
-            sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
-            barFull=cute.struct.MemRange[i64, self.stages],
-            barEmpty=cute.struct.MemRange[i64, self.stages],
-            barQ=cute.struct.MemRange[i64, 2],
-            sQmax=cute.struct.MemRange[Int32, 8],
-            **self._more_smem(),
-        )
-        size = self.shared_storage.size_in_bytes()
+        while True:  # the fewest merge rounds that fit beside the subclass's _more_smem
+            self.shared_storage = shared_struct(
+                sQ=aligned(dt, n * D_QK),
+                sP=aligned(dt, 2 * n * PAGE_SIZE),
+                sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
+                sMerge=aligned(Float32, 128 * len(merge_round(0, self.merge_rounds, n))),
+                sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
+                barFull=cute.struct.MemRange[i64, self.stages],
+                barEmpty=cute.struct.MemRange[i64, self.stages],
+                barQ=cute.struct.MemRange[i64, 2],
+                sQmax=cute.struct.MemRange[Int32, 8],
+                **self._more_smem(),
+            )
+            size = self.shared_storage.size_in_bytes()
+            if size <= 227 * 1024 or self.merge_rounds == merge_floats(n):
+                break
+            self.merge_rounds += 1
         assert size <= 227 * 1024, size
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, self._tiled_s(), tiled_o)
