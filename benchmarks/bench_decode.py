@@ -357,7 +357,8 @@ def main(argv=None):
                     os.environ["TORCH_MLA_KEYSM_RS"] = "0"
             if args.fast and args.fp8:
                 fast_lines(cfg, check, us, k_us,
-                           dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_FAST_COLUMNS)
+                           dispatch.keysm_columns("sm90", s_q * h_q, "fp8", batch=b)
+                           in KEYSM_FAST_COLUMNS)
             os.environ["TORCH_MLA_KEYSM"] = "0"
             os.environ.pop("TORCH_MLA_KEYSM_RS")
         if args.breakdown:

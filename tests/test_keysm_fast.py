@@ -10,7 +10,7 @@ from expecttest import assert_expected_inline
 from test_keysm import keysm, sm90, wrong_lines  # noqa: F401 (keysm: a fixture)
 
 import torch_mla
-from torch_mla.constants import KEYSM_FAST_COLUMNS
+from torch_mla.constants import KEYSM_FAST_COLUMNS, KEYSM_FAST_MIN_BATCH
 from torch_mla.cute_kernels.sm90_keysm_fast_decode import flat_latent_of, q8_word, sw64_offset
 from torch_mla.ops import dispatch, registry
 from torch_mla.testing import capture_graph, varlen_seqlens
@@ -112,9 +112,16 @@ def test_registry_and_dispatch(monkeypatch):
     for name in ("TORCH_MLA_KEYSM_FAST", "TORCH_MLA_KEYSM"):
         monkeypatch.delenv(name, raising=False)
     rows = (1, 8, 9, 16, 17, 32, 33)
-    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 32, 32, 0]
+    assert KEYSM_FAST_MIN_BATCH == {8: 1, 16: 1, 32: 4}
+    assert [dispatch.keysm_columns("sm90", r, "fp8", batch=4) for r in rows] == [8, 8, 16, 16,
+                                                                               32, 32, 0]
+    # 32 columns from a batch of 4 (batch defaults to 1)
+    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [8, 8, 16, 16, 0, 0, 0]
+    assert dispatch.keysm_columns("sm90", 32, "fp8", batch=3) == 0
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "0")
-    assert [dispatch.keysm_columns("sm90", r, "fp8") for r in rows] == [0] * 7
+    assert [dispatch.keysm_columns("sm90", r, "fp8", batch=4) for r in rows] == [0] * 7
+    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
+    assert dispatch.keysm_columns("sm90", 32, "fp8") == 32
     monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
     assert dispatch.keysm_columns("sm90", 8, "fp8", q_fp8=True) == 0
     # (its pages are whole 36 KB blocks: one KV head only)
@@ -131,8 +138,9 @@ def test_registry_and_dispatch(monkeypatch):
 
 @pytest.fixture
 def fast(keysm, monkeypatch):  # noqa: F811 (the fixture imported above)
-    """test_keysm.py's launch count (TORCH_MLA_KEYSM_FAST unset: the default)."""
-    monkeypatch.delenv("TORCH_MLA_KEYSM_FAST", raising=False)
+    """test_keysm.py's launch count, with TORCH_MLA_KEYSM_FAST=1 (this kernel at any batch: the
+    default takes 32 columns from a batch of 4)."""
+    monkeypatch.setenv("TORCH_MLA_KEYSM_FAST", "1")
     return keysm
 
 

@@ -24,6 +24,9 @@ KEYSM_DEFAULT_ROWS = 32
 # columns in exact mode, and in fast mode (cute_kernels/sm90_keysm_fast_decode.py).
 KEYSM_RS_COLUMNS = (8, 16, 32)
 KEYSM_FAST_COLUMNS = (8, 16, 32)
+# Fast mode takes that variant from this batch on, by columns (at 32 columns and b 1 the
+# heads-on-M fast mode is faster; docs/kernels/keysm.md "Session 23").
+KEYSM_FAST_MIN_BATCH = {8: 1, 16: 1, 32: 4}
 # The ping-pong variant is the exact mode's default from this batch on, by columns (below it the
 # keys-on-M kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md
 # "Kernel choice over an e4m3 cache" and, for 32 columns, "Session 23").

@@ -12,7 +12,8 @@ API (stable, for the ops, tests and tools):
     find_decode_kernel / find_schedule_kernel / find_append_kernel   the ops' kernel choice
     run_sm90, run_sm90_fp8, run_sm80, run_sm100   the launchers find_decode_kernel returns
     run_split_kv(backend, ...)   their common host side
-    keysm_columns(backend, rows, compute, q_fp8, h_kv)   the keys-on-M step's columns, or 0
+    keysm_columns(backend, rows, compute, q_fp8, h_kv, batch)   the keys-on-M step's columns
+                                 (0: another kernel)
     step_kind(backend, key, rows, compute, h_kv, batch, fp8)   run_split_kv's STEPS key
     STEPS                        key -> (dtype, causal, device index) -> compiled decode step;
                                  tests and tools swap entries to stand in for a kernel
@@ -37,6 +38,7 @@ from ..constants import (
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
     KEYSM_FAST_COLUMNS,
+    KEYSM_FAST_MIN_BATCH,
     KEYSM_RS_COLUMNS,
     KEYSM_RS_MIN_BATCH,
     LOG2_E,
@@ -93,8 +95,10 @@ _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 keysm_rs_always = _env_flag("TORCH_MLA_KEYSM_RS")
 keysm_rs_off = _env_flag("TORCH_MLA_KEYSM_RS", "0")
 # Its fast mode (compute="fp8", cute_kernels/sm90_keysm_fast_decode.py) for bf16/fp16 q where
-# s_q * h_q <= 16, by default (faster than the heads-on-M fast mode on every row measured:
-# docs/kernels/keysm.md "Fast mode"); TORCH_MLA_KEYSM_FAST=0 (or TORCH_MLA_KEYSM=0): never.
+# s_q * h_q <= 32, by default from a batch of KEYSM_FAST_MIN_BATCH[columns] (faster than the
+# heads-on-M fast mode there on every row measured: docs/kernels/keysm.md "Fast mode" and
+# "Session 23"); TORCH_MLA_KEYSM_FAST=1 at every batch, =0 (or TORCH_MLA_KEYSM=0): never.
+keysm_fast_always = _env_flag("TORCH_MLA_KEYSM_FAST")
 keysm_fast_off = _env_flag("TORCH_MLA_KEYSM_FAST", "0")
 
 
@@ -124,20 +128,25 @@ def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
 
 
 def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool = False,
-                  h_kv: int = 1) -> int:
+                  h_kv: int = 1, batch: int = 1) -> int:
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
     backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
     mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
     in fast mode (compute="fp8", q not float8_e4m3fn, one KV head: its pages are loaded as
-    whole 36 KB blocks, which h_kv > 1 interleaves) where rows <= 16 (its fast variant's
-    columns, KEYSM_FAST_COLUMNS), unless TORCH_MLA_KEYSM_FAST=0."""
+    whole 36 KB blocks, which h_kv > 1 interleaves) where rows <= 32 (its fast variant's
+    columns, KEYSM_FAST_COLUMNS) and ``batch`` (requests) is at least
+    KEYSM_FAST_MIN_BATCH[columns] (1 at 8 and 16 columns, 4 at 32; TORCH_MLA_KEYSM_FAST=1: at
+    every batch, =0: never)."""
     if backend != "sm90":
         return 0
     if compute != "exact":
         if q_fp8 or h_kv != 1 or keysm_fast_off():
             return 0
-        return keysm_columns_for(rows, min(KEYSM_FAST_COLUMNS[-1], keysm_max_rows()))
+        columns = keysm_columns_for(rows, min(KEYSM_FAST_COLUMNS[-1], keysm_max_rows()))
+        if columns and (keysm_fast_always() or batch >= KEYSM_FAST_MIN_BATCH[columns]):
+            return columns
+        return 0
     return keysm_columns_for(rows, keysm_max_rows())
 
 
@@ -146,7 +155,7 @@ def step_kind(backend: str, key: str, rows: int, compute: str, h_kv: int, batch:
     """run_split_kv's choice: (the STEPS key, the keys-on-M columns or 0) for ``rows`` query
     rows a KV head of a batch of ``batch`` requests; key is the backend's own step
     (backend, + "_fp8" or "_fp8_fast" over a float8_e4m3fn cache, + "_q8" for e4m3 q)."""
-    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv)
+    columns = keysm_columns(backend, rows, compute, key.endswith("_q8"), h_kv, batch)
     if columns:
         return keysm_kind(columns, fp8, compute, h_kv, batch), columns
     return key, 0
