@@ -1,6 +1,7 @@
 """Fast mode of the ping-pong keys-on-M kernel (cute_kernels/sm90_keysm_fast_decode.py): its
 e4m3 Q layout checked against the DSL's, the registry entry and the dispatch's choice (fast mode
-where s_q * h_q <= 16 unless TORCH_MLA_KEYSM_FAST=0); on an SM90 GPU the kernel against the fp32
+where s_q * h_q <= 16, <= 32 from a batch of 4, unless TORCH_MLA_KEYSM_FAST=0); on an SM90
+GPU the kernel (TORCH_MLA_KEYSM_FAST=1) against the fp32
 reference within fast mode's bounds (test_fp8.check_fast_mode: 2.5 x the error of storing the
 cache in e4m3; lse within Q's rounding)."""
 

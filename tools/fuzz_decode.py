@@ -25,7 +25,8 @@ NaN), mla_decode given kv_scale (exact mode), the reference over the same dequan
 TORCH_MLA_KEYSM_RS=1 every case of up to 32 query rows and one KV head runs the ping-pong
 keys-on-M kernel (without it, those of a batch of 8 or more, 32 or more above 16 rows).
 ``--fast``: the same over an e4m3 cache in fast mode (compute="fp8"; its cases of <= 16 rows
-a KV head run the keys-on-M fast kernel), q at its drawn size without the large multipliers
+a KV head, and of <= 32 from a batch of 4, run the keys-on-M fast kernel), q at its drawn
+size without the large multipliers
 (fast mode's bound is for ordinary scores: Q's e4m3 rounding moves a score by up to
 2^-4 |q| |k| scale), checked as tests/test_fp8.py's check_fast_mode does: the output's relative
 error within 2.5 x e_store (the reference over the dequantized cache against the reference over

@@ -14,7 +14,7 @@ in each dtype and in float8_e4m3fn; ``keysm``: the keys-on-M steps of 8, 16 and 
 both cache formats, which the dispatch runs where s_q * h_q <= 32; ``keysm_rs``: the keys-on-M
 ping-pong variant over an e4m3 cache, 8, 16 and 32 columns, which it runs in exact mode from a
 batch of 8 (32 at 32 columns); ``keysm_fast``: that variant's fast mode, which it runs in
-fast mode where s_q * h_q <= 16), the schedule kernel and
+fast mode where s_q * h_q <= 32 (from a batch of 4 above 16)), the schedule kernel and
 append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns

@@ -32,14 +32,16 @@ and count bank conflicts):
     chunks); the consumer writes S^T's row m to P^T's key page_row(m) (_pt_key; page_row is an
     involution).
 
-Limits: as the ping-pong variant (e4m3 cache, 8 or 16 columns, page 64, d 576 / 512), with
+Limits: as the ping-pong variant (e4m3 cache, 8, 16 or 32 columns, page 64, d 576 / 512), with
 bf16 or fp16 q (an e4m3 q runs the heads-on-M fast mode) and one KV head (a page's rows must
 be contiguous: dispatch.keysm_columns). An inf in q makes its row NaN (as the heads-on-M fast
 mode). Status: compiled for sm_90a (CI checks its PTX); run on the H200 in session 22
 (tests/test_keysm_fast.py: grid, varlen, page edges, data, the zero query row, CUDA-graph
-replays; compute-sanitizer memcheck; `fuzz_decode --fast`: every case it took passed); the
-dispatch's choice in fast mode where s_q * h_q <= 16 (TORCH_MLA_KEYSM_FAST=0: never).
-docs/kernels/keysm.md, "Fast mode on the ping-pong variant", has its speed.
+replays; compute-sanitizer memcheck; `fuzz_decode --fast`: every case it took passed), 32
+columns in session 23 (the same checks); the dispatch's choice in fast mode where s_q * h_q
+<= 16, and <= 32 from a batch of 4 (KEYSM_FAST_MIN_BATCH; TORCH_MLA_KEYSM_FAST=1: every batch,
+=0: never). docs/kernels/keysm.md, "Fast mode on the ping-pong variant" and "Session 23", has
+its speed.
 """
 
 from __future__ import annotations

@@ -332,8 +332,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
     cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
     TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
-    e4m3 cache, which the dispatch picks in exact mode from a batch of 8; "keysm_fast" that
-    variant's fast mode, which the dispatch picks for fast mode where s_q * h_q <= 16), the
+    e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns);
+    "keysm_fast" that variant's fast mode, which the dispatch picks for fast mode where
+    s_q * h_q <= 32 (from a batch of 4 above 16)), the
     schedule kernel,
     append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from
     bf16/fp16/fp32 sources with int32/int64 slots; "decode" and "combine" alone serve
