@@ -307,7 +307,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
                                             compute="fp8")
-        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too above 16 query rows a KV head)""")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too above 32 query rows a KV head, and above 16 at a batch below 4)""")
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
                       dispatch.run_sm90_fp8)
 

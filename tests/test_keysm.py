@@ -385,6 +385,7 @@ def test_dispatch_choice(monkeypatch):
     # not the portable or SM100 kernels, not fast mode
     assert dispatch.keysm_columns("sm80", 16) == dispatch.keysm_columns("sm100", 16) == 0
     # fast mode: its ping-pong variant's fast mode up to 32 rows (tests/test_keysm_fast.py)
+    monkeypatch.delenv("TORCH_MLA_KEYSM_FAST", raising=False)
     assert dispatch.keysm_columns("sm90", 32, "fp8", batch=4) == 32
     assert dispatch.keysm_columns("sm90", 33, "fp8", batch=4) == 0
 

@@ -348,6 +348,8 @@ def test_rows_tool_modes(monkeypatch):
             monkeypatch.setenv(name, value)
         key = "sm90" + ("_fp8" if fp8 else "") + ("_fast" if compute == "fp8" else "")
         assert dispatch.step_kind("sm90", key, 32, compute, 1, 1, fp8) == want[mode], mode
+        # (and at a batch past both thresholds: the flags, not the batch, decide)
+        assert dispatch.step_kind("sm90", key, 32, compute, 1, 128, fp8) == want[mode], mode
     assert keysm_rows.parse_row("128,2,8192,16") == (128, 2, 8192, 16, True)
     with pytest.raises(SystemExit):
         keysm_rows.main(["slow", "1,1,64,16"])

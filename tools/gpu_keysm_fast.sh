@@ -8,7 +8,7 @@
 #   precompile  the keys-on-M steps, the ping-pong and fast steps, the heads-on-M fp8 steps
 #               (exact and fast), schedule: parallel processes
 #   tests       tests/test_keysm_fast.py on the GPU, then tests/test_fp8.py's fast-mode cases
-#               (the dispatch's default: those of <= 16 rows a KV head run this kernel)
+#               (the dispatch's default: those of <= 16 rows a KV head run this kernel, <= 32 from a batch of 4)
 #   memcheck    compute-sanitizer memcheck of tools/keysm_memcheck.py, fast mode
 #   fuzz        tools/fuzz_decode.py --fast, 2000 cases (fast mode's bounds)
 #   bench_bf16, bench_fp8

@@ -14,7 +14,7 @@
 #   bench_bf16, bench_fp8
 #               benchmarks/bench_decode.py --keysm (bf16), then --keysm --fp8 --rs, one process
 #               each, same machine start: the memory-bound rows and the small-batch ones where the
-#               variant loses (the dispatch takes it from a batch of 8); each row's "ping-pong"
+#               variant loses (the dispatch takes it from a batch of 8, 32 at 32 columns); each row's "ping-pong"
 #               line against its keys-on-M line
 #   ncu         the b 128, s_k 8192, h_q 16 row's warp states and instruction mix
 # Success: every stage rc=0, "N passed", "ERROR SUMMARY: 0 errors", rel err ~1e-4 or below.
@@ -26,7 +26,7 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a \
   --kernels keysm,keysm_rs,fp8_step,schedule
 run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_rs.py
 TORCH_MLA_KEYSM_RS=1 memcheck 90 python -m tools.keysm_memcheck
-# (fp8 cases of every head count: those of 8 or 16 rows a KV head run the ping-pong kernel)
+# (fp8 cases of every head count: those of up to 32 rows a KV head run the ping-pong kernel)
 TORCH_MLA_KEYSM_RS=1 run fuzz 150 python -m tools.fuzz_decode --fp8 --cases 2000 --seed 0
 ROWS="128,1,8192,16 128,1,8192,8 64,1,16384,16 128,2,8192,8 16,1,32768,16 64,1,2048,16
       32,1,4096,16 1,1,4096,16"

@@ -64,7 +64,7 @@ The f16 MMAs ran there (session 19), with their exclusion of inf / NaN from the 
 in session 20 (no GPU test feeds an inf; tests/test_keysm.py checks the factors on the CPU).
 The ping-pong subclass (sm90_keysm_rs_decode.py) replaces the consumer's hooks (_operands,
 _q_ready, _mma_s, _mma_o, _prepare_stage, _key_row, _store_o) and adds _merge_and_store,
-which the consumer calls when pingpong.
+which the consumer calls when pingpong; its fast subclass also replaces _page_scale.
 """
 
 from __future__ import annotations

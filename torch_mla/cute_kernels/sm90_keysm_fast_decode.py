@@ -162,7 +162,9 @@ class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
         applies them). A thread takes a (row, 64-wide group)
         run (two at 32 columns, 288 runs: waves of 256): its amax to sRunMax, barrier 4, the
         row's amax from its 9 runs, the run quantized into Q8, barrier 4. Threads without a run
-        read the last one and store nothing."""
+        read the last one and store nothing. Q8 and sQScale are written only after the first
+        barrier 4, which both warpgroups meet after their last page of the previous segment
+        (_page_scale reads sQScale every page)."""
         n = self.n_wg
         runs = n * N_TILES
         waves = (runs + 255) // 256  # (2 at 32 columns: 288 runs)

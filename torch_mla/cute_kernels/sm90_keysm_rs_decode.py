@@ -480,7 +480,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         """The segment's end: the second warpgroup hands its maxima, partial sums and O^T over
         (sMerge, thread by thread, in merge_rounds rounds: named barrier 5 when a round is
         written, 6 when it has been read); the first merges them into its own (the split-KV
-        rule: each side times 2^(its max - the larger)) and stores through _epilogue."""
+        rule: each side times 2^(its max - the larger)) and stores through _epilogue. The next
+        segment's round 0 cannot overwrite sMerge early: the second warpgroup writes it after
+        that segment's _q_ready, whose barrier 4 the first meets only after its last read."""
         ncol = self.n_wg // 4
         rounds = self.merge_rounds
         per = len(merge_round(0, rounds, self.n_wg))

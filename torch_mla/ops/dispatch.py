@@ -237,7 +237,7 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
     why = "exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs)"
     if compute == "fp8":
         why = ("fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in "
-               "e4m3 too above 16 query rows a KV head)")
+               "e4m3 too above 32 query rows a KV head, and above 16 at a batch below 4)")
     if compute != "fp8":
         why += _keysm_note()
     return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"

@@ -91,8 +91,8 @@ class DecodeStepConfig(_Config):
     portable MLADecodeSm80, any arch from sm_80) or "sm90_keysm" (MLADecodeSm90KeysM, sm_90a,
     keys on the MMA's M side, by default where s_q * h_q <= 32: dispatch.keysm_columns;
     ``columns``, the query rows a CTA takes, 8, 16, 32 or 64, is part of its build), and over a
-    float8_e4m3fn cache at 8 or 16 columns its ping-pong variant "sm90_keysm_rs" (exact mode)
-    and "sm90_keysm_fast" (its fast mode, compute="fp8"). dtype: "bf16" or "fp16", q's and
+    float8_e4m3fn cache at 8, 16 or 32 columns its ping-pong variant "sm90_keysm_rs" (exact
+    mode) and "sm90_keysm_fast" (its fast mode, compute="fp8"). dtype: "bf16" or "fp16", q's and
     out's.
     kv_fp8 (sm90, sm90_keysm*): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast
     mode (MLADecodeSm90Fast; sm90_keysm_fast); q_fp8 (sm90 only): its q is float8_e4m3fn
