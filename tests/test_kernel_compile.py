@@ -347,6 +347,54 @@ def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
 
 
+KEYSM_RS_SPARSE_SCRIPT = r"""
+import glob, json, os, re, shutil, subprocess, sys
+from torch_mla.ops import registry
+registry.build(registry.SparseStepConfig("sm90_keysm_rs", sys.argv[1], "e4m3", int(sys.argv[2])),
+               "sm_90a")
+counts = {}
+(f,) = [g for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))]
+for ptx in open(f).read().split(".entry ")[1:]:
+    if "MLASparseDecodeKeysMRS" not in ptx.split("(", 1)[0]:
+        continue
+    for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
+              "cp.async.mbarrier.arrive.noinc.shared", "cp.async.bulk.tensor", "setmaxnreg",
+              "ld.local", "st.local", "vprintf", "trap;"]:
+        counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
+if shutil.which("ptxas"):
+    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
+                         capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
+    info = res.stderr.split("MLASparseDecodeKeysMRS", 2)[2]
+    counts["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+    counts["serialised"] = "C7512" in res.stderr
+print(json.dumps(counts))
+"""
+
+
+@pytest.mark.parametrize("dtype,columns", [("bf16", 16), ("fp16", 8)])
+def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, columns):
+    """The sparse ping-pong step over an e4m3 cache (cute_kernels/sm90_keysm_rs_sparse_decode.py,
+    compiled only: not yet run on a GPU): the ping-pong's MMAs (36 + 32 wgmma) and conversions
+    (144 + 128 a thread), setmaxnreg; its producer warp's gather of whole 576-byte rows, 8 row
+    steps x 9 groups of 16-byte cp.async a lane, completing on the stage's full mbarrier through
+    one cp.async.mbarrier.arrive.noinc; Q's 9 TMA boxes the only TMA loads; no local memory;
+    ptxas (where installed): no spill, no serialised wgmma."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    c = json.loads(res.stdout.strip().splitlines()[-1])
+    assert c["wgmma.mma_async"] == 36 + 32 and c["cvt.rn.f16x2.e4m3x2"] == 144 + 128, c
+    assert c["cp.async.cg.shared.global"] == 8 * 9, c
+    assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1 and c["cp.async.bulk.tensor"] == 9, c
+    assert c["setmaxnreg"] == 2, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    if "spill" in c:
+        assert c["spill"] == 0 and not c["serialised"], c
+
+
 PORTABLE_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry

@@ -35,13 +35,16 @@ _TAKEN = {"kernel": None}  # the kernel _take asked for (check_against_fp64 chec
 def _take(kernel: str, monkeypatch) -> str:
     """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
     "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=0 for both
-    of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32: the other shapes'
-    cases skip (check_against_fp64)."""
-    if kernel in ("sm90", "sm90_keysm"):
+    of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32, and
+    TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: an e4m3 cache,
+    h_q <= 16): the other shapes' cases skip (check_against_fp64)."""
+    keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
+    if kernel == "sm90" or keysm:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernels need compute capability 9.0")
     monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1" if kernel == "sm90" else "0")
-    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "1" if kernel == "sm90_keysm" else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "1" if keysm else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1" if kernel == "sm90_keysm_rs" else "0")
     _TAKEN["kernel"] = kernel
     return kernel
 
@@ -90,8 +93,9 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, k
     copies (an FP8 cache decoded from its bytes): bf16/fp16 output rounding, fp32 lse; +inf
     exactly where a token uses no entry."""
     taken = sparse_ops.sparse_backend(q, kv_cache, 512)[0]
-    if _TAKEN["kernel"] == "sm90_keysm" and taken != "sm90_keysm":
-        pytest.skip(f"the keys-on-M sparse kernel does not take this shape ({taken} would run)")
+    if _TAKEN["kernel"] in ("sm90_keysm", "sm90_keysm_rs") and taken != _TAKEN["kernel"]:
+        pytest.skip(f"the {_TAKEN['kernel']} sparse kernel does not take this shape ({taken} "
+                    "would run)")
     assert _TAKEN["kernel"] in (None, taken), (_TAKEN, taken)
     out, lse = torch_mla.mla_decode_sparse(q, kv_cache, indices, topk_length=topk_length,
                                            attn_sink=attn_sink, kv_scale=kv_scale)
@@ -245,15 +249,17 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
 FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs"])
 def fp8_kernel(request, monkeypatch):
-    """The kernel the FP8 cases run (_take)."""
+    """The kernel the FP8 cases run (_take; the ping-pong one over the e4m3 cache only)."""
     yield _take(request.param, monkeypatch)
     _TAKEN["kernel"] = None
 
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
+    if fp8_kernel == "sm90_keysm_rs" and fmt != "fp8":
+        pytest.skip("the sparse ping-pong kernel reads the e4m3 cache only")
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
     assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
     with warnings.catch_warnings():

@@ -139,3 +139,25 @@ def test_four_warps_share_a_gather_once_each():
             assert all(offsets(lane, j)[0] // 32 == h for lane in range(32))
     assert MLASparseDecodeSm90.load_warps == 4
     assert MLASparseDecodeSm90.k_arrivals == 4 * 33
+
+
+def test_sparse_pingpong_gather_covers_the_stage():
+    """gather_lines (cute_kernels/sm90_keysm_rs_sparse_decode.py): over its 8 steps and 9 groups
+    the 32 lanes' 16-byte copies cover each of the stage's 64 rows x 576 bytes once, each from
+    the same bytes of the row's cache line, with the row's entry from the lane's slots[h] (h:
+    keys 0..31 or 32..63); each instruction writes 8 whole 64-byte runs of rows."""
+    from torch_mla.cute_kernels.sm90_keysm_rs_sparse_decode import gather_lines_offsets
+
+    seen = set()
+    for j in range(8):
+        for t in range(9):
+            runs = {}
+            for lane in range(32):
+                row, h, byte, dst = gather_lines_offsets(lane, j, t)
+                assert h == row // 32 and dst == row * 576 + byte
+                assert all(dst + i not in seen for i in range(16))
+                seen.update(dst + i for i in range(16))
+                runs.setdefault(row, []).append(byte)
+            assert len(runs) == 8 and all(sorted(b) == list(range(64 * t, 64 * t + 64, 16))
+                                          for b in runs.values())
+    assert seen == set(range(64 * 576))

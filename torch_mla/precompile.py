@@ -1,9 +1,9 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,fp8_step,fp8_fast,sparse,keysm,keysm64,keysm_rs,
-                                              keysm_fast,decode,combine,portable,schedule,
-                                              append_kv]
+                                   [--kernels step,fp8_step,fp8_fast,sparse,sparse_rs,keysm,keysm64,
+                                              keysm_rs,keysm_fast,decode,combine,portable,
+                                              schedule,append_kv]
                                    [--jobs N]
 
 By default it builds what the ops run on ``--arch`` (default: the first visible GPU's arch, else
@@ -18,7 +18,9 @@ fast mode where s_q * h_q <= 32 (from a batch of 4 above 16)), the schedule kern
 append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
-(``TORCH_MLA_KEYSM=1``); decode and combine alone serve benchmarks. The variants are listed in
+(``TORCH_MLA_KEYSM=1``), ``sparse_rs`` the sparse ping-pong steps over an e4m3 cache
+(``TORCH_MLA_SPARSE_KEYSM_RS=1``; compiled, not yet run on a GPU); decode and combine alone
+serve benchmarks. The variants are listed in
 torch_mla/ops/registry.py.
 
 Runs without a GPU (the kernels are compiled for ``--arch``, a compile option), so a container

@@ -212,15 +212,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         mQ_t = cute.make_tensor(mQ.iterator, cute.select(mQ.layout, mode=[1, 2, 0]))
         op = cpasync.CopyBulkTensorTileG2SOp()
         tma_q, tma_mQ = cpasync.make_tiled_tma_atom(op, mQ_t, q_tile, (n, D_QK))
-        # The cache's pages as (256 bytes, 144 rows, pages): a page's 64 rows must be
-        # contiguous, 576 bytes apart: a contiguous cache of one KV head (the ops check the
-        # first; the dispatch sends only h_kv 1 here, dispatch.keysm_kind).
-        view = cute.make_tensor(mKV.iterator, cute.make_layout(
-            (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
-            stride=(1, LINE_BOX, mKV.layout.stride[0])))
-        box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
-        tma_k, tma_mKV = cpasync.make_tiled_tma_atom(op, view, box,
-                                                     (LINE_BOX, PAGE_ELEMS // LINE_BOX))
+        tma_k, tma_mKV = self._line_tma(op, mKV)
         i64 = cutlass.Int64
         while True:  # the fewest merge rounds that fit beside the subclass's _more_smem
             self.shared_storage = shared_struct(
@@ -242,6 +234,17 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         assert size <= 227 * 1024, size
         return TmaLoads(tma_q, tma_mQ, tma_k, tma_mKV), (
             fp8, sQ_layout, sK_layout, sVt_layout, sPt_layout, self._tiled_s(), tiled_o)
+
+    def _line_tma(self, op, mKV: cute.Tensor):
+        """The cache's TMA: one box of whole lines a page. The pages as (256 bytes, 144 rows,
+        pages): a page's 64 rows must be contiguous, 576 bytes apart: a contiguous cache of one
+        KV head (the ops check the first; the dispatch sends only h_kv 1 here,
+        dispatch.keysm_kind)."""
+        view = cute.make_tensor(mKV.iterator, cute.make_layout(
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
+            stride=(1, LINE_BOX, mKV.layout.stride[0])))
+        box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
+        return cpasync.make_tiled_tma_atom(op, view, box, (LINE_BOX, PAGE_ELEMS // LINE_BOX))
 
     def _tiled_s(self):
         """S^T's tiled MMA: f16, A (the page) from registers, B (Q^T) from shared memory."""

@@ -177,8 +177,10 @@ class DecodeConfig(DecodeStepConfig):
 
 
 # The sparse backends; each reads every cache format (SparseStepConfig.cache).
-SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm")
+SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
+# its ping-pong variant (at 32 columns ptxas spills: the gathering producer has 24 registers)
+SPARSE_KEYSM_RS_COLUMNS = (8, 16)
 
 
 def sparse_caches(dtype: str) -> tuple[str, ...]:
@@ -193,6 +195,8 @@ class SparseStepConfig(_Config):
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80), "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape) or
     "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
+    "sm90_keysm_rs" (its ping-pong variant, e4m3 cache only, 8 or 16 columns; compiled, not
+    yet run on a GPU: opt-in, TORCH_MLA_SPARSE_KEYSM_RS=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -203,8 +207,11 @@ class SparseStepConfig(_Config):
     columns: int = 0
 
     def __post_init__(self):
+        columns = {"sm90_keysm": SPARSE_KEYSM_COLUMNS,
+                   "sm90_keysm_rs": SPARSE_KEYSM_RS_COLUMNS}.get(self.backend, (0,))
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
-                or (self.backend == "sm90_keysm") != (self.columns in SPARSE_KEYSM_COLUMNS)):
+                or self.columns not in columns
+                or (self.backend == "sm90_keysm_rs" and self.cache != "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}, columns {self.columns}")
         if self.cache not in sparse_caches(self.dtype):
@@ -313,8 +320,8 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "keysm", "keysm64", "keysm_rs", "keysm_fast",
-           "decode", "combine", "portable", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "sparse_rs", "keysm", "keysm64", "keysm_rs",
+           "keysm_fast", "decode", "combine", "portable", "schedule", "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "keysm_rs", "keysm_fast", "sparse",
                    "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
@@ -372,6 +379,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
+        if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
+            out += [SparseStepConfig("sm90_keysm_rs", dt, "e4m3", n)
+                    for n in SPARSE_KEYSM_RS_COLUMNS]
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

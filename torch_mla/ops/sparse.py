@@ -69,8 +69,10 @@ def keysm_sparse_columns(h_q: int) -> int:
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
-    never), "sm90" (the SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1
-    for every shape the keys-on-M kernel does not take, =0 never), "sm80" (the portable one)
+    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 over an e4m3 cache and h_q <= 16 "sm90_keysm_rs",
+    its ping-pong variant, which has not run on a GPU yet), "sm90" (the SM90 one: on sm_90a
+    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the keys-on-M kernel does
+    not take, =0 never), "sm80" (the portable one)
     or "reference", for validated inputs on a CUDA device; reason says why the reference
     runs. Every kernel takes every cache format (the FP8 ones dequantized in the kernel); the
     656-byte rows with bf16 q only (their RoPE values are bf16)."""
@@ -93,6 +95,9 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
             q.shape[2]):
+        if (dispatch.sparse_keysm_rs() and fmt == "fp8"  # (e4m3; opt-in: not yet run on a GPU)
+                and keysm_sparse_columns(q.shape[2]) in registry.SPARSE_KEYSM_RS_COLUMNS):
+            return "sm90_keysm_rs", ""
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
@@ -117,7 +122,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     if not q.is_cuda:
         return None
     name, reason = sparse_backend(q, kv_cache, d_v)
-    if name in ("sm80", "sm90", "sm90_keysm"):
+    if name in ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs"):
         return partial(run_sparse_step, name)
     if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)
@@ -159,7 +164,8 @@ def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
 def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                     sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
     """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one,
-    "sm90_keysm": the keys-on-M one; decode, then combine) on validated arguments; the sink, if
+    "sm90_keysm": the keys-on-M one, "sm90_keysm_rs": its ping-pong variant; decode, then
+    combine) on validated arguments; the sink, if
     any, scales the output afterwards. Allocates nothing whose size depends on data (CUDA-graph
     safe)."""
     if q.device.index != torch.cuda.current_device():
@@ -170,7 +176,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
-    columns = keysm_sparse_columns(h_q) if backend == "sm90_keysm" else 0
+    columns = keysm_sparse_columns(h_q) if backend in ("sm90_keysm", "sm90_keysm_rs") else 0
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
