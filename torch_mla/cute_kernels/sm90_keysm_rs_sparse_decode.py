@@ -31,13 +31,13 @@ from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
 
 from ..constants import D_QK, PAGE_SIZE
 from .ptx import cp_async16
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_keysm_decode import N_TILES, PAGE_ELEMS, ring_slot
 from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
+from .sm90_keysm_sparse_decode import EntryBias
 from .sm90_sparse_decode import GatheredEntries, gather8_offsets, row_source
 
 
@@ -67,15 +67,13 @@ def gather_lines(slots, rows, stage):
             cp_async16(stage + dst, src + byte, size)
 
 
-class MLASparseDecodeKeysMRS(GatheredEntries, MLADecodeSm90KeysMRS):
+class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     """The keys-on-M ping-pong kernel over gathered entries of an e4m3 cache; see the module
-    docstring."""
+    docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's row m is page row m
+    here too.)"""
 
     def __init__(self, dtype, columns: int):
         super().__init__(dtype, False, columns)
-
-    def _more_smem(self) -> dict:
-        return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
 
     def _line_tma(self, op, mKV: cute.Tensor):
         """No TMA for the cache: the gathers address it as (64 rows, 576 bytes, pages)."""
@@ -96,22 +94,6 @@ class MLASparseDecodeKeysMRS(GatheredEntries, MLADecodeSm90KeysMRS):
         gather_lines(slots, self._cache_rows(mKV), self.d_k8 + s * PAGE_ELEMS)
         self._arrive_gathered([bar_full + s])
         cnt[0] = cnt[0] + 1
-
-    @cute.jit
-    def _entry_bias(self, s, wq, lane):
-        """This thread's two keys' values of ring stage s's bias row (0, or -inf for a key no
-        entry names): S^T's rows 16 wq + lane / 4 + 8 h (page rows: _key_row is the identity
-        here)."""
-        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
-        return [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
-
-    @cute.jit
-    def _mask_entries(self, acc_S, entry_bias):
-        """Adds the stage's bias to the scores (acc_S value idx is S^T's row 16 wq + lane / 4
-        + 8 ((idx / 2) % 2))."""
-        for idx in cutlass.range_constexpr(cute.size(acc_S)):
-            acc_S[idx] = acc_S[idx] + entry_bias[(idx // 2) % 2]
-
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm_rs") ---------------
 

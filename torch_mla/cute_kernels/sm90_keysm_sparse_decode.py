@@ -60,7 +60,34 @@ from .sm90_keysm_decode import (
 from .sm90_sparse_decode import GatheredEntries, gather8, gather16, row_source
 
 
-class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
+class EntryBias:
+    """The stage bias rows of the keys-on-M sparse kernels (this one and the ping-pong's,
+    sm90_keysm_rs_sparse_decode.py): one row of 64 floats a ring stage (0, or -inf for a key no
+    entry names), written by the producer (GatheredEntries._write_bias), read by the consumers
+    right after the stage's full wait and added to the scores. Mixed in first."""
+
+    def _more_smem(self) -> dict:
+        return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
+
+    @cute.jit
+    def _entry_bias(self, s, wq, lane):
+        """This thread's two keys' values of ring stage s's bias row (0, or -inf for a key no
+        entry names): key 16 wq + lane / 4 + 8 h of acc_S (acc_coord). Read right after the
+        stage's full barrier: over an fp8 cache the consumers release the stage once it is
+        expanded, and the producer may then write the bias row of the stage's next page."""
+        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
+        return [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
+
+    @cute.jit
+    def _mask_entries(self, acc_S, entry_bias):
+        """Adds the stage's bias (_entry_bias) to the scores: -inf for keys no entry names
+        (those at or past topk_length the horizon masks too). acc_S value idx is key
+        16 wq + lane / 4 + 8 ((idx / 2) % 2)."""
+        for idx in cutlass.range_constexpr(cute.size(acc_S)):
+            acc_S[idx] = acc_S[idx] + entry_bias[(idx // 2) % 2]
+
+
+class MLASparseDecodeKeysM(EntryBias, GatheredEntries, MLADecodeSm90KeysM):
     """The keys-on-M kernel over gathered entries; see the module docstring."""
 
     def __init__(self, dtype, columns: int, cache: str = "plain"):
@@ -75,9 +102,6 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
             self.group_scales = True
             self.stage_bytes = GROUP_STAGE_BYTES
             self.stages = 3 if columns <= 16 else 2
-
-    def _more_smem(self) -> dict:
-        return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
 
     @cute.jit
     def _load_page(self, tma_k, mKV, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
@@ -110,24 +134,6 @@ class MLASparseDecodeKeysM(GatheredEntries, MLADecodeSm90KeysM):
             gather16(slots, rows, [(stage + t * TILE_ELEMS * 2, t * 128) for t in tiles])
         self._arrive_gathered([bar_full + s])
         cnt[0] = cnt[0] + 1
-
-    @cute.jit
-    def _entry_bias(self, s, wq, lane):
-        """This thread's two keys' values of ring stage s's bias row (0, or -inf for a key no
-        entry names): key 16 wq + lane / 4 + 8 h of acc_S (acc_coord). Read right after the
-        stage's full barrier: over an fp8 cache the consumers release the stage once it is
-        expanded, and the producer may then write the bias row of the stage's next page."""
-        bias = self.d_storage.sBias.get_tensor(cute.make_layout(self.stages * PAGE_SIZE))
-        return [bias[s * PAGE_SIZE + 16 * wq + lane // 4 + 8 * h] for h in range(2)]
-
-    @cute.jit
-    def _mask_entries(self, acc_S, entry_bias):
-        """Adds the stage's bias (_entry_bias) to the scores: -inf for keys no entry names
-        (those at or past topk_length the horizon masks too). acc_S value idx is key
-        16 wq + lane / 4 + 8 ((idx / 2) % 2)."""
-        for idx in cutlass.range_constexpr(cute.size(acc_S)):
-            acc_S[idx] = acc_S[idx] + entry_bias[(idx // 2) % 2]
-
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm") ------------------
 
