@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from ..constants import D_QK, PAGE_SIZE
 from .ptx import cp_async16
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_keysm_decode import N_TILES, PAGE_ELEMS, ring_slot
+from .sm90_keysm_decode import N_TILES, PAGE_ELEMS
 from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
 from .sm90_keysm_sparse_decode import EntryBias
 from .sm90_sparse_decode import GatheredEntries, gather8_offsets, row_source
@@ -83,17 +83,13 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     @cute.jit
     def _load_page(self, tma_k, mKV, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
         """The producer warp: the 64 keys block `page` names into the ring stage of use cnt[0]
-        (its entries read before the wait for the stage), its bias row, then the copies;
+        (EntryBias._claim_stage: its entries, the wait, its bias row), then the copies;
         cnt[0] += 1."""
-        s, parity = ring_slot(cnt[0], self.stages)
-        slots = list(self._entries(page))
-        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
-        lane = cute.arch.lane_idx()
-        self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
-            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, lane)
+        s, slots, _ = self._claim_stage(page, cnt, bar_empty)
         gather_lines(slots, self._cache_rows(mKV), self.d_k8 + s * PAGE_ELEMS)
         self._arrive_gathered([bar_full + s])
         cnt[0] = cnt[0] + 1
+
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm_rs") ---------------
 

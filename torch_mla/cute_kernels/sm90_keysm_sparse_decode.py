@@ -70,6 +70,19 @@ class EntryBias:
         return {"sBias": cute.struct.MemRange[Float32, self.stages * PAGE_SIZE]}
 
     @cute.jit
+    def _claim_stage(self, page, cnt, bar_empty):
+        """The producer warp: the ring stage of use cnt[0] for block `page` once its last reader
+        released it (the block's 64 entries read before the wait, their latency under it), its
+        bias row written; returns (stage, this lane's two slots, lane)."""
+        s, parity = ring_slot(cnt[0], self.stages)
+        slots = list(self._entries(page))
+        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
+        lane = cute.arch.lane_idx()
+        self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
+            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, lane)
+        return s, slots, lane
+
+    @cute.jit
     def _entry_bias(self, s, wq, lane):
         """This thread's two keys' values of ring stage s's bias row (0, or -inf for a key no
         entry names): key 16 wq + lane / 4 + 8 h of acc_S (acc_coord). Read right after the
@@ -106,14 +119,8 @@ class MLASparseDecodeKeysM(EntryBias, GatheredEntries, MLADecodeSm90KeysM):
     @cute.jit
     def _load_page(self, tma_k, mKV, tKsK, page, cnt, bar_full, bar_empty, page_bytes):
         """The producer warp: the 64 keys block `page` names into the ring stage of use cnt[0]
-        (its entries read before the wait for the stage, their latency under it), its bias row,
-        then the copies; cnt[0] += 1."""
-        s, parity = ring_slot(cnt[0], self.stages)
-        slots = list(self._entries(page))
-        cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
-        lane = cute.arch.lane_idx()
-        self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(
-            self.stages * PAGE_SIZE)), s * PAGE_SIZE, slots, lane)
+        (_claim_stage: its entries, the wait, its bias row), then the copies; cnt[0] += 1."""
+        s, slots, lane = self._claim_stage(page, cnt, bar_empty)
         rows = self._cache_rows(mKV)
         tiles = range(PAGE_ELEMS // TILE_ELEMS)
         if cutlass.const_expr(self.cache == "fp8_ds_mla"):
