@@ -312,4 +312,6 @@ def test_fp8_ds_mla_splits_and_long_rows(fp8_kernel, b, topk):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
 def test_fp8_cuda_graph_replays_new_indices(fp8_kernel, fmt):
+    if fp8_kernel == "sm90_keysm_rs" and fmt != "fp8":
+        pytest.skip("the sparse ping-pong kernel reads the e4m3 cache only")
     graph_replays_new_indices(fmt)
