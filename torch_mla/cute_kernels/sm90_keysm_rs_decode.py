@@ -39,7 +39,7 @@ Registers and shared memory by columns: at 8 and 16 a consumer thread has 232 re
 the second warpgroup's O^T, maxima and sums go over in one merge round; at 32 (O^T alone 128
 registers a thread) 240 registers, O^T's A operands of a k-step filled in two m-tile groups
 (o_groups), the merge in three rounds of 48 floats (merge_rounds: what fits beside four ring
-stages).
+stages; five in fast mode, whose Q8 takes shared memory too: _prepare counts it).
 
 Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8, 16 or 32 columns (query rows a
 CTA); one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); the ring has an
