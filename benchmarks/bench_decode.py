@@ -195,7 +195,8 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
     """The sparse kernels over the three cache formats in one process (each made to run by
     SPARSE_KERNEL_ENV around its calls; the keys-on-M one where it takes the shape: h_q <= 32),
     beside FlashMLA's sparse decode: the table of docs/kernels/sparse.md "Kernel choice".
-    heads: only these h_q."""
+    heads: only these h_q. With TORCH_MLA_SPARSE_KEYSM_RS=1 the keys-on-M column runs its
+    ping-pong variant where that takes the shape (an e4m3 cache, h_q <= 16)."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
           "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "
@@ -223,7 +224,8 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
             for kernel, env in SPARSE_KERNEL_ENV.items():
                 _set_env(env)
                 us[name, kernel] = float("nan")
-                if sparse_backend(q, cache, 512)[0] == kernel:
+                taken = sparse_backend(q, cache, 512)[0]
+                if taken == kernel or (kernel, taken) == ("sm90_keysm", "sm90_keysm_rs"):
                     us[name, kernel] = _sparse_us(q, cache, idx, sched, scale)
                 _set_env(saved)
         fm_us = float("nan")

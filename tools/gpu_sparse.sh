@@ -2,7 +2,7 @@
 # Sparse decode on the H200, one kernel in one device call (at most ~9 min): logs in $OUT, a
 # summary printed last.
 #
-#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm]
+#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs]
 #
 #   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0 and
 #             TORCH_MLA_SPARSE_KEYSM=0: every shape)
@@ -12,6 +12,9 @@
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
+#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: an e4m3 cache, h_q <= 16;
+#             compiled, first GPU run pending); the bench stage is then --sparse-kernels at
+#             h_q 16 (its e4m3 keys-on-M column is this kernel), run again without the flag
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -37,17 +40,24 @@ case $kernel in
   keysm)    sel=sm90_keysm
             smoke="sm90_keysm and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
             cache=fp8_ds_mla; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm]"; exit 2 ;;
+  keysm_rs) sel=sm90_keysm_rs; smoke="sm90_keysm_rs and fp8_runs_the_kernel"
+            cache=e4m3; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM_RS=1) ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
 run precompile 150 python -m torch_mla.precompile --arch sm_90a \
-  --kernels sparse,schedule,append_kv
+  --kernels sparse,sparse_rs,schedule,append_kv
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "$smoke"
 run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
   tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
 memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$cache"
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
-run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse
+if [[ $kernel == keysm_rs ]]; then
+  run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels --heads 16
+  run bench_keysm 100 python benchmarks/bench_decode.py --sparse-kernels --heads 16
+else
+  run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse
+fi
 finish
