@@ -21,9 +21,10 @@ KEYSM_COLUMNS = (8, 16, 32, 64)
 # TORCH_MLA_KEYSM=0 turns it off.
 KEYSM_DEFAULT_ROWS = 32
 # The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
-# columns in exact mode, and in fast mode (cute_kernels/sm90_keysm_fast_decode.py).
+# columns in exact mode; its fast mode (cute_kernels/sm90_keysm_fast_decode.py, a subclass)
+# takes the same ones.
 KEYSM_RS_COLUMNS = (8, 16, 32)
-KEYSM_FAST_COLUMNS = (8, 16, 32)
+KEYSM_FAST_COLUMNS = KEYSM_RS_COLUMNS
 # Fast mode takes that variant from this batch on, by columns (at 32 columns and b 1 the
 # heads-on-M fast mode is faster; docs/kernels/keysm.md "Session 23").
 KEYSM_FAST_MIN_BATCH = {8: 1, 16: 1, 32: 4}
