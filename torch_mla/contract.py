@@ -270,10 +270,9 @@ def compile_step_kernel(step, dtype, arch: str):
                                           q_bytes=getattr(step.decode, "q_fp8", False)), arch)
 
 
-def compile_sparse_step_kernel(step, dtype, arch: str):
-    """Compiles a sparse decode step object (sparse_step_args of its decode kernel's cache
-    format; an FP8 cache as bytes) for arch."""
-    cache = getattr(step.decode, "cache", "plain")
+def compile_sparse_step_kernel(step, dtype, arch: str, cache: str):
+    """Compiles a sparse decode step object for arch over cache format `cache` (the registry
+    config's: sparse_step_args of it; an FP8 cache as bytes, with kv_scale for "e4m3")."""
     return compile_kernel(step, fake_args(sparse_step_args(cache), dtype, dims=SPARSE_DIMS,
                                           kv_bytes=cache != "plain"), arch)
 

@@ -315,4 +315,4 @@ def compile_sparse_step(config, arch: str):
                                  use_pdl=has_pdl(arch), cache=config.cache,
                                  hw_e4m3=has_e4m3_cvt(arch))
     return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, has_pdl(arch)), dtype,
-                                      arch)
+                                      arch, config.cache)

@@ -101,4 +101,4 @@ def compile_sparse_step(config, arch: str):
     dtype = dsl_dtype(config.dtype)
     decode = MLASparseDecodeKeysMRS(dtype, config.columns)
     return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, use_pdl=True), dtype,
-                                      arch)
+                                      arch, config.cache)

@@ -153,4 +153,4 @@ def compile_sparse_step(config, arch: str):
     dtype = dsl_dtype(config.dtype)
     decode = MLASparseDecodeKeysM(dtype, config.columns, config.cache)
     return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, use_pdl=True), dtype,
-                                      arch)
+                                      arch, config.cache)

@@ -349,4 +349,4 @@ def compile_sparse_step(config, arch: str):
     dtype = dsl_dtype(config.dtype)
     return compile_sparse_step_kernel(
         MLASparseDecodeStep(MLASparseDecodeSm90(dtype, config.cache), dtype, use_pdl=True),
-        dtype, arch)
+        dtype, arch, config.cache)
