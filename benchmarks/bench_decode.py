@@ -196,7 +196,7 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
     SPARSE_KERNEL_ENV around its calls; the keys-on-M one where it takes the shape: h_q <= 32),
     beside FlashMLA's sparse decode: the table of docs/kernels/sparse.md "Kernel choice".
     heads: only these h_q. With TORCH_MLA_SPARSE_KEYSM_RS=1 the keys-on-M column runs its
-    ping-pong variant where that takes the shape (an e4m3 cache, h_q <= 16)."""
+    ping-pong variant where that takes the shape (the FP8 caches, h_q <= 16)."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
           "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "
@@ -216,8 +216,9 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
                   for name, dt, width in (("bf16", torch.bfloat16, 576),
                                           ("e4m3", torch.float8_e4m3fn, 576),
                                           ("656", torch.uint8, 656))}
-        default = sparse_backend(q, caches["bf16"], 512)[0]
-        default8 = sparse_backend(q, caches["656"], 512)[0]
+        # (the kernel columns: the ping-pong variant, under its flag, in the keys-on-M one)
+        default = sparse_backend(q, caches["bf16"], 512)[0].replace("_keysm_rs", "_keysm")
+        default8 = sparse_backend(q, caches["656"], 512)[0].replace("_keysm_rs", "_keysm")
         us = {}
         for name, cache in caches.items():
             scale = kv_scale if name == "e4m3" else None

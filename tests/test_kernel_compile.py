@@ -350,8 +350,8 @@ def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
 KEYSM_RS_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
-registry.build(registry.SparseStepConfig("sm90_keysm_rs", sys.argv[1], "e4m3", int(sys.argv[2])),
-               "sm_90a")
+registry.build(registry.SparseStepConfig("sm90_keysm_rs", sys.argv[1], sys.argv[3],
+                                        int(sys.argv[2])), "sm_90a")
 counts = {}
 (f,) = [g for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))]
 for ptx in open(f).read().split(".entry ")[1:]:
@@ -359,7 +359,8 @@ for ptx in open(f).read().split(".entry ")[1:]:
         continue
     for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
               "cp.async.mbarrier.arrive.noinc.shared", "cp.async.bulk.tensor", "setmaxnreg",
-              "ld.local", "st.local", "vprintf", "trap;"]:
+              "mul.rn.f16x2", "cvt.rn.f16x2.f32", "cvt.rn.bf16x2.f32", "ld.shared.b32",
+              ".bf16.bf16", "ld.local", "st.local", "vprintf", "trap;"]:
         counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
 if shutil.which("ptxas"):
     res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
@@ -372,22 +373,35 @@ print(json.dumps(counts))
 """
 
 
-@pytest.mark.parametrize("dtype,columns", [("bf16", 16), ("fp16", 8)])
-def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, columns):
-    """The sparse ping-pong step over an e4m3 cache (cute_kernels/sm90_keysm_rs_sparse_decode.py,
-    compiled only: not yet run on a GPU): the ping-pong's MMAs (36 + 32 wgmma) and conversions
-    (144 + 128 a thread), setmaxnreg; its producer warp's gather of whole 576-byte rows, 8 row
-    steps x 9 groups of 16-byte cp.async a lane, completing on the stage's full mbarrier through
-    one cp.async.mbarrier.arrive.noinc; Q's 9 TMA boxes the only TMA loads; no local memory;
-    ptxas (where installed): no spill, no serialised wgmma."""
+@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "e4m3", 16), ("fp16", "e4m3", 8),
+                                                  ("bf16", "fp8_ds_mla", 16),
+                                                  ("bf16", "fp8_ds_mla", 8)])
+def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
+    """The sparse ping-pong step (cute_kernels/sm90_keysm_rs_sparse_decode.py; not yet checked
+    on a GPU): the ping-pong's MMAs (36 + 32 wgmma a page) and e4m3 conversions (144 + 128 a
+    thread over e4m3; 128 + 128 over the 656-byte rows, whose 4 rope k-steps are bf16 MMAs on
+    the loaded words), setmaxnreg; its producer warp's gather, 8 row steps x 9 (e4m3) or 10
+    (the 656-byte rows: 8 of values, 2 of rope; and 2 of scales a lane) 16-byte cp.async a
+    lane, completing on the stage's full mbarrier through one cp.async.mbarrier.arrive.noinc;
+    over the 656-byte rows O^T's A values times their scales (128 f16x2 multiplies a page, the
+    scales read as 4-byte words, 16 a page) and Q's rope copied in bf16 (8 conversions a
+    wave); Q's 9 TMA boxes the only TMA loads; no local memory; ptxas (where installed): no
+    spill, no serialised wgmma."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns),
+                          cache], env=env, capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     c = json.loads(res.stdout.strip().splitlines()[-1])
-    assert c["wgmma.mma_async"] == 36 + 32 and c["cvt.rn.f16x2.e4m3x2"] == 144 + 128, c
-    assert c["cp.async.cg.shared.global"] == 8 * 9, c
+    ds = cache == "fp8_ds_mla"
+    assert c["wgmma.mma_async"] == 36 + 32, c
+    assert c[".bf16.bf16"] == (4 if ds else 0), c  # the rope k-steps
+    assert c["cvt.rn.f16x2.e4m3x2"] == (128 if ds else 144) + 128, c
+    assert c["cp.async.cg.shared.global"] == 8 * (10 if ds else 9) + (2 if ds else 0), c
+    assert c["mul.rn.f16x2"] == (128 if ds else 0), c
+    assert c["ld.shared.b32"] == 2 + (16 if ds else 0), c
+    # (the output's conversions; over the 656-byte rows Q's rope in bf16, 32 a wave)
+    assert c["cvt.rn.bf16x2.f32"] == (2 * columns if dtype == "bf16" else 0) + (32 if ds else 0), c
     assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1 and c["cp.async.bulk.tensor"] == 9, c
     assert c["setmaxnreg"] == 2, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c

@@ -140,6 +140,65 @@ def test_stage_loads_bank_conflicts():
                 assert max(plain.count(x) for x in plain) == 4
 
 
+def test_ds_stage_loads_bank_conflicts():
+    """The sparse ping-pong's 656-byte rows in a ring stage (sm90_keysm_rs_sparse_decode.py,
+    DS_ROW_BYTES 704 = 576 + 128): S^T's e4m3 loads conflict as at 576 (none), O^T's likewise
+    (2-way); the rope loads (chunks 2 q, 2 q + 1 of rows g, g + 8, each chunk at u ^ (row % 2):
+    ds_rope_chunk) are conflict-free, and would be 2-way without the xor; S^T's scale loads
+    (rows g, g + 8: four lanes a row) touch two bank groups; O^T's scale words (ld.shared.b32,
+    the whole warp one phase: four keys a warp, 176 words apart) are 2-way conflicted."""
+    from torch_mla.cute_kernels.sm90_keysm_rs_sparse_decode import (
+        DS_ROPE_AT,
+        DS_ROW_BYTES,
+        DS_SCALES_AT,
+        ds_rope_chunk,
+    )
+
+    rb = DS_ROW_BYTES
+    for wq in range(4):
+        for phase in range(4):
+            lanes = range(8 * phase, 8 * phase + 8)
+            for h in range(2):
+                rows = [16 * wq + 8 * h + ln // 4 for ln in lanes]
+                for c in range(8):
+                    got = bank_groups(r * rb + 64 * c + 16 * (ln % 4) for r, ln in zip(rows, lanes))
+                    assert sorted(got) == list(range(8))
+                for i in range(2):
+                    got = bank_groups(r * rb + ds_rope_chunk(r, 2 * (ln % 4) + i)
+                                      for r, ln in zip(rows, lanes))
+                    assert sorted(got) == list(range(8))
+                    plain = bank_groups(r * rb + DS_ROPE_AT + 16 * (2 * (ln % 4) + i)
+                                        for r, ln in zip(rows, lanes))
+                    assert max(plain.count(x) for x in plain) == 2
+                scales = {r * rb + DS_SCALES_AT for r in rows}  # (4 lanes a row: one address)
+                assert len(scales) == len(set(bank_groups(scales))) == 2
+            for o in range(2):
+                got = bank_groups(page_row(2 * (ln % 4) + o) * rb + v_chunk(wq, ln // 4)
+                                  for ln in lanes)
+                assert max(got.count(x) for x in got) == 2
+        for ks in range(4):
+            for e in range(2):
+                for o in range(2):
+                    words = {((16 * ks + 8 * e + page_row(2 * (ln % 4) + o)) * rb + DS_SCALES_AT
+                              + 4 * wq) // 4 for ln in range(32)}
+                    banks = [w % 32 for w in words]
+                    assert len(words) == 4 and max(banks.count(b) for b in banks) == 2
+
+
+def test_ds_rope_operand_matches_q_order():
+    """The rope k-steps over the 656-byte rows: the thread's words (chunks 2 q, 2 q + 1 of its
+    row's rope: bf16 values 16 q .. 16 q + 15, word w = values 16 q + 2 w, + 1) give k-step jj's
+    register pair e as word 2 jj + e, and the value at logical k 16 jj + 2 q + (0, 1 | 8, 9) is
+    then rope value latent_of(512 + k) - 512: the order Q's rope has in sQr (and sQ)."""
+    for q in range(4):
+        for jj in range(4):
+            for e in range(2):
+                w = 2 * jj + e
+                values = [16 * q + 2 * w, 16 * q + 2 * w + 1]
+                ks = [16 * jj + 2 * q + 8 * e, 16 * jj + 2 * q + 8 * e + 1]
+                assert values == [latent_of(512 + k) - 512 for k in ks]
+
+
 def test_merge_rounds_and_registry():
     """One merge round at 8 and 16 columns, three at 32 (O^T's 128 floats a thread); the rounds
     cover each float once, maxima and sums first (round 0 computes the factors)."""

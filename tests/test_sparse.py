@@ -374,9 +374,9 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q) == cols
-                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, e4m3 and h_q <= 16 only
+                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches and h_q <= 16
                 monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1")
-                rs = keysm and fmt == "fp8" and cols <= 16
+                rs = keysm and fmt != "plain" and cols <= 16
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
                     "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
                 monkeypatch.delenv("TORCH_MLA_SPARSE_KEYSM_RS")

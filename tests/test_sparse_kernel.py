@@ -36,7 +36,7 @@ def _take(kernel: str, monkeypatch) -> str:
     """Has mla_decode_sparse run `kernel` whatever the shape: TORCH_MLA_SPARSE_SM90=1 for
     "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=0 for both
     of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32, and
-    TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: an e4m3 cache,
+    TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: the FP8 caches,
     h_q <= 16): the other shapes' cases skip (check_against_fp64)."""
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
     if kernel == "sm90" or keysm:
@@ -251,15 +251,13 @@ FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", tor
 
 @pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs"])
 def fp8_kernel(request, monkeypatch):
-    """The kernel the FP8 cases run (_take; the ping-pong one over the e4m3 cache only)."""
+    """The kernel the FP8 cases run (_take)."""
     yield _take(request.param, monkeypatch)
     _TAKEN["kernel"] = None
 
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
-    if fp8_kernel == "sm90_keysm_rs" and fmt != "fp8":
-        pytest.skip("the sparse ping-pong kernel reads the e4m3 cache only")
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
     assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
     with warnings.catch_warnings():
@@ -312,6 +310,4 @@ def test_fp8_ds_mla_splits_and_long_rows(fp8_kernel, b, topk):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
 def test_fp8_cuda_graph_replays_new_indices(fp8_kernel, fmt):
-    if fp8_kernel == "sm90_keysm_rs" and fmt != "fp8":
-        pytest.skip("the sparse ping-pong kernel reads the e4m3 cache only")
     graph_replays_new_indices(fmt)

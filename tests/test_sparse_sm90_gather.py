@@ -161,3 +161,48 @@ def test_sparse_pingpong_gather_covers_the_stage():
             assert len(runs) == 8 and all(sorted(b) == list(range(64 * t, 64 * t + 64, 16))
                                           for b in runs.values())
     assert seen == set(range(64 * 576))
+
+
+def test_sparse_pingpong_ds_gather_places_every_byte():
+    """Over the 656-byte rows (DS_ROW_BYTES 704 a ring row): gather_lines' 8 steps x 10 copies
+    and gather_ds_scales' 2 a lane write each row's 512 e4m3 bytes to 0..511 of its slot, its 16
+    bytes of scales to DS_SCALES_AT, its 128 bytes of rope chunk u to ds_rope_chunk(row, u), each
+    byte once and from the same row's cache bytes (values 0..511, scales 512, rope 528 + 16 u),
+    and nothing else of the stage."""
+    from torch_mla.constants import FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT
+    from torch_mla.cute_kernels.sm90_keysm_rs_sparse_decode import (
+        DS_ROW_BYTES,
+        DS_SCALES_AT,
+        ds_rope_chunk,
+        gather_copies,
+        gather_lines_offsets,
+    )
+
+    placed = {}  # stage byte -> (row, cache byte)
+
+    def put(row, src, dst):
+        for i in range(16):
+            assert dst + i not in placed
+            placed[dst + i] = (row, src + i)
+
+    for j in range(8):
+        for t in range(gather_copies(True)):
+            for lane in range(32):
+                row, h, byte, dst = gather_lines_offsets(lane, j, t, True)
+                assert h == row // 32 and row == lane // 4 + 8 * j
+                put(row, byte, dst)
+    for lane in range(32):  # gather_ds_scales: the lane's own keys lane, lane + 32
+        for h in range(2):
+            row = lane + 32 * h
+            put(row, FP8_DS_MLA_SCALES_AT, row * DS_ROW_BYTES + DS_SCALES_AT)
+    want = {}
+    for row in range(64):
+        for b in range(512):
+            want[row * DS_ROW_BYTES + b] = (row, b)
+        for b in range(16):
+            want[row * DS_ROW_BYTES + DS_SCALES_AT + b] = (row, FP8_DS_MLA_SCALES_AT + b)
+        for u in range(8):
+            for b in range(16):
+                want[row * DS_ROW_BYTES + ds_rope_chunk(row, u) + b] = (
+                    row, FP8_DS_MLA_ROPE_AT + 16 * u + b)
+    assert placed == want

@@ -29,13 +29,13 @@ preamble() {
   python -c "import torch_mla; print('torch_mla from', torch_mla.__file__)"
 }
 
-# memcheck TIMEOUT CMD...: stage "memcheck", CMD under compute-sanitizer's memcheck (skipped,
+# memcheck TIMEOUT CMD...: stage "memcheck" ($MEMCHECK_NAME where set), CMD under compute-sanitizer's memcheck (skipped,
 # with a summary line, where compute-sanitizer is not on PATH). API errors are not reported: the
 # DSL's compiles probe the driver (cuGetProcAddress) and would count as errors in its summary.
 memcheck() {
   local limit=$1; shift
   if command -v compute-sanitizer > /dev/null; then
-    run memcheck "$limit" compute-sanitizer --tool memcheck --report-api-errors no "$@"
+    run "${MEMCHECK_NAME:-memcheck}" "$limit" compute-sanitizer --tool memcheck --report-api-errors no "$@"
   else
     summary+=("memcheck         skipped: no compute-sanitizer on PATH")
   fi
@@ -45,6 +45,6 @@ memcheck() {
 finish() {
   echo; echo "== summary ($OUT)"
   printf '%s\n' "${summary[@]}"
-  grep -h "ERROR SUMMARY" "$OUT/memcheck.log" 2>/dev/null
+  grep -H "ERROR SUMMARY" "$OUT"/memcheck*.log 2>/dev/null
   grep -h -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
 }

@@ -12,9 +12,10 @@
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
-#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: an e4m3 cache, h_q <= 16;
-#             compiled, first GPU run pending); the bench stage is then --sparse-kernels at
-#             h_q 16 (its e4m3 keys-on-M column is this kernel), run again without the flag
+#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, h_q <= 16;
+#             memcheck over each; not yet checked on a GPU); the bench stage is then
+#             --sparse-kernels at h_q 16 (its FP8 keys-on-M columns are this kernel), run again
+#             without the flag
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -41,7 +42,7 @@ case $kernel in
             smoke="sm90_keysm and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
             cache=fp8_ds_mla; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
   keysm_rs) sel=sm90_keysm_rs; smoke="sm90_keysm_rs and fp8_runs_the_kernel"
-            cache=e4m3; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM_RS=1) ;;
+            cache="e4m3 fp8_ds_mla"; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM_RS=1) ;;
   *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs]"; exit 2 ;;
 esac
 
@@ -52,7 +53,10 @@ run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_spars
   -k "$smoke"
 run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
   tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
-memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$cache"
+for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
+  [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
+  memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
+done
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 if [[ $kernel == keysm_rs ]]; then
   run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels --heads 16

@@ -18,8 +18,8 @@ fast mode where s_q * h_q <= 32 (from a batch of 4 above 16)), the schedule kern
 append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn) for
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
-(``TORCH_MLA_KEYSM=1``), ``sparse_rs`` the sparse ping-pong steps over an e4m3 cache
-(``TORCH_MLA_SPARSE_KEYSM_RS=1``; compiled, not yet run on a GPU); decode and combine alone
+(``TORCH_MLA_KEYSM=1``), ``sparse_rs`` the sparse ping-pong steps over the FP8 caches
+(``TORCH_MLA_SPARSE_KEYSM_RS=1``; not yet checked on a GPU); decode and combine alone
 serve benchmarks. The variants are listed in
 torch_mla/ops/registry.py.
 

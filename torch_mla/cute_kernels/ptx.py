@@ -31,12 +31,12 @@ def int_as_f32(x: Int32, *, loc=None, ip=None) -> Float32:
 
 
 @dsl_user_op
-def bf16x2_to_f16x2(word: Int32, mul: Float32, *, loc=None, ip=None) -> Int32:
+def bf16x2_to_f16x2(word: Int32, mul: Float32, to: str = "f16", *, loc=None, ip=None) -> Int32:
     """Two bf16 values (one word, the first in the low half) times mul (a power of two: exact
-    in float32), rounded to f16, in the same order."""
+    in float32), rounded to f16 (to="bf16": to bf16, exact), in the same order."""
     asm = ("{ .reg .b32 a, b; .reg .f32 lo, hi; shl.b32 a, $1, 16; and.b32 b, $1, 0xFFFF0000; "
            "mov.b32 lo, a; mov.b32 hi, b; mul.f32 lo, lo, $2; mul.f32 hi, hi, $2; "
-           "cvt.rn.f16x2.f32 $0, hi, lo; }")
+           f"cvt.rn.{to}x2.f32 $0, hi, lo; }}")
     args = [Int32(word).ir_value(loc=loc, ip=ip), Float32(mul).ir_value(loc=loc, ip=ip)]
     return Int32(llvm.inline_asm(T.i32(), args, asm, "=r,r,f", has_side_effects=False,
                                  is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
@@ -199,6 +199,30 @@ def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
         T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
         f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", has_side_effects=False,
         is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
+    """mul.rn.f16x2: two f16 products (each word two f16 values)."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
+        "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
+    """Two float32 values rounded to f16, packed (lo in the low half): cvt.rn.f16x2.f32."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
+        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+@dsl_user_op
+def lds32(addr: Int32, *, loc=None, ip=None) -> Int32:
+    """One 32-bit word of shared memory."""
+    return _load_words(1, Int32(addr), "ld.shared.b32 $0, [$1];", "r", loc, ip)[0]
 
 
 @dsl_user_op

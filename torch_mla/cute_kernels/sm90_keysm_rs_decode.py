@@ -69,6 +69,7 @@ from .ptx import (
     bf16x2_to_f16x2,
     e4m3x4_f16,
     fence_operand,
+    hmul2,
     int_as_f32,
     lds128,
     prmt,
@@ -218,7 +219,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             self.shared_storage = shared_struct(
                 sQ=aligned(dt, n * D_QK),
                 sP=aligned(dt, 2 * n * PAGE_SIZE),
-                sK8=aligned(cutlass.Uint8, self.stages * PAGE_ELEMS),
+                sK8=aligned(cutlass.Uint8, self.stages * self.stage_bytes),
                 sMerge=aligned(Float32, 128 * len(merge_round(0, self.merge_rounds, n))),
                 sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
                 barFull=cute.struct.MemRange[i64, self.stages],
@@ -300,7 +301,8 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         v_row = [page_row(2 * q + o) for o in range(2)]
         self.d_v_row = v_row
         self.d_v_off = [self._stage_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
-        return self._s_operands(thr_s, sQ, wq, g, q) + (rVa, rVb, tOrP)
+        s_ops = self._s_operands(thr_s, sQ, wq, g, q)  # (3 of them; a subclass's more last)
+        return s_ops[:3] + (rVa, rVb, tOrP) + s_ops[3:]
 
     @cute.jit
     def _s_operands(self, thr_s, sQ, wq, g, q):
@@ -319,7 +321,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
 
     def _stage_offset(self, row, byte):
         """Byte offset of (page row, latent byte) in a ring stage."""
-        return row * D_QK + byte
+        return row * self.row_bytes + byte
 
     def _pt_key(self, m):
         return page_row(m)
@@ -330,38 +332,59 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
 
     @cute.jit
     def _mma_s(self, ops, acc_S, s, ob, wq, lane):
-        """S^T = K Q^T: 9 groups of 4 k-steps; group c's A (two 16-byte loads: rows g, g + 8)
-        is converted into one register buffer while the MMAs of group c - 1 read the other."""
-        rKa, rKb, tSrQ, _, _, _ = ops
-        base = self.d_k8 + s * PAGE_ELEMS
-        a = [base + self.d_k_off[h] for h in range(2)]
-        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
-        fence_operand(acc_S)
-        x = [lds128(a[h]) for h in range(2)]
+        """S^T = K Q^T: 9 groups of 4 k-steps; group c's A (its words: _s_words) is converted
+        into one register buffer while the MMAs of group c - 1 read the other (_s_group); then
+        _s_done."""
+        base = self.d_k8 + s * self.stage_bytes
+        accs = self._s_accs(ops, acc_S)
+        for acc in accs:
+            fence_operand(acc)
+        x = self._s_words(base, 0)
         for c in cutlass.range_constexpr(N_TILES):
             cur = x
             if const_expr(c + 1 < N_TILES):
-                x = [lds128(a[h] + (c + 1) * 64) for h in range(2)]
-            buf = rKa if const_expr(c % 2 == 0) else rKb
+                x = self._s_words(base, c + 1)
             if const_expr(c >= 2):
-                warpgroup.wait_group(1)  # group c - 2, the last reader of buf, is done
-            b32 = cute.recast_tensor(buf, Int32)
-            for jj in cutlass.range_constexpr(4):
-                lo_g, hi_g = e4m3x4_f16(cur[0][jj])
-                lo_h, hi_h = e4m3x4_f16(cur[1][jj])
-                b32[4 * jj] = lo_g
-                b32[4 * jj + 1] = lo_h
-                b32[4 * jj + 2] = hi_g
-                b32[4 * jj + 3] = hi_h
-            fence_operand(buf)
-            warpgroup.fence()
-            for jj in cutlass.range_constexpr(4):
-                atom_s.set(warpgroup.Field.ACCUMULATE, c * 4 + jj != 0)
-                cute.gemm(atom_s, acc_S, buf[None, None, jj], tSrQ[None, None, 4 * c + jj],
-                          acc_S)
+                warpgroup.wait_group(1)  # group c - 2, the last reader of c's buffer, is done
+            self._s_group(ops, accs, c, cur)
             warpgroup.commit_group()
         warpgroup.wait_group(0)
-        fence_operand(acc_S)
+        for acc in accs:
+            fence_operand(acc)
+        self._s_done(accs, base)
+
+    def _s_accs(self, ops, acc_S) -> list:
+        """S^T's accumulators: acc_S alone (the 656-byte rows' subclass adds one a scale)."""
+        return [acc_S]
+
+    @cute.jit
+    def _s_words(self, base, c):
+        """The thread's A words of S^T's group c: 16 bytes of rows g and g + 8."""
+        return [lds128(base + self.d_k_off[h] + c * 64) for h in range(2)]
+
+    @cute.jit
+    def _s_group(self, ops, accs, c, cur, acc=None, first=0):
+        """Group c's A (words `cur`, e4m3) converted into buffer c % 2, then its 4 MMAs into acc
+        (accs[0] unless given), the first of them overwriting it where the k-step count
+        4 (c - first) + jj is 0."""
+        rKa, rKb, tSrQ = ops[0], ops[1], ops[2]
+        acc = accs[0] if const_expr(acc is None) else acc
+        buf = rKa if const_expr(c % 2 == 0) else rKb
+        b32 = cute.recast_tensor(buf, Int32)
+        for jj in cutlass.range_constexpr(4):
+            b32[4 * jj], b32[4 * jj + 2] = e4m3x4_f16(cur[0][jj])
+            b32[4 * jj + 1], b32[4 * jj + 3] = e4m3x4_f16(cur[1][jj])
+        fence_operand(buf)
+        warpgroup.fence()
+        atom_s = cute.make_mma_atom(self.d_tiled_s.op)
+        for jj in cutlass.range_constexpr(4):
+            atom_s.set(warpgroup.Field.ACCUMULATE, (c - first) * 4 + jj != 0)
+            cute.gemm(atom_s, acc, buf[None, None, jj], tSrQ[None, None, 4 * c + jj], acc)
+
+    @cute.jit
+    def _s_done(self, accs, base):
+        """After S^T's MMAs: nothing here (the 656-byte rows' scales)."""
+        pass
 
     @cute.jit
     def _mma_o(self, ops, acc_O, s, ob, valid, wq, lane):
@@ -369,12 +392,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         9}; rows at or past `valid` as 0: the cache may hold NaN there), loaded a k-step ahead,
         are paired by prmt into 8 m-tiles' A fragments in one register buffer while the MMAs of
         the last k-step read the other."""
-        _, _, _, rVa, rVb, tOrP = ops
-        base = self.d_k8 + s * PAGE_ELEMS
+        rVa, rVb, tOrP = ops[3], ops[4], ops[5]
+        base = self.d_k8 + s * self.stage_bytes
         atom_o = cute.make_mma_atom(self.d_tiled_o.op)
         atom_o.set(warpgroup.Field.ACCUMULATE, True)
-        # the four rows of a k-step, loaded one k-step ahead
+        # the four rows of a k-step (and their scale words: _v_scale_words), loaded one
+        # k-step ahead
         raws = [cute.make_rmem_tensor(16, Int32), cute.make_rmem_tensor(16, Int32)]
+        scale_words = [None, None]
 
         def load(ks):
             for e in cutlass.range_constexpr(2):
@@ -382,6 +407,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                     w = lds128(base + self.d_v_off[o] + (16 * ks + 8 * e) * self.row_bytes)
                     for i in cutlass.range_constexpr(4):
                         raws[ks % 2][4 * (2 * e + o) + i] = w[i]
+            scale_words[ks % 2] = self._v_scale_words(base, ks)
 
         groups = self.o_groups
         tiles = (D_V // 64) // groups  # m-tiles a group
@@ -393,6 +419,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         load(0)
         for ks in cutlass.range_constexpr(PAGE_SIZE // 16):
             raw = raws[ks % 2]
+            scales = self._v_scales(scale_words[ks % 2])
             if const_expr(ks + 1 < PAGE_SIZE // 16):
                 load(ks + 1)
             if valid < PAGE_SIZE:
@@ -413,6 +440,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                     for e in cutlass.range_constexpr(2):
                         pair = prmt(raw[4 * (2 * e) + t // 2], raw[4 * (2 * e + 1) + t // 2], sel)
                         lo, hi = e4m3x4_f16(pair)
+                        if const_expr(scales is not None):
+                            lo = hmul2(lo, scales[e])
+                            hi = hmul2(hi, scales[e])
                         b32[4 * tl + 2 * e] = lo
                         b32[4 * tl + 2 * e + 1] = hi
                 fence_operand(buf)
@@ -421,6 +451,16 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                 warpgroup.commit_group()
         warpgroup.wait_group(0)
         fence_operand(acc_O)
+
+    def _v_scale_words(self, base, ks):
+        """What _v_scales takes for O^T's k-step ks (loaded a k-step ahead): nothing here."""
+        return None
+
+    def _v_scales(self, words):
+        """The f16x2 factors of O^T's A values at a k-step, per e (a word: the keys of the
+        thread's rows o = 0, 1; its d values are all in one 128-wide group, v_chunk), or None:
+        none here (e4m3 is exact)."""
+        return None
 
     @cute.jit
     def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
@@ -466,6 +506,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             if run < runs:
                 row, c = run % n, run // n
                 words = held[w]
+                self._q_rope(row, c, words, mul)
                 if const_expr(self.q_f16):
                     words = [bf16x2_to_f16x2(x, mul) for x in words]
                 # destination chunk 2 jj + e2 takes the pairs 8 q + 2 jj + e2, q = 0..3
@@ -476,6 +517,11 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
         return [inv] * (n // 4)
+
+    def _q_rope(self, row, c, words, mul):
+        """_q_ready's hook for Q's run (row, 64-wide group c), its bf16 words as loaded (a
+        thread's 16 values of each unit: words 8 q .. 8 q + 7): nothing here."""
+        pass
 
     @cute.jit
     def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,

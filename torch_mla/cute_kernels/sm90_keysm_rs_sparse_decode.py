@@ -1,5 +1,5 @@
-"""Sparse MLA decode (DeepSeek Sparse Attention) on the keys-on-M ping-pong kernel over an e4m3
-cache (cp.async gather into the whole-line ring), CuTe DSL, SM90.
+"""Sparse MLA decode (DeepSeek Sparse Attention) on the keys-on-M ping-pong kernel over the FP8
+caches (cp.async gather into the whole-line ring), CuTe DSL, SM90.
 
 Problem and mapping: as sm90_keysm_sparse_decode.py (each (request, query token) pair is one
 request of the walk with h_q query rows and topk_length[r] keys; a block of the walk is 64
@@ -9,74 +9,159 @@ warpgroups on alternate blocks, page operands converted from the fp8 ring into r
 whose walk, MMAs, softmax, merge and epilogue run unchanged. What differs (the GatheredEntries
 hooks of sm90_sparse_decode.py, as the keys-on-M sparse kernel takes them):
   - no TMA for the cache (_line_tma): the producer warp reads the block's 64 entries, writes the
-    stage's bias row (0, or -inf for an entry that names no key) and copies each named row's
-    576 bytes by cp.async to the place the TMA box would put it (row r at r x 576 bytes of the
-    stage: gather_lines); an entry that names no key reads nothing (source size 0: a zero row);
+    stage's bias row (0, or -inf for an entry that names no key) and copies each named row by
+    cp.async (gather_lines): an e4m3 row's 576 bytes to where the TMA box would put them (row r
+    at r x 576 of the stage); an entry that names no key reads nothing (source size 0: a zero
+    row);
   - the stage's full mbarrier takes 33 arrivals (GatheredEntries.k_arrivals): every lane's
     cp.async.mbarrier.arrive.noinc, one after the warp's bias stores;
   - the scores get the stage's bias (_mask_entries), read right after the full wait.
 The consumers read the stage with ld.shared (the generic proxy, as cp.async writes it): no
 proxy fence.
 
-Limits: e4m3 cache (float8_e4m3fn with a per-tensor kv_scale), bf16/fp16 q, d_qk 576, d_v 512,
-64-token pages, rows of 576 bytes (any page and row strides, 16-byte multiples), h_q <= 16 a
-token (columns 8 and 16: at 32, ptxas spills 20 bytes, the gathering producer warpgroup having
-24 registers). Not causal; the sink is applied by the host. One producer warp (the
-design note in docs/kernels/sparse.md has four; the 656-byte rows are not taken yet).
-Status: compiled for sm_90a (CPU, session 23); NOT yet run on a GPU. The dispatch never takes it
-unless TORCH_MLA_SPARSE_KEYSM_RS=1 (ops/sparse.py).
+The 656-byte rows (cache "fp8_ds_mla", bf16 q): a ring row is DS_ROW_BYTES (704) wide, its 512
+e4m3 values and 16 bytes of scales where the cache row has them, its 128 bytes of bf16 rope at
+576 (chunks swapped in odd rows: ds_rope_chunk); 44 KB a stage, 4 stages. The hooks of the
+dense ping-pong's MMAs take the scales and the rope:
+  - S^T: e4m3 groups 2 i and 2 i + 1 (latent columns 128 i ..) accumulate into accumulator i
+    (four beside acc_S); the rope's 4 k-steps are bf16 MMAs (A: the rope words as loaded, no
+    conversion; B: Q's rope columns copied in bf16 times Q's factor, sQr) into acc_S; then
+    acc_S += each accumulator times its row's scale (float32: exact for power-of-two scales,
+    _s_done). Q's e4m3 columns are f16 as in the dense kernel.
+  - O^T: a thread's d values all lie in one scale group (wq: v_chunk), so its A values of a
+    key pair are multiplied, in f16, by that pair's scales (one mul.rn.f16x2 a register;
+    exact for power-of-two scales where the product is a normal f16). f16 bounds the
+    dequantized values (|x| < 65504; the latent's are far below).
+
+Limits: bf16/fp16 q over an e4m3 cache (float8_e4m3fn with a per-tensor kv_scale), bf16 q over
+the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 16-byte
+multiples), h_q <= 16 a token (columns 8 and 16: at 32, ptxas spills 20 bytes over e4m3, the
+gathering producer warpgroup having 24 registers). Not causal; the sink is applied by the host.
+One producer warp (the design note in docs/kernels/sparse.md has four).
+Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
+compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
+format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8
+and 16 columns). The dispatch never takes it unless TORCH_MLA_SPARSE_KEYSM_RS=1
+(ops/sparse.py).
 """
 
 from __future__ import annotations
 
 import cutlass
 import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, const_expr
+from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, PAGE_SIZE
-from .ptx import cp_async16
+from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from .decode_base import aligned
+from .ptx import (
+    bf16x2_to_f16x2,
+    cp_async16,
+    f16x2,
+    fence_operand,
+    int_as_f32,
+    lds32,
+    lds128,
+    sts,
+)
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_keysm_decode import N_TILES, PAGE_ELEMS
-from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
+from .sm90_keysm_decode import N_TILES
+from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS, q_unit
 from .sm90_keysm_sparse_decode import EntryBias
 from .sm90_sparse_decode import GatheredEntries, gather8_offsets, row_source
 
+# The 656-byte rows in a ring stage: row r at r x DS_ROW_BYTES (704 = 576 + 128: rows alternate
+# bank halves as at 576, so S^T's and O^T's loads conflict as in the dense kernel): its 512 e4m3
+# values at 0, its four float32 scales at DS_SCALES_AT (512, as in the cache), its 64 bf16 rope
+# values at DS_ROPE_AT (576), 16-byte chunk u at chunk u ^ (r % 2) (ds_rope_chunk: S^T's rope
+# loads are then conflict-free); bytes 528-575 unused.
+DS_ROW_BYTES = D_QK + 128
+DS_SCALES_AT = FP8_DS_MLA_SCALES_AT
+DS_ROPE_AT = D_QK
+DS_STAGE_BYTES = PAGE_SIZE * DS_ROW_BYTES  # 44 KB
 
-def gather_lines_offsets(lane: int, j: int, t: int) -> tuple:
-    """The copy of lane `lane` at step j (0..7), 64-byte group t (0..8) of gather_lines: (row,
-    which of the lane's entries names it (0: keys 0..31, 1: 32..63), byte offset in the row =
-    in the cache row, byte offset in the stage)."""
+
+def ds_rope_chunk(row: int, u: int) -> int:
+    """The byte offset in ring row `row`'s slot of its rope chunk u (bf16 values 8 u .. 8 u + 7)."""
+    return DS_ROPE_AT + 16 * (u ^ (row % 2))
+
+
+def gather_lines_offsets(lane: int, j: int, t: int, ds: bool = False) -> tuple:
+    """The copy of lane `lane` at step j (0..7), copy t of gather_lines: (row, which of the
+    lane's entries names it (0: keys 0..31, 1: 32..63), byte offset in the cache row, byte
+    offset in the stage). e4m3 rows (t 0..8): the 16-byte chunk lane % 4 of 64-byte group t,
+    row r at r x 576. The 656-byte rows (ds; t 0..9): t < 8 the same chunks of the e4m3 values,
+    t = 8, 9 rope chunks lane % 4 and lane % 4 + 4, row r at r x DS_ROW_BYTES (the scales:
+    gather_ds_scales)."""
     row, c, _ = gather8_offsets(lane, j)  # row = lane / 4 + 8 j
-    byte = 64 * t + 16 * c
-    return row, j // 4, byte, row * D_QK + byte  # (j // 4 = row // 32, known at compile time)
+    if not ds:
+        byte = 64 * t + 16 * c
+        return row, j // 4, byte, row * D_QK + byte  # (j // 4 = row // 32, known at compile time)
+    if t < N_TILES - 1:
+        byte = 64 * t + 16 * c
+        return row, j // 4, byte, row * DS_ROW_BYTES + byte
+    u = c + 4 * (t - (N_TILES - 1))
+    return (row, j // 4, FP8_DS_MLA_ROPE_AT + 16 * u,
+            row * DS_ROW_BYTES + ds_rope_chunk(row, u))
+
+
+def gather_copies(ds: bool) -> int:
+    """gather_lines' copies a lane and row step: 9 (e4m3), 10 (the 656-byte rows)."""
+    return N_TILES + (1 if ds else 0)
 
 
 @cute.jit
-def gather_lines(slots, rows, stage):
-    """One warp: the 576-byte rows of the 64 keys whose slots the lanes hold (slots: keys lane
-    and lane + 32; rows: the cache's (base address, row stride, page stride) in bytes) to
-    shared address `stage`, row r at r x 576 (the whole-line ring's layout). Step j: lanes
-    4 q .. 4 q + 3 copy the 16-byte chunks c of each 64-byte group of row q + 8 j
-    (gather8_offsets), 8 rows an instruction, 64 contiguous bytes a row."""
+def gather_lines(slots, rows, stage, ds: cutlass.Constexpr = False):
+    """One warp: the rows of the 64 keys whose slots the lanes hold (slots: keys lane and
+    lane + 32; rows: the cache's (base address, row stride, page stride) in bytes) to shared
+    address `stage` (gather_lines_offsets: 576-byte e4m3 rows as the whole-line ring holds
+    them, or the 656-byte rows' values and rope). Step j: lanes 4 q .. 4 q + 3 copy row
+    q + 8 j, 8 rows an instruction, 64 contiguous bytes a row."""
     lane = cute.arch.lane_idx()
     for j in cutlass.range_constexpr(PAGE_SIZE // 8):
-        row, h, _, _ = gather_lines_offsets(lane, j, 0)
+        row, h, _, _ = gather_lines_offsets(lane, j, 0, ds)
         # (row's entry is slots[h] of lane row % 32)
         src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
-        for t in cutlass.range_constexpr(N_TILES):
-            _, _, byte, dst = gather_lines_offsets(lane, j, t)
+        for t in cutlass.range_constexpr(gather_copies(ds)):
+            _, _, byte, dst = gather_lines_offsets(lane, j, t, ds)
             cp_async16(stage + dst, src + byte, size)
 
 
-class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
-    """The keys-on-M ping-pong kernel over gathered entries of an e4m3 cache; see the module
-    docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's row m is page row m
-    here too.)"""
+@cute.jit
+def gather_ds_scales(slots, rows, stage):
+    """One warp: the 656-byte rows' scales (16 bytes a row) of keys lane and lane + 32 (the
+    lane's own entries) to their places in the stage (DS_SCALES_AT of the row's slot)."""
+    lane = cute.arch.lane_idx()
+    for h in cutlass.range_constexpr(2):
+        src, size = row_source(*rows, slots[h])
+        cp_async16(stage + (lane + 32 * h) * DS_ROW_BYTES + DS_SCALES_AT,
+                   src + FP8_DS_MLA_SCALES_AT, size)
 
-    def __init__(self, dtype, columns: int):
+
+class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
+    """The keys-on-M ping-pong kernel over gathered entries of an e4m3 cache or the 656-byte
+    rows; see the module docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's
+    row m is page row m here too.)"""
+
+    def __init__(self, dtype, columns: int, cache: str = "e4m3"):
+        assert cache in ("e4m3", "fp8_ds_mla"), cache
+        assert cache == "e4m3" or dtype == cutlass.BFloat16, (cache, dtype)
         super().__init__(dtype, False, columns)
+        self.cache = cache
+        self.ds = cache == "fp8_ds_mla"
+        if self.ds:
+            self.row_bytes = DS_ROW_BYTES
+            self.stage_bytes = DS_STAGE_BYTES
+
+    def _more_smem(self) -> dict:
+        smem = EntryBias._more_smem(self)
+        if self.ds:  # Q's rope columns in bf16 (times Q's factor), for the rope MMAs
+            smem["sQr"] = aligned(cutlass.BFloat16, self.n_wg * 64)
+        return smem
 
     def _line_tma(self, op, mKV: cute.Tensor):
-        """No TMA for the cache: the gathers address it as (64 rows, 576 bytes, pages)."""
+        """No TMA for the cache: the gathers address it as (64 rows, row bytes, pages)."""
         return self._cache_tma(op, cute.make_tensor(
             mKV.iterator, cute.select(mKV.layout, mode=[1, 2, 0])))
 
@@ -86,19 +171,138 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         (EntryBias._claim_stage: its entries, the wait, its bias row), then the copies;
         cnt[0] += 1."""
         s, slots, _ = self._claim_stage(page, cnt, bar_empty)
-        gather_lines(slots, self._cache_rows(mKV), self.d_k8 + s * PAGE_ELEMS)
+        rows = self._cache_rows(mKV)
+        stage = self.d_k8 + s * self.stage_bytes
+        gather_lines(slots, rows, stage, self.ds)
+        if const_expr(self.ds):
+            gather_ds_scales(slots, rows, stage)
         self._arrive_gathered([bar_full + s])
         cnt[0] = cnt[0] + 1
+
+    # ---- the 656-byte rows (ds): S^T's scales and rope, O^T's scales ---------------------------
+    @cute.jit
+    def _s_operands(self, thr_s, sQ, wq, g, q):
+        """The ping-pong's S^T operands; with the 656-byte rows also the rope MMAs' (bf16, A
+        from registers: the rope words as loaded; B: sQr, _q_rope) and the four scale groups'
+        accumulators (S^T's e4m3 groups 2 i and 2 i + 1 go to accumulator i)."""
+        ops = MLADecodeSm90KeysMRS._s_operands(self, thr_s, sQ, wq, g, q)
+        if const_expr(self.ds):
+            n = self.n_wg
+            bf16 = cutlass.BFloat16
+            kmode = cute.nvgpu.OperandMajorMode.K
+            self.d_tiled_r = sm90_utils.make_trivial_tiled_mma(
+                bf16, bf16, kmode, kmode, Float32, (1, 1, 1), (PAGE_SIZE, n),
+                warpgroup.OperandSource.RMEM)
+            k_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(
+                cutlass.utils.LayoutEnum.ROW_MAJOR, bf16, 64), bf16)
+            qr = cute.tile_to_shape(k_atom, (n, 64), order=(0, 1))
+            sQr = cute.make_tensor(cute.recast_ptr(self.d_storage.sQr.data_ptr(), qr.inner),
+                                   qr.outer)
+            tidx, _, _ = cute.arch.thread_idx()
+            thr_r = self.d_tiled_r.get_slice(tidx % 128)
+            tSrQr = thr_r.make_fragment_B(thr_r.partition_B(sQr))  # (MMA, 1, 4)
+            self.d_qr_base = self.d_storage.sQr.data_ptr().toint()
+            rows = [16 * wq + 8 * h + g for h in range(2)]
+            self.d_k_row = [rows[h] * DS_ROW_BYTES for h in range(2)]
+            # rope chunks 2 q, 2 q + 1 (ds_rope_chunk; a row's parity is g's)
+            self.d_rope_off = [[self.d_k_row[h] + DS_ROPE_AT + 16 * ((2 * q + i) ^ (g % 2))
+                                for i in range(2)] for h in range(2)]
+            groups = [cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n)), Float32)
+                      for _ in range(4)]
+            ops = ops + (tSrQr, groups)
+        return ops
+
+    def _s_accs(self, ops, acc_S) -> list:
+        """acc_S (the rope's scores, then the sum), then the scale groups' (ds)."""
+        return [acc_S] + list(ops[7]) if self.ds else [acc_S]
+
+    @cute.jit
+    def _s_words(self, base, c):
+        """The ds rope group (c = 8): the thread's 32 bytes (16 bf16 values) of rows g, g + 8."""
+        if const_expr(self.ds and c == N_TILES - 1):
+            return [lds128(base + self.d_rope_off[h][0]) + lds128(base + self.d_rope_off[h][1])
+                    for h in range(2)]
+        return MLADecodeSm90KeysMRS._s_words(self, base, c)
+
+    @cute.jit
+    def _s_group(self, ops, accs, c, cur, acc=None, first=0):
+        """ds: e4m3 group c into its scale group's accumulator (accs[1 + c / 2]); the rope
+        group (bf16 words straight into the A fragment: word 2 jj + e of a row is k-step jj's
+        pair e, as latent_of orders Q) into acc_S."""
+        if const_expr(not self.ds):
+            MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur)
+        elif const_expr(c < N_TILES - 1):
+            MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur, accs[1 + c // 2],
+                                          2 * (c // 2))
+        else:
+            rK, tSrQr = ops[0], ops[6]  # (c even: buffer rKa, free since group c - 2 is done)
+            b32 = cute.recast_tensor(rK, Int32)
+            for jj in cutlass.range_constexpr(4):
+                for e in cutlass.range_constexpr(2):
+                    b32[4 * jj + 2 * e] = cur[0][2 * jj + e]
+                    b32[4 * jj + 2 * e + 1] = cur[1][2 * jj + e]
+            fence_operand(rK)
+            warpgroup.fence()
+            rR = cute.recast_tensor(rK, cutlass.BFloat16)
+            atom_r = cute.make_mma_atom(self.d_tiled_r.op)
+            for jj in cutlass.range_constexpr(4):
+                atom_r.set(warpgroup.Field.ACCUMULATE, jj != 0)
+                cute.gemm(atom_r, accs[0], rR[None, None, jj], tSrQr[None, None, jj], accs[0])
+
+    @cute.jit
+    def _s_done(self, accs, base):
+        """ds: S^T = rope scores + each scale group's scores times its row's scale (float32,
+        exact as the rows' scales are powers of two)."""
+        if const_expr(self.ds):
+            acc_S = accs[0]
+            sc = [lds128(base + self.d_k_row[h] + DS_SCALES_AT) for h in range(2)]
+            for idx in cutlass.range_constexpr(cute.size(acc_S)):
+                h = (idx // 2) % 2  # acc_S value idx: row 16 wq + lane / 4 + 8 h
+                v = acc_S[idx]
+                for grp in cutlass.range_constexpr(4):
+                    v = v + int_as_f32(sc[h][grp]) * accs[1 + grp][idx]
+                acc_S[idx] = v
+
+    @cute.jit
+    def _v_scale_words(self, base, ks):
+        """ds: the scales of the thread's group (its d values are all in 128-wide group wq:
+        v_chunk) of its four keys of k-step ks, [e][o]."""
+        if const_expr(not self.ds):
+            return None
+        wq = (cute.arch.thread_idx()[0] // 32) % 4
+        return [[lds32(base + (16 * ks + 8 * e + self.d_v_row[o]) * DS_ROW_BYTES + DS_SCALES_AT
+                       + 4 * wq) for o in range(2)] for e in range(2)]
+
+    @cute.jit
+    def _v_scales(self, words):
+        """ds: per e the f16x2 pair of the scales of keys o = 0, 1 (the pair's order in the A
+        words: prmt puts row o = 0's byte low)."""
+        if const_expr(not self.ds):
+            return None
+        return [f16x2(int_as_f32(words[e][0]), int_as_f32(words[e][1])) for e in range(2)]
+
+    @cute.jit
+    def _q_rope(self, row, c, words, mul):
+        """ds: Q's rope run (c = 8) also to sQr in bf16 times Q's factor (exact: a power of two),
+        permuted as _q_ready permutes sQ."""
+        if const_expr(self.ds):
+            if c == N_TILES - 1:
+                n = self.n_wg
+                for jj in cutlass.range_constexpr(4):
+                    for e2 in cutlass.range_constexpr(2):
+                        sts(self.d_qr_base + q_unit(row, 0, 2 * jj + e2, n),
+                            [bf16x2_to_f16x2(words[8 * q + 2 * jj + e2], mul, "bf16")
+                             for q in range(4)])
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm_rs") ---------------
 
 
 def compile_sparse_step(config, arch: str):
-    """The sparse ping-pong step (dtype, columns; e4m3 cache), compiled for arch (sm_90a)."""
+    """The sparse ping-pong step (dtype, cache format, columns), compiled for arch (sm_90a)."""
     from ..contract import compile_sparse_step_kernel, dsl_dtype
 
     dtype = dsl_dtype(config.dtype)
-    decode = MLASparseDecodeKeysMRS(dtype, config.columns)
+    decode = MLASparseDecodeKeysMRS(dtype, config.columns, config.cache)
     return compile_sparse_step_kernel(MLASparseDecodeStep(decode, dtype, use_pdl=True), dtype,
                                       arch, config.cache)

@@ -195,8 +195,8 @@ class SparseStepConfig(_Config):
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80), "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape) or
     "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
-    "sm90_keysm_rs" (its ping-pong variant, e4m3 cache only, 8 or 16 columns; compiled, not
-    yet run on a GPU: opt-in, TORCH_MLA_SPARSE_KEYSM_RS=1),
+    "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8 or 16 columns; not yet
+    checked on a GPU: opt-in, TORCH_MLA_SPARSE_KEYSM_RS=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -211,7 +211,7 @@ class SparseStepConfig(_Config):
                    "sm90_keysm_rs": SPARSE_KEYSM_RS_COLUMNS}.get(self.backend, (0,))
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
-                or (self.backend == "sm90_keysm_rs" and self.cache != "e4m3")):
+                or (self.backend == "sm90_keysm_rs" and self.cache == "plain")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}, columns {self.columns}")
         if self.cache not in sparse_caches(self.dtype):
@@ -380,8 +380,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
-            out += [SparseStepConfig("sm90_keysm_rs", dt, "e4m3", n)
-                    for n in SPARSE_KEYSM_RS_COLUMNS]
+            out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
+                    for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:

@@ -69,13 +69,13 @@ def keysm_sparse_columns(h_q: int) -> int:
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
-    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 over an e4m3 cache and h_q <= 16 "sm90_keysm_rs",
-    its ping-pong variant, which has not run on a GPU yet), "sm90" (the SM90 one: on sm_90a
-    where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the keys-on-M kernel does
-    not take, =0 never), "sm80" (the portable one)
-    or "reference", for validated inputs on a CUDA device; reason says why the reference
-    runs. Every kernel takes every cache format (the FP8 ones dequantized in the kernel); the
-    656-byte rows with bf16 q only (their RoPE values are bf16)."""
+    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 over an FP8 cache (e4m3 or the 656-byte rows) and
+    h_q <= 16 "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU), "sm90" (the
+    SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
+    keys-on-M kernel does not take, =0 never), "sm80" (the portable one) or "reference", for
+    validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
+    every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
+    only (their RoPE values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -95,7 +95,9 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
                                  f"rows' RoPE values are bf16), got {q.dtype}")
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
             q.shape[2]):
-        if (dispatch.sparse_keysm_rs() and fmt == "fp8"  # (e4m3; opt-in: not yet run on a GPU)
+        # (the FP8 caches; opt-in: e4m3 ran on the GPU first in session 24 (a signature slip
+        # only), the 656-byte rows are compiled only)
+        if (dispatch.sparse_keysm_rs() and fmt in ("fp8", "fp8_ds_mla")
                 and keysm_sparse_columns(q.shape[2]) in registry.SPARSE_KEYSM_RS_COLUMNS):
             return "sm90_keysm_rs", ""
         return "sm90_keysm", ""
