@@ -129,7 +129,8 @@ class MBarrier:
         return self.completed % 2 != parity
 
 
-def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=False):
+def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=False,
+                 producers=1):
     """The kernel's ring and Q protocol under a random interleaving: a producer (per non-empty
     segment its first page, Q, its other pages), TMA completing the loads in any order, 4 x consumers warps that
     wait, read, release. Checks that every warp reads the page (and Q) it expects, that no
@@ -137,7 +138,8 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=F
     yield True while blocked on a barrier, False when they made progress. pingpong
     (sm90_keysm_rs_decode.py): two warpgroups (8 warps) of one column set, warpgroup
     count % 2 taking page count; a stage's empty barrier then counts its owner's 4 warps, Q's
-    all 8."""
+    all 8. producers: producer warps, warp p loading the pages of count % producers == p
+    (producer_warps; the stages s % producers == p) and warp 0 Q."""
     import random
 
     rng = random.Random(seed)
@@ -151,17 +153,18 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=F
     pages = [(seg, j) for seg, n in enumerate(segments) for j in range(n)]
     segs = [seg for seg, n in enumerate(segments) if n]
 
-    def producer():  # a segment's first page, its Q, its other pages
+    def producer(p):  # a segment's first page, its Q, its other pages
         cnt = 0
         for qcnt, seg in enumerate(segs):
             for j in range(segments[seg]):
-                stage, parity = slot(cnt, n_stages)
-                while not empty[stage].passed(parity ^ 1):
-                    yield True
-                in_flight.append((stage, (seg, j)))
+                if cnt % producers == p:
+                    stage, parity = slot(cnt, n_stages)
+                    while not empty[stage].passed(parity ^ 1):
+                        yield True
+                    in_flight.append((stage, (seg, j)))
+                    yield False
                 cnt += 1
-                yield False
-                if j == 0:
+                if j == 0 and p == 0:
                     while not q_empty.passed(slot(qcnt, 1)[1] ^ 1):
                         yield True
                     in_flight.append(("q", seg))
@@ -190,7 +193,7 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=F
             q_empty.arrive()
         assert cnt == len(pages)
 
-    actors = [producer()] + [warp(w) for w in range(4 * wgs)]
+    actors = [producer(p) for p in range(producers)] + [warp(w) for w in range(4 * wgs)]
     blocked = 0  # actor steps in a row that made no progress, with nothing in flight
     while actors or in_flight:
         if in_flight and rng.random() < 0.3 or not actors:
@@ -243,6 +246,16 @@ def test_ring_protocol_pingpong():
         except AssertionError:
             failed += 1
     assert failed > 0
+
+
+def test_ring_protocol_producer_warps():
+    """The sparse ping-pong's four producer warps (producer_warps), each filling its own ring
+    stage, warp 0 also Q: every warp reads the page it expects, nothing lands in a stage or Q
+    while it is read, no deadlock; two warps sharing four stages likewise."""
+    for seed in range(40):
+        segments = [[5, 0, 1, 3, 0, 0, 7], [1], [0, 2, 2], [9, 9]][seed % 4]
+        for producers in (2, 4):
+            run_protocol(segments, 4, 1, seed, pingpong=True, producers=producers)
 
 
 def test_plan_and_stages():

@@ -233,6 +233,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # The ring filled through the generic proxy (cp.async): a proxy fence before the MMAs
     # read a 16-bit stage.
     cp_async_tiles = False
+    # Warps that fill the ring (ping-pong: of the producer warpgroup), warp i the stages s with
+    # s % producer_warps == i (a divisor of the stage count): one warp's chain per page
+    # (entries, wait, copies) overlaps the others' (the sparse ping-pong's gather: 4).
+    producer_warps = 1
     # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand.
     group_scales = False
     # Two consumer warpgroups on alternate pages of the same columns, merged at a segment's end
@@ -415,14 +419,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
         if warp >= 4 * self.wgs:
             if const_expr(self.wgs > 1):
                 cute.arch.setmaxregister_decrease(self.regs[0])
-            if warp == 4 * self.wgs:
+            if warp < 4 * self.wgs + self.producer_warps:
                 # TMA destinations: the ring's tiles (TMA, 1, 9 tiles, stages).
                 if const_expr(self.kv_fp8):
                     sK_tma = self._fp8_ring(storage)
                 else:
                     sK_tma = cute.flat_divide(sK, (PAGE_SIZE, 64))  # (64, 64, 1, 9, stages)
                 self._producer(walk, tensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV, sQ, sK_tma,
-                               bar_full, bar_empty, bar_q)
+                               bar_full, bar_empty, bar_q, warp - 4 * self.wgs)
         else:
             if const_expr(self.wgs > 1):
                 cute.arch.setmaxregister_increase(self.regs[1])
@@ -432,11 +436,13 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # ------------------------------------------------------------------------------------------
     @cute.jit
     def _producer(self, walk, tensors: SplitKVTensors, m_block, tma_q, tma_mQ, tma_k, tma_mKV,
-                  sQ, sK_tma, bar_full, bar_empty, bar_q):
-        """The producer warp: the same walk as the consumers; per non-empty segment its first
-        page, Q (once the consumers released the last segment's), then its other pages, each
-        into the next ring stage once its last reader released it."""
+                  sQ, sK_tma, bar_full, bar_empty, bar_q, pw):
+        """Producer warp pw (of producer_warps): the same walk as the consumers; per non-empty
+        segment its first page, Q (once the consumers released the last segment's), then its
+        other pages, each into the next ring stage once its last reader released it. With
+        several producer warps, warp pw loads the pages of the stages it owns and warp 0 Q."""
         mBlockTable, mSeqlens, mNumSplits = tensors.block_table, tensors.seqlens, tensors.num_splits
+        assert self.stages % self.producer_warps == 0, (self.stages, self.producer_warps)
         tKsK, tKgK = self._ring_partitions(tma_k, tma_mKV, sK_tma)
         elem_bytes = 1 if const_expr(self.kv_fp8) else self.dtype.width // 8
         page_bytes = PAGE_ELEMS * elem_bytes
@@ -451,21 +457,36 @@ class MLADecodeSm90KeysM(DecodeKernel):
             # The segment's first page goes before its Q: a ring stage frees up before the
             # last segment's Q does, so one page loads across the segment boundary.
             for blk in cutlass.range(lo, hi, unroll=1):
-                self._load_page(tma_k, tKgK, tKsK, self._page(mBlockTable, r, blk), cnt,
-                                bar_full, bar_empty, page_bytes)
-                if blk == lo:
-                    cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
-                    with cute.arch.elect_one():
-                        cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
-                    for c in cutlass.range_constexpr(self.consumers):
-                        gQ = cute.local_tile(tma_mQ[None, None, r], (self.n_wg, D_QK),
-                                             (m_block * self.consumers + c, 0))
-                        tQsQ, tQgQ = cpasync.tma_partition(
-                            tma_q, 0, cute.make_layout(1),
-                            cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2))
-                        cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
-                                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
-                    cnt[1] = cnt[1] + 1
+                if const_expr(self.producer_warps == 1):
+                    self._load_page(tma_k, tKgK, tKsK, self._page(mBlockTable, r, blk), cnt,
+                                    bar_full, bar_empty, page_bytes)
+                elif cnt[0] % self.producer_warps == pw:
+                    self._load_page(tma_k, tKgK, tKsK, self._page(mBlockTable, r, blk), cnt,
+                                    bar_full, bar_empty, page_bytes)
+                else:
+                    cnt[0] = cnt[0] + 1
+                if blk == lo:  # (warp 0: its Q)
+                    if const_expr(self.producer_warps == 1):
+                        self._load_q(tma_q, tma_mQ, sQ, r, m_block, cnt, bar_q, q_bytes)
+                    elif pw == 0:
+                        self._load_q(tma_q, tma_mQ, sQ, r, m_block, cnt, bar_q, q_bytes)
+
+    @cute.jit
+    def _load_q(self, tma_q, tma_mQ, sQ, r, m_block, cnt, bar_q, q_bytes):
+        """Request r's Q tile into sQ once the consumers released the last segment's (one
+        producer warp); cnt[1] += 1."""
+        cute.arch.mbarrier_wait(bar_q + 1, ring_slot(cnt[1], 1)[1] ^ 1)
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_q, q_bytes)
+        for c in cutlass.range_constexpr(self.consumers):
+            gQ = cute.local_tile(tma_mQ[None, None, r], (self.n_wg, D_QK),
+                                 (m_block * self.consumers + c, 0))
+            tQsQ, tQgQ = cpasync.tma_partition(
+                tma_q, 0, cute.make_layout(1),
+                cute.group_modes(sQ[None, None, c], 0, 2), cute.group_modes(gQ, 0, 2))
+            cute.copy(tma_q, tQgQ, tQsQ, tma_bar_ptr=bar_q,
+                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        cnt[1] = cnt[1] + 1
 
     @cute.jit
     def _ring_partitions(self, tma_k, tma_mKV, sK_tma):

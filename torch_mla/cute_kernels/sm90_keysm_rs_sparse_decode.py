@@ -37,7 +37,7 @@ Limits: bf16/fp16 q over an e4m3 cache (float8_e4m3fn with a per-tensor kv_scale
 the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 16-byte
 multiples), h_q <= 16 a token (columns 8 and 16: at 32, ptxas spills 20 bytes over e4m3, the
 gathering producer warpgroup having 24 registers). Not causal; the sink is applied by the host.
-One producer warp (the design note in docs/kernels/sparse.md has four).
+Four producer warps, each filling one ring stage (producer_warps).
 Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
 compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
 format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8
@@ -143,6 +143,11 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     """The keys-on-M ping-pong kernel over gathered entries of an e4m3 cache or the 656-byte
     rows; see the module docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's
     row m is page row m here too.)"""
+
+    # The producer warpgroup's four warps gather, warp i into ring stage i (one page's chain
+    # each: entries, wait, bias, copies; four overlap). One warp's chain bounded the keys-on-M
+    # sparse kernel: it took 81-93% of its time with every entry -1 (sparse.md, session 19).
+    producer_warps = 4
 
     def __init__(self, dtype, columns: int, cache: str = "e4m3"):
         assert cache in ("e4m3", "fp8_ds_mla"), cache
