@@ -279,11 +279,13 @@ def test_fp8_grid_matches_fp64(fp8_kernel, fmt, dtype, h_q, s_q, topk):
     check_against_fp64(q, cache, idx, lens, kv_scale=kv_scale)
 
 
+@pytest.mark.parametrize("h_q", [16, 100])
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
-def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype):
+def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype, h_q):
     # -1 and repeated entries (poisoned_indices), a repeat across positions, a token with all
-    # -1, a request with topk_length 0, one cut inside a block, rows over two m-blocks, splits.
-    q, cache, idx, lens, sink, kv_scale = _case(100, 3, 200, fmt, b=4, sink=True, dtype=dtype,
+    # -1, a request with topk_length 0, one cut inside a block, splits; at h_q 100 rows over two
+    # m-blocks, at 16 the keys-on-M kernels' shape.
+    q, cache, idx, lens, sink, kv_scale = _case(h_q, 3, 200, fmt, b=4, sink=True, dtype=dtype,
                                                 scale=True)
     idx[0, :, 7] = idx[0, :, 3]
     idx[2, 1] = -1
