@@ -36,7 +36,8 @@ Q: bf16 q is converted to f16 times a power of two (q_f16_factors, as the keys-o
 fp16 q is only permuted. P is written in f16.
 
 Registers and shared memory by columns: at 8 and 16 a consumer thread has 232 registers and
-the second warpgroup's O^T, maxima and sums go over in one merge round; at 32 (O^T alone 128
+the second warpgroup's O^T, maxima and sums go over in one merge round (two in the sparse
+subclass over the 656-byte rows, whose stages are larger); at 32 (O^T alone 128
 registers a thread) 240 registers, O^T's A operands of a k-step filled in two m-tile groups
 (o_groups), the merge in three rounds of 48 floats (merge_rounds: what fits beside four ring
 stages; five in fast mode, whose Q8 takes shared memory too: _prepare counts it).
@@ -111,6 +112,8 @@ def merge_rounds(columns: int) -> int:
     """The fewest merge rounds whose sMerge (128 threads x one round's floats) fits beside Q,
     two P^T tiles, the RS_STAGES ring stages and the column maxima in 227 KB (2 KB spare for
     the barriers and alignment): 1 at 8 and 16 columns, 3 at 32 (O^T alone is 64 KB there).
+    _prepare adds rounds where a subclass's shared memory needs them (fast mode's Q8; the
+    sparse ping-pong's 44 KB stages over the 656-byte rows: 2 at 16 columns).
 
     The ring has an even number of stages: the warpgroups take pages by the page count's
     parity, so each stage then serves one warpgroup. With an odd ring a stage alternates
@@ -260,7 +263,8 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         """The ring as the TMA writes it: (256 bytes, 144 rows, stages)."""
         k8 = cute.recast_ptr(storage.sK8.data_ptr(), dtype=cutlass.Uint8)
         return cute.make_tensor(k8, cute.make_layout(
-            (LINE_BOX, PAGE_ELEMS // LINE_BOX, self.stages), stride=(1, LINE_BOX, PAGE_ELEMS)))
+            (LINE_BOX, PAGE_ELEMS // LINE_BOX, self.stages),
+            stride=(1, LINE_BOX, self.stage_bytes)))
 
     @cute.jit
     def _ring_partitions(self, tma_k, tma_mKV, sK_tma):

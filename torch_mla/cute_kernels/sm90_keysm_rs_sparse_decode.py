@@ -31,7 +31,11 @@ dense ping-pong's MMAs take the scales and the rope:
   - O^T: a thread's d values all lie in one scale group (wq: v_chunk), so its A values of a
     key pair are multiplied, in f16, by that pair's scales (one mul.rn.f16x2 a register;
     exact for power-of-two scales where the product is a normal f16). f16 bounds the
-    dequantized values (|x| < 65504; the latent's are far below).
+    dequantized values (|x| < 65504; the latent's are far below). The scales themselves are
+    rounded to f16 here (S^T keeps them in float32): exact for DeepSeek's powers of two (at
+    least 2^-13: append_kv floors the scale at 1e-4); an unrounded amax / 448 (vLLM's
+    writer) is off by up to 2^-11 relative, below 2^-14 by more (a subnormal), and above
+    65504 it would be inf.
 
 Limits: bf16/fp16 q over an e4m3 cache (float8_e4m3fn with a per-tensor kv_scale), bf16 q over
 the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 16-byte
