@@ -847,3 +847,35 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
     assert args[1].shape == (2, PAGE, width)
     assert args[1].dtype == (torch.bfloat16 if fmt == "bf16" else torch.uint8)
     assert args[1].data_ptr() == cache.data_ptr()  # (no copy)
+
+
+def test_sparse_rows_tool_modes(monkeypatch):
+    """tools/sparse_rows.py: each mode's flags make the dispatch (on sm_90a) pick the kernel it
+    names, at h_q 16 over each FP8 format ("rs": its ping-pong variant; over bf16 the keys-on-M
+    kernel would run, which the tool reports as not taken); rows parse with their defaults; a
+    bad mode or format stops."""
+    from tools import sparse_rows
+    from torch_mla.ops import dispatch
+
+    monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: "sm_90a")
+    monkeypatch.delenv("TORCH_MLA_FORCE_REFERENCE", raising=False)
+    q = torch.empty(2, 1, 16, 576, dtype=torch.bfloat16)
+    caches = {"bf16": torch.empty(2, 64, 1, 576, dtype=torch.bfloat16),
+              "e4m3": torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn),
+              "656": torch.empty(2, 64, 1, 656, dtype=torch.uint8)}
+    for mode, env in sparse_rows.MODES.items():
+        for fmt, cache in caches.items():
+            for name in ("TORCH_MLA_SPARSE_KEYSM", "TORCH_MLA_SPARSE_KEYSM_RS",
+                         "TORCH_MLA_SPARSE_SM90"):
+                monkeypatch.delenv(name, raising=False)
+            for name, value in env.items():
+                monkeypatch.setenv(name, value)
+            want = sparse_rows.KERNELS[mode]
+            if mode == "rs" and fmt == "bf16":
+                want = "sm90_keysm"
+            assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (mode, fmt)
+    assert sparse_rows.parse_row("128,1,16") == (128, 1, 16, 2048, 32768)
+    assert sparse_rows.parse_row("2,2,64,512,4096") == (2, 2, 64, 512, 4096)
+    for argv in (["slow", "656", "1,1,16"], ["rs", "fp4", "1,1,16"], ["rs", "656", "1,1"]):
+        with pytest.raises(SystemExit):
+            sparse_rows.main(argv)

@@ -1,0 +1,79 @@
+"""One sparse decode kernel choice timed over rows (development tool, needs an SM90 GPU).
+
+    python -m tools.sparse_rows MODE FORMAT B,S_Q,H_Q[,TOPK[,S_K]] [...]
+
+MODE picks the kernel through the dispatch's environment flags:
+    keysm     the keys-on-M sparse kernel (TORCH_MLA_SPARSE_KEYSM_RS=0), where it takes the rows
+    rs        its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 formats, h_q <= 16)
+    sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1)
+    portable  the portable kernel (both 0)
+FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).
+TOPK defaults to 2048 and S_K to 32768 (the issue's V3.2 shapes).
+Each row: one mla_decode_sparse call (schedule made once, outside) captured in a CUDA graph, on
+benchmarks/bench_decode.py's problem (each query token names TOPK distinct random slots of its
+request's S_K tokens); us, GB/s of the rows named and % of the copy ceiling, and the kernel the
+dispatch took (a mode whose kernel does not take the row says so). An A/B of two trees: run each
+tree with PYTHONPATH=TREE and its own TORCH_MLA_CACHE_DIR, alternating; TAG (environment)
+prefixes each line.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+MODES = {
+    "keysm": {"TORCH_MLA_SPARSE_KEYSM_RS": "0"},
+    "rs": {"TORCH_MLA_SPARSE_KEYSM_RS": "1"},
+    "sm90": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1"},
+    "portable": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "0"},
+}
+# the kernel each mode asks for (ops.sparse.sparse_backend's names)
+KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "sm90": "sm90", "portable": "sm80"}
+# bytes of a cache row, by format
+ROW_BYTES = {"bf16": 1152, "e4m3": 576, "656": 656}
+
+
+def parse_row(spec: str) -> tuple[int, int, int, int, int]:
+    """'b,s_q,h_q[,topk[,s_k]]' -> (b, s_q, h_q, topk, s_k)."""
+    vals = [int(x) for x in spec.split(",")]
+    if not 3 <= len(vals) <= 5:
+        raise SystemExit(f"a row is B,S_Q,H_Q[,TOPK[,S_K]], got {spec!r}")
+    return tuple(vals + [2048, 32768][len(vals) - 3:])
+
+
+def main(argv: list[str]) -> None:
+    if len(argv) < 3 or argv[0] not in MODES or argv[1] not in ROW_BYTES:
+        raise SystemExit(f"usage: python -m tools.sparse_rows {{{','.join(MODES)}}} "
+                         f"{{{','.join(ROW_BYTES)}}} B,S_Q,H_Q[,TOPK[,S_K]] [...]")
+    mode, fmt = argv[0], argv[1]
+    rows = [parse_row(spec) for spec in argv[2:]]
+    os.environ.update(MODES[mode])
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_decode as bd
+    import torch
+
+    from torch_mla.ops.sparse import sparse_backend
+
+    dtype, width = {"bf16": (torch.bfloat16, 576), "e4m3": (torch.float8_e4m3fn, 576),
+                    "656": (torch.uint8, 656)}[fmt]
+    for spec, (b, s_q, h_q, topk, s_k) in zip(argv[2:], rows):
+        tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, topk, s_k)
+        kv_scale = None
+        if fmt == "e4m3":
+            kv_scale = (torch.cat(tokens, 1).float().abs().amax() / 448).reshape(1)
+        cache = bd._sparse_cache(b * s_k, dtype, width, tokens, kv_scale)
+        taken = sparse_backend(q, cache, 512)[0]
+        line = f"{os.environ.get('TAG', '')} {mode} {fmt} {spec}:"
+        if taken != KERNELS[mode]:
+            print(f"{line} not taken ({taken} would run)", flush=True)
+            continue
+        us = bd._sparse_us(q, cache, idx, sched, kv_scale)
+        gbps = b * s_q * topk * ROW_BYTES[fmt] / us / 1e3
+        print(f"{line} {us:.1f} us, {gbps:.0f} GB/s ({100 * gbps / bd.COPY_GBPS:.0f}% copy), "
+              f"{taken}", flush=True)
+        del cache, tokens
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
