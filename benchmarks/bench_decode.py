@@ -345,7 +345,7 @@ def main(argv=None):
                       + f", rel err {k_err:.1e} |")
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
-            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 32 rows)
+            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 64 rows)
             rs_rows = dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_RS_COLUMNS
             if args.rs and args.fp8 and rs_rows:
                 os.environ["TORCH_MLA_KEYSM_RS"] = "1"

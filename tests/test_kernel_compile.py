@@ -189,25 +189,32 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
 
 
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8),
-                                                  ("bf16", "plain", 32)])
+                                                  ("bf16", "plain", 32), ("bf16", "plain", 64)])
 def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
     """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py): per page 36 + 32
     wgmma m64nNk16 f16 with A from registers, S^T's 144 and O^T's 128 conversions a thread (the
     page converted once for each MMA) and O^T's 64 byte pairings (prmt), one TMA box a page and
     9 tiles for Q, setmaxnreg (two consumer warpgroups and a producer warpgroup), no local memory
     in the PTX; ptxas (where installed): no spill, no serialised wgmma (at 32 columns O^T's
-    A in two m-tile groups and 240 registers a consumer thread)."""
+    A in two m-tile groups and 240 registers a consumer thread). At 64 columns the two
+    warpgroups take 32 columns each (N = 32; Q's 9 tiles for each), and ptxas spills 12 bytes
+    (the epilogue's: none without it; tried in session 24: one epilogue copy a warpgroup took it
+    from 104 to 12, the lse stores first and four O^T groups did not help)."""
     c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_rs")
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
+    n_wg, sets = min(columns, 32), max(columns // 32, 1)
     assert c["wgmma.mma_async"] == 36 + 32, c
-    assert c[mma] == [f"m64n{columns}k16.f32.f16.f16"], c
+    assert c[mma] == [f"m64n{n_wg}k16.f32.f16.f16"], c
     assert c["cvt.rn.f16x2.e4m3x2"] == 144 + 128 and c["prmt.b32"] == 64, c
-    assert c["cp.async.bulk.tensor"] == 1 + 9, c  # a page in one box; Q
+    assert c["cp.async.bulk.tensor"] == 1 + 9 * sets, c  # a page in one box; Q
     assert c["setmaxnreg"] == 2, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     assert c["griddepcontrol.launch_dependents"] == 1, c
     print(f"keysm_rs {dtype} {causal} {columns} columns: ptxas {p}")
-    assert_ptxas_clean(p)
+    if columns == 64 and p:
+        assert not p["serialised"] and p["spill"] <= 12, p
+    else:
+        assert_ptxas_clean(p)
 
 
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8),

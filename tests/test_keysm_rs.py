@@ -201,9 +201,12 @@ def test_ds_rope_operand_matches_q_order():
 
 def test_merge_rounds_and_registry():
     """One merge round at 8 and 16 columns, three at 32 (O^T's 128 floats a thread); the rounds
-    cover each float once, maxima and sums first (round 0 computes the factors)."""
-    assert [merge_rounds(n) for n in KEYSM_RS_COLUMNS] == [1, 1, 3]
-    for n in KEYSM_RS_COLUMNS:
+    cover each float once, maxima and sums first (round 0 computes the factors). 64 columns
+    (two warpgroups of 32 split them: no merge) is a registry variant; fast mode is not."""
+    assert KEYSM_RS_COLUMNS == (8, 16, 32, 64)
+    pingpong = KEYSM_RS_COLUMNS[:3]
+    assert [merge_rounds(n) for n in pingpong] == [1, 1, 3]
+    for n in pingpong:
         k = merge_rounds(n)
         got = [x for r in range(k) for x in merge_round(r, k, n)]
         assert got == list(range(n // 2 + 4 * n))
@@ -211,7 +214,7 @@ def test_merge_rounds_and_registry():
     c = registry.DecodeStepConfig("sm90_keysm_rs", "bf16", True, kv_fp8=True, columns=32)
     assert (c.name, c.key()) == ("step_sm90_keysm_rs", {"dtype": "bf16", "causal": True,
                                                          "kv": "e4m3", "columns": 32})
-    for bad in (dict(columns=16), dict(columns=64, kv_fp8=True), dict(columns=0, kv_fp8=True)):
+    for bad in (dict(columns=16), dict(columns=0, kv_fp8=True)):
         with pytest.raises(ValueError):
             registry.DecodeStepConfig("sm90_keysm_rs", "bf16", False, **bad)
     with pytest.raises(ValueError):  # (fast mode: 8, 16 and 32 columns)
@@ -219,6 +222,9 @@ def test_merge_rounds_and_registry():
                                   columns=64)
     got = registry.variants(("bf16",), (False,), ("keysm_rs",))
     assert sorted(v.config.columns for v in got) == [8, 16, 32]
+    got = registry.variants(("bf16",), (False,), ("keysm_rs", "keysm64"))
+    assert sorted(v.config.columns for v in got if v.config.backend == "sm90_keysm_rs") == [
+        8, 16, 32, 64]
     got = registry.variants(("bf16",), (False,), ("keysm_fast",))
     assert sorted(v.config.columns for v in got) == [8, 16, 32]
 
@@ -267,8 +273,8 @@ n 32: Q 0, A 0 wrong""")
 def test_dispatch_choice(monkeypatch):
     """An e4m3 cache's keys-on-M steps of 8, 16 or 32 columns and one KV head run this kernel
     from a batch of KEYSM_RS_MIN_BATCH[columns] (8, 8, 32; read at each call:
-    TORCH_MLA_KEYSM_RS=1 at any batch, =0 never); at 64 columns, over a 16-bit cache or several
-    KV heads the keys-on-M steps run."""
+    TORCH_MLA_KEYSM_RS=1 at any batch, =0 never); at 64 columns only with
+    TORCH_MLA_KEYSM_RS=1; over a 16-bit cache or several KV heads the keys-on-M steps run."""
     monkeypatch.delenv("TORCH_MLA_KEYSM_RS", raising=False)
     rs = ["sm90_keysm", "sm90_keysm_rs"] * 3 + ["sm90_keysm", "sm90_keysm_fp8"]
     plain = ["sm90_keysm", "sm90_keysm_fp8"] * 4
@@ -286,7 +292,7 @@ def test_dispatch_choice(monkeypatch):
     # (a cache of several KV heads interleaves a page's rows: the keys-on-M fp8 step)
     assert dispatch.keysm_kind(16, True, "exact", 2, 128) == "sm90_keysm_fp8"
     monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1")
-    assert kinds(1) == rs
+    assert kinds(1) == kinds(128) == ["sm90_keysm", "sm90_keysm_rs"] * 4
     monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "0")
     assert kinds(128) == plain
 
@@ -341,7 +347,9 @@ LENS = [20, 140, 4096, 0, 1, 65, 1000]
 @sm90
 @pytest.mark.parametrize("h_q,s_q,causal", [(8, 1, False), (16, 1, False), (8, 2, True),
                                             (4, 3, True), (3, 1, False), (32, 1, False),
-                                            (16, 2, True), (10, 3, True), (17, 1, False)])
+                                            (16, 2, True), (10, 3, True), (17, 1, False),
+                                            (64, 1, False), (33, 1, False), (16, 4, True),
+                                            (21, 3, True)])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_grid(rs, h_q, s_q, causal, dtype):
     sched = run_and_check(rs, LENS, s_q, h_q, causal, dtype)
@@ -357,6 +365,7 @@ def test_varlen_batches(rs, b):
     run_and_check(rs, varlen_seqlens(b), 1, 16, False)
     run_and_check(rs, varlen_seqlens(b), 2, 8, True)
     run_and_check(rs, varlen_seqlens(b), 1, 32, False)
+    run_and_check(rs, varlen_seqlens(b), 1, 64, False)
 
 
 @pytest.mark.cuda
@@ -365,6 +374,7 @@ def test_varlen_batches(rs, b):
 def test_page_boundaries(rs, L):
     run_and_check(rs, [L, L + 1, max(L - 1, 0)], 1, 16, False)
     run_and_check(rs, [L, L + 1, max(L - 1, 0)], 1, 32, False)
+    run_and_check(rs, [L, L + 1, max(L - 1, 0)], 2, 32, True)
 
 
 @pytest.mark.cuda
@@ -379,16 +389,17 @@ def test_whole_requests_and_q_range(rs):
     run_and_check(rs, LENS, 1, 16, False, q_scale=1e-20, scale=576**-0.5 * 1e20)
     run_and_check(rs, LENS, 1, 16, False, q_scale=3e4)
     run_and_check(rs, LENS, 1, 32, False, q_scale=3e4)
+    run_and_check(rs, LENS, 1, 64, False, q_scale=3e4)
 
 
 @pytest.mark.cuda
 @sm90
-@pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5), (2, 16)])
+@pytest.mark.parametrize("s_q,h_q", [(2, 8), (1, 8), (1, 5), (2, 16), (2, 32)])
 def test_graph_replays_with_new_lengths(rs, s_q, h_q):
     from test_keysm import graph_replays
 
     graph_replays(s_q, h_q, True)
-    assert set(rs) == {("sm90_keysm_rs", dispatch.keysm_columns_for(s_q * h_q, 32))}
+    assert set(rs) == {("sm90_keysm_rs", dispatch.keysm_columns_for(s_q * h_q, 64))}
 
 
 def test_rows_tool_modes(monkeypatch):

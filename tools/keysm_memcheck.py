@@ -2,8 +2,8 @@
 compute-sanitizer (memcheck): 16, 32 and 64 query columns, lengths off the page size and 0, NaN past
 each length, huge unused block-table ids, one request split over parts and short ones whole;
 run as ``compute-sanitizer --tool memcheck python -m tools.keysm_memcheck``. Prints each case's
-largest error against the reference. With TORCH_MLA_KEYSM_RS=1 the fp8 cases of 8, 16 and 32
-columns run the ping-pong variant (cute_kernels/sm90_keysm_rs_decode.py); with
+largest error against the reference. With TORCH_MLA_KEYSM_RS=1 the fp8 cases run the ping-pong
+variant (cute_kernels/sm90_keysm_rs_decode.py; at 64 columns its two warpgroups split them); with
 TORCH_MLA_KEYSM_FAST=1 the fp8 cases run in fast mode (compute="fp8"), those of 8, 16 and 32
 columns on that variant's fast mode (cute_kernels/sm90_keysm_fast_decode.py)."""
 

@@ -21,16 +21,18 @@ KEYSM_COLUMNS = (8, 16, 32, 64)
 # TORCH_MLA_KEYSM=0 turns it off.
 KEYSM_DEFAULT_ROWS = 32
 # The ping-pong keys-on-M kernel over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py): its
-# columns in exact mode; its fast mode (cute_kernels/sm90_keysm_fast_decode.py, a subclass)
-# takes the same ones.
-KEYSM_RS_COLUMNS = (8, 16, 32)
-KEYSM_FAST_COLUMNS = KEYSM_RS_COLUMNS
+# columns in exact mode (at 64 its two warpgroups split the columns instead of alternating
+# pages: opt-in, not yet run on a GPU); its fast mode (cute_kernels/sm90_keysm_fast_decode.py, a
+# subclass) takes the ping-pong ones.
+KEYSM_RS_COLUMNS = (8, 16, 32, 64)
+KEYSM_FAST_COLUMNS = (8, 16, 32)
 # Fast mode takes that variant from this batch on, by columns (at 32 columns and b 1 the
 # heads-on-M fast mode is faster; docs/kernels/keysm.md "Session 23").
 KEYSM_FAST_MIN_BATCH = {8: 1, 16: 1, 32: 4}
 # The ping-pong variant is the exact mode's default from this batch on, by columns (below it the
 # keys-on-M kernel is faster: one warpgroup a page, less work a segment; docs/kernels/keysm.md
-# "Kernel choice over an e4m3 cache" and, for 32 columns, "Session 23").
+# "Kernel choice over an e4m3 cache" and, for 32 columns, "Session 23"); 64 columns: only with
+# TORCH_MLA_KEYSM_RS=1 (and TORCH_MLA_KEYSM=1, which gives the keys-on-M kernel 64 rows).
 KEYSM_RS_MIN_BATCH = {8: 8, 16: 8, 32: 32}
 
 # The schedule's metadata, int32 [num_parts, METADATA_WIDTH], one row a part (scheduling.py):

@@ -242,6 +242,10 @@ class MLADecodeSm90KeysM(DecodeKernel):
     # Two consumer warpgroups on alternate pages of the same columns, merged at a segment's end
     # (sm90_keysm_rs_decode.py).
     pingpong = False
+    # One epilogue copy a consumer warpgroup, its index a constant in each (the ping-pong
+    # kernel's 64 columns: ptxas spilled 104 bytes with one copy, 12 with two; the 16-bit
+    # keys-on-M kernel's 64 columns the reverse, 0 and 32).
+    epilogue_per_wg = False
     # softmax.online_max's threshold: a column's max is raised only past it (log2 units; P then
     # stays below 2^max_slack) and O^T is rescaled only where a warp's max moved; None: always.
     max_slack = None
@@ -590,9 +594,14 @@ class MLADecodeSm90KeysM(DecodeKernel):
                     self._merge_and_store(r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane,
                                           wtid, acc_O, m_run, l_run, sMax, mO, mLSE, mOacc,
                                           mLSEacc)
-                else:
+                elif const_expr(not self.epilogue_per_wg):
                     self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, acc_O,
                                    m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc)
+                else:
+                    for w in cutlass.range_constexpr(self.consumers):
+                        if wg == w:
+                            self._epilogue(r, slot, pieces, col0, rows, h_q, cnt, w, wq, lane,
+                                           acc_O, m_run, l_run, sMax, mO, mLSE, mOacc, mLSEacc)
             else:
                 # (ping-pong: the first warpgroup's threads)
                 if (not self.pingpong) or tidx < 128 * self.consumers:
@@ -768,7 +777,8 @@ class MLADecodeSm90KeysM(DecodeKernel):
         cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
 
         self._mma_o(ops, acc_O, s, ob, valid, wq, lane)
-        if const_expr(not self.kv_fp8 or self.pingpong):
+        # (a stage the MMAs read in place: released now; an expanded fp8 one was already)
+        if const_expr(not self.kv_fp8 or self.buffers == 0):
             cute.arch.sync_warp()
             if lane == 0:
                 cute.arch.mbarrier_arrive(bar_empty + s)

@@ -78,6 +78,7 @@ from .ptx import (
 )
 from .sm90_keysm_decode import (
     N_TILES,
+    NB_WG,
     PAGE_ELEMS,
     MLADecodeSm90KeysM,
     finite_bf16_max,
@@ -188,19 +189,25 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     def __init__(self, dtype, causal: bool, columns: int):
         assert columns in KEYSM_RS_COLUMNS, columns
         super().__init__(dtype, causal, columns, kv_fp8=True)
+        # 64 columns: the two warpgroups split them (32 each, plan), both reading every page
+        # (its stage released by 8 warps); no merge. Below: ping-pong on alternate pages.
+        self.pingpong = self.consumers == 1
+        self.epilogue_per_wg = not self.pingpong
         self.wgs = 2
         # + a producer warpgroup whose registers setmaxnreg gives to the consumers (REGS: with
         # 288 threads ptxas caps every thread at 168 registers and spills)
         self.num_threads = 3 * 128
         # 128 p + 256 c <= 168 x 384 (the launch's registers). At 32 columns ptxas serialises
         # the wgmmas below 240 (no spill at 24 then); at 8 and 16 the producer spilled at 24.
-        self.regs = (24, 240) if columns == 32 else (40, 232)
-        self.stages = RS_STAGES
-        self.merge_rounds = merge_rounds(columns)  # (more in _prepare where _more_smem needs)
+        self.regs = (24, 240) if self.n_wg == 32 else (40, 232)
+        # (at 64 columns Q takes 72 KB: 3 stages fit, and an odd ring is fine without ping-pong)
+        self.stages = RS_STAGES if self.pingpong else 3
+        # (more in _prepare where _more_smem needs; none without ping-pong)
+        self.merge_rounds = merge_rounds(columns) if self.pingpong else 0
         # O^T's A fragments per k-step in this many groups of m-tiles: a group's register
         # buffer is filled while the MMAs read the other's (two groups at 32 columns, where
         # O^T itself takes 128 registers a thread)
-        self.o_groups = 2 if columns == 32 else 1
+        self.o_groups = 2 if self.n_wg == 32 else 1
         self.buffers = 0  # no 16-bit page buffer
 
     def _prepare(self, mQ: cute.Tensor, mKV: cute.Tensor, fp8: tuple):
@@ -209,6 +216,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         dt = cutlass.Float16
         self.mma_dtype = dt
         q_tile, sQ_layout, sK_layout, sVt_layout, sPt_layout, _ = smem_layouts(dt, n, 2, 1)
+        # (sQ_layout holds two column sets: the second is 64 columns' second warpgroup's)
         kmode, mnmode = cute.nvgpu.OperandMajorMode.K, cute.nvgpu.OperandMajorMode.MN
         rmem = warpgroup.OperandSource.RMEM
         tiled_o = sm90_utils.make_trivial_tiled_mma(dt, dt, kmode, mnmode, Float32, (1, 1, 1),
@@ -219,11 +227,15 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         tma_k, tma_mKV = self._line_tma(op, mKV)
         i64 = cutlass.Int64
         while True:  # the fewest merge rounds that fit beside the subclass's _more_smem
+            merge = {}
+            if self.pingpong:
+                merge["sMerge"] = aligned(Float32,
+                                          128 * len(merge_round(0, self.merge_rounds, n)))
             self.shared_storage = shared_struct(
-                sQ=aligned(dt, n * D_QK),
+                sQ=aligned(dt, self.consumers * n * D_QK),
                 sP=aligned(dt, 2 * n * PAGE_SIZE),
                 sK8=aligned(cutlass.Uint8, self.stages * self.stage_bytes),
-                sMerge=aligned(Float32, 128 * len(merge_round(0, self.merge_rounds, n))),
+                **merge,
                 sMax=cute.struct.MemRange[Float32, 2 * 2 * 4 * n],
                 barFull=cute.struct.MemRange[i64, self.stages],
                 barEmpty=cute.struct.MemRange[i64, self.stages],
@@ -232,7 +244,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                 **self._more_smem(),
             )
             size = self.shared_storage.size_in_bytes()
-            if size <= 227 * 1024 or self.merge_rounds == merge_floats(n):
+            if size <= 227 * 1024 or not self.pingpong or self.merge_rounds == merge_floats(n):
                 break
             self.merge_rounds += 1
         assert size <= 227 * 1024, size
@@ -305,17 +317,20 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         v_row = [page_row(2 * q + o) for o in range(2)]
         self.d_v_row = v_row
         self.d_v_off = [self._stage_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
-        s_ops = self._s_operands(thr_s, sQ, wq, g, q)  # (3 of them; a subclass's more last)
+        # (Q's column set: the warpgroup's own at 64 columns, the shared one in ping-pong)
+        s_ops = self._s_operands(thr_s, sQ[None, None, 0 if self.pingpong else wg], wq, g, q)
+        # (3 of them; a subclass's more last)
         return s_ops[:3] + (rVa, rVb, tOrP) + s_ops[3:]
 
     @cute.jit
     def _s_operands(self, thr_s, sQ, wq, g, q):
         """S^T's: two register A fragments (two of its four k-steps of a 64-wide group: one is
-        filled while the MMAs read the other), Q^T; this thread's ring offsets."""
+        filled while the MMAs read the other), Q^T (sQ: the warpgroup's column set, n x 576);
+        this thread's ring offsets."""
         dt = self.mma_dtype
         rKa = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)  # (8, 1, 4)
         rKb = cute.make_rmem_tensor(thr_s.partition_shape_A((PAGE_SIZE, 64)), dt)
-        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ[None, None, 0]))  # (MMA, 1, 36)
+        tSrQ = thr_s.make_fragment_B(thr_s.partition_B(sQ))  # (MMA, 1, 36)
         # rows 16 wq + g (+ 8), bytes 16 q of each 64-byte group
         self.d_k_off = [self._stage_offset(16 * wq + 8 * h + g, 16 * q) for h in range(2)]
         return rKa, rKb, tSrQ
@@ -468,26 +483,34 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
 
     @cute.jit
     def _q_ready(self, wg, wq, lane, wtid, tidx) -> list:
-        """Both consumer warpgroups, once Q has landed: Q (n x 576) permuted in place to S^T's
-        latent order (latent_of), bf16 q converted to f16 times the power of two
-        q_f16_factors picks from the tile's largest |q|; returns that factor's inverse (1 for
-        fp16 q), once for each of the thread's columns. A thread takes whole 128-byte runs (a
-        row's 64-wide group), read into registers before barrier 4 and written after it:
-        threads without a run read the last one (for the largest |q|; nothing else), so its
-        owner writes it only once they are past."""
+        """Both consumer warpgroups (ping-pong; at 64 columns each its own column set), once Q
+        has landed: Q (n x 576) permuted in place to S^T's latent order (latent_of), bf16 q
+        converted to f16 times the power of two q_f16_factors picks from the tile's largest |q|;
+        returns that factor's inverse (1 for fp16 q), once for each of the thread's columns. A
+        thread takes whole 128-byte runs (a row's 64-wide group), read into registers before
+        the first barrier (4, or the warpgroup's own) and written after it: threads without a
+        run read the last one (for the largest |q|; nothing else), so its owner writes it only
+        once they are past. Up to two waves of runs a thread are held in registers; more (64
+        columns: 3) are read again after the barrier."""
         n = self.n_wg
         runs = n * N_TILES
-        waves = (runs + 255) // 256
+        threads = 256 if const_expr(self.pingpong) else 128
+        tid = tidx if const_expr(self.pingpong) else wtid
+        waves = (runs + threads - 1) // threads
+        hold = waves <= 2
         base = self.d_q_base
+        if const_expr(not self.pingpong):
+            base = base + wg * (n * D_QK * 2)
         held = []
         big = Int32(0)
         for w in cutlass.range_constexpr(waves):
-            run = cutlass.min(w * 256 + tidx, runs - 1)  # (idle threads read the last run)
+            run = cutlass.min(w * threads + tid, runs - 1)  # (idle threads read the last run)
             row, c = run % n, run // n
             words = []
             for u in cutlass.range_constexpr(8):
                 words += lds128(base + q_unit(row, c, u, n))
-            held.append(words)
+            if const_expr(hold):
+                held.append(words)
             if const_expr(self.q_f16):
                 big = finite_bf16_max(big, words)
         inv = Float32(1.0)
@@ -498,18 +521,27 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             qmax = self.d_storage.sQmax.get_tensor(cute.make_layout(8))
             if lane == 0:
                 qmax[4 * wg + wq] = big
-        cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        self._q_barrier(wg)
         if const_expr(self.q_f16):
-            for i in cutlass.range_constexpr(8):
-                big = cutlass.max(big, qmax[i])
+            if const_expr(self.pingpong):
+                for i in cutlass.range_constexpr(8):
+                    big = cutlass.max(big, qmax[i])
+            else:
+                for i in cutlass.range_constexpr(4):
+                    big = cutlass.max(big, qmax[4 * wg + i])
             mul_bits, inv_bits = q_f16_factors(big, cutlass.max)
             mul = int_as_f32(mul_bits)
             inv = int_as_f32(inv_bits)
         for w in cutlass.range_constexpr(waves):
-            run = w * 256 + tidx
+            run = w * threads + tid
             if run < runs:
                 row, c = run % n, run // n
-                words = held[w]
+                if const_expr(hold):
+                    words = held[w]
+                else:
+                    words = []
+                    for u in cutlass.range_constexpr(8):
+                        words += lds128(base + q_unit(row, c, u, n))
                 self._q_rope(row, c, words, mul)
                 if const_expr(self.q_f16):
                     words = [bf16x2_to_f16x2(x, mul) for x in words]
@@ -519,8 +551,15 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                         sts(base + q_unit(row, c, 2 * jj + e2, n),
                             [words[8 * q + 2 * jj + e2] for q in range(4)])
         cute.arch.fence_view_async_shared()
-        cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        self._q_barrier(wg)
         return [inv] * (n // 4)
+
+    def _q_barrier(self, wg):
+        """_q_ready's barrier: both warpgroups (4) in ping-pong, else the warpgroup's own."""
+        if const_expr(self.pingpong):
+            cute.arch.barrier(barrier_id=NB_PAIR, number_of_threads=256)
+        else:
+            cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
 
     def _q_rope(self, row, c, words, mul):
         """_q_ready's hook for Q's run (row, 64-wide group c), its bf16 words as loaded (a

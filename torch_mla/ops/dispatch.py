@@ -114,18 +114,19 @@ def keysm_max_rows() -> int:
 def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
                batch: int = 1) -> str:
     """The STEPS key of the keys-on-M step of ``columns`` (keysm_columns): over a float8_e4m3fn
-    cache its ping-pong variant where it takes the columns (KEYSM_RS_COLUMNS: 8, 16, 32), the
-    cache has one KV head
+    cache its ping-pong variant where it takes the columns (KEYSM_RS_COLUMNS: 8, 16, 32, 64),
+    the cache has one KV head
     (its pages are loaded as whole 36 KB blocks, which h_kv > 1 interleaves) and ``batch``
-    (requests) is at least KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16 columns, 32 at 32;
-    TORCH_MLA_KEYSM_RS=1: at any batch, =0: never);
+    (requests) is at least KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16 columns, 32 at 32; 64
+    columns only with TORCH_MLA_KEYSM_RS=1, which takes it at any batch; =0: never);
     in fast mode (compute="fp8") that variant's fast mode."""
     if not fp8:
         return "sm90_keysm"
     if compute == "fp8":
         return "sm90_keysm_fast"
     if columns in KEYSM_RS_COLUMNS and h_kv == 1:
-        if keysm_rs_always() or (batch >= KEYSM_RS_MIN_BATCH[columns] and not keysm_rs_off()):
+        least = KEYSM_RS_MIN_BATCH.get(columns)  # (None: opt-in only)
+        if keysm_rs_always() or (least is not None and batch >= least and not keysm_rs_off()):
             return "sm90_keysm_rs"
     return "sm90_keysm_fp8"
 

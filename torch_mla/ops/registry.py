@@ -339,7 +339,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
     cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
     TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
-    e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns);
+    e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns;
+    its 64-column steps with "keysm64" too: TORCH_MLA_KEYSM=1 and TORCH_MLA_KEYSM_RS=1);
     "keysm_fast" that variant's fast mode, which the dispatch picks for fast mode where
     s_q * h_q <= 32 (from a batch of 4 above 16)), the
     schedule kernel,
@@ -367,9 +368,10 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     or ("keysm64" in kernels and n > KEYSM_DEFAULT_ROWS)]
             out += [DecodeStepConfig("sm90_keysm", dt, c, kv_fp8=f8, columns=n)
                     for n in cols for f8 in (False, True) for c in causal]
-            if "keysm_rs" in kernels:
+            if "keysm_rs" in kernels:  # (64 columns with keysm64: opt-in, as the 64-row steps)
                 out += [DecodeStepConfig("sm90_keysm_rs", dt, c, kv_fp8=True, columns=n)
-                        for n in KEYSM_RS_COLUMNS for c in causal]
+                        for n in KEYSM_RS_COLUMNS for c in causal
+                        if n <= KEYSM_DEFAULT_ROWS or "keysm64" in kernels]
             if "keysm_fast" in kernels:
                 out += [DecodeStepConfig("sm90_keysm_fast", dt, c, kv_fp8=True, compute="fp8",
                                          columns=n) for n in KEYSM_FAST_COLUMNS for c in causal]
