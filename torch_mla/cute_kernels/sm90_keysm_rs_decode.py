@@ -42,14 +42,21 @@ registers a thread) 240 registers, O^T's A operands of a k-step filled in two m-
 (o_groups), the merge in three rounds of 48 floats (merge_rounds: what fits beside four ring
 stages; five in fast mode, whose Q8 takes shared memory too: _prepare counts it).
 
-Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8, 16 or 32 columns (query rows a
-CTA); one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); the ring has an
-even number of stages (RS_STAGES, merge_rounds). Status: the whole-line version ran on the H200
-in session 22 (GPU tests, memcheck, fuzz 2000 cases, CUDA-graph replays), 32 columns in session
-23 (GPU tests, memcheck, fuzz 2000 cases); the dispatch's choice in exact mode from a batch of
-KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16 columns, 32 at 32; TORCH_MLA_KEYSM_RS=1: every batch,
-=0: never): 0.73-0.79x the keys-on-M kernel's time on the memory-bound rows, up to 1.19x it at
-b 1 (1.36x at 32 columns).
+64 columns (no ping-pong: `pingpong` False): the two warpgroups split the columns, 32 each (Q
+column set and P^T slot wg), and both convert and read every page; a stage is released by both
+(8 warp arrivals); no merge; 3 ring stages beside Q's 72 KB; Q converted by each warpgroup for
+its own set (_q_ready, its own barrier); 240 registers, one epilogue copy a warpgroup
+(epilogue_per_wg; ptxas spills 12 bytes). Compiled only: not yet run on a GPU; opt-in
+(TORCH_MLA_KEYSM=1 and TORCH_MLA_KEYSM_RS=1).
+
+Limits: e4m3 cache (exact mode), d_qk 576, d_v 512, page 64, 8, 16, 32 or 64 columns (query
+rows a CTA); one KV head (a page's rows contiguous: the dispatch, keysm_kind, checks); in
+ping-pong the ring has an even number of stages (RS_STAGES, merge_rounds).
+Status: the whole-line version ran on the H200 in session 22 (GPU tests, memcheck, fuzz 2000
+cases, CUDA-graph replays), 32 columns in session 23 (GPU tests, memcheck, fuzz 2000 cases); the
+dispatch's choice in exact mode from a batch of KEYSM_RS_MIN_BATCH[columns] (8 at 8 and 16
+columns, 32 at 32; TORCH_MLA_KEYSM_RS=1: every batch, =0: never): 0.73-0.79x the keys-on-M
+kernel's time on the memory-bound rows, up to 1.19x it at b 1 (1.36x at 32 columns).
 """
 
 from __future__ import annotations
