@@ -382,7 +382,8 @@ print(json.dumps(counts))
 
 @pytest.mark.parametrize("dtype,cache,columns", [("bf16", "e4m3", 16), ("fp16", "e4m3", 8),
                                                   ("bf16", "fp8_ds_mla", 16),
-                                                  ("bf16", "fp8_ds_mla", 8)])
+                                                  ("bf16", "fp8_ds_mla", 8), ("bf16", "e4m3", 64),
+                                                  ("bf16", "fp8_ds_mla", 64)])
 def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     """The sparse ping-pong step (cute_kernels/sm90_keysm_rs_sparse_decode.py; not yet checked
     on a GPU): the ping-pong's MMAs (36 + 32 wgmma a page) and e4m3 conversions (144 + 128 a
@@ -393,7 +394,10 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     over the 656-byte rows O^T's A values times their scales (128 f16x2 multiplies a page, the
     scales read as 4-byte words, 16 a page) and Q's rope copied in bf16 (8 conversions a
     wave); Q's 9 TMA boxes the only TMA loads; no local memory; ptxas (where installed): no
-    spill, no serialised wgmma."""
+    spill, no serialised wgmma. At 64 columns (two warpgroups of 32, one epilogue copy each,
+    Q's boxes for both): over the 656-byte rows S^T's A values are multiplied by their scales
+    too (128 more f16x2 multiplies), and ptxas spills (20 bytes in the gathering producer's 24
+    registers, as at 32 columns; 24 more over the 656-byte rows with the epilogue)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns),
@@ -401,19 +405,22 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert res.returncode == 0, res.stderr[-4000:]
     c = json.loads(res.stdout.strip().splitlines()[-1])
     ds = cache == "fp8_ds_mla"
+    sets = 2 if columns == 64 else 1  # (warpgroups of their own columns)
     assert c["wgmma.mma_async"] == 36 + 32, c
     assert c[".bf16.bf16"] == (4 if ds else 0), c  # the rope k-steps
     assert c["cvt.rn.f16x2.e4m3x2"] == (128 if ds else 144) + 128, c
     assert c["cp.async.cg.shared.global"] == 8 * (10 if ds else 9) + (2 if ds else 0), c
-    assert c["mul.rn.f16x2"] == (128 if ds else 0), c
+    assert c["mul.rn.f16x2"] == (128 * (1 + (columns == 64)) if ds else 0), c
     assert c["ld.shared.b32"] == 2 + (16 if ds else 0), c
     # (the output's conversions; over the 656-byte rows Q's rope in bf16, 32 a wave)
-    assert c["cvt.rn.bf16x2.f32"] == (2 * columns if dtype == "bf16" else 0) + (32 if ds else 0), c
-    assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1 and c["cp.async.bulk.tensor"] == 9, c
+    out_cvt = 2 * min(columns, 32) * sets if dtype == "bf16" else 0
+    assert c["cvt.rn.bf16x2.f32"] == out_cvt + (32 if ds else 0), c
+    assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1, c
+    assert c["cp.async.bulk.tensor"] == 9 * sets, c
     assert c["setmaxnreg"] == 2, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     if "spill" in c:
-        assert c["spill"] == 0 and not c["serialised"], c
+        assert c["spill"] <= (44 if columns == 64 else 0) and not c["serialised"], c
 
 
 PORTABLE_SPARSE_SCRIPT = r"""

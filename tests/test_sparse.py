@@ -368,15 +368,17 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
         else:
             monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", flag)
         for fmt, cache in caches.items():
-            for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (128, 0)):
+            for h_q, cols in ((1, 8), (16, 16), (20, 32), (32, 32), (33, 0), (64, 0), (128, 0)):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
                 keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q) == cols
-                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches and h_q <= 16
+                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches, h_q <= 16
+                # or 33..64 (64 columns), on sm_90a whatever TORCH_MLA_SPARSE_KEYSM says
                 monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1")
-                rs = keysm and fmt != "plain" and cols <= 16
+                rs = (arch == "sm_90a" and fmt != "plain"
+                      and (0 < cols <= 16 or 32 < h_q <= 64))
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
                     "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
                 monkeypatch.delenv("TORCH_MLA_SPARSE_KEYSM_RS")

@@ -12,10 +12,10 @@
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
-#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, h_q <= 16;
-#             memcheck over each; not yet checked on a GPU); the bench stage is then
-#             --sparse-kernels at h_q 16 (its FP8 keys-on-M columns are this kernel), run again
-#             without the flag
+#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, h_q <= 16
+#             and 33..64; memcheck over each at h_q 16, the 656-byte rows at 64 too; not yet
+#             checked on a GPU); the bench stage is then --sparse-kernels at h_q 16 and 64 (its
+#             FP8 keys-on-M columns are this kernel), run again without the flag
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -57,10 +57,15 @@ for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
   [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
   memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
 done
+if [[ $kernel == keysm_rs ]]; then  # (64 columns: its two warpgroups split them)
+  MEMCHECK_NAME=memcheck_64 memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck \
+    --cache fp8_ds_mla --heads 64
+fi
 python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
 if [[ $kernel == keysm_rs ]]; then
-  run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels --heads 16
-  run bench_keysm 100 python benchmarks/bench_decode.py --sparse-kernels --heads 16
+  run bench 150 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels \
+    --heads 16,64
+  run bench_keysm 150 python benchmarks/bench_decode.py --sparse-kernels --heads 16,64
 else
   run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse
 fi

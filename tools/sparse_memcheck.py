@@ -1,8 +1,8 @@
 """One sparse decode under compute-sanitizer (memcheck): entries -1, repeated, past
 topk_length (garbage there), split over parts; run as
-``compute-sanitizer --tool memcheck python -m tools.sparse_memcheck [--cache e4m3|fp8_ds_mla]``
-(over a float8_e4m3fn cache or the 656-byte FP8 rows: NaN bytes in every slot no entry
-names)."""
+``compute-sanitizer --tool memcheck python -m tools.sparse_memcheck [--cache e4m3|fp8_ds_mla]
+[--heads H]`` (over a float8_e4m3fn cache or the 656-byte FP8 rows: NaN bytes in every slot no
+entry names; H query heads, default 16)."""
 
 import argparse
 
@@ -15,10 +15,11 @@ from torch_mla.reference_sparse import quantize_fp8_ds_mla
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cache", choices=["bf16", "e4m3", "fp8_ds_mla"], default="bf16")
+    ap.add_argument("--heads", type=int, default=16)
     args = ap.parse_args()
     torch.manual_seed(0)
     cache = torch.randn(40, 64, 1, 576, device="cuda").bfloat16()
-    b, s_q, h_q, topk = 2, 2, 16, 1024
+    b, s_q, h_q, topk = 2, 2, args.heads, 1024
     idx = torch.randint(0, 40 * 64, (b, s_q, topk), dtype=torch.int32, device="cuda")
     idx[..., ::5] = -1
     lens = torch.tensor([topk, 300], dtype=torch.int32, device="cuda")

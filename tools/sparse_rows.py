@@ -4,7 +4,8 @@
 
 MODE picks the kernel through the dispatch's environment flags:
     keysm     the keys-on-M sparse kernel (TORCH_MLA_SPARSE_KEYSM_RS=0), where it takes the rows
-    rs        its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 formats, h_q <= 16)
+    rs        its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 formats, h_q <= 16
+              or 33..64)
     sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1)
     portable  the portable kernel (both 0)
 FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).

@@ -325,6 +325,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         self.d_v_row = v_row
         self.d_v_off = [self._stage_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
         # (Q's column set: the warpgroup's own at 64 columns, the shared one in ping-pong)
+        self.d_qset = 0 if self.pingpong else wg
         s_ops = self._s_operands(thr_s, sQ[None, None, 0 if self.pingpong else wg], wq, g, q)
         # (3 of them; a subclass's more last)
         return s_ops[:3] + (rVa, rVb, tOrP) + s_ops[3:]
@@ -365,6 +366,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         accs = self._s_accs(ops, acc_S)
         for acc in accs:
             fence_operand(acc)
+        self._s_begin(base)
         x = self._s_words(base, 0)
         for c in cutlass.range_constexpr(N_TILES):
             cur = x
@@ -379,6 +381,11 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             fence_operand(acc)
         self._s_done(accs, base)
 
+    def _s_begin(self, base):
+        """Before S^T's loads of the stage at `base`: nothing here (the 656-byte rows' scales
+        at 32 columns a warpgroup)."""
+        pass
+
     def _s_accs(self, ops, acc_S) -> list:
         """S^T's accumulators: acc_S alone (the 656-byte rows' subclass adds one a scale)."""
         return [acc_S]
@@ -389,10 +396,11 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         return [lds128(base + self.d_k_off[h] + c * 64) for h in range(2)]
 
     @cute.jit
-    def _s_group(self, ops, accs, c, cur, acc=None, first=0):
-        """Group c's A (words `cur`, e4m3) converted into buffer c % 2, then its 4 MMAs into acc
-        (accs[0] unless given), the first of them overwriting it where the k-step count
-        4 (c - first) + jj is 0."""
+    def _s_group(self, ops, accs, c, cur, acc=None, first=0, scale=None):
+        """Group c's A (words `cur`, e4m3) converted into buffer c % 2 (each value of row g + 8 h
+        times scale[h], an f16x2 pair, where given), then its 4 MMAs into acc (accs[0] unless
+        given), the first of them overwriting it where the k-step count 4 (c - first) + jj is
+        0."""
         rKa, rKb, tSrQ = ops[0], ops[1], ops[2]
         acc = accs[0] if const_expr(acc is None) else acc
         buf = rKa if const_expr(c % 2 == 0) else rKb
@@ -400,6 +408,9 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         for jj in cutlass.range_constexpr(4):
             b32[4 * jj], b32[4 * jj + 2] = e4m3x4_f16(cur[0][jj])
             b32[4 * jj + 1], b32[4 * jj + 3] = e4m3x4_f16(cur[1][jj])
+            if const_expr(scale is not None):
+                for i in cutlass.range_constexpr(4):
+                    b32[4 * jj + i] = hmul2(b32[4 * jj + i], scale[i % 2])
         fence_operand(buf)
         warpgroup.fence()
         atom_s = cute.make_mma_atom(self.d_tiled_s.op)

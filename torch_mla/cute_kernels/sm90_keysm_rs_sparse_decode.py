@@ -148,10 +148,10 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     rows; see the module docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's
     row m is page row m here too.)"""
 
-    # The producer warpgroup's four warps gather, warp i into ring stage i (one page's chain
-    # each: entries, wait, bias, copies; four overlap). One warp's chain bounded the keys-on-M
-    # sparse kernel: it took 81-93% of its time with every entry -1 (sparse.md, session 19).
-    producer_warps = 4
+    # The producer warpgroup's warps gather, warp i into ring stage i (one page's chain each:
+    # entries, wait, bias, copies; they overlap; __init__: as many as stages). One warp's chain
+    # bounded the keys-on-M sparse kernel: it took 81-93% of its time with every entry -1
+    # (sparse.md, session 19).
 
     def __init__(self, dtype, columns: int, cache: str = "e4m3"):
         assert cache in ("e4m3", "fp8_ds_mla"), cache
@@ -162,11 +162,16 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         if self.ds:
             self.row_bytes = DS_ROW_BYTES
             self.stage_bytes = DS_STAGE_BYTES
+        # one producer warp a ring stage (4; 3 at 64 columns)
+        self.producer_warps = self.stages
+        # 32 columns a warpgroup (64 columns): the four scale-group accumulators would not fit
+        # beside O^T; S^T's A values are multiplied by their row's scale instead (f16)
+        self.fold_s_scales = self.ds and self.n_wg == 32
 
     def _more_smem(self) -> dict:
         smem = EntryBias._more_smem(self)
         if self.ds:  # Q's rope columns in bf16 (times Q's factor), for the rope MMAs
-            smem["sQr"] = aligned(cutlass.BFloat16, self.n_wg * 64)
+            smem["sQr"] = aligned(cutlass.BFloat16, self.consumers * self.n_wg * 64)
         return smem
 
     def _line_tma(self, op, mKV: cute.Tensor):
@@ -205,25 +210,38 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
             k_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(
                 cutlass.utils.LayoutEnum.ROW_MAJOR, bf16, 64), bf16)
             qr = cute.tile_to_shape(k_atom, (n, 64), order=(0, 1))
-            sQr = cute.make_tensor(cute.recast_ptr(self.d_storage.sQr.data_ptr(), qr.inner),
-                                   qr.outer)
+            # (the warpgroup's column set: n x 64 bf16 a set)
+            qr_ptr = self.d_storage.sQr.data_ptr() + self.d_qset * (n * 64)
+            sQr = cute.make_tensor(cute.recast_ptr(qr_ptr, qr.inner), qr.outer)
             tidx, _, _ = cute.arch.thread_idx()
             thr_r = self.d_tiled_r.get_slice(tidx % 128)
             tSrQr = thr_r.make_fragment_B(thr_r.partition_B(sQr))  # (MMA, 1, 4)
-            self.d_qr_base = self.d_storage.sQr.data_ptr().toint()
+            self.d_qr_base = self.d_storage.sQr.data_ptr().toint() + self.d_qset * (n * 64 * 2)
             rows = [16 * wq + 8 * h + g for h in range(2)]
             self.d_k_row = [rows[h] * DS_ROW_BYTES for h in range(2)]
             # rope chunks 2 q, 2 q + 1 (ds_rope_chunk; a row's parity is g's)
             self.d_rope_off = [[self.d_k_row[h] + DS_ROPE_AT + 16 * ((2 * q + i) ^ (g % 2))
                                 for i in range(2)] for h in range(2)]
-            groups = [cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n)), Float32)
-                      for _ in range(4)]
+            groups = []
+            if const_expr(not self.fold_s_scales):
+                groups = [cute.make_rmem_tensor(thr_s.partition_shape_C((PAGE_SIZE, n)),
+                                                Float32) for _ in range(4)]
             ops = ops + (tSrQr, groups)
         return ops
 
     def _s_accs(self, ops, acc_S) -> list:
-        """acc_S (the rope's scores, then the sum), then the scale groups' (ds)."""
+        """acc_S (the rope's scores, then the sum), then the scale groups' (ds; none where the
+        scales are folded into S^T's A values)."""
         return [acc_S] + list(ops[7]) if self.ds else [acc_S]
+
+    @cute.jit
+    def _s_begin(self, base):
+        """fold_s_scales: the thread's two rows' four scales as f16x2 pairs (both halves one
+        scale), [h][group]."""
+        if const_expr(self.fold_s_scales):
+            sc = [lds128(base + self.d_k_row[h] + DS_SCALES_AT) for h in range(2)]
+            self.d_s_scale = [[f16x2(int_as_f32(sc[h][grp]), int_as_f32(sc[h][grp]))
+                               for grp in range(4)] for h in range(2)]
 
     @cute.jit
     def _s_words(self, base, c):
@@ -240,6 +258,9 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         pair e, as latent_of orders Q) into acc_S."""
         if const_expr(not self.ds):
             MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur)
+        elif const_expr(c < N_TILES - 1 and self.fold_s_scales):
+            MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur,
+                                          scale=[self.d_s_scale[h][c // 2] for h in range(2)])
         elif const_expr(c < N_TILES - 1):
             MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur, accs[1 + c // 2],
                                           2 * (c // 2))
@@ -254,15 +275,15 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
             warpgroup.fence()
             rR = cute.recast_tensor(rK, cutlass.BFloat16)
             atom_r = cute.make_mma_atom(self.d_tiled_r.op)
-            for jj in cutlass.range_constexpr(4):
-                atom_r.set(warpgroup.Field.ACCUMULATE, jj != 0)
+            for jj in cutlass.range_constexpr(4):  # (folded: onto the e4m3 groups' sum)
+                atom_r.set(warpgroup.Field.ACCUMULATE, jj != 0 or self.fold_s_scales)
                 cute.gemm(atom_r, accs[0], rR[None, None, jj], tSrQr[None, None, jj], accs[0])
 
     @cute.jit
     def _s_done(self, accs, base):
         """ds: S^T = rope scores + each scale group's scores times its row's scale (float32,
         exact as the rows' scales are powers of two)."""
-        if const_expr(self.ds):
+        if const_expr(self.ds and not self.fold_s_scales):
             acc_S = accs[0]
             sc = [lds128(base + self.d_k_row[h] + DS_SCALES_AT) for h in range(2)]
             for idx in cutlass.range_constexpr(cute.size(acc_S)):

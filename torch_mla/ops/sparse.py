@@ -10,7 +10,7 @@ from functools import partial
 
 import torch
 
-from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..constants import BLOCK_M, D_QK, D_V, KEYSM_COLUMNS, LOG2_E, PAGE_SIZE
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
@@ -66,11 +66,19 @@ def keysm_sparse_columns(h_q: int) -> int:
     return next((n for n in registry.SPARSE_KEYSM_COLUMNS if n >= h_q), 0)
 
 
+def keysm_rs_sparse_columns(h_q: int) -> int:
+    """The query columns of the sparse ping-pong kernel for h_q heads (8, 16 or 64: the fewest
+    keys-on-M columns that hold them, where it takes that count), or 0."""
+    n = next((n for n in KEYSM_COLUMNS if n >= h_q), 0)
+    return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
+
+
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
     never; with TORCH_MLA_SPARSE_KEYSM_RS=1 over an FP8 cache (e4m3 or the 656-byte rows) and
-    h_q <= 16 "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU), "sm90" (the
+    h_q <= 16 or 33..64 "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU, first,
+    even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
     keys-on-M kernel does not take, =0 never), "sm80" (the portable one) or "reference", for
     validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
@@ -93,13 +101,12 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
+    # (the FP8 caches; opt-in: not yet checked on a GPU)
+    if (arch == registry.SM90_ARCH and dispatch.sparse_keysm_rs()
+            and fmt in ("fp8", "fp8_ds_mla") and keysm_rs_sparse_columns(q.shape[2])):
+        return "sm90_keysm_rs", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
             q.shape[2]):
-        # (the FP8 caches; opt-in: e4m3 ran on the GPU first in session 24 (a signature slip
-        # only), the 656-byte rows are compiled only)
-        if (dispatch.sparse_keysm_rs() and fmt in ("fp8", "fp8_ds_mla")
-                and keysm_sparse_columns(q.shape[2]) in registry.SPARSE_KEYSM_RS_COLUMNS):
-            return "sm90_keysm_rs", ""
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
@@ -178,7 +185,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
-    columns = keysm_sparse_columns(h_q) if backend in ("sm90_keysm", "sm90_keysm_rs") else 0
+    columns = {"sm90_keysm": keysm_sparse_columns,
+               "sm90_keysm_rs": keysm_rs_sparse_columns}.get(backend, lambda h: 0)(h_q)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
