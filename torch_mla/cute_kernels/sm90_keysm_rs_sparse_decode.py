@@ -39,9 +39,13 @@ dense ping-pong's MMAs take the scales and the rope:
 
 Limits: bf16/fp16 q over an e4m3 cache (float8_e4m3fn with a per-tensor kv_scale), bf16 q over
 the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 16-byte
-multiples), h_q <= 16 a token (columns 8 and 16: at 32, ptxas spills 20 bytes over e4m3, the
-gathering producer warpgroup having 24 registers). Not causal; the sink is applied by the host.
-Four producer warps, each filling one ring stage (producer_warps).
+multiples), h_q <= 16 or 33..64 a token (columns 8, 16 and 64; at 32 the ping-pong's registers
+leave the gathering producer warpgroup 24, and ptxas spills 20 bytes over e4m3). At 64 columns
+the dense kernel's two warpgroups split the columns (32 each, 3 ring stages); over the 656-byte
+rows S^T's A values are then multiplied by their row's scale in f16 (fold_s_scales: the four
+scale-group accumulators do not fit beside O^T's 128 registers), and ptxas spills 20 bytes in
+the producer (24 registers) and 24 in the epilogue. Not causal; the sink is applied by the host.
+One producer warp a ring stage (producer_warps: 4, or 3 at 64 columns).
 Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
 compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
 format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8

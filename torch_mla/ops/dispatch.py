@@ -84,7 +84,8 @@ sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
-# caches (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked on a GPU).
+# caches at h_q <= 16 and 33..64 (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not
+# yet checked on a GPU).
 sparse_keysm_rs = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS")
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
