@@ -191,32 +191,32 @@ def e4m3x4_f16(word: Int32, *, loc=None, ip=None):
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(2)]
 
 
+def _asm2(asm: str, a, b, constraints: str, loc, ip) -> Int32:
+    """The 32-bit result ($0) of inline PTX `asm` on two operands ($1, $2; DSL scalars), without
+    side effects."""
+    return Int32(llvm.inline_asm(
+        T.i32(), [a.ir_value(loc=loc, ip=ip), b.ir_value(loc=loc, ip=ip)], asm, constraints,
+        has_side_effects=False, is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+        loc=loc, ip=ip))
+
+
 @dsl_user_op
 def prmt(a: Int32, b: Int32, selector: int, *, loc=None, ip=None) -> Int32:
     """prmt.b32: the four bytes of the result picked by selector's nibbles (lowest first) from
     a's bytes (0-3) and b's (4-7)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r", has_side_effects=False,
-        is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm2(f"prmt.b32 $0, $1, $2, {selector:#x};", Int32(a), Int32(b), "=r,r,r", loc, ip)
 
 
 @dsl_user_op
 def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
     """mul.rn.f16x2: two f16 products (each word two f16 values)."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Int32(a).ir_value(loc=loc, ip=ip), Int32(b).ir_value(loc=loc, ip=ip)],
-        "mul.rn.f16x2 $0, $1, $2;", "=r,r,r", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm2("mul.rn.f16x2 $0, $1, $2;", Int32(a), Int32(b), "=r,r,r", loc, ip)
 
 
 @dsl_user_op
 def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """Two float32 values rounded to f16, packed (lo in the low half): cvt.rn.f16x2.f32."""
-    return Int32(llvm.inline_asm(
-        T.i32(), [Float32(hi).ir_value(loc=loc, ip=ip), Float32(lo).ir_value(loc=loc, ip=ip)],
-        "cvt.rn.f16x2.f32 $0, $1, $2;", "=r,f,f", has_side_effects=False, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _asm2("cvt.rn.f16x2.f32 $0, $1, $2;", Float32(hi), Float32(lo), "=r,f,f", loc, ip)
 
 
 @dsl_user_op
