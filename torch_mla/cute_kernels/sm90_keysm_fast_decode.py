@@ -52,7 +52,7 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, PAGE_SIZE
+from ..constants import D_QK, KEYSM_FAST_COLUMNS, PAGE_SIZE
 from .decode_base import aligned
 from .ptx import (
     e4m3_row_factors,
@@ -91,6 +91,11 @@ def q8_word(w):
 
 class MLADecodeSm90KeysMFast(MLADecodeSm90KeysMRS):
     """Fast mode of the ping-pong keys-on-M kernel; see the module docstring."""
+
+    def __init__(self, dtype, causal: bool, columns: int):
+        # (ping-pong columns only: _q_ready converts one Q set shared by both warpgroups)
+        assert columns in KEYSM_FAST_COLUMNS, columns
+        super().__init__(dtype, causal, columns)
 
     def _more_smem(self) -> dict:
         n = self.n_wg
