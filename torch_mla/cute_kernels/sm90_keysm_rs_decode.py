@@ -326,7 +326,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         self.d_v_off = [self._stage_offset(v_row[o], v_chunk(wq, g)) for o in range(2)]
         # (Q's column set: the warpgroup's own at 64 columns, the shared one in ping-pong)
         self.d_qset = 0 if self.pingpong else wg
-        s_ops = self._s_operands(thr_s, sQ[None, None, 0 if self.pingpong else wg], wq, g, q)
+        s_ops = self._s_operands(thr_s, sQ[None, None, self.d_qset], wq, g, q)
         # (3 of them; a subclass's more last)
         return s_ops[:3] + (rVa, rVb, tOrP) + s_ops[3:]
 

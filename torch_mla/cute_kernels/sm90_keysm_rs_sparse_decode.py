@@ -152,11 +152,6 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     rows; see the module docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's
     row m is page row m here too.)"""
 
-    # The producer warpgroup's warps gather, warp i into ring stage i (one page's chain each:
-    # entries, wait, bias, copies; they overlap; __init__: as many as stages). One warp's chain
-    # bounded the keys-on-M sparse kernel: it took 81-93% of its time with every entry -1
-    # (sparse.md, session 19).
-
     def __init__(self, dtype, columns: int, cache: str = "e4m3"):
         assert cache in ("e4m3", "fp8_ds_mla"), cache
         assert cache == "e4m3" or dtype == cutlass.BFloat16, (cache, dtype)
@@ -166,7 +161,10 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         if self.ds:
             self.row_bytes = DS_ROW_BYTES
             self.stage_bytes = DS_STAGE_BYTES
-        # one producer warp a ring stage (4; 3 at 64 columns)
+        # The producer warpgroup's warps gather, warp i into ring stage i (4; 3 at 64 columns):
+        # one page's chain each (entries, wait, bias, copies), overlapping. One warp's chain
+        # bounded the keys-on-M sparse kernel: 81-93% of its time with every entry -1
+        # (sparse.md, session 19).
         self.producer_warps = self.stages
         # 32 columns a warpgroup (64 columns): the four scale-group accumulators would not fit
         # beside O^T; S^T's A values are multiplied by their row's scale instead (f16)

@@ -10,7 +10,8 @@ from functools import partial
 
 import torch
 
-from ..constants import BLOCK_M, D_QK, D_V, KEYSM_COLUMNS, LOG2_E, PAGE_SIZE
+from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
+from ..contract import keysm_columns_for
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from . import dispatch, registry
@@ -69,7 +70,7 @@ def keysm_sparse_columns(h_q: int) -> int:
 def keysm_rs_sparse_columns(h_q: int) -> int:
     """The query columns of the sparse ping-pong kernel for h_q heads (8, 16 or 64: the fewest
     keys-on-M columns that hold them, where it takes that count), or 0."""
-    n = next((n for n in KEYSM_COLUMNS if n >= h_q), 0)
+    n = keysm_columns_for(h_q)
     return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
 
 
