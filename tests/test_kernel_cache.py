@@ -327,13 +327,13 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16 + 8 + 6 + 3) + 2 + 2 + 2 + 6 - 5 + 3  # schedule;
+        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4  # schedule;
     # per dtype: sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90 and keys-on-M
     # (3 column counts) over the three cache formats, the 656-byte one bf16 only: - 5),
     # decode, combine, append_kv, the
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not), its ping-pong steps
     # over e4m3 (4 column counts x causal or not) and their fast mode (3), the sparse
-    # ping-pong steps ("sparse_rs", opt-in: e4m3, 3 column counts; + 3: the 656-byte rows,
+    # ping-pong steps ("sparse_rs", opt-in: e4m3, 4 column counts; + 4: the 656-byte rows,
     # bf16 only); fast-mode fp8
     # steps
     # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache

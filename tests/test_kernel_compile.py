@@ -382,7 +382,8 @@ print(json.dumps(counts))
 
 @pytest.mark.parametrize("dtype,cache,columns", [("bf16", "e4m3", 16), ("fp16", "e4m3", 8),
                                                   ("bf16", "fp8_ds_mla", 16),
-                                                  ("bf16", "fp8_ds_mla", 8), ("bf16", "e4m3", 64),
+                                                  ("bf16", "fp8_ds_mla", 8), ("bf16", "e4m3", 32),
+                                                  ("bf16", "fp8_ds_mla", 32), ("bf16", "e4m3", 64),
                                                   ("bf16", "fp8_ds_mla", 64)])
 def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     """The sparse ping-pong step (cute_kernels/sm90_keysm_rs_sparse_decode.py; not yet checked
@@ -393,11 +394,14 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     lane, completing on the stage's full mbarrier through one cp.async.mbarrier.arrive.noinc;
     over the 656-byte rows O^T's A values times their scales (128 f16x2 multiplies a page, the
     scales read as 4-byte words, 16 a page) and Q's rope copied in bf16 (8 conversions a
-    wave); Q's 9 TMA boxes the only TMA loads; no local memory; ptxas (where installed): no
-    spill, no serialised wgmma. At 64 columns (two warpgroups of 32, one epilogue copy each,
-    Q's boxes for both): over the 656-byte rows S^T's A values are multiplied by their scales
-    too (128 more f16x2 multiplies), and ptxas spills (20 bytes in the gathering producer's 24
-    registers, as at 32 columns; 24 more over the 656-byte rows with the epilogue)."""
+    wave that can hold the rope run); Q's 9 TMA boxes the only TMA loads; no local memory;
+    ptxas (where installed): no spill at 8 and 16 columns, no serialised wgmma. At 32 and 64
+    columns (32 a warpgroup): over the 656-byte rows S^T's A values are multiplied by their
+    scales too (128 more f16x2 multiplies), and ptxas spills 20 bytes in the gathering
+    producer's 24 registers. At 32 the merge over the 656-byte rows takes 21 rounds of 7
+    floats (scalar loads: 144 a thread). At 64 (two warpgroups of their own columns, one
+    epilogue copy each, Q's boxes for both) 24 more bytes over the 656-byte rows with the
+    epilogue."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns),
@@ -410,17 +414,18 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c[".bf16.bf16"] == (4 if ds else 0), c  # the rope k-steps
     assert c["cvt.rn.f16x2.e4m3x2"] == (128 if ds else 144) + 128, c
     assert c["cp.async.cg.shared.global"] == 8 * (10 if ds else 9) + (2 if ds else 0), c
-    assert c["mul.rn.f16x2"] == (128 * (1 + (columns == 64)) if ds else 0), c
-    assert c["ld.shared.b32"] == 2 + (16 if ds else 0), c
-    # (the output's conversions; over the 656-byte rows Q's rope in bf16, 32 a wave)
+    assert c["mul.rn.f16x2"] == (128 * (1 + (columns >= 32)) if ds else 0), c
+    assert c["ld.shared.b32"] == 2 + (16 + (144 if columns == 32 else 0) if ds else 0), c
+    # (the output's conversions; over the 656-byte rows Q's rope in bf16, 32 a wave that can
+    # hold it: the second of two at 32 columns, the last of three at 64 (LLVM drops the rest)
     out_cvt = 2 * min(columns, 32) * sets if dtype == "bf16" else 0
-    assert c["cvt.rn.bf16x2.f32"] == out_cvt + (32 if ds else 0), c
+    assert c["cvt.rn.bf16x2.f32"] == out_cvt + (32 * (1 + (columns == 32)) if ds else 0), c
     assert c["cp.async.mbarrier.arrive.noinc.shared"] == 1, c
     assert c["cp.async.bulk.tensor"] == 9 * sets, c
     assert c["setmaxnreg"] == 2, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     if "spill" in c:
-        assert c["spill"] <= (44 if columns == 64 else 0) and not c["serialised"], c
+        assert c["spill"] <= {32: 20, 64: 44}.get(columns, 0) and not c["serialised"], c
 
 
 PORTABLE_SPARSE_SCRIPT = r"""

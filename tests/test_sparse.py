@@ -374,13 +374,19 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q) == cols
-                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches, h_q <= 16
-                # or 33..64 (64 columns), on sm_90a whatever TORCH_MLA_SPARSE_KEYSM says
+                # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches, every
+                # h_q (64 columns from 33 heads, a CTA per 64 heads above 64), on sm_90a
+                # whatever TORCH_MLA_SPARSE_KEYSM says
                 monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1")
-                rs = (arch == "sm_90a" and fmt != "plain"
-                      and (0 < cols <= 16 or 32 < h_q <= 64))
+                rs = arch == "sm_90a" and fmt != "plain"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
                     "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
+                assert sparse_ops.keysm_rs_sparse_columns(h_q) == (cols or 64)
+                # =32: the same kernel, at most 32 columns a CTA
+                monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "32")
+                assert sparse_ops.sparse_backend(q, cache, 512) == (
+                    "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
+                assert sparse_ops.keysm_rs_sparse_columns(h_q) == (cols or 32)
                 monkeypatch.delenv("TORCH_MLA_SPARSE_KEYSM_RS")
 
 
@@ -853,8 +859,9 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
 
 def test_sparse_rows_tool_modes(monkeypatch):
     """tools/sparse_rows.py: each mode's flags make the dispatch (on sm_90a) pick the kernel it
-    names, at h_q 16 over each FP8 format ("rs": its ping-pong variant; over bf16 the keys-on-M
-    kernel would run, which the tool reports as not taken); rows parse with their defaults; a
+    names, at h_q 16 over each FP8 format ("rs", "rs32": its ping-pong variant; over bf16 the
+    keys-on-M kernel would run, which the tool reports as not taken); rows parse with their
+    defaults; a
     bad mode or format stops."""
     from tools import sparse_rows
     from torch_mla.ops import dispatch
@@ -873,7 +880,7 @@ def test_sparse_rows_tool_modes(monkeypatch):
             for name, value in env.items():
                 monkeypatch.setenv(name, value)
             want = sparse_rows.KERNELS[mode]
-            if mode == "rs" and fmt == "bf16":
+            if mode in ("rs", "rs32") and fmt == "bf16":
                 want = "sm90_keysm"
             assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (mode, fmt)
     assert sparse_rows.parse_row("128,1,16") == (128, 1, 16, 2048, 32768)

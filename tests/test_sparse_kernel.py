@@ -37,7 +37,7 @@ def _take(kernel: str, monkeypatch) -> str:
     "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=0 for both
     of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32, and
     TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: the FP8 caches,
-    h_q <= 16): the other shapes' cases skip (check_against_fp64)."""
+    every h_q): the other shapes' cases skip (check_against_fp64)."""
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
     if kernel == "sm90" or keysm:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
@@ -265,9 +265,10 @@ def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
         torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)
 
 
-# The issue's grid on both formats in bf16 (h_q 1, 16, 64, 128 x s_q 1, 2 x topk 64, 2048),
+# The issue's grid on both formats in bf16 (h_q 1, 16, 32, 64, 128 x s_q 1, 2 x topk 64, 2048),
 # fp16 q over the e4m3 cache on its corners (the conversion differs, not the walk).
-FP8_GRID = ([(f, torch.bfloat16, h, s, k) for f in ("fp8", "fp8_ds_mla") for h in (1, 16, 64, 128)
+FP8_GRID = ([(f, torch.bfloat16, h, s, k) for f in ("fp8", "fp8_ds_mla")
+             for h in (1, 16, 32, 64, 128)
              for s in (1, 2) for k in (64, 2048)]
             + [("fp8", torch.float16, h, s, k) for h, s, k in ((1, 1, 64), (128, 2, 2048),
                                                               (64, 1, 512))])
@@ -279,12 +280,13 @@ def test_fp8_grid_matches_fp64(fp8_kernel, fmt, dtype, h_q, s_q, topk):
     check_against_fp64(q, cache, idx, lens, kv_scale=kv_scale)
 
 
-@pytest.mark.parametrize("h_q", [16, 100])
+@pytest.mark.parametrize("h_q", [16, 24, 100])
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype, h_q):
     # -1 and repeated entries (poisoned_indices), a repeat across positions, a token with all
     # -1, a request with topk_length 0, one cut inside a block, splits; at h_q 100 rows over two
-    # m-blocks, at 16 the keys-on-M kernels' shape.
+    # m-blocks (the ping-pong's 64 columns: its second CTA's second warpgroup has 4 real
+    # columns of 32), at 16 and 24 the keys-on-M kernels' shapes (24: 32 columns, 8 padding).
     q, cache, idx, lens, sink, kv_scale = _case(h_q, 3, 200, fmt, b=4, sink=True, dtype=dtype,
                                                 scale=True)
     idx[0, :, 7] = idx[0, :, 3]

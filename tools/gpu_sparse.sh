@@ -12,10 +12,13 @@
 #             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
-#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, h_q <= 16
-#             and 33..64; memcheck over each at h_q 16, the 656-byte rows at 64 too; not yet
-#             checked on a GPU); the bench stage is then --sparse-kernels at h_q 16 and 64 (its
-#             FP8 keys-on-M columns are this kernel), run again without the flag
+#   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, every h_q;
+#             not yet checked on a GPU): tests, memcheck over each format at h_q 16, the
+#             656-byte rows at 24 (32 columns), 64 and 100 (two CTAs of 64 columns) and at 64
+#             with TORCH_MLA_SPARSE_KEYSM_RS=32 (two of 32); no bench (keysm_rs_bench)
+#   keysm_rs_bench  the bench alone (a second device call): --sparse-kernels at h_q 16, 32,
+#             64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M columns are this
+#             kernel), at 64 and 128 with =32, then at every h_q without the flag
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -43,7 +46,17 @@ case $kernel in
             cache=fp8_ds_mla; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
   keysm_rs) sel=sm90_keysm_rs; smoke="sm90_keysm_rs and fp8_runs_the_kernel"
             cache="e4m3 fp8_ds_mla"; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM_RS=1) ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs]"; exit 2 ;;
+  keysm_rs_bench)
+    preamble flashmla-sm90-sparse
+    python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels sparse,sparse_rs
+    run bench 200 env TORCH_MLA_SPARSE_KEYSM_RS=1 python benchmarks/bench_decode.py \
+      --sparse-kernels --heads 16,32,64,128
+    run bench_32 120 env TORCH_MLA_SPARSE_KEYSM_RS=32 python benchmarks/bench_decode.py \
+      --sparse-kernels --heads 64,128
+    run bench_keysm 200 python benchmarks/bench_decode.py --sparse-kernels --heads 16,32,64,128
+    finish; exit ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
@@ -57,16 +70,16 @@ for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
   [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
   memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
 done
-if [[ $kernel == keysm_rs ]]; then  # (64 columns: its two warpgroups split them)
-  MEMCHECK_NAME=memcheck_64 memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck \
-    --cache fp8_ds_mla --heads 64
-fi
-python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
-if [[ $kernel == keysm_rs ]]; then
-  run bench 150 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels \
-    --heads 16,64
-  run bench_keysm 150 python benchmarks/bench_decode.py --sparse-kernels --heads 16,64
+if [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
+  # two CTAs of 64 a token; =32: 64 heads as two CTAs of 32)
+  for h in 24 64 100; do
+    MEMCHECK_NAME=memcheck_$h memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck \
+      --cache fp8_ds_mla --heads $h
+  done
+  MEMCHECK_NAME=memcheck_64_32 memcheck 60 env "${flag[@]}" TORCH_MLA_SPARSE_KEYSM_RS=32 \
+    python -m tools.sparse_memcheck --cache fp8_ds_mla --heads 64
 else
+  python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
   run bench 100 env "${flag[@]}" python benchmarks/bench_decode.py --sparse
 fi
 finish

@@ -4,8 +4,10 @@
 
 MODE picks the kernel through the dispatch's environment flags:
     keysm     the keys-on-M sparse kernel (TORCH_MLA_SPARSE_KEYSM_RS=0), where it takes the rows
-    rs        its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 formats, h_q <= 16
-              or 33..64)
+    rs        its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 formats, every h_q;
+              64 columns a CTA from 33 heads)
+    rs32      the same with at most 32 columns a CTA (TORCH_MLA_SPARSE_KEYSM_RS=32: h_q 64 as
+              two CTAs of 32 columns, each a ping-pong, instead of one of two 32-column halves)
     sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1)
     portable  the portable kernel (both 0)
 FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).
@@ -26,11 +28,13 @@ import sys
 MODES = {
     "keysm": {"TORCH_MLA_SPARSE_KEYSM_RS": "0"},
     "rs": {"TORCH_MLA_SPARSE_KEYSM_RS": "1"},
+    "rs32": {"TORCH_MLA_SPARSE_KEYSM_RS": "32"},
     "sm90": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1"},
     "portable": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "0"},
 }
 # the kernel each mode asks for (ops.sparse.sparse_backend's names)
-KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "sm90": "sm90", "portable": "sm80"}
+KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "rs32": "sm90_keysm_rs", "sm90": "sm90",
+           "portable": "sm80"}
 # bytes of a cache row, by format
 ROW_BYTES = {"bf16": 1152, "e4m3": 576, "656": 656}
 

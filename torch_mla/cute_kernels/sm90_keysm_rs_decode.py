@@ -121,7 +121,7 @@ def merge_rounds(columns: int) -> int:
     two P^T tiles, the RS_STAGES ring stages and the column maxima in 227 KB (2 KB spare for
     the barriers and alignment): 1 at 8 and 16 columns, 3 at 32 (O^T alone is 64 KB there).
     _prepare adds rounds where a subclass's shared memory needs them (fast mode's Q8; the
-    sparse ping-pong's 44 KB stages over the 656-byte rows: 2 at 16 columns).
+    sparse ping-pong's 44 KB stages over the 656-byte rows: 2 at 16 columns, 21 at 32).
 
     The ring has an even number of stages: the warpgroups take pages by the page count's
     parity, so each stage then serves one warpgroup. With an odd ring a stage alternates
@@ -560,9 +560,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
                     words = []
                     for u in cutlass.range_constexpr(8):
                         words += lds128(base + q_unit(row, c, u, n))
-                self._q_rope(row, c, words, mul)
-                if const_expr(self.q_f16):
-                    words = [bf16x2_to_f16x2(x, mul) for x in words]
+                words = self._q_words(c, words, mul)
                 # destination chunk 2 jj + e2 takes the pairs 8 q + 2 jj + e2, q = 0..3
                 for jj in cutlass.range_constexpr(4):
                     for e2 in cutlass.range_constexpr(2):
@@ -579,10 +577,14 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         else:
             cute.arch.barrier(barrier_id=NB_WG + wg, number_of_threads=128)
 
-    def _q_rope(self, row, c, words, mul):
-        """_q_ready's hook for Q's run (row, 64-wide group c), its bf16 words as loaded (a
-        thread's 16 values of each unit: words 8 q .. 8 q + 7): nothing here."""
-        pass
+    @cute.jit
+    def _q_words(self, c, words, mul):
+        """_q_ready's hook: the words to store of a run of Q's 64-wide group c (a thread's 16
+        values of each unit as loaded: words 8 q .. 8 q + 7): f16 times Q's factor mul under
+        bf16 q, else as loaded."""
+        if const_expr(self.q_f16):
+            words = [bf16x2_to_f16x2(x, mul) for x in words]
+        return words
 
     @cute.jit
     def _merge_and_store(self, r, slot, pieces, col0, rows, h_q, cnt, wg, wq, lane, wtid, acc_O,

@@ -25,7 +25,8 @@ e4m3 values and 16 bytes of scales where the cache row has them, its 128 bytes o
 dense ping-pong's MMAs take the scales and the rope:
   - S^T: e4m3 groups 2 i and 2 i + 1 (latent columns 128 i ..) accumulate into accumulator i
     (four beside acc_S); the rope's 4 k-steps are bf16 MMAs (A: the rope words as loaded, no
-    conversion; B: Q's rope columns copied in bf16 times Q's factor, sQr) into acc_S; then
+    conversion; B: sQr, Q's rope tile in sQ, which _q_words leaves in bf16 times Q's factor
+    instead of converting it to f16) into acc_S; then
     acc_S += each accumulator times its row's scale (float32: exact for power-of-two scales,
     _s_done). Q's e4m3 columns are f16 as in the dense kernel.
   - O^T: a thread's d values all lie in one scale group (wq: v_chunk), so its A values of a
@@ -39,17 +40,23 @@ dense ping-pong's MMAs take the scales and the rope:
 
 Limits: bf16/fp16 q over an e4m3 cache (float8_e4m3fn with a per-tensor kv_scale), bf16 q over
 the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 16-byte
-multiples), h_q <= 16 or 33..64 a token (columns 8, 16 and 64; at 32 the ping-pong's registers
-leave the gathering producer warpgroup 24, and ptxas spills 20 bytes over e4m3). At 64 columns
-the dense kernel's two warpgroups split the columns (32 each, 3 ring stages); over the 656-byte
-rows S^T's A values are then multiplied by their row's scale in f16 (fold_s_scales: the four
-scale-group accumulators do not fit beside O^T's 128 registers), and ptxas spills 20 bytes in
-the producer (24 registers) and 24 in the epilogue. Not causal; the sink is applied by the host.
+multiples), any h_q: columns 8, 16, 32 or 64 (ops/sparse.py, keysm_rs_sparse_columns), above 64
+heads a CTA for each 64 heads of a token (the grid's m-blocks; each gathers the token's rows:
+the two are launched side by side, so the second may find them in L2; not measured). At 32
+columns (a ping-pong of
+two warpgroups of 32) and 64 (the dense kernel's column split: two warpgroups of 32, both
+reading every stage, 3 ring stages, no merge) the ping-pong's registers leave the gathering
+producer warpgroup 24, and ptxas spills 20 bytes there; over the 656-byte rows S^T's A values
+are then multiplied by their row's scale in f16 (fold_s_scales: the four scale-group
+accumulators do not fit beside O^T's 128 registers), at 64 columns with 24 more bytes of spill
+in the epilogue. At 32 columns over the 656-byte rows the four 44 KB stages leave the merge
+21 rounds of 7 floats (merge_rounds). Not causal; the sink is applied by the host.
 One producer warp a ring stage (producer_warps: 4, or 3 at 64 columns).
 Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
 compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
 format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8
-and 16 columns). The dispatch never takes it unless TORCH_MLA_SPARSE_KEYSM_RS=1
+and 16 columns). The dispatch never takes it unless TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32: at most
+32 columns a CTA)
 (ops/sparse.py).
 """
 
@@ -62,7 +69,6 @@ from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
-from .decode_base import aligned
 from .ptx import (
     bf16x2_to_f16x2,
     cp_async16,
@@ -71,11 +77,10 @@ from .ptx import (
     int_as_f32,
     lds32,
     lds128,
-    sts,
 )
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_keysm_decode import N_TILES
-from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS, q_unit
+from .sm90_keysm_rs_decode import MLADecodeSm90KeysMRS
 from .sm90_keysm_sparse_decode import EntryBias
 from .sm90_sparse_decode import GatheredEntries, gather8_offsets, row_source
 
@@ -166,15 +171,12 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         # bounded the keys-on-M sparse kernel: 81-93% of its time with every entry -1
         # (sparse.md, session 19).
         self.producer_warps = self.stages
-        # 32 columns a warpgroup (64 columns): the four scale-group accumulators would not fit
+        # 32 columns a warpgroup (32, 64 columns): the four scale-group accumulators would not fit
         # beside O^T; S^T's A values are multiplied by their row's scale instead (f16)
         self.fold_s_scales = self.ds and self.n_wg == 32
 
     def _more_smem(self) -> dict:
-        smem = EntryBias._more_smem(self)
-        if self.ds:  # Q's rope columns in bf16 (times Q's factor), for the rope MMAs
-            smem["sQr"] = aligned(cutlass.BFloat16, self.consumers * self.n_wg * 64)
-        return smem
+        return EntryBias._more_smem(self)
 
     def _line_tma(self, op, mKV: cute.Tensor):
         """No TMA for the cache: the gathers address it as (64 rows, row bytes, pages)."""
@@ -212,13 +214,14 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
             k_atom = warpgroup.make_smem_layout_atom(sm90_utils.get_smem_layout_atom(
                 cutlass.utils.LayoutEnum.ROW_MAJOR, bf16, 64), bf16)
             qr = cute.tile_to_shape(k_atom, (n, 64), order=(0, 1))
-            # (the warpgroup's column set: n x 64 bf16 a set)
-            qr_ptr = self.d_storage.sQr.data_ptr() + self.d_qset * (n * 64)
-            sQr = cute.make_tensor(cute.recast_ptr(qr_ptr, qr.inner), qr.outer)
+            # sQr: Q's rope tile (the warpgroup's column set's last 64-wide group, n x 64) in
+            # bf16, where _q_words stored it
+            qr_ptr = (self.d_storage.sQ.data_ptr() + self.d_qset * (n * D_QK)
+                      + (N_TILES - 1) * (n * 64))
+            sQr = cute.make_tensor(cute.recast_ptr(qr_ptr, qr.inner, cutlass.BFloat16), qr.outer)
             tidx, _, _ = cute.arch.thread_idx()
             thr_r = self.d_tiled_r.get_slice(tidx % 128)
             tSrQr = thr_r.make_fragment_B(thr_r.partition_B(sQr))  # (MMA, 1, 4)
-            self.d_qr_base = self.d_storage.sQr.data_ptr().toint() + self.d_qset * (n * 64 * 2)
             rows = [16 * wq + 8 * h + g for h in range(2)]
             self.d_k_row = [rows[h] * DS_ROW_BYTES for h in range(2)]
             # rope chunks 2 q, 2 q + 1 (ds_rope_chunk; a row's parity is g's)
@@ -314,17 +317,16 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         return [f16x2(int_as_f32(words[e][0]), int_as_f32(words[e][1])) for e in range(2)]
 
     @cute.jit
-    def _q_rope(self, row, c, words, mul):
-        """ds: Q's rope run (c = 8) also to sQr in bf16 times Q's factor (exact: a power of two),
-        permuted as _q_ready permutes sQ."""
+    def _q_words(self, c, words, mul):
+        """ds: Q's rope run (c = 8) stays bf16, times Q's factor (exact: a power of two), for
+        the rope's bf16 MMAs (their B operand, sQr, is this tile of sQ); the rest as the dense
+        ping-pong converts it (c is known at run time only: both, then a select a word)."""
+        out = MLADecodeSm90KeysMRS._q_words(self, c, words, mul)
         if const_expr(self.ds):
-            if c == N_TILES - 1:
-                n = self.n_wg
-                for jj in cutlass.range_constexpr(4):
-                    for e2 in cutlass.range_constexpr(2):
-                        sts(self.d_qr_base + q_unit(row, 0, 2 * jj + e2, n),
-                            [bf16x2_to_f16x2(words[8 * q + 2 * jj + e2], mul, "bf16")
-                             for q in range(4)])
+            rope = c == N_TILES - 1
+            out = [Int32(cutlass.select_(rope, bf16x2_to_f16x2(x, mul, "bf16"), y))
+                   for x, y in zip(words, out)]
+        return out
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_keysm_rs") ---------------

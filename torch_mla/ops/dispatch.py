@@ -84,9 +84,16 @@ sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
-# caches at h_q <= 16 and 33..64 (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not
-# yet checked on a GPU).
-sparse_keysm_rs = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS")
+# caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
+# on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,
+# where 1 would take 64 columns: the A/B of the two ways to take 64 heads).
+_sparse_keysm_rs_1 = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS")
+sparse_keysm_rs_32 = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS", "32")
+
+
+def sparse_keysm_rs() -> bool:
+    """Whether TORCH_MLA_SPARSE_KEYSM_RS asks for the sparse ping-pong kernel (1 or 32)."""
+    return _sparse_keysm_rs_1() or sparse_keysm_rs_32()
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;

@@ -179,9 +179,9 @@ class DecodeConfig(DecodeStepConfig):
 # The sparse backends; each reads every cache format (SparseStepConfig.cache).
 SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
-# its ping-pong variant (at 32 columns ptxas spills: the gathering producer has 24 registers;
-# at 64 its two warpgroups split the columns, 32 each)
-SPARSE_KEYSM_RS_COLUMNS = (8, 16, 64)
+# its ping-pong variant (at 32 and 64 columns ptxas spills 20 bytes: the gathering producer
+# has 24 registers; at 64 its two warpgroups split the columns, 32 each)
+SPARSE_KEYSM_RS_COLUMNS = (8, 16, 32, 64)
 
 
 def sparse_caches(dtype: str) -> tuple[str, ...]:
@@ -196,7 +196,7 @@ class SparseStepConfig(_Config):
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80), "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape) or
     "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
-    "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16 or 64 columns; not yet
+    "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16, 32 or 64 columns; not yet
     checked on a GPU: opt-in, TORCH_MLA_SPARSE_KEYSM_RS=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,

@@ -68,17 +68,20 @@ def keysm_sparse_columns(h_q: int) -> int:
 
 
 def keysm_rs_sparse_columns(h_q: int) -> int:
-    """The query columns of the sparse ping-pong kernel for h_q heads (8, 16 or 64: the fewest
-    keys-on-M columns that hold them, where it takes that count), or 0."""
-    n = keysm_columns_for(h_q)
+    """The query columns of the sparse ping-pong kernel for h_q heads: the fewest keys-on-M
+    columns that hold them (8, 16, 32, 64); above 64 heads 64, a CTA for each 64 heads of a
+    token (their grid's m-blocks), every one gathering the token's rows. At most 32 with
+    TORCH_MLA_SPARSE_KEYSM_RS=32 (dispatch.sparse_keysm_rs_32)."""
+    most = 32 if dispatch.sparse_keysm_rs_32() else registry.SPARSE_KEYSM_RS_COLUMNS[-1]
+    n = keysm_columns_for(min(h_q, most))
     return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
-    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 over an FP8 cache (e4m3 or the 656-byte rows) and
-    h_q <= 16 or 33..64 "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU, first,
+    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) over an FP8 cache (e4m3 or the 656-byte
+    rows) "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU, first at every h_q,
     even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
     keys-on-M kernel does not take, =0 never), "sm80" (the portable one) or "reference", for
