@@ -413,13 +413,14 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("compute", ["exact", "fp8"])
-def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
+@pytest.mark.parametrize("compute,dither", [("exact", False), ("fp8", False), ("fp8", True)])
+def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, dither):
     """The float8_e4m3fn paths of run_split_kv (stand-in step, CPU tensors): the cache as its
     bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
-    scales behind the combine variant."""
+    scales behind the combine variant; TORCH_MLA_FAST_DITHER=1: fast mode's dithered step."""
     monkeypatch.setattr(torch.cuda, "current_device", lambda: None)  # (CPU: device index None)
     monkeypatch.setenv("TORCH_MLA_KEYSM", "0")  # the heads-on-M step (8 rows: keys-on-M else)
+    monkeypatch.setenv("TORCH_MLA_FAST_DITHER", "1" if dither else "0")
     inp = make_decode_inputs([3, 70], 2, 4)
     q8, kv8 = inp.q.to(torch.float8_e4m3fn), inp.kv_cache.to(torch.float8_e4m3fn)
     kv_scale, q_scale = torch.full((1,), 0.5), torch.full((1,), 0.25)
@@ -443,7 +444,13 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute):
         lse.fill_(2.0)
 
     key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast_q8"
+    key += "_dither" if dither else ""
+    for other in {"sm90_fp8", "sm90_fp8_fast_q8", "sm90_fp8_fast_q8_dither"} - {key}:
+        monkeypatch.setitem(dispatch.STEPS, other, None)  # (a call would fail)
     monkeypatch.setitem(dispatch.STEPS, key, lambda dtype, causal, index: step)
+    config = dispatch._STEP_KINDS[key]
+    assert config.get("p_dither", False) == dither and config.get("compute") == (
+        "fp8" if compute == "fp8" else None)
     out, lse = dispatch.run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
                                       0.5, False, kv_scale, q_scale, compute)
     q_dtype = torch.uint8 if compute == "fp8" else torch.bfloat16

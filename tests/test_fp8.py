@@ -736,3 +736,25 @@ def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
     # (float64: the same products summed in another order; fp32 would cancel differently)
     torch.testing.assert_close(A.double() @ Vt.double().T, S.double() @ V.double(), rtol=1e-9,
                                atol=1e-9)
+
+
+def test_fast_mode_p_dither_model():
+    """The P dither of the heads-on-M fast mode (ptx.e4m3_dither, opt-in p_dither), by its
+    Python model, which follows the PTX's instructions: equal to the float64 form that
+    tools/fast_mode_error.py emulates (p + ((b + 0.5) / 256 - 0.5) x e4m3's step at p, b = p's
+    fp32 bits 8-15, the step from log2), within less than half a step of p, so 0 stays 0 and
+    e4m3's rounding of it moves p by less than one step."""
+    from torch_mla.cute_kernels.sm90_decode import e4m3_dither_model
+
+    g = torch.Generator().manual_seed(0)
+    p = torch.cat([torch.zeros(1), torch.rand(2000, generator=g) * 256,
+                   torch.exp2(torch.rand(2000, generator=g) * 16 - 12),  # 2^-12 .. 2^4
+                   torch.rand(500, generator=g) * 2**-6, torch.tensor([2.0**-6, 256.0])])
+    low = ((p.view(torch.int32) >> 8) & 0xFF).double()
+    step = torch.exp2(torch.floor(torch.log2(p.double().clamp(min=2**-6))) - 3)
+    want = (p.double() + ((low + 0.5) / 256 - 0.5) * step).float()
+    got = torch.tensor([e4m3_dither_model(float(x)) for x in p])
+    assert torch.equal(got, want), (got - want).abs().max()
+    assert ((got.double() - p.double()).abs() < step / 2).all()
+    assert got[0].to(FP8).float() == 0  # (-0.498 x 2^-9 before the rounding)
+    assert ((got.to(FP8).double() - p.double()).abs() < step).all()

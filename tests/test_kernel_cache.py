@@ -327,7 +327,7 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4  # schedule;
+        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4 + 6  # schedule;
     # per dtype: sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90 and keys-on-M
     # (3 column counts) over the three cache formats, the 656-byte one bf16 only: - 5),
     # decode, combine, append_kv, the
@@ -336,7 +336,8 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     # ping-pong steps ("sparse_rs", opt-in: e4m3, 4 column counts; + 4: the 656-byte rows,
     # bf16 only); fast-mode fp8
     # steps
-    # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache
+    # (q in dtype: 2 per dtype; q e4m3: 2, bf16 only); append_kv over an e4m3 cache; the
+    # fast-mode steps again with P dithered ("fp8_dither", opt-in: 2 per dtype + 2: + 6)
     # The SM90 sparse steps only for sm_90a (run where ops.sparse.sm90_sparse_pays).
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
         ("sparse_step_sm80", {"dtype": "fp16"}),
@@ -483,3 +484,17 @@ def test_dsl_kernel_round_trip(tmp_path):
         "kernel": "combine", "config": {"dtype": "bf16", "warps_per_row": 4}, "arch": "sm_90a"}
     assert sidecar.parent.relative_to(tmp_path).parts[1:] == (
         metadata.version("nvidia-cutlass-dsl"), "sm_90a")
+
+
+def test_p_dither_is_the_sm90_fast_modes_own():
+    """DecodeStepConfig.p_dither (TORCH_MLA_FAST_DITHER=1's steps): the SM90 kernel's fast mode
+    only, a cache entry of its own."""
+    fast = dict(kv_fp8=True, compute="fp8")
+    key = registry.DecodeStepConfig("sm90", "bf16", False, p_dither=True, **fast).key()
+    assert key == {"dtype": "bf16", "causal": False, "kv": "e4m3", "compute": "fp8",
+                   "p": "dither"}
+    assert "p" not in registry.DecodeStepConfig("sm90", "bf16", False, **fast).key()
+    for bad in (dict(backend="sm90", kv_fp8=True),
+                dict(backend="sm90_keysm_fast", columns=16, **fast)):
+        with pytest.raises(ValueError, match="p_dither"):
+            registry.DecodeStepConfig(dtype="bf16", causal=False, p_dither=True, **bad)

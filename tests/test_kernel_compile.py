@@ -19,10 +19,11 @@ import glob, json, os, re, sys
 from torch_mla.ops import registry
 fast = sys.argv[3].startswith("fast")  # fast mode (compute="fp8"); "fastq8": an e4m3 q
 # What mla_decode runs: the decode kernel and the three combine variants behind one host call
-# ("fp8": over a float8_e4m3fn cache, exact mode).
+# ("fp8": over a float8_e4m3fn cache, exact mode; "fastdither": fast mode with P dithered).
 registry.build(registry.DecodeStepConfig(
     "sm90", sys.argv[1], sys.argv[2] == "causal", kv_fp8=sys.argv[3] != "same",
-    compute="fp8" if fast else "exact", q_fp8=sys.argv[3] == "fastq8"), "sm_90a")
+    compute="fp8" if fast else "exact", q_fp8=sys.argv[3] == "fastq8",
+    p_dither=sys.argv[3] == "fastdither"), "sm_90a")
 counts = {"decode": {}, "combine": {}}
 entries = {"decode": 0, "combine": 0}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -37,7 +38,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   r"call.uni \(retval0\), vprintf", "cvt.rn.f16x2.e4m3x2",
                   r"cvt.rn.bf16x2.f32 h\d, fu\d, fl\d;", "wgmma.mma_async.*bf16",
                   "wgmma.mma_async.*f16.f16", "wgmma.mma_async.*e4m3.e4m3", "prmt.b32",
-                  "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.prefetch", "%globaltimer"]:
+                  "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.prefetch", "%globaltimer",
+                  "add.f32 d, d, 0fBFBFC000"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
 assert entries == {"decode": 1, "combine": 3}, entries
 print(json.dumps(counts))
@@ -48,7 +50,8 @@ print(json.dumps(counts))
                                                 ("fp16", "plain", "same"),
                                                 ("bf16", "causal", "fp8"),
                                                 ("bf16", "causal", "fast"),
-                                                ("fp16", "plain", "fastq8")])
+                                                ("fp16", "plain", "fastq8"),
+                                                ("bf16", "plain", "fastdither")])
 def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
@@ -76,6 +79,13 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
         assert dec["ld.global.nc"] == (9 if cache == "fastq8" else 18), dec
         assert dec["cvt.rn.f16x2.e4m3x2"] == 0, dec
         assert dec[r"call.uni \(retval0\), vprintf"] == 0 and dec["trap;"] == 0, dec
+        # P's dither (ptx.e4m3_dither: its offset's add, one a value) before every P value's
+        # conversion (two a cvt) with p_dither only; Q's conversions (64 rows x 576 / 256
+        # threads / 2 a thread, none for an e4m3 q) take none
+        p_cvts = dec["cvt.rn.satfinite.e4m3x2.f32"] - (0 if cache == "fastq8" else 72)
+        assert p_cvts > 0, dec
+        want = 2 * p_cvts if cache == "fastdither" else 0
+        assert dec["add.f32 d, d, 0fBFBFC000"] == want, dec
         return
     assert dec["stmatrix"] > 0 and dec["ldmatrix"] > 0, dec
     # no function call: ptxas serialises every wgmma of a kernel that makes one (a printf in the

@@ -408,14 +408,16 @@ def test_graph_replays_with_new_lengths(rs, s_q, h_q):
 
 def test_rows_tool_modes(monkeypatch):
     """tools/keysm_rows.py: each mode's flags make the dispatch pick the kernel its docstring
-    names at 32 rows and a batch of 1 (below both batch thresholds); a bad mode stops."""
+    names at 32 rows and a batch of 1 (below both batch thresholds), "dither" with P
+    dithered; a bad mode stops."""
     from tools import keysm_rows
 
     want = {"bf16": ("sm90_keysm", 32), "exact": ("sm90_keysm_fp8", 32),
             "rs": ("sm90_keysm_rs", 32), "fast": ("sm90_keysm_fast", 32),
-            "fast0": ("sm90_fp8_fast", 0)}
+            "fast0": ("sm90_fp8_fast", 0), "dither": ("sm90_fp8_fast", 0)}
     for mode, (env, fp8, compute) in keysm_rows.MODES.items():
-        for name in ("TORCH_MLA_KEYSM", "TORCH_MLA_KEYSM_RS", "TORCH_MLA_KEYSM_FAST"):
+        for name in ("TORCH_MLA_KEYSM", "TORCH_MLA_KEYSM_RS", "TORCH_MLA_KEYSM_FAST",
+                     "TORCH_MLA_FAST_DITHER"):
             monkeypatch.delenv(name, raising=False)
         monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
         for name, value in env.items():
@@ -424,6 +426,8 @@ def test_rows_tool_modes(monkeypatch):
         assert dispatch.step_kind("sm90", key, 32, compute, 1, 1, fp8) == want[mode], mode
         # (and at a batch past both thresholds: the flags, not the batch, decide)
         assert dispatch.step_kind("sm90", key, 32, compute, 1, 128, fp8) == want[mode], mode
+        # (run_split_kv then takes the dithered step where the flag says)
+        assert dispatch.fast_dither() == (mode == "dither"), mode
     assert keysm_rows.parse_row("128,2,8192,16") == (128, 2, 8192, 16, True)
     with pytest.raises(SystemExit):
         keysm_rows.main(["slow", "1,1,64,16"])

@@ -8,6 +8,7 @@ MODE picks the kernel through the dispatch's environment flags (TORCH_MLA_KEYSM=
     rs      the same with TORCH_MLA_KEYSM_RS=1: the ping-pong variant at every batch
     fast    fast mode (compute="fp8"), TORCH_MLA_KEYSM_FAST=1: the keys-on-M fast variant
     fast0   fast mode, TORCH_MLA_KEYSM_FAST=0: the heads-on-M fast mode
+    dither  the same with P dithered (TORCH_MLA_FAST_DITHER=1)
 Each row: one decode call (schedule included) captured in a CUDA graph on FlashMLA's test data
 (benchmarks/bench_decode.run_config, no reference check), us, GB/s and % of the copy ceiling.
 Run two modes in separate processes and compare rows of one machine start: docs/kernels/keysm.md
@@ -24,7 +25,8 @@ MODES = {
     "exact": ({"TORCH_MLA_KEYSM_RS": "0"}, True, "exact"),
     "rs": ({"TORCH_MLA_KEYSM_RS": "1"}, True, "exact"),
     "fast": ({"TORCH_MLA_KEYSM_FAST": "1"}, True, "fp8"),
-    "fast0": ({"TORCH_MLA_KEYSM_FAST": "0"}, True, "fp8"),
+    "fast0": ({"TORCH_MLA_KEYSM_FAST": "0", "TORCH_MLA_FAST_DITHER": "0"}, True, "fp8"),
+    "dither": ({"TORCH_MLA_KEYSM_FAST": "0", "TORCH_MLA_FAST_DITHER": "1"}, True, "fp8"),
 }
 
 

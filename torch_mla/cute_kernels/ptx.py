@@ -6,6 +6,8 @@ where it is called; names are public because every kernel module imports them fr
 
 from __future__ import annotations
 
+import struct
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -263,6 +265,39 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
         "mov.b32 $0, {lo, hi}; }",
         "=r,f,f,f,f", has_side_effects=False, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
+# The dither of a non-negative fp32 value p before its e4m3 rounding (e4m3_dither): p + d x
+# step, step = e4m3's step at p (2^(e - 3) for p's exponent e, e4m3's subnormal step 2^-9 below
+# 2^-6: p's bits raised to DITHER_FLOOR_BITS first), d = (b + 0.5) / 256 - 0.5 from p's bits
+# 8-15 (b): a float in [1, 2) with b as its top mantissa bits, plus DITHER_OFFSET. The bits
+# below the rounding point of e4m3 act as the random source (docs/kernels/keysm.md, "Fast mode's
+# error"); |d| < 1/2, so 0 stays 0 (rounded from at most 0.499 x 2^-9).
+DITHER_FLOOR_BITS = 0x3C800000  # 2^-6
+DITHER_STEP_BITS = 0x01800000  # 3 << 23: e4m3's 3 mantissa bits
+DITHER_OFFSET = -1.498046875  # -(1.5 - 1/512), exact in fp32
+
+
+@dsl_user_op
+def e4m3_dither(p: Float32, *, loc=None, ip=None) -> Float32:
+    """p (>= 0) plus its dither (see DITHER_OFFSET's comment): six integer and two float
+    instructions (the movs are free). sm90_decode.e4m3_dither_model is its Python model."""
+    asm = ("{ .reg .b32 b, e, f; .reg .f32 d, st;\n"
+           "mov.b32 b, $1;\n"
+           f"max.s32 e, b, {DITHER_FLOOR_BITS};\n"
+           "and.b32 e, e, 0x7F800000;\n"
+           f"sub.s32 e, e, {DITHER_STEP_BITS};\n"
+           "and.b32 f, b, 0xFF00;\n"
+           "shl.b32 f, f, 7;\n"
+           "or.b32 f, f, 0x3F800000;\n"
+           "mov.b32 d, f;\n"
+           "mov.b32 st, e;\n"
+           f"add.f32 d, d, 0f{struct.pack('>f', DITHER_OFFSET).hex().upper()};\n"
+           "fma.rn.f32 $0, d, st, $1; }")
+    x = Float32(p).ir_value(loc=loc, ip=ip)
+    return Float32(llvm.inline_asm(T.f32(), [x], asm, "=f,f", has_side_effects=False,
+                                   is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
+                                   loc=loc, ip=ip))
 
 
 E4M3_MAX = 448.0  # the largest finite e4m3 value

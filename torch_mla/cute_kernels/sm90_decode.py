@@ -45,6 +45,7 @@ Compiled per (dtype, causal); batch, s_q, h_q, the cache size and its strides ar
 
 from __future__ import annotations
 
+import struct
 from functools import partial
 
 import cutlass
@@ -57,8 +58,12 @@ from ..constants import BLOCK_M, D_QK, D_V, PAGE_SIZE
 from . import softmax, splitkv
 from .decode_base import DecodeKernel, Fp8Args, SplitKVTensors, TmaLoads, aligned, shared_struct
 from .ptx import (
+    DITHER_FLOOR_BITS,
+    DITHER_OFFSET,
+    DITHER_STEP_BITS,
     L2_EVICT_FIRST,
     bulk_s2g,
+    e4m3_dither,
     e4m3_row_factors,
     e4m3_store16,
     e4m3x4,
@@ -128,6 +133,19 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
 # ---- fast mode (compute="fp8"): layouts of e4m3 Q, P and V^T, modelled in Python ----------
 # Not yet used by the kernel (docs/kernel-notes.md, "FP8 fast mode: design and state"); the
 # tests check them byte by byte so that the device code can be written against them.
+
+
+def e4m3_dither_model(p: float) -> float:
+    """ptx.e4m3_dither on the fp32 value p >= 0, step by step as its PTX (fma.rn: the product
+    is exact in float64, the sum rounded once more to fp32 here, as the fma rounds)."""
+    (b,) = struct.unpack("<i", struct.pack("<f", p))
+    e = (max(b, DITHER_FLOOR_BITS) & 0x7F800000) - DITHER_STEP_BITS
+    (step,) = struct.unpack("<f", struct.pack("<i", e))
+    (f,) = struct.unpack("<f", struct.pack("<i", ((b & 0xFF00) << 7) | 0x3F800000))
+    d = f + DITHER_OFFSET  # (exact: f and the offset share their exponent)
+    (out,) = struct.unpack("<f", struct.pack("<f", d * step + struct.unpack(
+        "<f", struct.pack("<f", p))[0]))
+    return out
 
 
 def sw64(row, col):
@@ -223,6 +241,7 @@ class MLADecodeSm90(DecodeKernel):
     # Fast mode (MLADecodeSm90Fast) sets these: e4m3 Q and P on the fp8 wgmma.
     fast = False
     q_fp8 = False
+    p_dither = False
     # The trace build's stamp table (tools/trace_decode.py sets it), a kernel argument: None
     # here, so nothing is compiled for it (see _stamp).
     trace_table = None
@@ -897,6 +916,8 @@ class MLADecodeSm90(DecodeKernel):
                          acc_S[1 + 2 * h + 4 * j] * row_scale[h],
                          acc_S[2 * h + 4 * (j + 1)] * row_scale[h],
                          acc_S[1 + 2 * h + 4 * (j + 1)] * row_scale[h]]
+                    if const_expr(self.p_dither):
+                        x = [e4m3_dither(v) for v in x]
                     rP32[h + 2 * u + 4 * kk] = e4m3x4(x[0], x[1], x[2], x[3])
 
     @cute.jit
@@ -1349,13 +1370,18 @@ class MLADecodeSm90Fast(MLADecodeSm90):
     - P is 2^P_SHIFT x the probabilities, in e4m3, in the scores' register order; V^T's keys
       are permuted to match (fp8_pv_key), so no byte moves between threads;
     - the scores' scale is per row: softmax scale x kv_scale x the row's Q scale.
-    q_fp8: q is e4m3 (its bytes are copied; q_scale is every row's scale)."""
+    q_fp8: q is e4m3 (its bytes are copied; q_scale is every row's scale).
+    p_dither: P is dithered before its e4m3 rounding (ptx.e4m3_dither: by one e4m3 step's
+    fraction taken from P's own fp32 bits 8-15), so its rounding error no longer correlates
+    with V over long contexts (docs/kernels/keysm.md, "Fast mode's error"). Compiled only, not
+    yet run on a GPU: opt-in (TORCH_MLA_FAST_DITHER=1, ops/dispatch.py)."""
 
     fast = True
 
-    def __init__(self, dtype, causal: bool, q_fp8: bool = False):
+    def __init__(self, dtype, causal: bool, q_fp8: bool = False, p_dither: bool = False):
         super().__init__(dtype, causal, kv_fp8=True)
         self.q_fp8 = bool(q_fp8)
+        self.p_dither = bool(p_dither)
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
         """As MLADecodeSm90._setup, for e4m3 operands: mQ is dtype, or uint8 (e4m3 bytes) when
@@ -1404,5 +1430,6 @@ def decode_kernel(config, arch: str):
 
     dtype = dsl_dtype(config.dtype)
     if config.compute == "fp8":
-        return MLADecodeSm90Fast(dtype, config.causal, q_fp8=config.q_fp8)
+        return MLADecodeSm90Fast(dtype, config.causal, q_fp8=config.q_fp8,
+                                 p_dither=config.p_dither)
     return MLADecodeSm90(dtype, config.causal, kv_fp8=config.kv_fp8)

@@ -111,6 +111,9 @@ keysm_rs_off = _env_flag("TORCH_MLA_KEYSM_RS", "0")
 # "Session 23"); TORCH_MLA_KEYSM_FAST=1 at every batch, =0 (or TORCH_MLA_KEYSM=0): never.
 keysm_fast_always = _env_flag("TORCH_MLA_KEYSM_FAST")
 keysm_fast_off = _env_flag("TORCH_MLA_KEYSM_FAST", "0")
+# TORCH_MLA_FAST_DITHER=1: the heads-on-M fast mode with P dithered before its e4m3 rounding
+# (MLADecodeSm90Fast.p_dither; compiled, not yet run on a GPU).
+fast_dither = _env_flag("TORCH_MLA_FAST_DITHER")
 
 
 def keysm_max_rows() -> int:
@@ -382,6 +385,8 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     g = h_q // h_kv
     rows = s_q * g
     kind, columns = step_kind(backend, key, rows, compute, h_kv, b, scales is not None)
+    if kind.startswith("sm90_fp8_fast") and fast_dither():
+        kind += "_dither"
     if columns:
         step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index, columns)
     else:
@@ -455,6 +460,10 @@ _STEP_KINDS = {
     "sm90_fp8": {"backend": "sm90", "kv_fp8": True},
     "sm90_fp8_fast": {"backend": "sm90", "kv_fp8": True, "compute": "fp8"},
     "sm90_fp8_fast_q8": {"backend": "sm90", "kv_fp8": True, "compute": "fp8", "q_fp8": True},
+    "sm90_fp8_fast_dither": {"backend": "sm90", "kv_fp8": True, "compute": "fp8",
+                             "p_dither": True},
+    "sm90_fp8_fast_q8_dither": {"backend": "sm90", "kv_fp8": True, "compute": "fp8",
+                                "q_fp8": True, "p_dither": True},
     "sm100": {"backend": "sm100"},
     "sm80": {"backend": "sm80"},
     "sm90_keysm": {"backend": "sm90_keysm"},
@@ -482,6 +491,10 @@ STEPS = {
                                                         SM90_ARCH),
     "sm90_fp8_fast_q8": lambda dtype, causal, index: _step("sm90_fp8_fast_q8", dtype, causal,
                                                            SM90_ARCH),
+    "sm90_fp8_fast_dither": lambda dtype, causal, index: _step("sm90_fp8_fast_dither", dtype,
+                                                               causal, SM90_ARCH),
+    "sm90_fp8_fast_q8_dither": lambda dtype, causal, index: _step(
+        "sm90_fp8_fast_q8_dither", dtype, causal, SM90_ARCH),
     "sm100": lambda dtype, causal, index: _step("sm100", dtype, causal, SM100_ARCH),
     "sm80": lambda dtype, causal, index: _step("sm80", dtype, causal, device_arch(index)),
     # (the keys-on-M steps take their column count too: keysm_columns)

@@ -98,7 +98,9 @@ class DecodeStepConfig(_Config):
     mode (MLADecodeSm90Fast; sm90_keysm_fast); q_fp8 (sm90 only): its q is float8_e4m3fn
     (passed as bytes; out is dtype).
     tiles (sm80 only): the portable kernel's (block_m, block_n, stages) instead of
-    Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes."""
+    Sm80DecodeConfig.from_heuristic(arch), for tools that compare tile shapes.
+    p_dither (sm90 fast mode only): P dithered before its e4m3 rounding (MLADecodeSm90Fast;
+    opt-in, TORCH_MLA_FAST_DITHER=1; not yet run on a GPU)."""
 
     backend: str
     dtype: str
@@ -108,6 +110,7 @@ class DecodeStepConfig(_Config):
     q_fp8: bool = False
     tiles: tuple[int, int, int] | None = None
     columns: int = 0
+    p_dither: bool = False
 
     kind: ClassVar[str] = "step"
 
@@ -134,6 +137,9 @@ class DecodeStepConfig(_Config):
         if (self.compute == "fp8" and not self.kv_fp8) or (self.q_fp8 and self.compute != "fp8"):
             raise ValueError(f"compute={self.compute!r}, q_fp8={self.q_fp8} needs kv_fp8 and "
                              "fast mode")
+        if self.p_dither and (self.backend != "sm90" or self.compute != "fp8"):
+            raise ValueError("p_dither is the SM90 kernel's fast mode's (backend sm90, "
+                             "compute='fp8')")
         if self.tiles is not None:
             if self.backend != "sm80":
                 raise ValueError("tiles are the portable (sm80) kernel's")
@@ -157,6 +163,8 @@ class DecodeStepConfig(_Config):
             config["tiles"] = "x".join(map(str, self.tiles))
         if self.columns:
             config["columns"] = self.columns
+        if self.p_dither:
+            config["p"] = "dither"
         return config
 
 
@@ -321,8 +329,9 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "sparse", "sparse_rs", "keysm", "keysm64", "keysm_rs",
-           "keysm_fast", "decode", "combine", "portable", "schedule", "append_kv")
+KERNELS = ("step", "fp8_step", "fp8_fast", "fp8_dither", "sparse", "sparse_rs", "keysm",
+           "keysm64", "keysm_rs", "keysm_fast", "decode", "combine", "portable", "schedule",
+           "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "keysm_rs", "keysm_fast", "sparse",
                    "schedule", "append_kv")
 APPEND_SOURCES = ("bf16", "fp16", "fp32")
@@ -334,20 +343,19 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
              arch: str = SM90_ARCH) -> list[Variant]:
     """The variants of groups ``kernels`` the dispatch can pick on arch: the decode step (the
     SM90 kernel on sm_90a, the portable one elsewhere; "portable" adds the portable step on
-    sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn
-    cache ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
-    float8_e4m3fn), the sparse decode step ("sparse": the portable kernel's, every arch, and on
-    sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns, both
-    cache formats, what the dispatch picks by default; "keysm64": its 64-column variants, which
-    TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over an
-    e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns;
+    sm_90a, what TORCH_MLA_PORTABLE=1 runs there), on sm_90a the step over a float8_e4m3fn cache
+    ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
+    float8_e4m3fn; "fp8_dither": the same with P dithered, what TORCH_MLA_FAST_DITHER=1 runs,
+    not built by default), the sparse decode step ("sparse": the portable kernel's, every arch,
+    and on sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns,
+    both cache formats, what the dispatch picks by default; "keysm64": its 64-column variants,
+    which TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over
+    an e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns;
     its 64-column steps with "keysm64" too: TORCH_MLA_KEYSM=1 and TORCH_MLA_KEYSM_RS=1);
-    "keysm_fast" that variant's fast mode, which the dispatch picks for fast mode where
-    s_q * h_q <= 32 (from a batch of 4 above 16)), the
-    schedule kernel,
-    append_kv for each cache dtype of ``dtypes`` (from SM89 up also float8_e4m3fn) from
-    bf16/fp16/fp32 sources with int32/int64 slots; "decode" and "combine" alone serve
-    benchmarks."""
+    "keysm_fast" that variant's fast mode, which the dispatch picks for fast mode where s_q *
+    h_q <= 32 (from a batch of 4 above 16)), the schedule kernel, append_kv for each cache dtype
+    of ``dtypes`` (from SM89 up also float8_e4m3fn) from bf16/fp16/fp32 sources with int32/int64
+    slots; "decode" and "combine" alone serve benchmarks."""
     out = []
     native = "sm90" if arch == SM90_ARCH else "sm80"
     steps = [native] if "step" in kernels else []
@@ -360,9 +368,12 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             out += [DecodeStepConfig(backend, dt, c) for c in causal]
         if "fp8_step" in kernels and native == "sm90":  # the only float8_e4m3fn-cache kernel
             out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True) for c in causal]
-        if "fp8_fast" in kernels and native == "sm90":
+        for group, dither in (("fp8_fast", False), ("fp8_dither", True)):
+            if group not in kernels or native != "sm90":
+                continue
             for q8 in (False, True) if dt == "bf16" else (False,):
-                out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8)
+                out += [DecodeStepConfig("sm90", dt, c, kv_fp8=True, compute="fp8", q_fp8=q8,
+                                         p_dither=dither)
                         for c in causal]
         if native == "sm90":
             cols = [n for n in KEYSM_COLUMNS if ("keysm" in kernels and n <= KEYSM_DEFAULT_ROWS)
