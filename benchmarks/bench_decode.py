@@ -260,7 +260,7 @@ def fast_lines(cfg, check, us, k_us, rs_rows):
               f"rel err {f_err:.1e} |")
     except AssertionError as e:
         print(f"|   | fast heads-on-M: {e} |")
-    os.environ["TORCH_MLA_KEYSM"] = "1"
+    os.environ["TORCH_MLA_KEYSM"] = "128"
     if rs_rows:
         os.environ["TORCH_MLA_KEYSM_FAST"] = "1"
         try:
@@ -293,7 +293,8 @@ def main(argv=None):
                     help="with --sparse-kernels: only these h_q (comma-separated)")
     ap.add_argument("--keysm", action="store_true",
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
-                         "keys-on-M one (TORCH_MLA_KEYSM=1, rows <= 64; over an fp8 cache "
+                         "keys-on-M one (TORCH_MLA_KEYSM=128: rows <= 128, a CTA for each 64 "
+                         "above 64; over an fp8 cache "
                          "TORCH_MLA_KEYSM_RS=0, not its ping-pong variant) in the same run, with "
                          "its error against the reference")
     ap.add_argument("--rs", action="store_true",
@@ -333,8 +334,8 @@ def main(argv=None):
         print(f"| {b} | {s_q} | {s_k} | {h_q} | {'yes' if causal else 'no'} | {us:.1f} | "
               f"{tflops:.0f} | {gbps:.0f} | {100 * tflops / MATMUL_TFLOPS:.0f} | "
               f"{100 * gbps / COPY_GBPS:.0f} | {fm} | {ratio:.3f} | {err:.1e} |")
-        if args.keysm:
-            os.environ["TORCH_MLA_KEYSM"] = "1"
+        if args.keysm:  # (=128: up to 128 rows, a CTA for each 64 above 64)
+            os.environ["TORCH_MLA_KEYSM"] = "128"
             os.environ["TORCH_MLA_KEYSM_RS"] = "0"  # (the keys-on-M kernel at every batch)
             k_us = float("nan")
             try:
@@ -345,7 +346,8 @@ def main(argv=None):
                       + f", rel err {k_err:.1e} |")
             except AssertionError as e:  # (the next rows still run)
                 print(f"|   | keys-on-M: {e} |")
-            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 64 rows)
+            # (only where the dispatch then takes the ping-pong kernel: an fp8 cache, <= 128
+            # rows, 64 columns a CTA above 64)
             rs_rows = dispatch.keysm_columns("sm90", s_q * h_q) in KEYSM_RS_COLUMNS
             if args.rs and args.fp8 and rs_rows:
                 os.environ["TORCH_MLA_KEYSM_RS"] = "1"

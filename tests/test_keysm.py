@@ -384,7 +384,7 @@ def test_registry_config():
 
 def test_dispatch_choice(monkeypatch):
     """By default up to 32 rows (docs/kernels/keysm.md "Kernel choice"), TORCH_MLA_KEYSM=1 up
-    to 64, TORCH_MLA_KEYSM=0 never."""
+    to 64, =128 up to 128 (64 columns a CTA above 64 rows), TORCH_MLA_KEYSM=0 never."""
     rows = (1, 8, 9, 16, 17, 32, 33, 64, 65, 128)
     monkeypatch.delenv("TORCH_MLA_KEYSM", raising=False)
     assert [dispatch.keysm_columns("sm90", r) for r in rows] == [8, 8, 16, 16, 32, 32, 0, 0, 0,
@@ -392,6 +392,10 @@ def test_dispatch_choice(monkeypatch):
     monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
     assert [dispatch.keysm_columns("sm90", r) for r in rows] == [8, 8, 16, 16, 32, 32, 64, 64, 0,
                                                                  0]
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "128")  # (above 64 rows: CTAs of 64 columns)
+    assert [dispatch.keysm_columns("sm90", r) for r in rows + (129,)] == [
+        8, 8, 16, 16, 32, 32, 64, 64, 64, 64, 0]
+    assert dispatch.keysm_columns("sm90", 100, "fp8") == 0  # (fast mode: <= 32 rows)
     monkeypatch.setenv("TORCH_MLA_KEYSM", "0")
     assert [dispatch.keysm_columns("sm90", r) for r in rows] == [0] * len(rows)
     monkeypatch.delenv("TORCH_MLA_KEYSM")
@@ -507,6 +511,22 @@ def test_fp16_and_odd_head_counts(keysm):
     run_and_check(keysm, LENS, 3, 7, True, fp8=True)  # 21 rows in 32 columns
     run_and_check(keysm, LENS, 1, 40, False, fp8=True)  # 40 rows in 64 columns
     assert {c for _, c in keysm} == {8, 32, 64}
+
+
+@pytest.mark.cuda
+@sm90
+@pytest.mark.parametrize("kind", ["bf16", "fp8", "rs"])
+@pytest.mark.parametrize("h_q,s_q,causal", [(128, 1, False), (64, 2, True), (100, 1, False)])
+def test_more_rows_than_columns(keysm, monkeypatch, kind, h_q, s_q, causal):
+    # TORCH_MLA_KEYSM=128 (not yet run on a GPU): above 64 rows a CTA for each 64 (the grid's
+    # m-blocks; at 100 rows the second CTA's second 32 columns hold 4 real rows); "rs": the
+    # ping-pong's 64-column split (TORCH_MLA_KEYSM_RS=1), else the keys-on-M fp8 kernel.
+    monkeypatch.setenv("TORCH_MLA_KEYSM", "128")
+    monkeypatch.setenv("TORCH_MLA_KEYSM_RS", "1" if kind == "rs" else "0")
+    run_and_check(keysm, LENS, s_q, h_q, causal, fp8=kind != "bf16")
+    run_and_check(keysm, varlen_seqlens(128), s_q, h_q, causal, fp8=kind != "bf16")
+    want = {"bf16": "sm90_keysm", "fp8": "sm90_keysm_fp8", "rs": "sm90_keysm_rs"}[kind]
+    assert set(keysm) == {(want, 64)}
 
 
 @pytest.mark.cuda

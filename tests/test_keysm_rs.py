@@ -419,7 +419,7 @@ def test_rows_tool_modes(monkeypatch):
         for name in ("TORCH_MLA_KEYSM", "TORCH_MLA_KEYSM_RS", "TORCH_MLA_KEYSM_FAST",
                      "TORCH_MLA_FAST_DITHER"):
             monkeypatch.delenv(name, raising=False)
-        monkeypatch.setenv("TORCH_MLA_KEYSM", "1")
+        monkeypatch.setenv("TORCH_MLA_KEYSM", "128")  # (as the tool sets it)
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         key = "sm90" + ("_fp8" if fp8 else "") + ("_fast" if compute == "fp8" else "")

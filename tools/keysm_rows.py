@@ -2,7 +2,8 @@
 
     python -m tools.keysm_rows MODE B,S_Q,S_K,H_Q [...]     (causal where S_Q > 1)
 
-MODE picks the kernel through the dispatch's environment flags (TORCH_MLA_KEYSM=1 throughout):
+MODE picks the kernel through the dispatch's environment flags (TORCH_MLA_KEYSM=128 throughout:
+up to 128 rows, a CTA for each 64 above 64):
     bf16    a bf16 cache (the keys-on-M kernel where it takes the rows)
     exact   an e4m3 cache in exact mode, TORCH_MLA_KEYSM_RS=0: the keys-on-M fp8 kernel
     rs      the same with TORCH_MLA_KEYSM_RS=1: the ping-pong variant at every batch
@@ -42,7 +43,7 @@ def main(argv: list[str]) -> None:
                          "B,S_Q,S_K,H_Q [...]")
     env, fp8, compute = MODES[argv[0]]
     rows = [parse_row(spec) for spec in argv[1:]]
-    os.environ["TORCH_MLA_KEYSM"] = "1"
+    os.environ["TORCH_MLA_KEYSM"] = "128"
     os.environ.update(env)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import bench_decode as bd

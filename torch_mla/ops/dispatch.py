@@ -97,8 +97,10 @@ def sparse_keysm_rs() -> bool:
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;
-# TORCH_MLA_KEYSM=1 up to 64 rows, TORCH_MLA_KEYSM=0 never.
+# TORCH_MLA_KEYSM=1 up to 64 rows, =128 up to 128 (above 64 a CTA for each 64 rows: the grid's
+# m-blocks; not yet run on a GPU), TORCH_MLA_KEYSM=0 never.
 keysm_wide = _env_flag("TORCH_MLA_KEYSM")
+_keysm_128 = _env_flag("TORCH_MLA_KEYSM", "128")
 _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
 # Its ping-pong variant over an e4m3 cache (cute_kernels/sm90_keysm_rs_decode.py), where the
 # columns are in KEYSM_RS_COLUMNS: from a batch of KEYSM_RS_MIN_BATCH[columns] by default;
@@ -118,8 +120,12 @@ fast_dither = _env_flag("TORCH_MLA_FAST_DITHER")
 
 def keysm_max_rows() -> int:
     """The most query rows (s_q * h_q of one KV head) the dispatch gives the keys-on-M kernel
-    now: KEYSM_DEFAULT_ROWS (32), 64 with TORCH_MLA_KEYSM=1, 0 with TORCH_MLA_KEYSM=0."""
-    return KEYSM_COLUMNS[-1] if keysm_wide() else 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
+    now: KEYSM_DEFAULT_ROWS (32), 64 with TORCH_MLA_KEYSM=1, 128 with =128, 0 with =0."""
+    if keysm_wide():
+        return KEYSM_COLUMNS[-1]
+    if _keysm_128():
+        return 2 * KEYSM_COLUMNS[-1]
+    return 0 if _keysm_off() else KEYSM_DEFAULT_ROWS
 
 
 def keysm_kind(columns: int, fp8: bool, compute: str = "exact", h_kv: int = 1,
@@ -147,7 +153,8 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool =
     """The query columns of the keys-on-M step (cute_kernels/sm90_keysm_decode.py) that runs
     ``rows`` (s_q * h_q of one KV head) query rows, or 0 for the other kernels: on the SM90
     backend (compute capability 9.0, sm_90a), a bf16/fp16 or float8_e4m3fn cache in exact
-    mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them);
+    mode, and 1 <= rows <= keysm_max_rows() (the smallest of 8, 16, 32, 64 that holds them;
+    64 above 64 rows, TORCH_MLA_KEYSM=128's, a CTA for each 64);
     in fast mode (compute="fp8", q not float8_e4m3fn, one KV head: its pages are loaded as
     whole 36 KB blocks, which h_kv > 1 interleaves) where rows <= 32 (its fast variant's
     columns, KEYSM_FAST_COLUMNS) and ``batch`` (requests) is at least
@@ -162,7 +169,9 @@ def keysm_columns(backend: str, rows: int, compute: str = "exact", q_fp8: bool =
         if columns and (keysm_fast_always() or batch >= KEYSM_FAST_MIN_BATCH[columns]):
             return columns
         return 0
-    return keysm_columns_for(rows, keysm_max_rows())
+    if rows > keysm_max_rows():
+        return 0
+    return keysm_columns_for(min(rows, KEYSM_COLUMNS[-1]))  # (above 64 rows: CTAs of 64)
 
 
 def step_kind(backend: str, key: str, rows: int, compute: str, h_kv: int, batch: int,
