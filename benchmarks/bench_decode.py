@@ -191,12 +191,12 @@ def _set_env(values: dict) -> None:
             os.environ[k] = v
 
 
-def main_sparse_kernels(flash_mla, heads=None) -> None:
+def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:
     """The sparse kernels over the three cache formats in one process (each made to run by
     SPARSE_KERNEL_ENV around its calls; the keys-on-M one where it takes the shape: h_q <= 32),
     beside FlashMLA's sparse decode: the table of docs/kernels/sparse.md "Kernel choice".
-    heads: only these h_q. With TORCH_MLA_SPARSE_KEYSM_RS=1 the keys-on-M column runs its
-    ping-pong variant where that takes the shape (the FP8 caches, h_q <= 16)."""
+    heads, batches: only these h_q, b. With TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) the keys-on-M
+    column runs its ping-pong variant where that takes the shape (the FP8 caches, every h_q)."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
           "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "
@@ -206,7 +206,7 @@ def main_sparse_kernels(flash_mla, heads=None) -> None:
     print("|" + "---|" * 18)
     saved = {k: os.environ.get(k) for k in ("TORCH_MLA_SPARSE_SM90", "TORCH_MLA_SPARSE_KEYSM")}
     for b, s_q, h_q in SPARSE_CONFIGS:
-        if heads and h_q not in heads:
+        if (heads and h_q not in heads) or (batches and b not in batches):
             continue
         s_k, topk = 32768, 2048
         tokens, idx, q, sched = _sparse_problem(b, s_q, h_q, topk, s_k)
@@ -291,6 +291,8 @@ def main(argv=None):
                     help="sparse decode on each kernel over the three cache formats")
     ap.add_argument("--heads", default=None,
                     help="with --sparse-kernels: only these h_q (comma-separated)")
+    ap.add_argument("--batches", default=None,
+                    help="with --sparse-kernels: only these b (comma-separated)")
     ap.add_argument("--keysm", action="store_true",
                     help="time the heads-on-M SM90 kernel (TORCH_MLA_KEYSM=0), then the "
                          "keys-on-M one (TORCH_MLA_KEYSM=128: rows <= 128, a CTA for each 64 "
@@ -312,7 +314,8 @@ def main(argv=None):
     if args.sparse_kernels:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse kernels")
         heads = [int(h) for h in args.heads.split(",")] if args.heads else None
-        return main_sparse_kernels(flash_mla, heads)
+        batches = [int(b) for b in args.batches.split(",")] if args.batches else None
+        return main_sparse_kernels(flash_mla, heads, batches)
     print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}"
           + (", torch_mla over a float8_e4m3fn cache (exact mode)" if args.fp8 else ""))
     print("| b | s_q | s_k | h_q | causal | us | TFLOP/s | GB/s | % matmul | % copy "

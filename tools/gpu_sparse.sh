@@ -16,9 +16,9 @@
 #             not yet checked on a GPU): tests, memcheck over each format at h_q 16, the
 #             656-byte rows at 24 (32 columns), 64 and 100 (two CTAs of 64 columns) and at 64
 #             with TORCH_MLA_SPARSE_KEYSM_RS=32 (two of 32); no bench (keysm_rs_bench)
-#   keysm_rs_bench  the bench alone (a second device call): --sparse-kernels at h_q 16, 32,
-#             64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M columns are this
-#             kernel), at 64 and 128 with =32, then at every h_q without the flag
+#   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
+#             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
+#             columns are this kernel), at 64 with =32, then at every h_q without the flag
 #
 # Stages (each one's failure leaves the later ones running; each has a timeout, since a kernel
 # whose copies never complete hangs rather than fails):
@@ -50,11 +50,13 @@ case $kernel in
     preamble flashmla-sm90-sparse
     python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
     run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels sparse,sparse_rs
+    b=${BATCHES:-128}
     run bench 200 env TORCH_MLA_SPARSE_KEYSM_RS=1 python benchmarks/bench_decode.py \
-      --sparse-kernels --heads 16,32,64,128
+      --sparse-kernels --heads 16,32,64,128 --batches "$b"
     run bench_32 120 env TORCH_MLA_SPARSE_KEYSM_RS=32 python benchmarks/bench_decode.py \
-      --sparse-kernels --heads 64,128
-    run bench_keysm 200 python benchmarks/bench_decode.py --sparse-kernels --heads 16,32,64,128
+      --sparse-kernels --heads 64 --batches "$b"
+    run bench_keysm 200 python benchmarks/bench_decode.py --sparse-kernels \
+      --heads 16,32,64,128 --batches "$b"
     finish; exit ;;
   *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench]"; exit 2 ;;
 esac
