@@ -407,11 +407,11 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     wave that can hold the rope run); Q's 9 TMA boxes the only TMA loads; no local memory;
     ptxas (where installed): no spill at 8 and 16 columns, no serialised wgmma. At 32 and 64
     columns (32 a warpgroup): over the 656-byte rows S^T's A values are multiplied by their
-    scales too (128 more f16x2 multiplies), and ptxas spills 20 bytes in the gathering
-    producer's 24 registers. At 32 the merge over the 656-byte rows takes 21 rounds of 7
-    floats (scalar loads: 144 a thread). At 64 (two warpgroups of their own columns, one
-    epilogue copy each, Q's boxes for both) 24 more bytes over the 656-byte rows with the
-    epilogue."""
+    scales too (128 more f16x2 multiplies, the scales read a scale group at a time). At 32 the
+    gather's steps are a loop (its producer's 24 registers: no spill), and the merge over the
+    656-byte rows takes 21 rounds of 7 floats (scalar loads: 144 a thread; ptxas spills 20
+    bytes there). At 64 (two warpgroups of their own columns, one epilogue copy each, Q's
+    boxes for both) ptxas spills up to 20 bytes outside the page loop."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns),
@@ -423,9 +423,14 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c["wgmma.mma_async"] == 36 + 32, c
     assert c[".bf16.bf16"] == (4 if ds else 0), c  # the rope k-steps
     assert c["cvt.rn.f16x2.e4m3x2"] == (128 if ds else 144) + 128, c
-    assert c["cp.async.cg.shared.global"] == 8 * (10 if ds else 9) + (2 if ds else 0), c
+    # (at 32 columns the gather's 8 row steps are two loops of 4, one a lane's entry)
+    steps = 2 if columns == 32 else 8
+    assert c["cp.async.cg.shared.global"] == steps * (10 if ds else 9) + (2 if ds else 0), c
     assert c["mul.rn.f16x2"] == (128 * (1 + (columns >= 32)) if ds else 0), c
-    assert c["ld.shared.b32"] == 2 + (16 + (144 if columns == 32 else 0) if ds else 0), c
+    # (scale words: O^T's 16; S^T's folded ones 8, two a scale group; the merge's 144 at 32)
+    folded = 8 if columns >= 32 else 0
+    assert c["ld.shared.b32"] == 2 + (16 + folded + (144 if columns == 32 else 0) if ds
+                                      else 0), c
     # (the output's conversions; over the 656-byte rows Q's rope in bf16, 32 a wave that can
     # hold it: the second of two at 32 columns, the last of three at 64 (LLVM drops the rest)
     out_cvt = 2 * min(columns, 32) * sets if dtype == "bf16" else 0
@@ -435,7 +440,11 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c["setmaxnreg"] == 2, c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     if "spill" in c:
-        assert c["spill"] <= {32: 20, 64: 44}.get(columns, 0) and not c["serialised"], c
+        # (nvdisasm, session 25: at 32 columns the 656-byte rows' 20 bytes are the merge
+        # rounds'; at 64 values held across the warpgroups' register split and the segment's
+        # end; none in a page loop)
+        bound = {32: 20 if ds else 0, 64: 20}.get(columns, 0)
+        assert c["spill"] <= bound and not c["serialised"], c
 
 
 PORTABLE_SPARSE_SCRIPT = r"""

@@ -43,21 +43,21 @@ the 656-byte rows; d_qk 576, d_v 512, 64-token pages (any page and row strides, 
 multiples), any h_q: columns 8, 16, 32 or 64 (ops/sparse.py, keysm_rs_sparse_columns), above 64
 heads a CTA for each 64 heads of a token (the grid's m-blocks; each gathers the token's rows:
 the two are launched side by side, so the second may find them in L2; not measured). At 32
-columns (a ping-pong of
-two warpgroups of 32) and 64 (the dense kernel's column split: two warpgroups of 32, both
-reading every stage, 3 ring stages, no merge) the ping-pong's registers leave the gathering
-producer warpgroup 24, and ptxas spills 20 bytes there; over the 656-byte rows S^T's A values
-are then multiplied by their row's scale in f16 (fold_s_scales: the four scale-group
-accumulators do not fit beside O^T's 128 registers), at 64 columns with 24 more bytes of spill
-in the epilogue. At 32 columns over the 656-byte rows the four 44 KB stages leave the merge
-21 rounds of 7 floats (merge_rounds). Not causal; the sink is applied by the host.
-One producer warp a ring stage (producer_warps: 4, or 3 at 64 columns).
+columns (a ping-pong of two warpgroups of 32) and 64 (the dense kernel's column split: two
+warpgroups of 32, both reading every stage, 3 ring stages, no merge) the ping-pong's registers
+leave the gathering producer warpgroup 24: at 32 its steps are a loop (rolled_gather; unrolled,
+ptxas spilled 20 bytes there). Over the 656-byte rows S^T's A values are then multiplied by
+their row's scale in f16 (fold_s_scales: the four scale-group accumulators do not fit beside
+O^T's 128 registers), the scales read a scale group at a time. At 32 columns over the 656-byte
+rows the four 44 KB stages leave the merge 21 rounds of 7 floats (merge_rounds), where ptxas
+spills 20 bytes; at 64 it spills up to 20 outside the page loop (nvdisasm, session 25). Not
+causal; the sink is applied by the host. One producer warp a ring stage (producer_warps: 4, or
+3 at 64 columns).
 Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
 compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
 format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8
 and 16 columns). The dispatch never takes it unless TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32: at most
-32 columns a CTA)
-(ops/sparse.py).
+32 columns a CTA; ops/sparse.py).
 """
 
 from __future__ import annotations
@@ -125,20 +125,33 @@ def gather_copies(ds: bool) -> int:
 
 
 @cute.jit
-def gather_lines(slots, rows, stage, ds: cutlass.Constexpr = False):
+def gather_lines(slots, rows, stage, ds: cutlass.Constexpr = False,
+                 rolled: cutlass.Constexpr = False):
     """One warp: the rows of the 64 keys whose slots the lanes hold (slots: keys lane and
     lane + 32; rows: the cache's (base address, row stride, page stride) in bytes) to shared
     address `stage` (gather_lines_offsets: 576-byte e4m3 rows as the whole-line ring holds
     them, or the 656-byte rows' values and rope). Step j: lanes 4 q .. 4 q + 3 copy row
-    q + 8 j, 8 rows an instruction, 64 contiguous bytes a row."""
+    q + 8 j, 8 rows an instruction, 64 contiguous bytes a row. rolled: the 4 steps of each of
+    a lane's two entries as a loop (fewer live addresses: a producer of 24 registers)."""
     lane = cute.arch.lane_idx()
-    for j in cutlass.range_constexpr(PAGE_SIZE // 8):
-        row, h, _, _ = gather_lines_offsets(lane, j, 0, ds)
-        # (row's entry is slots[h] of lane row % 32)
-        src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
-        for t in cutlass.range_constexpr(gather_copies(ds)):
-            _, _, byte, dst = gather_lines_offsets(lane, j, t, ds)
-            cp_async16(stage + dst, src + byte, size)
+    if const_expr(rolled):
+        for h in cutlass.range_constexpr(2):
+            for jj in cutlass.range(PAGE_SIZE // 16, unroll=1):
+                _gather_step(lane, jj + 4 * h, h, slots, rows, stage, ds)
+    else:
+        for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+            _gather_step(lane, j, j // 4, slots, rows, stage, ds)
+
+
+@cute.jit
+def _gather_step(lane, j, h: cutlass.Constexpr, slots, rows, stage, ds: cutlass.Constexpr):
+    """gather_lines' step j (h = j / 4: which of the lane's entries names its rows)."""
+    row, _, _, _ = gather_lines_offsets(lane, j, 0, ds)
+    # (row's entry is slots[h] of lane row % 32)
+    src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
+    for t in cutlass.range_constexpr(gather_copies(ds)):
+        _, _, byte, dst = gather_lines_offsets(lane, j, t, ds)
+        cp_async16(stage + dst, src + byte, size)
 
 
 @cute.jit
@@ -171,6 +184,10 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         # bounded the keys-on-M sparse kernel: 81-93% of its time with every entry -1
         # (sparse.md, session 19).
         self.producer_warps = self.stages
+        # The gather's steps as a loop at 32 columns: its 24 registers then suffice (ptxas
+        # spilled 20 bytes with them unrolled). At 64 columns the 20 bytes ptxas spills are not
+        # the producer's (40 registers there leave them): unrolled as before.
+        self.rolled_gather = self.pingpong and self.n_wg == 32
         # 32 columns a warpgroup (32, 64 columns): the four scale-group accumulators would not fit
         # beside O^T; S^T's A values are multiplied by their row's scale instead (f16)
         self.fold_s_scales = self.ds and self.n_wg == 32
@@ -191,7 +208,7 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         s, slots, _ = self._claim_stage(page, cnt, bar_empty)
         rows = self._cache_rows(mKV)
         stage = self.d_k8 + s * self.stage_bytes
-        gather_lines(slots, rows, stage, self.ds)
+        gather_lines(slots, rows, stage, self.ds, self.rolled_gather)
         if const_expr(self.ds):
             gather_ds_scales(slots, rows, stage)
         self._arrive_gathered([bar_full + s])
@@ -240,21 +257,18 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         return [acc_S] + list(ops[7]) if self.ds else [acc_S]
 
     @cute.jit
-    def _s_begin(self, base):
-        """fold_s_scales: the thread's two rows' four scales as f16x2 pairs (both halves one
-        scale), [h][group]."""
-        if const_expr(self.fold_s_scales):
-            sc = [lds128(base + self.d_k_row[h] + DS_SCALES_AT) for h in range(2)]
-            self.d_s_scale = [[f16x2(int_as_f32(sc[h][grp]), int_as_f32(sc[h][grp]))
-                               for grp in range(4)] for h in range(2)]
-
-    @cute.jit
     def _s_words(self, base, c):
-        """The ds rope group (c = 8): the thread's 32 bytes (16 bf16 values) of rows g, g + 8."""
+        """The ds rope group (c = 8): the thread's 32 bytes (16 bf16 values) of rows g, g + 8.
+        fold_s_scales: an even e4m3 group's words end with the row's scale of groups c, c + 1
+        (loaded with them, a group ahead: two scale words live, not all eight)."""
         if const_expr(self.ds and c == N_TILES - 1):
             return [lds128(base + self.d_rope_off[h][0]) + lds128(base + self.d_rope_off[h][1])
                     for h in range(2)]
-        return MLADecodeSm90KeysMRS._s_words(self, base, c)
+        words = MLADecodeSm90KeysMRS._s_words(self, base, c)
+        if const_expr(self.fold_s_scales and c % 2 == 0):
+            words = [words[h] + [lds32(base + self.d_k_row[h] + DS_SCALES_AT + 4 * (c // 2))]
+                     for h in range(2)]
+        return words
 
     @cute.jit
     def _s_group(self, ops, accs, c, cur, acc=None, first=0):
@@ -264,8 +278,10 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         if const_expr(not self.ds):
             MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur)
         elif const_expr(c < N_TILES - 1 and self.fold_s_scales):
-            MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur,
-                                          scale=[self.d_s_scale[h][c // 2] for h in range(2)])
+            if const_expr(c % 2 == 0):  # (the scale pair of groups c, c + 1: _s_words)
+                self.d_s_scale = [f16x2(int_as_f32(cur[h][4]), int_as_f32(cur[h][4]))
+                                  for h in range(2)]
+            MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur, scale=self.d_s_scale)
         elif const_expr(c < N_TILES - 1):
             MLADecodeSm90KeysMRS._s_group(self, ops, accs, c, cur, accs[1 + c // 2],
                                           2 * (c // 2))

@@ -187,8 +187,7 @@ class DecodeConfig(DecodeStepConfig):
 # The sparse backends; each reads every cache format (SparseStepConfig.cache).
 SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
-# its ping-pong variant (at 32 and 64 columns ptxas spills 20 bytes: the gathering producer
-# has 24 registers; at 64 its two warpgroups split the columns, 32 each)
+# its ping-pong variant (at 64 columns its two warpgroups split the columns, 32 each)
 SPARSE_KEYSM_RS_COLUMNS = (8, 16, 32, 64)
 
 
