@@ -1,6 +1,7 @@
 """The FP8 latent cache (issue 13, CPU side): float8_e4m3fn cache + kv_scale (and an fp8 q +
 q_scale) through mla_decode, append_kv, the custom ops, dispatch and the FlashMLA/vLLM compat."""
 
+import struct
 import types
 import warnings
 
@@ -738,23 +739,87 @@ def test_fast_mode_v_transpose_and_p_fragment_compute_p_v():
                                atol=1e-9)
 
 
+def _run_dither_asm(asm: str, p: float) -> float:
+    """ptx.DITHER_ASM's instructions on the fp32 value p, one by one (32-bit registers as
+    Python ints; fma.rn: the exact product and sum in float64, rounded once to fp32)."""
+    def f32(bits):
+        return struct.unpack("<f", struct.pack("<I", bits & 0xFFFFFFFF))[0]
+
+    def bits(x):
+        return struct.unpack("<I", struct.pack("<f", x))[0]
+
+    def s32(x):
+        return x - (1 << 32) if x & 0x80000000 else x
+
+    regs = {"$1": bits(p)}
+
+    def val(tok):
+        if tok in regs:
+            return regs[tok]
+        if tok.startswith("0f"):
+            return int(tok[2:], 16)
+        return int(tok, 0) & 0xFFFFFFFF
+
+    for line in asm.strip("{} ").split(";"):
+        line = line.strip()
+        if not line or line.startswith(".reg"):
+            continue
+        op, args = line.split(None, 1)
+        dst, *src = [t.strip() for t in args.split(",")]
+        x = [val(t) for t in src]
+        if op == "mov.b32":
+            r = x[0]
+        elif op == "max.s32":
+            r = max(s32(x[0]), s32(x[1])) & 0xFFFFFFFF
+        elif op == "and.b32":
+            r = x[0] & x[1]
+        elif op == "xor.b32":
+            r = x[0] ^ x[1]
+        elif op == "or.b32":
+            r = x[0] | x[1]
+        elif op == "shl.b32":
+            r = (x[0] << x[1]) & 0xFFFFFFFF
+        elif op == "sub.s32":
+            r = (x[0] - x[1]) & 0xFFFFFFFF
+        elif op == "add.f32":
+            r = bits(f32(x[0]) + f32(x[1]))  # (exact here: the operands share an exponent)
+        elif op == "fma.rn.f32":
+            r = bits(f32(x[0]) * f32(x[1]) + f32(x[2]))
+        else:
+            raise AssertionError(f"an instruction the test does not know: {line}")
+        regs[dst] = r
+    return f32(regs["$0"])
+
+
 def test_fast_mode_p_dither_model():
-    """The P dither of the heads-on-M fast mode (ptx.e4m3_dither, opt-in p_dither), by its
-    Python model, which follows the PTX's instructions: equal to the float64 form that
-    tools/fast_mode_error.py emulates (p + ((b + 0.5) / 256 - 0.5) x e4m3's step at p, b = p's
-    fp32 bits 8-15, the step from log2), within less than half a step of p, so 0 stays 0 and
-    e4m3's rounding of it moves p by less than one step."""
+    """The P dither of the heads-on-M fast mode (ptx.e4m3_dither, opt-in p_dither): its PTX
+    text (ptx.DITHER_ASM, run here instruction by instruction) equals its Python model, which
+    equals the float64 form tools/fast_mode_error.py emulates (p + ((b' + 0.5) / 256 - 0.5) x
+    e4m3's step at p, b' = p's fp32 bits 8-15 with the top one flipped, the step from log2);
+    it moves p by less than half a step; every value e4m3 holds exactly (0, powers of two: P's
+    2^8) rounds back to itself; and over a binade its rounding is unbiased."""
+    from torch_mla.cute_kernels.ptx import DITHER_ASM
     from torch_mla.cute_kernels.sm90_decode import e4m3_dither_model
 
     g = torch.Generator().manual_seed(0)
     p = torch.cat([torch.zeros(1), torch.rand(2000, generator=g) * 256,
                    torch.exp2(torch.rand(2000, generator=g) * 16 - 12),  # 2^-12 .. 2^4
                    torch.rand(500, generator=g) * 2**-6, torch.tensor([2.0**-6, 256.0])])
-    low = ((p.view(torch.int32) >> 8) & 0xFF).double()
+    low = (((p.view(torch.int32) >> 8) & 0xFF) ^ 0x80).double()
     step = torch.exp2(torch.floor(torch.log2(p.double().clamp(min=2**-6))) - 3)
     want = (p.double() + ((low + 0.5) / 256 - 0.5) * step).float()
     got = torch.tensor([e4m3_dither_model(float(x)) for x in p])
     assert torch.equal(got, want), (got - want).abs().max()
+    asm = torch.tensor([_run_dither_asm(DITHER_ASM, float(x)) for x in p[::7]])
+    assert torch.equal(asm, got[::7]), (asm - got[::7]).abs().max()
     assert ((got.double() - p.double()).abs() < step / 2).all()
-    assert got[0].to(FP8).float() == 0  # (-0.498 x 2^-9 before the rounding)
-    assert ((got.to(FP8).double() - p.double()).abs() < step).all()
+    # every finite e4m3 value from 0 to 448 (the codes 0x00-0x7E) rounds back to itself
+    exact = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8).float()
+    back = torch.tensor([e4m3_dither_model(float(x)) for x in exact]).to(FP8).float()
+    assert torch.equal(back, exact), exact[back != exact]
+    # locally unbiased: over [240, 244) (e4m3's step there is 16) rounding to nearest gives
+    # 240 throughout (mean error -2); the dithered rounding's mean error is near 0
+    grid = torch.linspace(240, 244, 4001)[:-1]
+    assert abs((grid.to(FP8).double() - grid.double()).mean() + 2) < 0.01  # (the premise)
+    dith = torch.tensor([e4m3_dither_model(float(x)) for x in grid]).to(FP8).double()
+    assert abs((dith - grid.double()).mean()) < 0.5, (dith - grid.double()).mean()

@@ -48,7 +48,7 @@ def emulate(q: torch.Tensor, k: torch.Tensor, g: torch.Generator) -> dict:
     s = (e4m3(q * 448 / qa) * qa / 448) @ k.T * SCALE
     # 2^P_SHIFT p (sm90_decode.P_SHIFT), in fp32 as a kernel holds it
     p = (torch.exp(s - s.amax(-1, keepdim=True)) * 256).float()
-    low = ((p.view(torch.int32) >> 8) & 0xFF).double()
+    low = (((p.view(torch.int32) >> 8) & 0xFF) ^ 0x80).double()  # (ptx.e4m3_dither's bits)
     p = p.double()
     step = torch.exp2(torch.floor(torch.log2(p.clamp(min=2**-6))) - 3)  # e4m3's step at p
     u = torch.rand(p.shape, generator=g, dtype=torch.float64, device=p.device) - 0.5

@@ -269,33 +269,39 @@ def e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None)
 
 # The dither of a non-negative fp32 value p before its e4m3 rounding (e4m3_dither): p + d x
 # step, step = e4m3's step at p (2^(e - 3) for p's exponent e, e4m3's subnormal step 2^-9 below
-# 2^-6: p's bits raised to DITHER_FLOOR_BITS first), d = (b + 0.5) / 256 - 0.5 from p's bits
-# 8-15 (b): a float in [1, 2) with b as its top mantissa bits, plus DITHER_OFFSET. The bits
-# below the rounding point of e4m3 act as the random source (docs/kernels/keysm.md, "Fast mode's
-# error"); |d| < 1/2, so 0 stays 0 (rounded from at most 0.499 x 2^-9).
+# 2^-6: p's bits raised to DITHER_FLOOR_BITS first), d = (b' + 0.5) / 256 - 0.5 with b' = p's
+# bits 8-15 with their top bit flipped: a float in [1, 2) with b' as its top mantissa bits, plus
+# DITHER_OFFSET. The bits below the rounding point of e4m3 act as the random source
+# (docs/kernels/keysm.md, "Fast mode's error"). The flip keeps a value e4m3 holds exactly (bits
+# 8-15 all 0: d = +1/512) where it is: unflipped, d = -0.498 took an exact power of two, P's
+# 2^8 at each row's largest key among them, below itself, where the step is half and it
+# rounded down (256 -> 240). |d| < 1/2, so 0 stays 0 (rounded from 2^-18).
 DITHER_FLOOR_BITS = 0x3C800000  # 2^-6
 DITHER_STEP_BITS = 0x01800000  # 3 << 23: e4m3's 3 mantissa bits
 DITHER_OFFSET = -1.498046875  # -(1.5 - 1/512), exact in fp32
+# The instructions ($1: p, $0: the result); tests/test_fp8.py runs them on the CPU.
+DITHER_ASM = ("{ .reg .b32 b, e, f; .reg .f32 d, st;\n"
+              "mov.b32 b, $1;\n"
+              f"max.s32 e, b, {DITHER_FLOOR_BITS};\n"
+              "and.b32 e, e, 0x7F800000;\n"
+              f"sub.s32 e, e, {DITHER_STEP_BITS};\n"
+              "and.b32 f, b, 0xFF00;\n"
+              "xor.b32 f, f, 0x8000;\n"
+              "shl.b32 f, f, 7;\n"
+              "or.b32 f, f, 0x3F800000;\n"
+              "mov.b32 d, f;\n"
+              "mov.b32 st, e;\n"
+              f"add.f32 d, d, 0f{struct.pack('>f', DITHER_OFFSET).hex().upper()};\n"
+              "fma.rn.f32 $0, d, st, $1; }")
 
 
 @dsl_user_op
 def e4m3_dither(p: Float32, *, loc=None, ip=None) -> Float32:
-    """p (>= 0) plus its dither (see DITHER_OFFSET's comment): six integer and two float
-    instructions (the movs are free). sm90_decode.e4m3_dither_model is its Python model."""
-    asm = ("{ .reg .b32 b, e, f; .reg .f32 d, st;\n"
-           "mov.b32 b, $1;\n"
-           f"max.s32 e, b, {DITHER_FLOOR_BITS};\n"
-           "and.b32 e, e, 0x7F800000;\n"
-           f"sub.s32 e, e, {DITHER_STEP_BITS};\n"
-           "and.b32 f, b, 0xFF00;\n"
-           "shl.b32 f, f, 7;\n"
-           "or.b32 f, f, 0x3F800000;\n"
-           "mov.b32 d, f;\n"
-           "mov.b32 st, e;\n"
-           f"add.f32 d, d, 0f{struct.pack('>f', DITHER_OFFSET).hex().upper()};\n"
-           "fma.rn.f32 $0, d, st, $1; }")
+    """p (>= 0) plus its dither (see DITHER_OFFSET's comment): DITHER_ASM, seven integer and
+    two float instructions (the movs are free). sm90_decode.e4m3_dither_model is its Python
+    model."""
     x = Float32(p).ir_value(loc=loc, ip=ip)
-    return Float32(llvm.inline_asm(T.f32(), [x], asm, "=f,f", has_side_effects=False,
+    return Float32(llvm.inline_asm(T.f32(), [x], DITHER_ASM, "=f,f", has_side_effects=False,
                                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT,
                                    loc=loc, ip=ip))
 

@@ -141,7 +141,7 @@ def e4m3_dither_model(p: float) -> float:
     (b,) = struct.unpack("<i", struct.pack("<f", p))
     e = (max(b, DITHER_FLOOR_BITS) & 0x7F800000) - DITHER_STEP_BITS
     (step,) = struct.unpack("<f", struct.pack("<i", e))
-    (f,) = struct.unpack("<f", struct.pack("<i", ((b & 0xFF00) << 7) | 0x3F800000))
+    (f,) = struct.unpack("<f", struct.pack("<i", (((b & 0xFF00) ^ 0x8000) << 7) | 0x3F800000))
     d = f + DITHER_OFFSET  # (exact: f and the offset share their exponent)
     (out,) = struct.unpack("<f", struct.pack("<f", d * step + struct.unpack(
         "<f", struct.pack("<f", p))[0]))
