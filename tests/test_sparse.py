@@ -387,6 +387,10 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
                     "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_rs_sparse_columns(h_q) == (cols or 32)
+                # (and the schedule is sized for its CTAs: one wave of ceil(h_q / 32) a part)
+                sched = sparse_ops.get_sparse_decode_schedule(
+                    torch.zeros(2, 1, 64, dtype=torch.int32), h_q, num_sms=132)
+                assert sched.metadata.shape[0] == 132 // -(-h_q // (cols or 32))
                 monkeypatch.delenv("TORCH_MLA_SPARSE_KEYSM_RS")
 
 

@@ -287,6 +287,24 @@ def test_fp8_entry_kinds_lengths_and_sink(fp8_kernel, fmt, dtype, h_q):
     # -1, a request with topk_length 0, one cut inside a block, splits; at h_q 100 rows over two
     # m-blocks (the ping-pong's 64 columns: its second CTA's second warpgroup has 4 real
     # columns of 32), at 16 and 24 the keys-on-M kernels' shapes (24: 32 columns, 8 padding).
+    entry_kinds_case(fmt, dtype, h_q)
+
+
+@pytest.mark.parametrize("h_q", [64, 100])
+@pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
+def test_fp8_entry_kinds_sm90_keysm_rs32(monkeypatch, fmt, dtype, h_q):
+    # TORCH_MLA_SPARSE_KEYSM_RS=32: the sparse ping-pong at 32 columns a CTA, so a token of 64
+    # heads is two CTAs and of 100 four (the last with 4 real columns of 32).
+    _take("sm90_keysm_rs", monkeypatch)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "32")
+    try:
+        entry_kinds_case(fmt, dtype, h_q)
+    finally:
+        _TAKEN["kernel"] = None
+
+
+def entry_kinds_case(fmt, dtype, h_q):
+    """test_fp8_entry_kinds_lengths_and_sink's case on the kernel _take chose."""
     q, cache, idx, lens, sink, kv_scale = _case(h_q, 3, 200, fmt, b=4, sink=True, dtype=dtype,
                                                 scale=True)
     idx[0, :, 7] = idx[0, :, 3]

@@ -366,7 +366,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         accs = self._s_accs(ops, acc_S)
         for acc in accs:
             fence_operand(acc)
-        self._s_begin(base)
         x = self._s_words(base, 0)
         for c in cutlass.range_constexpr(N_TILES):
             cur = x
@@ -380,11 +379,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         for acc in accs:
             fence_operand(acc)
         self._s_done(accs, base)
-
-    def _s_begin(self, base):
-        """Before S^T's loads of the stage at `base`: nothing here (the 656-byte rows' scales
-        at 32 columns a warpgroup)."""
-        pass
 
     def _s_accs(self, ops, acc_S) -> list:
         """S^T's accumulators: acc_S alone (the 656-byte rows' subclass adds one a scale)."""

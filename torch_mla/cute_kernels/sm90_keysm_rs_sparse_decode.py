@@ -218,7 +218,7 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     @cute.jit
     def _s_operands(self, thr_s, sQ, wq, g, q):
         """The ping-pong's S^T operands; with the 656-byte rows also the rope MMAs' (bf16, A
-        from registers: the rope words as loaded; B: sQr, _q_rope) and the four scale groups'
+        from registers: the rope words as loaded; B: sQr, _q_words) and the four scale groups'
         accumulators (S^T's e4m3 groups 2 i and 2 i + 1 go to accumulator i)."""
         ops = MLADecodeSm90KeysMRS._s_operands(self, thr_s, sQ, wq, g, q)
         if const_expr(self.ds):

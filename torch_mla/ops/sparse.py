@@ -287,7 +287,17 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
             check_topk_length_values(lengths, topk)
         if s_q > 1:
             lengths = lengths.repeat_interleave(s_q)
-    return get_decode_schedule(lengths, 1, h_q, num_sms)
+    return get_decode_schedule(lengths, 1, _schedule_heads(h_q), num_sms)
+
+
+def _schedule_heads(h_q: int) -> int:
+    """The head count the schedule's size is taken for: h_q, except under
+    TORCH_MLA_SPARSE_KEYSM_RS=32 (a developer flag: the sparse ping-pong at most 32 columns a
+    CTA), where a token of more than 32 heads takes a CTA for each 32, not each 64: sized as
+    that many 64-row blocks, so the grid is one wave (whatever kernel then runs)."""
+    if dispatch.sparse_keysm_rs_32() and h_q > 32:
+        return 64 * -(-h_q // 32)
+    return h_q
 
 
 def mla_decode_sparse(
