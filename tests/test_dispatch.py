@@ -413,7 +413,8 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("compute,dither", [("exact", False), ("fp8", False), ("fp8", True)])
+@pytest.mark.parametrize("compute,dither", [("exact", False), ("fp8", False), ("fp8", True),
+                                            ("exact", True)])
 def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, dither):
     """The float8_e4m3fn paths of run_split_kv (stand-in step, CPU tensors): the cache as its
     bytes, an e4m3 q as bf16 (exact mode) or as its bytes (fast mode), out in bf16, and the
@@ -444,12 +445,13 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, d
         lse.fill_(2.0)
 
     key = "sm90_fp8" if compute == "exact" else "sm90_fp8_fast_q8"
-    key += "_dither" if dither else ""
+    key += "_dither" if dither and compute == "fp8" else ""  # (exact mode: no P to dither)
     for other in {"sm90_fp8", "sm90_fp8_fast_q8", "sm90_fp8_fast_q8_dither"} - {key}:
         monkeypatch.setitem(dispatch.STEPS, other, None)  # (a call would fail)
     monkeypatch.setitem(dispatch.STEPS, key, lambda dtype, causal, index: step)
     config = dispatch._STEP_KINDS[key]
-    assert config.get("p_dither", False) == dither and config.get("compute") == (
+    assert config.get("p_dither", False) == (dither and compute == "fp8") and config.get(
+        "compute") == (
         "fp8" if compute == "fp8" else None)
     out, lse = dispatch.run_sm90_fp8(q8, kv8, inp.block_table, inp.cache_seqlens, meta, splits,
                                       0.5, False, kv_scale, q_scale, compute)
