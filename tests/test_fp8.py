@@ -796,8 +796,9 @@ def test_fast_mode_p_dither_model():
     text (ptx.DITHER_ASM, run here instruction by instruction) equals its Python model, which
     equals the float64 form tools/fast_mode_error.py emulates (p + ((b' + 0.5) / 256 - 0.5) x
     e4m3's step at p, b' = p's fp32 bits 8-15 with the top one flipped, the step from log2);
-    it moves p by less than half a step; every value e4m3 holds exactly (0, powers of two: P's
-    2^8) rounds back to itself; and over a binade its rounding is unbiased."""
+    it moves p by less than half a step (its rounding by less than one); every value e4m3
+    holds exactly (0, powers of two: P's 2^8) rounds back to itself; and inside a binade its
+    rounding is locally unbiased."""
     from torch_mla.cute_kernels.ptx import DITHER_ASM
     from torch_mla.cute_kernels.sm90_decode import e4m3_dither_model
 
@@ -813,12 +814,19 @@ def test_fast_mode_p_dither_model():
     asm = torch.tensor([_run_dither_asm(DITHER_ASM, float(x)) for x in p[::7]])
     assert torch.equal(asm, got[::7]), (asm - got[::7]).abs().max()
     assert ((got.double() - p.double()).abs() < step / 2).all()
-    # every finite e4m3 value from 0 to 448 (the codes 0x00-0x7E) rounds back to itself
+    assert ((got.to(FP8).double() - p.double()).abs() < step).all()  # (the step at p)
+    # every finite e4m3 value from 0 to 448 (the codes 0x00-0x7E) rounds back to itself, by
+    # the model and by the instructions
     exact = torch.arange(0, 0x7F, dtype=torch.uint8).view(FP8).float()
-    back = torch.tensor([e4m3_dither_model(float(x)) for x in exact]).to(FP8).float()
+    back = torch.tensor([e4m3_dither_model(float(x)) for x in exact])
+    assert torch.equal(back, torch.tensor([_run_dither_asm(DITHER_ASM, float(x))
+                                           for x in exact]))
+    back = back.to(FP8).float()
     assert torch.equal(back, exact), exact[back != exact]
-    # locally unbiased: over [240, 244) (e4m3's step there is 16) rounding to nearest gives
-    # 240 throughout (mean error -2); the dithered rounding's mean error is near 0
+    # locally unbiased inside a binade: over [240, 244) (e4m3's step there is 16) rounding to
+    # nearest gives 240 throughout (mean error -2); the dithered rounding's mean error is near
+    # 0. (At a binade's lower edge a negative dither meets the half-size step below: a bias of
+    # about -1/64 step over the first step, as with a random dither; the review, session 25.)
     grid = torch.linspace(240, 244, 4001)[:-1]
     assert abs((grid.to(FP8).double() - grid.double()).mean() + 2) < 0.01  # (the premise)
     dith = torch.tensor([e4m3_dither_model(float(x)) for x in grid]).to(FP8).double()

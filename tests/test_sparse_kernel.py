@@ -297,6 +297,7 @@ def test_fp8_entry_kinds_sm90_keysm_rs32(monkeypatch, fmt, dtype, h_q):
     # heads is two CTAs and of 100 four (the last with 4 real columns of 32).
     _take("sm90_keysm_rs", monkeypatch)
     monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "32")
+    assert sparse_ops.keysm_rs_sparse_columns(h_q) == 32
     try:
         entry_kinds_case(fmt, dtype, h_q)
     finally:

@@ -36,8 +36,10 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a \
   --kernels keysm,keysm64,keysm_rs,fp8_step,schedule
 if [[ $mode == check ]]; then
   run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_rs.py
+  stop_if_hung tests
   run tests_rows 120 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm.py \
     -k more_rows_than_columns
+  stop_if_hung tests_rows
   TORCH_MLA_KEYSM_RS=1 memcheck 90 python -m tools.keysm_memcheck
   # (fp8 cases of every head count: those of up to 32 rows a KV head run the ping-pong kernel)
   TORCH_MLA_KEYSM_RS=1 run fuzz 150 python -m tools.fuzz_decode --fp8 --cases 2000 --seed 0

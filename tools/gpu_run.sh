@@ -14,7 +14,7 @@ run() {
   local name=$1 limit=$2; shift 2
   local t0=$SECONDS
   echo "== $name: $*"
-  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 10 "$limit" "$@" > "$OUT/$name.log" 2>&1  # (-k: SIGKILL 10 s after SIGTERM)
   local rc=$?
   tail -n 15 "$OUT/$name.log"
   summary+=("$(printf '%-16s rc=%-3s %4ss  %s' "$name" "$rc" $((SECONDS - t0)) "$OUT/$name.log")")
@@ -47,4 +47,14 @@ finish() {
   printf '%s\n' "${summary[@]}"
   grep -H "ERROR SUMMARY" "$OUT"/memcheck*.log 2>/dev/null
   grep -h -E "passed|failed" "$OUT/tests.log" 2>/dev/null | tail -1
+}
+
+# stop_if_hung NAME: after `run NAME ...` (its status in $?), a timed-out stage (124, or 137
+# when killed) means a hang: print the summary and leave, since every later stage would wait
+# out its own timeout past the device call's 600 s.
+stop_if_hung() {
+  local rc=$?
+  if [[ $rc == 124 || $rc == 137 ]]; then
+    echo "$1 timed out: a hang; the later stages skipped"; finish; exit 1
+  fi
 }

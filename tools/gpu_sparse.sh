@@ -67,11 +67,10 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a \
   --kernels sparse,sparse_rs,schedule,append_kv
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "$smoke"
-# A kernel that hangs would make every later stage wait out its timeout, past the device
-# call's 600 s: stop here then, with the summary.
-if [[ $? == 124 ]]; then echo "smoke timed out: a hang; the later stages skipped"; finish; exit 1; fi
+stop_if_hung smoke
 run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
   tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
+stop_if_hung tests
 for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
   [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
   memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
