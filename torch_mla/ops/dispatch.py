@@ -94,6 +94,8 @@ sparse_keysm_rs_32 = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS", "32")
 def sparse_keysm_rs() -> bool:
     """Whether TORCH_MLA_SPARSE_KEYSM_RS asks for the sparse ping-pong kernel (1 or 32)."""
     return _sparse_keysm_rs_1() or sparse_keysm_rs_32()
+
+
 # TORCH_MLA_PORTABLE=1: the portable kernel even where a native one exists (testing).
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;
