@@ -138,14 +138,16 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
 def e4m3_dither_model(p: float) -> float:
     """ptx.e4m3_dither on the fp32 value p >= 0, step by step as its PTX (fma.rn: the product
     is exact in float64, the sum rounded once more to fp32 here, as the fma rounds)."""
-    (b,) = struct.unpack("<i", struct.pack("<f", p))
-    e = (max(b, DITHER_FLOOR_BITS) & 0x7F800000) - DITHER_STEP_BITS
-    (step,) = struct.unpack("<f", struct.pack("<i", e))
-    (f,) = struct.unpack("<f", struct.pack("<i", (((b & 0xFF00) ^ 0x8000) << 7) | 0x3F800000))
-    d = f + DITHER_OFFSET  # (exact: f and the offset share their exponent)
-    (out,) = struct.unpack("<f", struct.pack("<f", d * step + struct.unpack(
-        "<f", struct.pack("<f", p))[0]))
-    return out
+    def bits(x):
+        return struct.unpack("<i", struct.pack("<f", x))[0]
+
+    def f32(i):
+        return struct.unpack("<f", struct.pack("<i", i))[0]
+
+    b = bits(p)
+    step = f32((max(b, DITHER_FLOOR_BITS) & 0x7F800000) - DITHER_STEP_BITS)
+    d = f32((((b & 0xFF00) ^ 0x8000) << 7) | 0x3F800000) + DITHER_OFFSET  # (exact)
+    return f32(bits(d * step + f32(b)))
 
 
 def sw64(row, col):

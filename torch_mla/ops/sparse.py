@@ -77,6 +77,10 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
     return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
 
 
+# The keys-on-M backends' column counts for h_q heads (run_sparse_step, on every eager call).
+_COLUMNS = {"sm90_keysm": keysm_sparse_columns, "sm90_keysm_rs": keysm_rs_sparse_columns}
+
+
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
@@ -189,8 +193,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     topk = indices.shape[2]
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
-    columns = {"sm90_keysm": keysm_sparse_columns,
-               "sm90_keysm_rs": keysm_rs_sparse_columns}.get(backend, lambda h: 0)(h_q)
+    columns = _COLUMNS[backend](h_q) if backend in _COLUMNS else 0
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
