@@ -214,23 +214,36 @@ def graph_replays_new_indices(fmt: str):
 
 
 BAD = """
-import torch, torch_mla
+import sys, torch, torch_mla
+topk, length, bad = int(sys.argv[1]), int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]
 torch_mla.set_value_checks(False)  # (the torch-side checks off: the combine's must fire)
 cache = torch.zeros(2, 64, 1, 576, dtype=torch.bfloat16, device="cuda")
 q = torch.randn(1, 2, 16, 576, device="cuda").bfloat16()
-idx = torch.zeros(1, 2, 64, dtype=torch.int32, device="cuda")
-idx[0, 1, 5] = 128
-torch_mla.mla_decode_sparse(q, cache, idx)
+idx = torch.zeros(1, 2, topk, dtype=torch.int32, device="cuda")
+idx[0, 1, bad] = 128
+lengths = torch.tensor([length], dtype=torch.int32, device="cuda") if length >= 0 else None
+torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lengths)
 torch.cuda.synchronize()
+print("ran")
 """
 
 
-def test_bad_entry_stops_with_a_message(backend):
+# (topk, topk_length (-1: none), the bad entries, the one named, or None: past the length,
+# so never read and nothing to report). The combine's check loads 512 entries a warp before
+# comparing (combine.first_outside): the first bad one still comes first, across batches and
+# at the length's last entry, and nothing past the length counts.
+@pytest.mark.parametrize("topk,length,bad,named", [(64, -1, "5", 5), (2048, 1000, "999,1500", 999),
+                                                   (2048, 1000, "600,999", 600),
+                                                   (2048, 1000, "1000,2047", None)])
+def test_bad_entry_stops_with_a_message(backend, topk, length, bad, named):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    res = subprocess.run([sys.executable, "-c", BAD], cwd=root, capture_output=True, text=True,
-                         timeout=600, env=dict(os.environ))
+    res = subprocess.run([sys.executable, "-c", BAD, str(topk), str(length), bad], cwd=root,
+                         capture_output=True, text=True, timeout=600, env=dict(os.environ))
+    if named is None:
+        assert res.returncode == 0 and "ran" in res.stdout, res
+        return
     assert res.returncode != 0
-    assert "indices[0, 1, 5] = 128 is not a cache slot" in res.stdout + res.stderr, res
+    assert f"indices[0, 1, {named}] = 128 is not a cache slot" in res.stdout + res.stderr, res
 
 
 @pytest.mark.parametrize("h_q", [63, 65, 100])

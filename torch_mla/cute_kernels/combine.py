@@ -204,16 +204,24 @@ class MLACombine:
 
 @cute.jit
 def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int32,
-                  unroll: cutlass.Constexpr[int] = 1) -> Int32:
+                  batch: cutlass.Constexpr[int] = 1) -> Int32:
     """One warp (lane 0..31): the first column c < n of row whose value is outside
-    [low, high), in every lane; NO_COLUMN if none is."""
+    [low, high), in every lane; NO_COLUMN if none is.
+
+    A lane loads `batch` values before it compares any, so a round trip to memory covers
+    32 x batch columns (columns past n read column n - 1 again, which changes no answer). A
+    loop that compared each value before the next load took one round trip per 32 columns:
+    ~30 us for the 2048 entries of a sparse decode row (docs/kernels/sparse.md, session 26)."""
     first = Int32(NO_COLUMN)
-    for c in cutlass.range(0, n, 32, unroll=unroll):
-        col = c + lane
-        if col < n:
-            v = row[col]
-            if v < low or v >= high:
-                first = cutlass.min(first, col)
+    last = n - 1
+    for c in cutlass.range(0, n, 32 * batch, unroll=1):
+        cols, vals = [], []
+        for u in cutlass.range_constexpr(batch):
+            cols.append(cutlass.min(c + 32 * u + lane, last))
+            vals.append(row[cols[u]])
+        for u in cutlass.range_constexpr(batch):
+            if vals[u] < low or vals[u] >= high:
+                first = cutlass.min(first, cols[u])
     return cute.arch.warp_reduction_max(first, op=lambda a, b: cutlass.min(a, b))
 
 

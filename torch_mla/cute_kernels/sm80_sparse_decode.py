@@ -75,6 +75,8 @@ ROPE_TILE = D_V // 64  # the 64-column tile of the rope values (copied by every 
 # Cache formats: the 16-bit cache, a float8_e4m3fn one with a per-tensor scale, DeepSeek-V3.2's
 # 656-byte rows (registry.SparseStepConfig.cache).
 CACHE_FORMATS = ("plain", "e4m3", "fp8_ds_mla")
+# entries a combine lane loads before comparing them (combine.first_outside): 512 a round trip
+CHECK_BATCH = 16
 
 
 def fp8_units(cache: str, j: int, cols: tuple = (0, 9)) -> list:
@@ -235,7 +237,8 @@ class MLASparseCombine(MLACombine):
             if lane == 0:
                 fail("torch_mla.mla_decode_sparse: topk_length[{}] = {}, but it must be in "
                      "[0, topk = {}]", r // s_q, L, topk)
-        first = first_outside(mIdx[r, None], cutlass.min(L, topk), -1, num_slots, lane, 4)
+        first = first_outside(mIdx[r, None], cutlass.min(L, topk), -1, num_slots, lane,
+                              CHECK_BATCH)
         if first != NO_COLUMN:
             if lane == 0:
                 fail("torch_mla.mla_decode_sparse: indices[{}, {}, {}] = {} is not a cache "
