@@ -1375,8 +1375,8 @@ class MLADecodeSm90Fast(MLADecodeSm90):
     q_fp8: q is e4m3 (its bytes are copied; q_scale is every row's scale).
     p_dither: P is dithered before its e4m3 rounding (ptx.e4m3_dither: by one e4m3 step's
     fraction taken from P's own fp32 bits 8-15), so its rounding error no longer correlates
-    with V over long contexts (docs/kernels/keysm.md, "Fast mode's error"). Compiled only, not
-    yet run on a GPU: opt-in (TORCH_MLA_FAST_DITHER=1, ops/dispatch.py)."""
+    with V over long contexts (docs/kernels/keysm.md, "Fast mode's error"). Opt-in
+    (TORCH_MLA_FAST_DITHER=1, ops/dispatch.py): its tests pass on an H100, 1.19-1.27x slower."""
 
     fast = True
 

@@ -100,7 +100,7 @@ def sparse_keysm_rs() -> bool:
 portable_forced = _env_flag("TORCH_MLA_PORTABLE")
 # The keys-on-M SM90 kernel (docs/kernels/keysm.md): by default where s_q * h_q <= 32;
 # TORCH_MLA_KEYSM=1 up to 64 rows, =128 up to 128 (above 64 a CTA for each 64 rows: the grid's
-# m-blocks; not yet run on a GPU), TORCH_MLA_KEYSM=0 never.
+# m-blocks; run on an H100: slower than heads-on-M there), TORCH_MLA_KEYSM=0 never.
 keysm_wide = _env_flag("TORCH_MLA_KEYSM")
 _keysm_128 = _env_flag("TORCH_MLA_KEYSM", "128")
 _keysm_off = _env_flag("TORCH_MLA_KEYSM", "0")
@@ -116,7 +116,7 @@ keysm_rs_off = _env_flag("TORCH_MLA_KEYSM_RS", "0")
 keysm_fast_always = _env_flag("TORCH_MLA_KEYSM_FAST")
 keysm_fast_off = _env_flag("TORCH_MLA_KEYSM_FAST", "0")
 # TORCH_MLA_FAST_DITHER=1: the heads-on-M fast mode with P dithered before its e4m3 rounding
-# (MLADecodeSm90Fast.p_dither; compiled, not yet run on a GPU).
+# (MLADecodeSm90Fast.p_dither; its tests pass on an H100, 1.2-1.3x slower: docs/benchmarks-h100.md).
 fast_dither = _env_flag("TORCH_MLA_FAST_DITHER")
 
 
