@@ -2,7 +2,7 @@
 # Sparse decode on the H200, one kernel in one device call (at most ~9 min): logs in $OUT, a
 # summary printed last.
 #
-#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs]
+#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|rs_ab]
 #
 #   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0 and
 #             TORCH_MLA_SPARSE_KEYSM=0: every shape)
@@ -16,6 +16,10 @@
 #             not yet checked on a GPU): tests, memcheck over each format at h_q 16, the
 #             656-byte rows at 24 (32 columns), 64 and 100 (two CTAs of 64 columns) and at 64
 #             with TORCH_MLA_SPARSE_KEYSM_RS=32 (two of 32); no bench (keysm_rs_bench)
+#   rs_ab     the dispatch's question for h_q <= 32 (and 64 heads under =32): the keys-on-M
+#             sparse kernel against the ping-pong, same machine start, the two processes
+#             alternated twice (tools/sparse_rows.py keysm / rs / rs32), b 2-128, s_q 1 and 2,
+#             both FP8 formats; session 26 had them only in different processes at b 128
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -59,7 +63,21 @@ case $kernel in
     run bench_keysm 200 python benchmarks/bench_decode.py --sparse-kernels \
       --heads 16,32,64,128 --batches "$b"
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench]"; exit 2 ;;
+  rs_ab)
+    preamble flashmla-sm90-sparse
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,sparse_rs,schedule,append_kv
+    ROWS="2,1,16 8,1,16 32,1,16 64,1,16 128,1,16 32,2,16 128,2,16 2,1,32 32,1,32 128,1,32 128,2,32"
+    for round in 1 2; do
+      for mode in keysm rs; do  # (one log a mode and round: a call returns few files)
+        run "ab_${mode}_$round" 100 env TAG="r$round" sh -c \
+          "python -m tools.sparse_rows $mode 656 $ROWS && python -m tools.sparse_rows $mode e4m3 $ROWS"
+      done
+      run "ab_64_$round" 40 sh -c "python -m tools.sparse_rows rs 656 32,1,64 128,1,64 &&
+        python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
+    done
+    finish; exit ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
