@@ -71,7 +71,8 @@ case $kernel in
     for round in 1 2; do
       for mode in keysm rs; do  # (one log a mode and round: a call returns few files)
         run "ab_${mode}_$round" 100 env TAG="r$round" sh -c \
-          "python -m tools.sparse_rows $mode 656 $ROWS && python -m tools.sparse_rows $mode e4m3 $ROWS"
+          "python -m tools.sparse_rows $mode 656 $ROWS &&
+           python -m tools.sparse_rows $mode e4m3 $ROWS"
       done
       run "ab_64_$round" 40 sh -c "python -m tools.sparse_rows rs 656 32,1,64 128,1,64 &&
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
