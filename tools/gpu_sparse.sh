@@ -13,7 +13,7 @@
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
 #   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, every h_q;
-#             not yet checked on a GPU): tests, memcheck over each format at h_q 16, the
+#             first run in session 26, H100): tests, memcheck over each format at h_q 16, the
 #             656-byte rows at 24 (32 columns), 64 and 100 (two CTAs of 64 columns) and at 64
 #             with TORCH_MLA_SPARSE_KEYSM_RS=32 (two of 32); no bench (keysm_rs_bench)
 #   rs_ab     the dispatch's question for h_q <= 32 (and 64 heads under =32): the keys-on-M
