@@ -191,12 +191,19 @@ def _set_env(values: dict) -> None:
             os.environ[k] = v
 
 
+def _column(kernel: str) -> str:
+    """The SPARSE_KERNEL_ENV column a kernel the dispatch took is timed in: a variant that a
+    developer flag puts in its kernel's place (sm90_keysm_rs, sm90_producer) in that kernel's."""
+    return {"sm90_keysm_rs": "sm90_keysm", "sm90_producer": "sm90"}.get(kernel, kernel)
+
+
 def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:
     """The sparse kernels over the three cache formats in one process (each made to run by
     SPARSE_KERNEL_ENV around its calls; the keys-on-M one where it takes the shape: h_q <= 32),
     beside FlashMLA's sparse decode: the table of docs/kernels/sparse.md "Kernel choice".
     heads, batches: only these h_q, b. With TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) the keys-on-M
-    column runs its ping-pong variant where that takes the shape (the FP8 caches, every h_q)."""
+    column runs its ping-pong variant where that takes the shape (the FP8 caches, every h_q);
+    with TORCH_MLA_SPARSE_PRODUCER=1 the SM90 column runs its producer-warpgroup variant."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
           "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "
@@ -217,8 +224,8 @@ def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:
                                           ("e4m3", torch.float8_e4m3fn, 576),
                                           ("656", torch.uint8, 656))}
         # (the kernel columns: the ping-pong variant, under its flag, in the keys-on-M one)
-        default = sparse_backend(q, caches["bf16"], 512)[0].replace("_keysm_rs", "_keysm")
-        default8 = sparse_backend(q, caches["656"], 512)[0].replace("_keysm_rs", "_keysm")
+        default = _column(sparse_backend(q, caches["bf16"], 512)[0])
+        default8 = _column(sparse_backend(q, caches["656"], 512)[0])
         us = {}
         for name, cache in caches.items():
             scale = kv_scale if name == "e4m3" else None
@@ -226,7 +233,7 @@ def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:
                 _set_env(env)
                 us[name, kernel] = float("nan")
                 taken = sparse_backend(q, cache, 512)[0]
-                if taken == kernel or (kernel, taken) == ("sm90_keysm", "sm90_keysm_rs"):
+                if _column(taken) == kernel:
                     us[name, kernel] = _sparse_us(q, cache, idx, sched, scale)
                 _set_env(saved)
         fm_us = float("nan")

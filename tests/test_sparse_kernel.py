@@ -37,19 +37,22 @@ def _take(kernel: str, monkeypatch) -> str:
     "sm90" (sm_90a only: skipped elsewhere), =0 for "sm80"; TORCH_MLA_SPARSE_KEYSM=0 for both
     of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32, and
     TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: the FP8 caches,
-    every h_q): the other shapes' cases skip (check_against_fp64)."""
+    every h_q): the other shapes' cases skip (check_against_fp64); "sm90_producer" as "sm90"
+    with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant)."""
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
-    if kernel == "sm90" or keysm:
+    sm90 = kernel in ("sm90", "sm90_producer")
+    if sm90 or keysm:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernels need compute capability 9.0")
-    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1" if kernel == "sm90" else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1" if sm90 else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "1" if kernel == "sm90_producer" else "0")
     monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "1" if keysm else "0")
     monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1" if kernel == "sm90_keysm_rs" else "0")
     _TAKEN["kernel"] = kernel
     return kernel
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer"])
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
     yield _take(request.param, monkeypatch)
@@ -262,7 +265,7 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
 FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer"])
 def fp8_kernel(request, monkeypatch):
     """The kernel the FP8 cases run (_take)."""
     yield _take(request.param, monkeypatch)

@@ -20,6 +20,11 @@
 #             sparse kernel against the ping-pong, same machine start, the two processes
 #             alternated twice (tools/sparse_rows.py keysm / rs / rs32), b 2-128, s_q 1 and 2,
 #             both FP8 formats; session 26 had them only in different processes at b 128
+#   producer  the SM90 kernel's producer-warpgroup variant (TORCH_MLA_SPARSE_PRODUCER=1 with
+#             TORCH_MLA_SPARSE_SM90=1: every shape): tests, an A/B against the SM90 kernel
+#             over the 656-byte rows (tools/sparse_rows.py producer / sm90, alternated), memcheck
+#             over the FP8 formats at h_q 16 and the 656-byte rows at 100; producer_bench: the
+#             bench with FlashMLA (a second call), with and without the flag
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -38,6 +43,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memch
 
 kernel=${1:-portable}
 flag=()  # the environment the kernel needs
+groups=sparse,sparse_rs,schedule,append_kv  # what precompile builds
 case $kernel in
   portable) sel=sm80; smoke="sm80 and (runs_not_the_reference or grid_matches_fp64 and 64-2-2048)"
             cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=0 TORCH_MLA_SPARSE_KEYSM=0) ;;
@@ -63,6 +69,20 @@ case $kernel in
     run bench_keysm 200 python benchmarks/bench_decode.py --sparse-kernels \
       --heads 16,32,64,128 --batches "$b"
     finish; exit ;;
+  producer) sel=sm90_producer; smoke="sm90_producer and (runs_not_the_reference or grid_matches_fp64 and 64-1-2048)"
+            cache="e4m3 fp8_ds_mla"; groups=sparse,sparse_producer,schedule,append_kv
+            flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=1) ;;
+  producer_bench)
+    preamble flashmla-sm90-sparse
+    python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,sparse_producer,schedule,append_kv
+    b=${BATCHES:-2,32,128}
+    run bench_producer 200 env TORCH_MLA_SPARSE_PRODUCER=1 python benchmarks/bench_decode.py \
+      --sparse-kernels --heads 64,128 --batches "$b"
+    run bench_sm90 200 python benchmarks/bench_decode.py --sparse-kernels --heads 64,128 \
+      --batches "$b"
+    finish; exit ;;
   rs_ab)
     preamble flashmla-sm90-sparse
     run precompile 150 python -m torch_mla.precompile --arch sm_90a \
@@ -78,15 +98,23 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
-run precompile 150 python -m torch_mla.precompile --arch sm_90a \
-  --kernels sparse,sparse_rs,schedule,append_kv
+run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels "$groups"
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "$smoke"
 stop_if_hung smoke
+if [[ $kernel == producer ]]; then  # the A/B first: a number even if a later stage hangs
+  ROWS="2,1,64 32,1,64 128,1,64 128,2,64 2,1,128 32,1,128 128,1,128"
+  for round in 1 2; do
+    for mode in producer sm90; do
+      run "ab_${mode}_$round" 60 env TAG="r$round" python -m tools.sparse_rows $mode 656 $ROWS
+      stop_if_hung "ab_${mode}_$round"
+    done
+  done
+fi
 run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
   tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
 stop_if_hung tests
@@ -94,7 +122,10 @@ for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
   [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
   memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
 done
-if [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
+if [[ $kernel == producer ]]; then  # (two m-blocks a token, the second with 36 heads)
+  MEMCHECK_NAME=memcheck_100 memcheck 45 env "${flag[@]}" python -m tools.sparse_memcheck \
+    --cache fp8_ds_mla --heads 100
+elif [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
   # two CTAs of 64 a token; =32: 64 heads as two CTAs of 32)
   for h in 24 64 100; do
     MEMCHECK_NAME=memcheck_$h memcheck 45 env "${flag[@]}" python -m tools.sparse_memcheck \

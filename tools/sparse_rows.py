@@ -9,6 +9,7 @@ MODE picks the kernel through the dispatch's environment flags:
     rs32      the same with at most 32 columns a CTA (TORCH_MLA_SPARSE_KEYSM_RS=32: h_q 64 as
               two CTAs of 32 columns, each a ping-pong, instead of one of two 32-column halves)
     sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1)
+    producer  its variant with a producer warpgroup (the same and TORCH_MLA_SPARSE_PRODUCER=1)
     portable  the portable kernel (both 0)
 FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).
 TOPK defaults to 2048 and S_K to 32768 (the issue's V3.2 shapes).
@@ -30,11 +31,13 @@ MODES = {
     "rs": {"TORCH_MLA_SPARSE_KEYSM_RS": "1"},
     "rs32": {"TORCH_MLA_SPARSE_KEYSM_RS": "32"},
     "sm90": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1"},
+    "producer": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1",
+                 "TORCH_MLA_SPARSE_PRODUCER": "1"},
     "portable": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "0"},
 }
 # the kernel each mode asks for (ops.sparse.sparse_backend's names)
 KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "rs32": "sm90_keysm_rs", "sm90": "sm90",
-           "portable": "sm80"}
+           "producer": "sm90_producer", "portable": "sm80"}
 # bytes of a cache row, by format
 ROW_BYTES = {"bf16": 1152, "e4m3": 576, "656": 656}
 

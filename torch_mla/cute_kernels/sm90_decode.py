@@ -87,6 +87,7 @@ NB_P0 = 3  # WG0 -> WG1: P0 (rescaled) is in smem
 NB_P1_ISSUED = 4  # WG1 -> WG0: P1 is in smem, and WG1 has issued its P0 @ V0R
 NB_WG0 = 5  # WG0 only
 NB_WG1 = 6  # WG1 only
+NB_CONSUMERS = 7  # WG0 and WG1, where a producer warpgroup (WG2) runs beside them
 
 
 def fp8_expand_schedule(n_tiles: int) -> list[tuple[str, int]]:
@@ -257,6 +258,13 @@ class MLADecodeSm90(DecodeKernel):
     load_warps = 1
     # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand_half.
     group_scales = False
+    # A producer warpgroup (WG2, launched beside the two consumer warpgroups; the sparse
+    # producer subclass): it fills the page buffers (and expands fp8 ones) over the same walk,
+    # the consumers' _load_tiles only release buffer halves to it, and regs is the
+    # (producer, consumer) register split setmaxnreg makes. Without one, the consumers load.
+    producer = False
+    consumer_threads = 256
+    regs = None
 
     def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
@@ -409,6 +417,7 @@ class MLADecodeSm90(DecodeKernel):
             for i in cutlass.range_constexpr(2 * N_TILES):
                 cute.arch.mbarrier_init(barK + i, self.k_arrivals)
             cute.arch.mbarrier_init(barQ, 1)
+            self._init_barriers()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
@@ -503,166 +512,200 @@ class MLADecodeSm90(DecodeKernel):
         self.d_s_q = mLSE.shape[2]
         walk = splitkv.read_part(mMeta, part)
 
-        # Scalars of the request a segment works on (L, its first two pages, its slot range),
-        # loaded one segment ahead so that their latency hides behind the previous segment.
-        req = cute.make_rmem_tensor(5, Int32)
-        self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
-                           cutlass.min(walk.begin_req, cute.size(mSeqlens) - 1), walk.begin_blk)
-        # 1: the next segment's Q is already loading; 2: a Q load is in flight for a segment that
-        # had no block (a schedule made for other lengths): it lands before barQ is reused.
-        q_ready = cute.make_rmem_tensor(1, Int32)
-        q_ready.fill(0)
-        # The first segment's Q can load now, while the scalars above are still in flight. (A
-        # part may lie wholly inside a request's overhead units: then it has no block at all.)
-        if walk.begin_req < walk.end_req or (walk.begin_req == walk.end_req
-                                             and walk.begin_blk < walk.end_blk):
-            q_ready[0] = 1
-            if tidx < 32:
-                self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
+        # With a producer warpgroup (WG2: the sparse producer subclass) it fills the page
+        # buffers over the same walk, and the consumers below only release buffer halves.
+        if const_expr(self.producer):
+            is_producer = wg == 2
+        else:
+            is_producer = False
+        if is_producer:  # (a constant False without a producer: traced, then folded away)
+            if const_expr(self.producer):
+                cute.arch.setmaxregister_decrease(self.regs[0])
+                self._produce(walk, tKgK, barK)
+        else:
+            if const_expr(self.producer):
+                cute.arch.setmaxregister_increase(self.regs[1])
+            # Scalars of the request a segment works on (L, its first two pages, its slot range),
+            # loaded one segment ahead so that their latency hides behind the previous segment.
+            req = cute.make_rmem_tensor(5, Int32)
+            self._load_request(req, mSeqlens, mBlockTable, mNumSplits,
+                               cutlass.min(walk.begin_req, cute.size(mSeqlens) - 1),
+                               walk.begin_blk)
+            # 1: the next segment's Q is already loading; 2: a Q load is in flight for a segment
+            # that had no block (a schedule made for other lengths): it lands before barQ is
+            # reused.
+            q_ready = cute.make_rmem_tensor(1, Int32)
+            q_ready.fill(0)
+            # The first segment's Q can load now, while the scalars above are still in flight. (A
+            # part may lie wholly inside a request's overhead units: then it has no block at all.)
+            if walk.begin_req < walk.end_req or (walk.begin_req == walk.end_req
+                                                 and walk.begin_blk < walk.end_blk):
+                q_ready[0] = 1
+                if tidx < 32:
+                    self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
 
-        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            L = req[0]
-            page_lo = req[1]
-            page_lo1 = req[2]
-            slot0 = req[3]
-            pieces = req[4] - req[3]
-            nb_req = splitkv.num_blocks(L)
-            # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
-            # id never reads outside the cache.
-            lo, hi = splitkv.segment(walk, r, L, self._table_blocks(mBlockTable), pieces)
-            r_next = cutlass.min(r + 1, walk.end_req)
-            self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
-            if lo < hi:
-                n = hi - lo
-                split_idx = splitkv.split_index(walk, r)
-                if const_expr(not self.fast):
-                    if q_ready[0] == 2:  # (see the else branch)
+            for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
+                L = req[0]
+                page_lo = req[1]
+                page_lo1 = req[2]
+                slot0 = req[3]
+                pieces = req[4] - req[3]
+                nb_req = splitkv.num_blocks(L)
+                # Page ids need no clamp: TMA zero-fills boxes outside the cache tensor, so a bad
+                # id never reads outside the cache.
+                lo, hi = splitkv.segment(walk, r, L, self._table_blocks(mBlockTable), pieces)
+                r_next = cutlass.min(r + 1, walk.end_req)
+                self._load_request(req, mSeqlens, mBlockTable, mNumSplits, r_next, 0)
+                if lo < hi:
+                    n = hi - lo
+                    split_idx = splitkv.split_index(walk, r)
+                    if const_expr(not self.fast):
+                        if q_ready[0] == 2:  # (see the else branch)
+                            cute.arch.mbarrier_wait(barQ, phase[2])
+                            phase[2] = phase[2] ^ 1
+                            q_ready[0] = 0
+                    # Everyone is done with the previous segment's buffers and smem statistics.
+                    self._sync_consumers()
+                    if tidx < 32:
+                        if q_ready[0] == 0:
+                            self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
+                    if tidx < 32 * self.load_warps:
+                        self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
+                        if n > 1:
+                            self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
+                    if tidx < BLOCK_M:
+                        sM[tidx] = -Float32.inf
+                    acc_O.fill(0.0)
+                    row_sum.fill(0.0)
+                    # Horizon of each of this thread's rows: keys < border are visible.
+                    border = [self._row_border(L, m_block, r0),
+                              self._row_border(L, m_block, r0 + 8)]
+                    min_border = self._row_border(L, m_block, 0)
+                    self._stamp(0)
+                    if const_expr(self.fast):
+                        # Q -> e4m3 in smem, each row with its own scale (folded into that row's
+                        # softmax scale), while the first pages load.
+                        self._quantize_q(tma_mQ, r, m_block, tidx, q_base.toint(), sQScale, q_scale)
+                        cute.arch.fence_view_async_shared()
+                        self._sync_consumers()
+                        row_l2 = [scale_log2 * sQScale[r0], scale_log2 * sQScale[r0 + 8]]
+                    else:
                         cute.arch.mbarrier_wait(barQ, phase[2])
                         phase[2] = phase[2] ^ 1
-                        q_ready[0] = 0
-                # Everyone is done with the previous segment's buffers and smem statistics.
-                cute.arch.sync_threads()
-                if tidx < 32:
-                    if q_ready[0] == 0:
-                        self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
-                if tidx < 32 * self.load_warps:
-                    self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
-                    if n > 1:
-                        self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
-                if tidx < BLOCK_M:
-                    sM[tidx] = -Float32.inf
-                acc_O.fill(0.0)
-                row_sum.fill(0.0)
-                # Horizon of each of this thread's rows: keys < border are visible.
-                border = [self._row_border(L, m_block, r0), self._row_border(L, m_block, r0 + 8)]
-                min_border = self._row_border(L, m_block, 0)
-                self._stamp(0)
-                if const_expr(self.fast):
-                    # Q -> e4m3 in smem, each row with its own scale (folded into that row's
-                    # softmax scale), while the first pages load.
-                    self._quantize_q(tma_mQ, r, m_block, tidx, q_base.toint(), sQScale, q_scale)
-                    cute.arch.fence_view_async_shared()
-                    cute.arch.sync_threads()
-                    row_l2 = [scale_log2 * sQScale[r0], scale_log2 * sQScale[r0 + 8]]
-                else:
-                    cute.arch.mbarrier_wait(barQ, phase[2])
-                    phase[2] = phase[2] ^ 1
-                    cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
-                    row_l2 = [scale_log2, scale_log2]
-                self._stamp(1)
+                        cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
+                        row_l2 = [scale_log2, scale_log2]
+                    self._stamp(1)
 
-                if wg == 0:
-                    cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
-                    self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
-                             (0, 1, 2, 3, 4, 5, 6, 7, 8))
-                    if const_expr(self.fast):
-                        # Each warpgroup transposes the V^T half its next P V reads while that
-                        # page's Q K^T runs (see _wg0_pair).
-                        self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE_SIZE), NB_WG0,
-                                          barK, phase, False)
-                    warpgroup.wait_group(0)
-                    fence_operand(acc_S)
-                    self._stamp(2)
-                    wg0 = partial(
-                        self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
-                        min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
-                        tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8, tOrV=tOrV, tOrP1s=tOrP1s,
-                        st_P=st_P, sP0=sP0, sM=sM, sScale0=sScale0, sScale1=sScale1,
-                        k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
-                        tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
-                        scale_log2=row_l2,
-                    )
-                    # Pairs whose both blocks and the next block exist, then the last pair.
-                    n_full = (n - 1) // 2
-                    for i in cutlass.range(n_full, unroll=1):
-                        wg0(i, has1=True, has2=True)
-                    if n % 2 == 0:
-                        wg0(n_full, has1=True, has2=False)
-                    else:
-                        wg0(n_full, has1=False, has2=False)
-                    self._stamp(3)
-                else:
-                    if n > 1:
-                        self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
-                                 (4, 5, 6, 7, 8, 0, 1, 2, 3))
+                    if wg == 0:
+                        cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
+                        self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
+                                 (0, 1, 2, 3, 4, 5, 6, 7, 8))
                         if const_expr(self.fast):
-                            self._transpose_v(1, 1, self._page_valid(lo + 1, nb_req, L % PAGE_SIZE),
-                                              NB_WG1, barK, phase, False)
+                            # Each warpgroup transposes the V^T half its next P V reads while that
+                            # page's Q K^T runs (see _wg0_pair).
+                            self._transpose_v(0, 0, self._page_valid(lo, nb_req, L % PAGE_SIZE),
+                                              NB_WG0, barK, phase, False)
                         warpgroup.wait_group(0)
                         fence_operand(acc_S)
-                    wg1 = partial(
-                        self._wg1_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
-                        min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP, row_sum=row_sum,
-                        tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8, tOrV=tOrV, tOrP0s=tOrP0s,
-                        st_P=st_P, sP0=sP0, sP1=sP1, sM=sM, sScale0=sScale0, sScale1=sScale1,
-                        k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
-                        tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
-                        scale_log2=row_l2,
-                    )
-                    # Pairs followed by a whole next pair, then the one or two last pairs.
-                    n_full = cutlass.max(n - 2, 0) // 2
-                    for i in cutlass.range(n_full, unroll=1):
-                        wg1(i, has1=True, has3=True)
-                    if n % 2 == 0:
-                        wg1(n_full, has1=True, has3=False)
+                        self._stamp(2)
+                        wg0 = partial(
+                            self._wg0_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
+                            min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
+                            row_sum=row_sum, tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8,
+                            tOrV=tOrV, tOrP1s=tOrP1s, st_P=st_P, sP0=sP0, sM=sM,
+                            sScale0=sScale0, sScale1=sScale1,
+                            k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
+                            tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
+                            scale_log2=row_l2,
+                        )
+                        # Pairs whose both blocks and the next block exist, then the last pair.
+                        n_full = (n - 1) // 2
+                        for i in cutlass.range(n_full, unroll=1):
+                            wg0(i, has1=True, has2=True)
+                        if n % 2 == 0:
+                            wg0(n_full, has1=True, has2=False)
+                        else:
+                            wg0(n_full, has1=False, has2=False)
+                        self._stamp(3)
                     else:
                         if n > 1:
+                            self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 1,
+                                     (4, 5, 6, 7, 8, 0, 1, 2, 3))
+                            if const_expr(self.fast):
+                                self._transpose_v(
+                                    1, 1, self._page_valid(lo + 1, nb_req, L % PAGE_SIZE),
+                                    NB_WG1, barK, phase, False)
+                            warpgroup.wait_group(0)
+                            fence_operand(acc_S)
+                        wg1 = partial(
+                            self._wg1_pair, n=n, lo=lo, nb_req=nb_req, L=L, border=border,
+                            min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
+                            row_sum=row_sum, tSrQ=tSrQ, tSrK=tSrK, tSrK_rs=tSrK_rs, rQ8=rQ8,
+                            tOrV=tOrV, tOrP0s=tOrP0s, st_P=st_P, sP0=sP0, sP1=sP1, sM=sM,
+                            sScale0=sScale0, sScale1=sScale1,
+                            k_base=k_base, barK=barK, phase=phase, tma_k=tma_k, tKgK=tKgK,
+                            tKsK=tKsK, mBlockTable=mBlockTable, r=r, r0=r0, c0=c0, wtid=wtid,
+                            scale_log2=row_l2,
+                        )
+                        # Pairs followed by a whole next pair, then the one or two last pairs.
+                        n_full = cutlass.max(n - 2, 0) // 2
+                        for i in cutlass.range(n_full, unroll=1):
+                            wg1(i, has1=True, has3=True)
+                        if n % 2 == 0:
                             wg1(n_full, has1=True, has3=False)
-                            wg1(n_full + 1, has1=False, has3=False)
                         else:
-                            wg1(n_full, has1=False, has3=False)
-                    self._stamp(4, 128)
-                # The next segment's Q can load while this one's output is written.
-                next_q = cutlass.Boolean(False)
-                if r + 1 <= walk.end_req:
-                    lo_next, hi_next = splitkv.segment(walk, r + 1, req[0],
-                                                       self._table_blocks(mBlockTable),
-                                                       req[4] - req[3])
-                    next_q = lo_next < hi_next
-                q_ready[0] = 0
-                if next_q:
-                    q_ready[0] = 1
-                self._epilogue(
-                    acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
-                    slot0 + split_idx, pieces, wg, wtid, r0, c0,
-                    next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
-                )
-                self._stamp(5)
-                self._stamp(9, 128)
-            else:
-                # No wait here, and no loop whose trip count differs between threads
-                # (splitkv.empty_segment): either makes ptxas treat the whole walk as possibly
-                # divergent. (Only the first segment's Q is loaded before its length is known.)
-                if q_ready[0] == 1:
-                    q_ready[0] = 2
-                splitkv.empty_segment(
-                    walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * BLOCK_M,
-                    cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M), self.d_h_q, tidx,
-                    self.num_threads)
-        if const_expr(not self.fast):
-            if q_ready[0] == 2:
-                cute.arch.mbarrier_wait(barQ, phase[2])  # no TMA in flight when the CTA exits
-        self._stamp("end")
+                            if n > 1:
+                                wg1(n_full, has1=True, has3=False)
+                                wg1(n_full + 1, has1=False, has3=False)
+                            else:
+                                wg1(n_full, has1=False, has3=False)
+                        self._stamp(4, 128)
+                    # The next segment's Q can load while this one's output is written.
+                    next_q = cutlass.Boolean(False)
+                    if r + 1 <= walk.end_req:
+                        lo_next, hi_next = splitkv.segment(walk, r + 1, req[0],
+                                                           self._table_blocks(mBlockTable),
+                                                           req[4] - req[3])
+                        next_q = lo_next < hi_next
+                    q_ready[0] = 0
+                    if next_q:
+                        q_ready[0] = 1
+                    self._epilogue(
+                        acc_O, row_sum, sM, sL, k_base, mO, mLSE, mOacc, mLSEacc, r, m_block,
+                        slot0 + split_idx, pieces, wg, wtid, r0, c0,
+                        next_q, tma_q, tma_mQ, sQ, barQ, r + 1,
+                    )
+                    self._stamp(5)
+                    self._stamp(9, 128)
+                else:
+                    # No wait here, and no loop whose trip count differs between threads
+                    # (splitkv.empty_segment): either makes ptxas treat the whole walk as possibly
+                    # divergent. (Only the first segment's Q is loaded before its length is known.)
+                    if q_ready[0] == 1:
+                        q_ready[0] = 2
+                    splitkv.empty_segment(
+                        walk, r, lo, L, pieces, slot0, mO, mLSE, mLSEacc, m_block * BLOCK_M,
+                        cutlass.min(self.d_rows - m_block * BLOCK_M, BLOCK_M), self.d_h_q, tidx,
+                        self.consumer_threads)
+            if const_expr(not self.fast):
+                if q_ready[0] == 2:
+                    cute.arch.mbarrier_wait(barQ, phase[2])  # no TMA in flight when the CTA exits
+            self._stamp("end")
+
+    def _init_barriers(self):
+        """Thread 0, after the page tiles' and Q's mbarriers: a producer subclass's own."""
+
+    def _produce(self, walk, mKV, barK):
+        """The producer warpgroup's walk (a producer subclass defines it)."""
+        raise NotImplementedError
+
+    @cute.jit
+    def _sync_consumers(self):
+        """A barrier of the two consumer warpgroups (__syncthreads where they are the CTA)."""
+        if const_expr(self.producer):
+            cute.arch.barrier(barrier_id=NB_CONSUMERS, number_of_threads=self.consumer_threads)
+        else:
+            cute.arch.sync_threads()
 
     # ------------------------------------------------------------------------------------------
     @cute.jit
@@ -785,7 +828,7 @@ class MLADecodeSm90(DecodeKernel):
                               tSrK[None, None, 2 * tile + kk, s], acc_S)
                     first = False
             else:
-                if const_expr(self.kv_fp8):
+                if const_expr(self.kv_fp8 and not self.producer):
                     # Every call's order takes a buffer half's tiles together, starting at
                     # tile 0 or 4: the half is expanded (waiting for all of its tiles) first.
                     if const_expr(tile == 0 or tile == 4):
@@ -1275,7 +1318,7 @@ class MLADecodeSm90(DecodeKernel):
         if wtid % 4 == 0:
             for h in cutlass.range_constexpr(2):
                 sL[wg * BLOCK_M + r0 + 8 * h] = row_sum[h]
-        cute.arch.sync_threads()
+        self._sync_consumers()
         self._stamp(6)
         if next_q:
             if tidx < 32:

@@ -83,6 +83,10 @@ _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
+# TORCH_MLA_SPARSE_PRODUCER=1: where the dispatch takes the SM90 sparse kernel, its variant with
+# a producer warpgroup that gathers and dequantizes (cute_kernels/sm90_producer_sparse_decode.py;
+# compiled, not yet checked on a GPU).
+sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
 # on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,

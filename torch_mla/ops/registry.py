@@ -185,7 +185,7 @@ class DecodeConfig(DecodeStepConfig):
 
 
 # The sparse backends; each reads every cache format (SparseStepConfig.cache).
-SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs")
+SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
 # its ping-pong variant (at 64 columns its two warpgroups split the columns, 32 each)
 SPARSE_KEYSM_RS_COLUMNS = (8, 16, 32, 64)
@@ -203,8 +203,9 @@ class SparseStepConfig(_Config):
     cute_kernels/<backend>_sparse_decode.py): backend "sm80" (the portable kernel, any arch
     from sm_80), "sm90" (the wgmma kernel, sm_90a; the dispatch's choice by shape) or
     "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
-    "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16, 32 or 64 columns; not yet
-    checked on a GPU: opt-in, TORCH_MLA_SPARSE_KEYSM_RS=1),
+    "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16, 32 or 64 columns; opt-in,
+    TORCH_MLA_SPARSE_KEYSM_RS=1), "sm90_producer" (the SM90 one with a producer warpgroup that
+    gathers and dequantizes; not yet checked on a GPU: opt-in, TORCH_MLA_SPARSE_PRODUCER=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -328,7 +329,8 @@ class Variant(NamedTuple):
 
 
 # Groups of variants, by precompile's --kernels names.
-KERNELS = ("step", "fp8_step", "fp8_fast", "fp8_dither", "sparse", "sparse_rs", "keysm",
+KERNELS = ("step", "fp8_step", "fp8_fast", "fp8_dither", "sparse", "sparse_rs",
+           "sparse_producer", "keysm",
            "keysm64", "keysm_rs", "keysm_fast", "decode", "combine", "portable", "schedule",
            "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "keysm_rs", "keysm_fast", "sparse",
@@ -392,6 +394,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
+        if "sparse_producer" in kernels and native == "sm90":  # (TORCH_MLA_SPARSE_PRODUCER=1)
+            out += [SparseStepConfig("sm90_producer", dt, c) for c in sparse_caches(dt)]
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
             out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
                     for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]

@@ -85,10 +85,12 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
     keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
     never; with TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) over an FP8 cache (e4m3 or the 656-byte
-    rows) "sm90_keysm_rs", its ping-pong variant, not yet checked on a GPU, first at every h_q,
+    rows) "sm90_keysm_rs", its ping-pong variant, first at every h_q,
     even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
-    keys-on-M kernel does not take, =0 never), "sm80" (the portable one) or "reference", for
+    keys-on-M kernel does not take, =0 never; "sm90_producer", its variant with a producer
+    warpgroup, instead with TORCH_MLA_SPARSE_PRODUCER=1, not yet checked on a GPU), "sm80"
+    (the portable one) or "reference", for
     validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
     every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
     only (their RoPE values are bf16)."""
@@ -118,7 +120,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
-        return "sm90", ""
+        return ("sm90_producer" if dispatch.sparse_producer() else "sm90"), ""
     return "sm80", ""
 
 
@@ -139,7 +141,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     if not q.is_cuda:
         return None
     name, reason = sparse_backend(q, kv_cache, d_v)
-    if name in ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs"):
+    if name in ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer"):
         return partial(run_sparse_step, name)
     if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)
@@ -181,7 +183,8 @@ def fp8_cache_bytes(kv_cache: torch.Tensor) -> torch.Tensor:
 def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                     sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
     """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one,
-    "sm90_keysm": the keys-on-M one, "sm90_keysm_rs": its ping-pong variant; decode, then
+    "sm90_keysm": the keys-on-M one, "sm90_keysm_rs": its ping-pong variant, "sm90_producer":
+    the SM90 one with a producer warpgroup; decode, then
     combine) on validated arguments; the sink, if
     any, scales the output afterwards. Allocates nothing whose size depends on data (CUDA-graph
     safe)."""
