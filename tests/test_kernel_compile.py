@@ -319,6 +319,68 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
 
 
+PRODUCER_SPARSE_SCRIPT = r"""
+import glob, json, os, re, shutil, subprocess, sys
+from torch_mla.ops import registry
+registry.build(registry.SparseStepConfig("sm90_producer", sys.argv[1], sys.argv[2]), "sm_90a")
+counts, ptxas = {}, {}
+for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
+    for ptx in open(f).read().split(".entry ")[1:]:
+        if "MLASparseDecodeSm90Producer" not in ptx.split("(", 1)[0]:
+            continue
+        for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cp.async.ca.shared.global",
+                  "cvt.rn.f16x2.e4m3x2", "mul.rn.f32", "cp.async.mbarrier.arrive.noinc.shared",
+                  "setmaxnreg", "cp.async.bulk.tensor", "ld.local", "st.local", "vprintf",
+                  "trap;"]:
+            counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
+        if shutil.which("ptxas"):
+            res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
+                                 capture_output=True, text=True)
+            info = res.stderr.split("MLASparseDecodeSm90Producer", 1)[1]
+            ptxas["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
+            ptxas["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+            ptxas["serialised"] = "C7512" in res.stderr or "C7520" in res.stderr
+print(json.dumps({"counts": counts, "ptxas": ptxas}))
+"""
+
+
+@pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "e4m3"),
+                                         ("bf16", "plain")])
+def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
+    """The SM90 sparse kernel with a producer warpgroup (sm90_producer_sparse_decode.py; opt-in,
+    not yet run on a GPU): the consumers' MMAs as the SM90 sparse kernel's (196 wgmma); the
+    producer's gather in each of its two inlined block sites (buffers 0 and 1), split over two
+    warps: per block 4 copies a 16-bit tile and warp, 2 an fp8 tile (the 656-byte rows: 8 fp8
+    tiles and 2 rope chunks a row step, 4 scale copies by cp.async.ca), completing on one
+    "landed" mbarrier a half (4 noinc sites); the expansion by the two other warps, each
+    thread two lanes of a wave (8 cvt a lane and wave; the 656-byte rows 16 multiplies by the
+    group's scale); setmaxnreg on both sides; no local memory, no call. ptxas (where
+    installed): no serialised wgmma, no spill (over the e4m3 cache 32 bytes: the producer's
+    or the consumers' at REGS, not placed: no disassembler here)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    c, p = got["counts"], got["ptxas"]
+    assert c["wgmma.mma_async"] == 196, c
+    # per block and warp: (half 0, half 1) copies; two blocks (buffer 0, buffer 1)
+    per_block = {"plain": 8 * 4 + 8 * 5, "e4m3": 4 * 4 + 4 * 5, "fp8_ds_mla": 4 * 4 + 4 * 6}
+    assert c["cp.async.cg.shared.global"] == 2 * per_block[cache], c
+    assert c["cp.async.ca.shared.global"] == (8 if cache == "fp8_ds_mla" else 0), c
+    assert c["cp.async.mbarrier.arrive.noinc.shared"] == 4, c
+    waves = {"plain": 0, "e4m3": 8 + 10, "fp8_ds_mla": 8 + 8}[cache]  # a block's halves
+    assert c["cvt.rn.f16x2.e4m3x2"] == 2 * 2 * 8 * waves, c
+    assert c["mul.rn.f32"] == (2 * 2 * 16 * waves if cache == "fp8_ds_mla" else 0), c
+    assert c["setmaxnreg"] == 2 and c["cp.async.bulk.tensor"] == 27, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    print(f"sm90_producer {dtype} {cache}: ptxas {p}")
+    if p:
+        assert not p["serialised"], p
+        assert p["spill"] <= (32 if cache == "e4m3" else 0), p
+
+
 KEYSM_SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry

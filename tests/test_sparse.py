@@ -374,6 +374,11 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q) == cols
+                # TORCH_MLA_SPARSE_PRODUCER=1: the SM90 kernel's producer variant in its place
+                monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "1")
+                assert sparse_ops.sparse_backend(q, cache, 512) == (
+                    "sm90_producer" if want == "sm90" else want, ""), (flag, fmt, h_q)
+                monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
                 # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches, every
                 # h_q (64 columns from 33 heads, a CTA per 64 heads above 64), on sm_90a
                 # whatever TORCH_MLA_SPARSE_KEYSM says
