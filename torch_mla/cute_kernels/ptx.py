@@ -120,7 +120,8 @@ def lds128(addr: Int32, *, loc=None, ip=None):
     return _load_words(4, Int32(addr), "ld.shared.v4.b32 {$0, $1, $2, $3}, [$4];", "r", loc, ip)
 
 
-def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True) -> str:
+def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
+              early: bool = False) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
     value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
@@ -137,7 +138,10 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True) -> str:
     (7 bits) to bits 7-13. That f16 is the e4m3 value times 2^-8 exactly (the exponent biases
     are 7 and 15; an e4m3 subnormal lands as an f16 subnormal of the same digits), and the
     multiply by 256 (mul.rn.f16x2) is exact. NaN bytes (0x7f, 0xff) become +-480, not NaN:
-    the kernels never read a byte that no entry names."""
+    the kernels never read a byte that no entry names.
+
+    early: values 0-7 are stored as soon as they are converted (fewer registers live at once:
+    the sparse producer warpgroup's 56)."""
     lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>;",
              ".reg .f32 fl<8>, fu<8>, sc;"]
     if not hw:
@@ -162,20 +166,23 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True) -> str:
                 lines += [f"mul.rn.f32 fl{i}, fl{i}, sc;", f"mul.rn.f32 fu{i}, fu{i}, sc;"]
             pack = "bf16x2" if to_bf16 else "f16x2"
             lines.append(f"cvt.rn.{pack}.f32 h{i}, fu{i}, fl{i};")
-    lines += ["st.shared.v4.b32 [$0], {h0, h1, h2, h3};",
-              "st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
+        if early and i == 3:
+            lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
+    if not early:
+        lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
+    lines += ["st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
     return "\n".join(lines)
 
 
 @dsl_user_op
 def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
-                 *, loc=None, ip=None) -> None:
+                 early: bool = False, *, loc=None, ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
     (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
-    integer ops (see _e4m3_asm)."""
+    integer ops; early: values 0-7 stored before 8-15 are converted (see _e4m3_asm)."""
     regs = [dst0, dst1, *words] + ([] if scale is None else [scale])
     args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
-    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw),
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early),
                     ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
@@ -251,6 +258,45 @@ def ldg128(addr, *, loc=None, ip=None):
     """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
     return _load_words(4, cutlass.Int64(addr), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",
                        "l", loc, ip)
+
+
+@dsl_user_op
+def ldg_or_zero(n: int, addr, ok: Int32, *, loc=None, ip=None) -> list:
+    """n (1, 2 or 4) 32-bit words from global address addr (4n-byte aligned) by the read-only
+    path, not allocated in L1 (read once), or zeros without any read where ok is 0."""
+    out = ", ".join(f"${i}" for i in range(n))
+    vec = "" if n == 1 else f".v{n}"
+    res = llvm.inline_asm(
+        llvm.StructType.get_literal([T.i32()] * n),
+        [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Int32(ok).ir_value(loc=loc, ip=ip)],
+        "{ .reg .pred p; setp.ne.b32 p, $" + str(n + 1) + ", 0; "
+        + " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
+        + f" @p ld.global.nc.L1::no_allocate{vec}.b32 " + (out if n == 1 else "{" + out + "}")
+        + f", [${n}]; }}",
+        ",".join(["=r"] * n + ["l", "r"]), has_side_effects=True, is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+    return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def prefetch_l2(addr, ok: Int32, *, loc=None, ip=None) -> None:
+    """Brings the line of global address addr into L2 (prefetch.global.L2), where ok is not 0."""
+    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip),
+                           Int32(ok).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .pred p; setp.ne.b32 p, $1, 0; @p prefetch.global.L2 [$0]; }", "l,r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def cp_async_mbarrier_arrive(bar: Int32, *, loc=None, ip=None) -> None:
+    """cp.async.mbarrier.arrive (not .noinc) on the shared::cta mbarrier at bar: the phase also
+    waits for this thread's cp.async copies issued so far, without counting as one of its
+    expected arrivals."""
+    llvm.inline_asm(None, [Int32(bar).ir_value(loc=loc, ip=ip)],
+                    "cp.async.mbarrier.arrive.shared::cta.b64 [$0];", "r",
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
 
 @dsl_user_op

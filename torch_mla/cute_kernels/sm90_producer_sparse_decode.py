@@ -3,65 +3,71 @@
 Problem and mapping: sm90_sparse_decode.py's (the dense SM90 kernel's walk over blocks of 64
 gathered entries, heads on the MMAs' M side, the seesaw of two consumer warpgroups over two
 page buffers). What moves: in that kernel the consumer warpgroups issue each buffer half's
-gather between their MMAs, and over an FP8 cache the warpgroup that computes a block's Q K^T
-first expands the half's fp8 bytes to 16-bit values in shared memory, on its critical path.
-Here a third warpgroup (WG2, the producer, 384 threads a CTA) does both, over the same walk
-(splitkv.segment per request, blocks in order, block j of a segment into buffer j % 2):
-  - warps 0-1 (gatherers): per buffer half, wait until the consumers released it (their
-    _load_tiles call, now one arrival on the half's "empty" mbarrier), read the block's
-    entries, and gather the half by cp.async (sm90_sparse_decode's _gather, its copies shared
-    by the two warps: the fp8 bytes to their staging places, the 656-byte rows' rope tile and
-    scales, the bias row); their lanes' cp.async.mbarrier.arrive.noinc complete the half's
-    "landed" mbarrier;
-  - warps 2-3 (expanders): per half in the same order, wait for "landed", expand the fp8
-    bytes in place into the 128-byte-swizzled 16-bit tiles the MMAs read (the dense kernel's
-    fp8_expand_schedule and fp8_expand_addrs, each of the 64 threads taking two of the 128
-    lanes of a wave; over the 656-byte rows each value times its group's scale in fp32,
-    rounded once to bf16, as the reference dequantizes), fence the writes for the async proxy,
-    and arrive once on the tile mbarrier the consumers' Q K^T waits for (tile 0 or 4 of the
-    buffer). Over the bf16/fp16 cache they only pass the half on.
-A half is filled in the order the consumers' Q K^T reads it: tiles 0-3 then 4-8 for a block in
-buffer 0 (WG0 computes its S), 4-8 then 0-3 in buffer 1 (WG1's order).
+gather between their MMAs, and over the 656-byte rows the warpgroup that computes a block's
+Q K^T first expands the half's fp8 bytes to bf16 in shared memory, on its critical path. Here a
+third warpgroup (WG2, the producer; 384 threads a CTA) does both, over the same walk
+(splitkv.segment per request, blocks in order, block j of a segment into buffer j % 2, a
+block's halves in the order its Q K^T reads them: fill_order). Per buffer half:
+  - the 656-byte rows: each producer thread loads its 8 chunks of 16 fp8 bytes (two rows a
+    warp and step, chunk_of_lane) and the rows' group scales straight into registers
+    (ld.global.nc, none for an entry that names no key: zeros), before it waits for the half
+    to be released, so the loads are in flight meanwhile; then it multiplies each value by its
+    scale in fp32, rounds once to bf16 (the reference's dequantization) and stores the values
+    to their places in the 128-byte-swizzled tiles the MMAs read (fp8_store_offsets: a phase of
+    8 lanes covers two adjacent rows, no bank conflict); over half 1 the bf16 rope tile goes
+    by cp.async (sm90_sparse_decode.gather16, the four warps sharing its rows);
+  - the bf16/fp16 cache: the half's tiles by cp.async once it is released.
+The consumers' release is their _load_tiles call (where the kernel without a producer loads):
+one elected lane arrives on the half's "empty" mbarrier. Every producer thread then fences its
+stores for the async proxy and arrives on the tile mbarrier the consumers' Q K^T waits for
+(tile 0 or 4 of the buffer; cp.async.mbarrier.arrive makes that phase wait for its copies too).
+Warp 0 writes the buffer's bias row (-inf for an entry that names none) with half 0.
 
 The consumers run the dense kernel's code unchanged but for that release, a barrier of their
 256 threads instead of __syncthreads, and no expansion of their own (the producer flag of
-sm90_decode.MLADecodeSm90). setmaxnreg gives the consumers 232 registers and the producer 40
+sm90_decode.MLADecodeSm90). setmaxnreg gives the consumers 224 registers and the producer 56
 (REGS: 168 a thread at launch).
 
-Why (docs/kernels/sparse.md, "Toward h_q 64 and 128"): over the 656-byte rows the heads-on-M
-kernel ran at 0.62-0.79x FlashMLA, its consumers expanding each half themselves; FlashMLA's
-producer warpgroup dequantizes instead. Not yet run on a GPU: opt-in
-(TORCH_MLA_SPARSE_PRODUCER=1, where the dispatch would take the SM90 sparse kernel).
+History: the first version (session 27) gathered the fp8 bytes by cp.async after the release
+and had two of the producer's warps expand them in place (the dense kernel's schedule, in
+waves with barriers): correct, but 10% slower than the heads-on-M kernel at b 128 (H100, h_q 64
+over the 656-byte rows: 181.9 against 165.0 us), and with every entry -1 (nothing read) 156.9
+us against 93.5 over the bf16 cache: the in-place expansion by 64 threads bound it.
 
-Limits: as sm90_sparse_decode.py (h_q any, as 64-row m-blocks; s_q any; topk any; the three
-cache formats, the 656-byte rows with bf16 q).
+Limits: as sm90_sparse_decode.py (h_q any, as 64-row m-blocks; s_q any; topk any), over the
+bf16/fp16 cache or the 656-byte rows (bf16 q); the e4m3 cache takes the heads-on-M kernel.
+Opt-in (TORCH_MLA_SPARSE_PRODUCER=1, where the dispatch would take the SM90 sparse kernel).
 """
 
 from __future__ import annotations
+
+import os
 
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
-from ..constants import BLOCK_M, D_QK, PAGE_SIZE
+from ..constants import BLOCK_M, D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import splitkv
 from .decode_base import aligned
-from .ptx import e4m3_store16, lds64, lds128
-from .sm80_sparse_decode import CACHE_FORMATS, MLASparseDecodeStep
-from .sm90_decode import (
-    N_TILES,
-    MLADecodeSm90,
-    fp8_expand_addrs,
-    fp8_expand_schedule,
-    group_scale_offset,
-    shared_storage,
+from .ptx import (
+    cp_async_mbarrier_arrive,
+    e4m3_store16,
+    ldg_or_zero,
+    pin_b32,
+    prefetch_l2,
 )
-from .sm90_sparse_decode import GatheredEntries, MLASparseDecodeSm90
+from .sm80_sparse_decode import MLASparseDecodeStep
+from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
+from .sm90_sparse_decode import TILE16, MLASparseDecodeSm90, gather16, row_source
 
 REGS = (56, 224)  # (producer, consumer) registers a thread after setmaxnreg
-GATHER_WARPS = 2  # producer warps 0-1 gather, 2-3 expand
-EXPAND_THREADS = 64
-NB_EXPAND = 8  # the expanders' named barrier (sm90_decode's ids end at 7)
+PRODUCER_THREADS = 128
+# Steps (of 8, two rows a warp each) of a half's fp8 chunks a producer thread holds in
+# registers across the wait for the half's release; the others' lines go to L2 meanwhile, and
+# after the wait each stored step loads the one AHEAD steps on (the registers: REGS' 56).
+AHEAD = int(os.environ.get('TORCH_MLA_DEV_AHEAD', '4'))  # (dev knob, session 27)
+CACHES = ("plain", "fp8_ds_mla")
 
 
 def fill_order(s: int) -> tuple:
@@ -70,26 +76,45 @@ def fill_order(s: int) -> tuple:
     return (0, 1) if s == 0 else (1, 0)
 
 
+def chunk_of_lane(lane: int) -> tuple:
+    """(p, k) of lane `lane` in the 656-byte rows' fp8 loads: at each step a warp reads two
+    rows (p: 0 or 1, which of them) x 16 chunks of 16 bytes (k: the chunk of the half's 256
+    bytes). Lanes 8 i + 4 p + c take chunk 4 i + c, so a phase of 8 lanes stores to two
+    adjacent rows, whose swizzles differ in bit 0: 8 distinct 16-byte bank groups."""
+    return (lane >> 2) & 1, (lane & 3) + 4 * (lane >> 3)
+
+
+def fp8_store_offsets(h: int, row: int, k: int) -> tuple:
+    """Byte offsets, from a page buffer's start, of the two 16-byte chunks that values 0-7 and
+    8-15 of chunk k (0..15) of half h of the 656-byte row `row` become: 16-bit tile 4 h + k // 4,
+    its columns 16 (k % 4) + [0, 16) in the 128-byte swizzle (chunk c of row R at c ^ (R % 8)).
+    row: an int (tests) or the DSL's Int32."""
+    tile = (4 * h + k // 4) * PAGE_SIZE * 128 + row * 128
+    c8 = 2 * (k % 4)
+    return tile + ((c8 ^ (row % 8)) << 4), tile + (((c8 + 1) ^ (row % 8)) << 4)
+
+
 class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
     """The SM90 sparse kernel with a producer warpgroup; see the module docstring."""
 
     producer = True
-    num_threads = 384
+    num_threads = 256 + PRODUCER_THREADS
     regs = REGS
     # The consumers' _load_tiles: one elected lane of warp 0 of the releasing warpgroup.
     load_warps = 1
-    # The consumers' tile mbarriers (tile 0 and 4 of each buffer are waited for): one arrival,
-    # the expanders' after their fence and barrier.
-    k_arrivals = 1
+    # The consumers' tile mbarriers (tile 0 and 4 of each buffer are waited for): one arrival a
+    # producer thread after its stores and its fence (and its cp.async copies, tracked by
+    # cp.async.mbarrier.arrive, which adds no expected arrival).
+    k_arrivals = PRODUCER_THREADS
     cp_async_tiles = True
 
     def __init__(self, dtype, cache: str = "plain"):
-        assert cache in CACHE_FORMATS, cache
+        assert cache in CACHES, cache
         super().__init__(dtype, cache)
 
     def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
-        """sm90_sparse_decode's layouts and storage, and 8 more mbarriers: each buffer half's
-        "empty" (the consumers' release) and "landed" (the gatherers' copies)."""
+        """sm90_sparse_decode's layouts and storage, and an "empty" mbarrier a buffer half (the
+        consumers' release)."""
         loads, layouts = super()._setup(mQ, mKV)
         dt = self.dtype
         self.shared_storage = shared_storage(
@@ -97,18 +122,15 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             sK=aligned(dt, 2 * PAGE_SIZE * D_QK),
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
             sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],
-            barP=cute.struct.MemRange[cutlass.Int64, 8],
+            barE=cute.struct.MemRange[cutlass.Int64, 4],
         )
         return loads, layouts
 
     def _init_barriers(self):
-        """barP[2 s + h]: half h of buffer s is free (one arrival); barP[4 + 2 s + h]: its
-        copies have landed (GATHER_WARPS x 33 arrivals: each lane's noinc, one lane's
-        release)."""
-        bar = self.d_storage.barP.data_ptr()
+        """barE[2 s + h]: half h of buffer s is free (one arrival: the consumers' release)."""
+        bar = self.d_storage.barE.data_ptr()
         for i in range(4):  # (thread 0, traced inline: a Python loop)
             cute.arch.mbarrier_init(bar + i, 1)
-            cute.arch.mbarrier_init(bar + 4 + i, GATHER_WARPS * GatheredEntries.k_arrivals)
 
     # The consumers read no entries: the producer does.
     _next_page = MLADecodeSm90._next_page
@@ -118,7 +140,7 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
         """A consumer warp, where the kernel without a producer loads tiles [t_begin, t_end)
         of buffer s: one lane releases each buffer half those tiles cover to the producer."""
-        bar = self.d_storage.barP.data_ptr()
+        bar = self.d_storage.barE.data_ptr()
         with cute.arch.elect_one():
             for h in cutlass.range_constexpr(2):
                 if const_expr(t_begin <= 4 * h and 4 * h < t_end):
@@ -127,93 +149,100 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
     @cute.jit
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup: the consumers' walk, every block's two halves in
-        fill_order; warps 0-1 gather, warps 2-3 expand (module docstring)."""
+        fill_order (_fill); each block's entries are read at the start of its pair."""
         tidx, _, _ = cute.arch.thread_idx()
         warp = cute.arch.make_warp_uniform(tidx // 32) % 4
         mIdx, mLens, mNumSplits = (self.d_tensors.block_table, self.d_tensors.seqlens,
                                    self.d_tensors.num_splits)
         width = self._table_blocks(mIdx)
-        bar = self.d_storage.barP.data_ptr()
-        parity = cute.make_rmem_tensor(4, Int32)  # per buffer half: empty (gatherers), landed
+        rows = self._cache_rows(mKV)
+        parity = cute.make_rmem_tensor(4, Int32)  # per buffer half, its "empty" mbarrier's
         parity.fill(0)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             # (the consumers read a request's scalars at min(r, last) too: _load_request)
             rr = cutlass.min(r, last)
-            lo, hi = splitkv.segment(walk, r, mLens[rr], width, mNumSplits[rr + 1] - mNumSplits[rr])
+            lo, hi = splitkv.segment(walk, r, mLens[rr], width,
+                                     mNumSplits[rr + 1] - mNumSplits[rr])
             for i in cutlass.range(cutlass.max(hi - lo + 1, 0) // 2, unroll=1):
                 blk = lo + 2 * i
-                if warp < GATHER_WARPS:
-                    self._gather_block(mKV, mIdx, r, blk, 0, bar, parity, warp)
-                    if blk + 1 < hi:
-                        self._gather_block(mKV, mIdx, r, blk + 1, 1, bar, parity, warp)
+                nxt = cutlass.min(blk + 1, hi - 1)
+                slots0 = list(self._entries(self._page(mIdx, r, blk)))
+                slots1 = list(self._entries(self._page(mIdx, r, nxt)))
+                for h in fill_order(0):
+                    self._fill(rows, slots0, 0, h, barK, parity, warp)
+                if blk + 1 < hi:
+                    for h in fill_order(1):
+                        self._fill(rows, slots1, 1, h, barK, parity, warp)
+
+    @cute.jit
+    def _row_of(self, rows, src, warp, j: cutlass.Constexpr[int], p):
+        """(address of row 16 warp + 2 j + p of the block, 16 or 0: whether its entry names a
+        key), from src: lane i's entry of key 32 (warp // 2) + i."""
+        return row_source(*rows, cute.arch.shuffle_sync(src, 16 * (warp % 2) + 2 * j + p))
+
+    @cute.jit
+    def _fill(self, rows, slots, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], barK,
+              parity, warp):
+        """Half h of buffer s from the 64 keys whose slots the lanes hold (keys lane and
+        lane + 32), by the producer warpgroup, once the consumers released it. The 656-byte
+        rows: each thread first loads its 8 chunks of 16 fp8 bytes (rows 16 warp + 2 j + p,
+        chunk k: chunk_of_lane) and each row's scale of the chunk's group into registers, so
+        that the loads are in flight while the half is still in use; then waits, and stores
+        each value times its scale, rounded to bf16 (ptx.e4m3_store16), to its swizzled place;
+        over half 1 the bf16 rope tile by cp.async (gather16). The 16-bit cache: the half's
+        tiles by cp.async. Warp 0 writes buffer s's bias row with half 0. Every thread then
+        fences its writes for the async proxy and arrives on the half's tile mbarrier, which
+        also waits for its cp.async copies."""
+        lane = cute.arch.lane_idx()
+        buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
+        words, scales = [], None
+        p, k = chunk_of_lane(lane)
+        if const_expr(self.cache == "fp8_ds_mla"):
+            # Rows 16 warp + 2 j + p at step j: their addresses (_row_of), the first AHEAD
+            # steps' chunks loaded into registers now, the others' lines prefetched into L2.
+            src = cutlass.select_(warp < 2, slots[0], slots[1])  # rows 16 warp .. + 15
+            for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+                row, ok = self._row_of(rows, src, warp, j, p)
+                if const_expr(j < AHEAD):
+                    words.append(ldg_or_zero(4, row + 256 * h + 16 * k, ok))
                 else:
-                    self._expand_block(0, bar, barK, parity, tidx % 128 - 32 * GATHER_WARPS)
-                    if blk + 1 < hi:
-                        self._expand_block(1, bar, barK, parity,
-                                           tidx % 128 - 32 * GATHER_WARPS)
-
-    @cute.jit
-    def _gather_block(self, mKV, mIdx, r, blk, s: cutlass.Constexpr[int], bar, parity, warp):
-        """A gathering warp: block blk of one-token request r into buffer s, half by half
-        (fill_order), each once the consumers released it."""
-        slots = list(self._entries(self._page(mIdx, r, blk)))
-        for h in fill_order(s):
+                    prefetch_l2(row + 256 * h + 16 * k, ok)
+            # Lane i < 16 loads the half's two scales of row 16 warp + i (8 bytes); the lanes
+            # take them by shuffles after the wait (two words a lane instead of eight).
+            row, ok = row_source(*rows, cute.arch.shuffle_sync(src, 16 * (warp % 2) + lane % 16))
+            scales = ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok)
+        cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + 2 * s + h, parity[2 * s + h])
+        parity[2 * s + h] = parity[2 * s + h] ^ 1
+        if const_expr(h == 0):
+            if warp == 0:
+                self._write_bias(
+                    self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
+                    s * PAGE_SIZE, slots, lane)
+        bar = barK + s * N_TILES + 4 * h
+        if const_expr(self.cache == "fp8_ds_mla"):
+            # (the rows' addresses again, not kept across the wait: pin_b32 keeps the compiler
+            # from reusing the ones computed before it, which would hold ~20 more registers)
+            src = pin_b32(src)
+            for j in cutlass.range_constexpr(PAGE_SIZE // 8):
+                if const_expr(j + AHEAD < PAGE_SIZE // 8):  # (a window of AHEAD steps)
+                    row, ok = self._row_of(rows, src, warp, j + AHEAD, p)
+                    words.append(ldg_or_zero(4, row + 256 * h + 16 * k, ok))
+                row = 16 * warp + 2 * j + p
+                pair = [cute.arch.shuffle_sync(scales[g], 2 * j + p) for g in range(2)]
+                d0, d1 = fp8_store_offsets(h, row, k)
+                e4m3_store16(buf + d0, buf + d1, words[j], True,
+                             cutlass.select_(k < 8, pair[0], pair[1]), early=True)
+            if const_expr(h == 1):  # (last: its addresses would hold registers beside words)
+                gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)],
+                         warp, 4)
+                cp_async_mbarrier_arrive(bar.toint())
+        else:
             t0, t1 = (0, 4) if h == 0 else (4, N_TILES)
-            cute.arch.mbarrier_wait(bar + 2 * s + h, parity[2 * s + h])
-            parity[2 * s + h] = parity[2 * s + h] ^ 1
-            self._gather(mKV, slots, s, t0, t1, warp, GATHER_WARPS)
-            self._arrive_gathered([bar + 4 + 2 * s + h])
-
-    @cute.jit
-    def _expand_block(self, s: cutlass.Constexpr[int], bar, barK, parity, t):
-        """An expanding thread (t: 0..63): the block in buffer s, half by half (fill_order):
-        once its copies landed, its fp8 bytes expanded in place (_expand), the writes fenced for
-        the async proxy, and one arrival on the tile mbarrier the consumers wait for."""
-        for h in fill_order(s):
-            cute.arch.mbarrier_wait(bar + 4 + 2 * s + h, parity[2 * s + h])
-            parity[2 * s + h] = parity[2 * s + h] ^ 1
-            if const_expr(self.cache != "plain"):
-                self._expand(s, h, t)
-            cute.arch.fence_view_async_shared()
-            cute.arch.barrier(barrier_id=NB_EXPAND, number_of_threads=EXPAND_THREADS)
-            if t == 0:
-                cute.arch.mbarrier_arrive(barK + s * N_TILES + 4 * h)
-
-    @cute.jit
-    def _expand(self, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], t):
-        """Half h of buffer s expanded in place by the 64 expanding threads, thread t taking
-        lanes t and t + 64 of each wave of fp8_expand_schedule (whose barriers then order
-        both); over the 656-byte rows each value times its row's scale of its group (read
-        first: the expansion overwrites them, sm90_decode.group_scale_offset)."""
-        t0, nt = (0, 4) if h == 0 else (4, 5)
-        half = self.d_k_base.toint() + (s * PAGE_SIZE * D_QK + t0 * PAGE_SIZE * 64) * 2
-        lanes = [t, t + EXPAND_THREADS]
-        scales = None  # scales[k][2 (w // 4) + w % 2] for lane k's rows
-        if const_expr(self.group_scales):
-            nt = 4
-            sc = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2 + group_scale_offset(h)
-            scales = [[None] * 4, [None] * 4]
-            for k in cutlass.range_constexpr(2):
-                for rb in cutlass.range_constexpr(2):
-                    pair = lds64(sc + 8 * (32 * rb + lanes[k] // 4))
-                    scales[k][rb], scales[k][2 + rb] = pair[0], pair[1]
-            cute.arch.barrier(barrier_id=NB_EXPAND, number_of_threads=EXPAND_THREADS)
-        words = {}
-        for step, w in fp8_expand_schedule(nt):
-            if const_expr(step == "bar"):
-                cute.arch.barrier(barrier_id=NB_EXPAND, number_of_threads=EXPAND_THREADS)
-            elif const_expr(step == "load"):
-                for k in cutlass.range_constexpr(2):
-                    words[(w, k)] = lds128(half + fp8_expand_addrs(nt, w, lanes[k])[0])
-            else:
-                for k in cutlass.range_constexpr(2):
-                    _, d0, d1 = fp8_expand_addrs(nt, w, lanes[k])
-                    scale = None
-                    if const_expr(self.group_scales):
-                        scale = scales[k][2 * (w // 4) + w % 2]
-                    e4m3_store16(half + d0, half + d1, words[(w, k)],
-                                 self.dtype == cutlass.BFloat16, scale)
+            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t0, t1)], warp, 4)
+            cp_async_mbarrier_arrive(bar.toint())
+        cute.arch.fence_view_async_shared()
+        cute.arch.mbarrier_arrive(bar)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_producer") ---------------

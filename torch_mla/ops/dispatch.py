@@ -85,7 +85,7 @@ sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # TORCH_MLA_SPARSE_PRODUCER=1: where the dispatch takes the SM90 sparse kernel, its variant with
 # a producer warpgroup that gathers and dequantizes (cute_kernels/sm90_producer_sparse_decode.py;
-# compiled, not yet checked on a GPU).
+# the 16-bit cache and the 656-byte rows).
 sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked

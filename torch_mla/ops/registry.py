@@ -205,7 +205,8 @@ class SparseStepConfig(_Config):
     "sm90_keysm" (the keys-on-M kernel, sm_90a, ``columns`` 8, 16 or 32 query rows a CTA),
     "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16, 32 or 64 columns; opt-in,
     TORCH_MLA_SPARSE_KEYSM_RS=1), "sm90_producer" (the SM90 one with a producer warpgroup that
-    gathers and dequantizes; not yet checked on a GPU: opt-in, TORCH_MLA_SPARSE_PRODUCER=1),
+    gathers and dequantizes, the 16-bit cache and the 656-byte rows; opt-in,
+    TORCH_MLA_SPARSE_PRODUCER=1),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -220,7 +221,8 @@ class SparseStepConfig(_Config):
                    "sm90_keysm_rs": SPARSE_KEYSM_RS_COLUMNS}.get(self.backend, (0,))
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
-                or (self.backend == "sm90_keysm_rs" and self.cache == "plain")):
+                or (self.backend == "sm90_keysm_rs" and self.cache == "plain")
+                or (self.backend == "sm90_producer" and self.cache == "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}, columns {self.columns}")
         if self.cache not in sparse_caches(self.dtype):
@@ -395,7 +397,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         if "sparse_producer" in kernels and native == "sm90":  # (TORCH_MLA_SPARSE_PRODUCER=1)
-            out += [SparseStepConfig("sm90_producer", dt, c) for c in sparse_caches(dt)]
+            out += [SparseStepConfig("sm90_producer", dt, c) for c in sparse_caches(dt)
+                    if c != "e4m3"]
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
             out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
                     for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]

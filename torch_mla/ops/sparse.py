@@ -89,7 +89,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
     keys-on-M kernel does not take, =0 never; "sm90_producer", its variant with a producer
-    warpgroup, instead with TORCH_MLA_SPARSE_PRODUCER=1, not yet checked on a GPU), "sm80"
+    warpgroup, instead with TORCH_MLA_SPARSE_PRODUCER=1 over the 16-bit cache and the 656-byte
+    rows), "sm80"
     (the portable one) or "reference", for
     validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
     every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
@@ -120,7 +121,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
-        return ("sm90_producer" if dispatch.sparse_producer() else "sm90"), ""
+        producer = dispatch.sparse_producer() and fmt != "fp8"  # (not over e4m3)
+        return ("sm90_producer" if producer else "sm90"), ""
     return "sm80", ""
 
 
