@@ -2,7 +2,7 @@
 # Sparse decode on the H200, one kernel in one device call (at most ~9 min): logs in $OUT, a
 # summary printed last.
 #
-#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|rs_ab]
+#   source .devpkgs/b/setup.sh && bash tools/gpu_sparse.sh [MODE] (MODE: below)
 #
 #   portable  the portable kernel over 16-bit caches (TORCH_MLA_SPARSE_SM90=0 and
 #             TORCH_MLA_SPARSE_KEYSM=0: every shape)
@@ -21,10 +21,13 @@
 #             alternated twice (tools/sparse_rows.py keysm / rs / rs32), b 2-128, s_q 1 and 2,
 #             both FP8 formats; session 26 had them only in different processes at b 128
 #   producer  the SM90 kernel's producer-warpgroup variant (TORCH_MLA_SPARSE_PRODUCER=1 with
-#             TORCH_MLA_SPARSE_SM90=1: every shape): tests, an A/B against the SM90 kernel
-#             over the 656-byte rows (tools/sparse_rows.py producer / sm90, alternated), memcheck
-#             over the FP8 formats at h_q 16 and the 656-byte rows at 100; producer_bench: the
-#             bench with FlashMLA (a second call), with and without the flag
+#             TORCH_MLA_SPARSE_SM90=1: every shape it takes, the 16-bit cache and the 656-byte
+#             rows): tests, an A/B against the SM90 kernel over the 656-byte rows
+#             (tools/sparse_rows.py producer / sm90, alternated), memcheck over the 656-byte rows
+#             at h_q 16 and 100; producer_bench: the bench with FlashMLA (a second call), with
+#             and without the flag; producer_ahead: the A/B of its AHEAD (2, 4, 8: the
+#             TORCH_MLA_DEV_AHEAD knob, each build in its own cache directory) against the SM90
+#             kernel, then bench_sparse_patterns.py with the flag (FlashMLA beside it)
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -70,7 +73,7 @@ case $kernel in
       --heads 16,32,64,128 --batches "$b"
     finish; exit ;;
   producer) sel=sm90_producer; smoke="sm90_producer and (runs_not_the_reference or grid_matches_fp64 and 64-1-2048)"
-            cache="e4m3 fp8_ds_mla"; groups=sparse,sparse_producer,schedule,append_kv
+            cache="fp8_ds_mla"; groups=sparse,sparse_producer,schedule,append_kv
             flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=1) ;;
   producer_bench)
     preamble flashmla-sm90-sparse
@@ -82,6 +85,30 @@ case $kernel in
       --sparse-kernels --heads 64,128 --batches "$b"
     run bench_sm90 200 python benchmarks/bench_decode.py --sparse-kernels --heads 64,128 \
       --batches "$b"
+    finish; exit ;;
+  producer_ahead)
+    preamble flashmla-sm90-sparse
+    for A in 2 4 8; do
+      (TORCH_MLA_DEV_AHEAD=$A TORCH_MLA_CACHE_DIR=/tmp/c$A timeout 150 python -m \
+        torch_mla.precompile --arch sm_90a --kernels sparse_producer,schedule --dtypes bf16 \
+        --jobs 4 > "$OUT/pre$A.log" 2>&1) &
+    done
+    (TORCH_MLA_CACHE_DIR=/tmp/c0 timeout 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,schedule --dtypes bf16 --jobs 4 > "$OUT/pre0.log" 2>&1) &
+    wait
+    ROWS="2,1,64 32,1,64 128,1,64 128,2,64 32,1,128 128,1,128"
+    for round in 1 2; do
+      for A in 2 4 8; do
+        run "ab_${A}_$round" 60 env TAG="r$round a$A" TORCH_MLA_DEV_AHEAD=$A \
+          TORCH_MLA_CACHE_DIR=/tmp/c$A python -m tools.sparse_rows producer 656 $ROWS
+        stop_if_hung "ab_${A}_$round"
+      done
+      run "ab_sm90_$round" 60 env TAG="r$round" TORCH_MLA_CACHE_DIR=/tmp/c0 \
+        python -m tools.sparse_rows sm90 656 $ROWS
+    done
+    grep -h " us" "$OUT"/ab_*.log > "$OUT/ab_all.txt"
+    run pat 120 env TORCH_MLA_SPARSE_PRODUCER=1 TORCH_MLA_CACHE_DIR=/tmp/c4 \
+      python benchmarks/bench_sparse_patterns.py
     finish; exit ;;
   rs_ab)
     preamble flashmla-sm90-sparse
@@ -98,7 +125,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
