@@ -10,8 +10,8 @@ block stream; a request cut across parts writes fp32 partial results that combin
 CTA: 256 threads = two warpgroups (WG0, WG1), no producer warp: the warpgroup that finishes with a
 shared-memory buffer issues the TMA that refills it. (A subclass may add a producer warpgroup,
 WG2: then that point only releases the buffer half to it; sm90_producer_sparse_decode.py.)
-Tiles: 64 query rows x 64 keys (one page). Output O (64 x 512 fp32) does not fit one warpgroup's registers, so WG0 owns columns 0-255 and
-WG1 columns 256-511.
+Tiles: 64 query rows x 64 keys (one page). Output O (64 x 512 fp32) does not fit one
+warpgroup's registers, so WG0 owns columns 0-255 and WG1 columns 256-511.
 
 Pipeline ("seesaw", after FlashMLA's published schedule): pages go alternately to two buffers,
 B0 (even blocks of the segment) and B1 (odd). WG0 computes S0 = Q K0^T, WG1 S1 = Q K1^T. Per pair:
