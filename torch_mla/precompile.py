@@ -1,7 +1,8 @@
 """Compile every kernel variant the dispatch can pick into the disk cache, ahead of time.
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
-                                   [--kernels step,fp8_step,fp8_fast,sparse,sparse_rs,keysm,keysm64,
+                                   [--kernels step,fp8_step,fp8_fast,sparse,sparse_rs,
+                                              sparse_producer,keysm,keysm64,
                                               keysm_rs,keysm_fast,decode,combine,portable,
                                               schedule,append_kv]
                                    [--jobs N]
@@ -19,7 +20,9 @@ append_kv in each cache dtype of ``--dtypes`` (and, from SM89 up, float8_e4m3fn)
 bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable decode step on
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
 (``TORCH_MLA_KEYSM=1``), ``sparse_rs`` the sparse ping-pong steps over the FP8 caches
-(``TORCH_MLA_SPARSE_KEYSM_RS=1``; not yet checked on a GPU); decode and combine alone
+(``TORCH_MLA_SPARSE_KEYSM_RS=1``), ``sparse_producer`` the SM90 sparse steps with a producer
+warpgroup (``TORCH_MLA_SPARSE_PRODUCER=1``; the 16-bit caches and the 656-byte rows); decode
+and combine alone
 serve benchmarks. The variants are listed in
 torch_mla/ops/registry.py.
 

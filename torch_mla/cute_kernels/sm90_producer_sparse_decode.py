@@ -51,11 +51,10 @@ import os
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, const_expr
+from cutlass import Int32, const_expr
 
-from ..constants import BLOCK_M, D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import splitkv
-from .decode_base import aligned
 from .ptx import (
     cp_async_mbarrier_arrive,
     e4m3_store16,
@@ -64,7 +63,7 @@ from .ptx import (
     prefetch_l2,
 )
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_decode import N_TILES, MLADecodeSm90, shared_storage
+from .sm90_decode import N_TILES, MLADecodeSm90
 from .sm90_sparse_decode import TILE16, MLASparseDecodeSm90, gather16, row_source
 
 REGS = (56, 224)  # (producer, consumer) registers a thread after setmaxnreg
@@ -118,19 +117,9 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
         assert cache in CACHES, cache
         super().__init__(dtype, cache)
 
-    def _setup(self, mQ: cute.Tensor, mKV: cute.Tensor):
-        """sm90_sparse_decode's layouts and storage, and an "empty" mbarrier a buffer half (the
-        consumers' release)."""
-        loads, layouts = super()._setup(mQ, mKV)
-        dt = self.dtype
-        self.shared_storage = shared_storage(
-            sQ=aligned(dt, BLOCK_M * D_QK),
-            sK=aligned(dt, 2 * PAGE_SIZE * D_QK),
-            sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
-            sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],
-            barE=cute.struct.MemRange[cutlass.Int64, 4],
-        )
-        return loads, layouts
+    def _extra_storage(self) -> dict:
+        """An "empty" mbarrier a buffer half (the consumers' release)."""
+        return {"barE": cute.struct.MemRange[cutlass.Int64, 4]}
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free (one arrival: the consumers' release)."""

@@ -272,8 +272,13 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
             sK=aligned(dt, 2 * PAGE_SIZE * D_QK),
             sP0=aligned(dt, BLOCK_M * PAGE_SIZE),
             sBias=cute.struct.MemRange[Float32, 2 * PAGE_SIZE],  # (key, buffer): 0 or -inf
+            **self._extra_storage(),
         )
         return loads, layouts
+
+    def _extra_storage(self) -> dict:
+        """More shared-memory fields (name=type) after the bias rows: a subclass's."""
+        return {}
 
     @cute.jit
     def _next_page(self, mIdx, r: Int32, blk: Int32):
