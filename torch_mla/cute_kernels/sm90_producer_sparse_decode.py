@@ -155,7 +155,9 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
         parity.fill(0)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
-            # (the consumers read a request's scalars at min(r, last) too: _load_request)
+            # (the consumers read the first request's scalars at min(begin_req, last), the
+            # others' at r: the schedule keeps end_req <= last, so the two agree; the clamp only
+            # keeps a bad schedule from reading outside mLens)
             rr = cutlass.min(r, last)
             lo, hi = splitkv.segment(walk, r, mLens[rr], width,
                                      mNumSplits[rr + 1] - mNumSplits[rr])
@@ -206,6 +208,8 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             # Lane i < 16 loads the half's two scales of row 16 warp + i (8 bytes); the lanes
             # take them by shuffles after the wait (two words a lane instead of eight).
             row, ok = row_source(*rows, cute.arch.shuffle_sync(src, 16 * (warp % 2) + lane % 16))
+            # (lanes 16-31 load the same words as 0-15: predicating them off cost ptxas 32
+            # more bytes of spill)
             scales = ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok)
         cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + 2 * s + h, parity[2 * s + h])
         parity[2 * s + h] = parity[2 * s + h] ^ 1
