@@ -184,7 +184,7 @@ class DecodeConfig(DecodeStepConfig):
     entry: ClassVar[str] = "decode_base:compile_decode"
 
 
-# The sparse backends; each reads every cache format (SparseStepConfig.cache).
+# The sparse backends (SparseStepConfig: which cache formats each takes).
 SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
 # its ping-pong variant (at 64 columns its two warpgroups split the columns, 32 each)
