@@ -118,9 +118,22 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert comb["ld.global.nc"] == 0, comb
 
 
+# ptxas's figures for one entry of a PTX file, in the scripts below (run with python -c).
+PTXAS_FIGURES = r"""
+def ptxas_figures(f, entry):
+    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
+                         capture_output=True, text=True)
+    info = res.stderr.split(entry, 1)[1]
+    return {"registers": int(re.search(r"Used (\d+) registers", info).group(1)),
+            "spill": int(re.search(r"(\d+) bytes spill stores", info).group(1)),
+            "serialised": "C7512" in res.stderr or "C7520" in res.stderr}
+"""
+
+
 KEYSM_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
+""" + PTXAS_FIGURES + r"""
 dtype, causal, cache, columns = sys.argv[1], sys.argv[2] == "causal", sys.argv[3], int(sys.argv[4])
 backend, compute = sys.argv[5], sys.argv[6]
 registry.build(registry.DecodeStepConfig(backend, dtype, causal, kv_fp8=cache == "fp8",
@@ -139,12 +152,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
             found = re.findall(k, ptx)
             counts[k] = sorted(set(found)) if "(" in k else len(found)
         if shutil.which("ptxas"):
-            res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
-                                 capture_output=True, text=True)
-            info = res.stderr.split("MLADecodeSm90KeysM", 1)[1]
-            ptxas["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
-            ptxas["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-            ptxas["serialised"] = "C7512" in res.stderr or "C7520" in res.stderr
+            ptxas = ptxas_figures(f, "MLADecodeSm90KeysM")
 print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
@@ -322,6 +330,7 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
 PRODUCER_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
+""" + PTXAS_FIGURES + r"""
 registry.build(registry.SparseStepConfig("sm90_producer", sys.argv[1], sys.argv[2]), "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
@@ -334,12 +343,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
         if shutil.which("ptxas"):
-            res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
-                                 capture_output=True, text=True)
-            info = res.stderr.split("MLASparseDecodeSm90Producer", 1)[1]
-            ptxas["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
-            ptxas["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-            ptxas["serialised"] = "C7512" in res.stderr or "C7520" in res.stderr
+            ptxas = ptxas_figures(f, "MLASparseDecodeSm90Producer")
 print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 

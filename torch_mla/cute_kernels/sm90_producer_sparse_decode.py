@@ -111,7 +111,6 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
     # producer thread after its stores and its fence (and its cp.async copies, tracked by
     # cp.async.mbarrier.arrive, which adds no expected arrival).
     k_arrivals = PRODUCER_THREADS
-    cp_async_tiles = True
 
     def __init__(self, dtype, cache: str = "plain"):
         assert cache in CACHES, cache
@@ -183,10 +182,12 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
               parity, warp):
         """Half h of buffer s from the 64 keys whose slots the lanes hold (keys lane and
         lane + 32), by the producer warpgroup, once the consumers released it. The 656-byte
-        rows: each thread first loads its 8 chunks of 16 fp8 bytes (rows 16 warp + 2 j + p,
-        chunk k: chunk_of_lane) and each row's scale of the chunk's group into registers, so
-        that the loads are in flight while the half is still in use; then waits, and stores
-        each value times its scale, rounded to bf16 (ptx.e4m3_store16), to its swizzled place;
+        rows: each thread first loads the first AHEAD of its 8 chunks of 16 fp8 bytes (rows
+        16 warp + 2 j + p, chunk k: chunk_of_lane) and two scale words into registers and
+        prefetches the other chunks' lines into L2, so that the loads are in flight while the
+        half is still in use; then waits, and stores each value times its row's scale (taken
+        by shuffle), rounded to bf16 (ptx.e4m3_store16), to its swizzled place, loading the
+        chunk AHEAD steps on as it goes;
         over half 1 the bf16 rope tile by cp.async (gather16). The 16-bit cache: the half's
         tiles by cp.async. Warp 0 writes buffer s's bias row with half 0. Every thread then
         fences its writes for the async proxy and arrives on the half's tile mbarrier, which
@@ -234,11 +235,11 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                              cutlass.select_(k < 8, pair[0], pair[1]), early=True)
             if const_expr(h == 1):  # (last: its addresses would hold registers beside words)
                 gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)],
-                         warp, 4)
+                         warp)
                 cp_async_mbarrier_arrive(bar.toint())
         else:
             t0, t1 = (0, 4) if h == 0 else (4, N_TILES)
-            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t0, t1)], warp, 4)
+            gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t0, t1)], warp)
             cp_async_mbarrier_arrive(bar.toint())
         cute.arch.fence_view_async_shared()
         cute.arch.mbarrier_arrive(bar)

@@ -131,27 +131,25 @@ def row_source(base: Int64, row_stride: Int64, page_stride: Int64, slot: Int32):
     return (base + cutlass.select_(ok, off, Int64(0)), cutlass.select_(ok, Int32(16), Int32(0)))
 
 
-def warp_steps(steps: int, warp, n_warps: int = 4) -> list:
+def warp_steps(steps: int, warp) -> list:
     """The steps (j, h) of a gather of `steps` steps (16 for a 16-bit tile, 8 for an fp8 one)
-    that one warp issues: all of them (warp None), or with n_warps warps (2 or 4) sharing the
-    copies, warp w's share, j = w + n_warps i. h = j // (steps / 2): which of a lane's two
-    entries (keys lane, lane + 32) names the step's rows; a compile-time value either way
-    (w < n_warps, which divides steps / 2)."""
+    that one warp issues: all of them (warp None), or with four warps sharing the copies, warp
+    w's quarter, j = w + 4 i. h = j // (steps / 2): which of a lane's two entries (keys lane,
+    lane + 32) names the step's rows; a compile-time value either way (w < 4)."""
     if warp is None:
         return [(j, j // (steps // 2)) for j in range(steps)]
-    assert (steps // 2) % n_warps == 0, (steps, n_warps)
-    return [(warp + n_warps * i, n_warps * i // (steps // 2)) for i in range(steps // n_warps)]
+    return [(warp + 4 * i, 4 * i // (steps // 2)) for i in range(steps // 4)]
 
 
 @cute.jit
-def gather16(slots, rows, tiles, warp=None, n_warps: cutlass.Constexpr[int] = 4):
+def gather16(slots, rows, tiles, warp=None):
     """One warp: the 16-bit tiles `tiles` ((shared address of a 64-key x 64-column tile, byte
     offset of its columns in a cache row)) of the 64 keys whose slots the lanes hold (slots:
     keys lane and lane + 32; rows: the cache's (base address, row stride, page stride) in
     bytes), each row's chunks to their swizzled places (gather_offsets); warp: this warp's
-    share of the rows when n_warps warps copy the tiles together (warp_steps), or None."""
+    quarter of the rows when four warps copy the tiles together (warp_steps), or None."""
     lane = cute.arch.lane_idx()
-    for j, h in warp_steps(ROWS_PER_LANE, warp, n_warps):
+    for j, h in warp_steps(ROWS_PER_LANE, warp):
         row, c, dst = gather_offsets(lane, j)
         # Row `row`'s entry is slots[row // 32] (= h) of lane row % 32.
         src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
@@ -160,13 +158,13 @@ def gather16(slots, rows, tiles, warp=None, n_warps: cutlass.Constexpr[int] = 4)
 
 
 @cute.jit
-def gather8(slots, rows, tiles, rope=None, warp=None, n_warps: cutlass.Constexpr[int] = 4):
+def gather8(slots, rows, tiles, rope=None, warp=None):
     """gather16 for fp8 tiles (64 keys x 64 bytes, unswizzled: gather8_offsets); rope: the
     shared address of a 16-bit tile that takes the 656-byte rows' bf16 rope values (bytes
     FP8_DS_MLA_ROPE_AT on), two chunks a lane and row (c, c + 4) from the same row addresses,
     or None."""
     lane = cute.arch.lane_idx()
-    for j, h in warp_steps(PAGE_SIZE // 8, warp, n_warps):
+    for j, h in warp_steps(PAGE_SIZE // 8, warp):
         row, c, dst = gather8_offsets(lane, j)
         src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
         for t in cutlass.range_constexpr(len(tiles)):
@@ -291,41 +289,31 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
     @cute.jit
     def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
-        """The four warps of a warpgroup (load_warps), a quarter of the rows each: tiles
-        [t_begin, t_end) of the 64 keys block `page` names (a number, or _next_page's (number,
-        entries)) into buffer s (_gather). Each tile's mbarrier completes when every lane's
-        copies have landed and each warp has arrived after its stores (the bias row's among
-        them)."""
+        """The four warps of a warpgroup (load_warps), a quarter of the rows each (warp_steps):
+        tiles [t_begin, t_end) of the 64 keys block `page` names (a number, or _next_page's
+        (number, entries)) into buffer s, by cp.async copies: 16-bit tiles to
+        their swizzled places (gather_offsets: 4 rows x 128 bytes an instruction), fp8 tiles
+        to their staging bytes (gather8_offsets, fp8_tile_offset: 8 rows x 64 bytes), and for
+        the 656-byte rows the half's two scales of each row (8 bytes, at group_scale_offset).
+        An entry that names no key gets zero bytes and reads nothing. With tile 0, also buffer
+        s's bias row (warp 0). Each tile's mbarrier completes when every lane's copies have
+        landed and each warp has arrived after its stores (the bias row's among them)."""
         if const_expr(isinstance(page, tuple)):
             slots = [page[1], page[2]]
         else:
             slots = list(self._entries(page))
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
-        self._gather(mKV, slots, s, t_begin, t_end, warp, 4)
-        self._arrive_gathered([barK + s * N_TILES + t for t in range(t_begin, t_end)])
-
-    @cute.jit
-    def _gather(self, mKV, slots, s, t_begin: cutlass.Constexpr[int],
-                t_end: cutlass.Constexpr[int], warp, n_warps: cutlass.Constexpr[int]):
-        """Warp `warp` of the n_warps that share the copies (warp_steps): tiles [t_begin,
-        t_end) of the 64 keys whose slots the lanes hold (keys lane and lane + 32) into buffer
-        s (a compile-time or runtime 0 or 1), by cp.async copies: 16-bit tiles to their
-        swizzled places (gather_offsets: 4 rows x 128 bytes an instruction), fp8 tiles to their
-        staging bytes (gather8_offsets, fp8_tile_offset: 8 rows x 64 bytes), and for the
-        656-byte rows the half's two scales of each row (8 bytes, at group_scale_offset). An
-        entry that names no key gets zero bytes and reads nothing. With tile 0, also buffer
-        s's bias row (warp 0). No arrival: the caller's."""
         lane = cute.arch.lane_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx()) % 4
         if const_expr(t_begin == 0):
             if warp == 0:
                 self._write_bias(
                     self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
                     s * PAGE_SIZE, slots, lane)
-        buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
+        buf = self.d_k_base.toint() + s * PAGE_SIZE * D_QK * 2
         rows = self._cache_rows(mKV)
         if const_expr(self.cache == "plain"):
             gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t_begin, t_end)],
-                     warp, n_warps)
+                     warp)
         else:
             # The e4m3 tiles' bytes to their staging places; the 656-byte rows' rope tile (bf16
             # values at byte FP8_DS_MLA_ROPE_AT) to its 16-bit place.
@@ -334,7 +322,7 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
             if const_expr(self.cache == "fp8_ds_mla" and t_end == N_TILES):
                 rope = buf + (N_TILES - 1) * TILE16
             gather8(slots, rows, [(buf + fp8_tile_offset(self.cache, t), t * 64)
-                                  for t in range(t8[0], t8[1])], rope, warp, n_warps)
+                                  for t in range(t8[0], t8[1])], rope, warp)
         if const_expr(self.cache == "fp8_ds_mla"):
             # Each half's scales (groups 2 h, 2 h + 1) of rows lane and lane + 32 (warp 0).
             if warp == 0:
@@ -344,6 +332,7 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
                         if const_expr(t_begin < 4 * h + 4 and 4 * h < t_end):
                             cp_async8(buf + group_scale_offset(h) + 8 * (lane + 32 * r),
                                       src + FP8_DS_MLA_SCALES_AT + 8 * h, size // 2)
+        self._arrive_gathered([barK + s * N_TILES + t for t in range(t_begin, t_end)])
 
     @cute.jit
     def _mask(self, acc_S, blk: Int32, border, min_border: Int32, c0: Int32,
