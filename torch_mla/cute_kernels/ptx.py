@@ -121,7 +121,7 @@ def lds128(addr: Int32, *, loc=None, ip=None):
 
 
 def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
-              early: bool = False, int_bf16: bool = False) -> str:
+              early: bool = False) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
     value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
@@ -141,13 +141,7 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
     the kernels never read a byte that no entry names.
 
     early: values 0-7 are stored as soon as they are converted (fewer registers live at once:
-    the sparse producer warpgroup's 56).
-
-    int_bf16 (bf16, hw, unscaled): cvt's f16 -> bf16 by integer operations instead of the f32
-    route (_e4m3_bf16_lines)."""
-    if int_bf16:
-        assert to_bf16 and hw and not scaled
-        return _e4m3_bf16_lines(early)
+    the sparse producer warpgroup's 56)."""
     lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>;",
              ".reg .f32 fl<8>, fu<8>, sc;"]
     if not hw:
@@ -180,48 +174,15 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
     return "\n".join(lines)
 
 
-# 2^112 and -0.0 in both bf16 halves (-0: an fma's addend that changes no product, the sign of
-# a zero included).
-_BF16X2_2_112, _BF16X2_NEG0 = "0x77807780", "0x80008000"
-
-
-def _e4m3_bf16_lines(early: bool) -> str:
-    """_e4m3_asm's int_bf16 form (SM89+, unscaled; same operands): each pair of values by one
-    cvt (exact f16), three integer operations and one fma. An f16 value v with at most 4
-    significant bits (every e4m3 value) is, with its exponent and mantissa fields moved down 3
-    bits and its sign kept, the bf16 value v 2^-112, exactly and normal (|v| >= 2^-9); the
-    upper half's low 3 bits are zero, so one shift moves both halves. The fma (bf16x2) times
-    2^112 is exact. Same values as the f32 route, with one cvt a pair instead of four: SM90
-    issues cvt at a quarter of the integer rate, but it is one instruction more a pair (where
-    issue slots bound, as in the sparse kernel's gather, the f32 route measured faster;
-    docs/kernel-notes.md). tests/test_fp8_bits.py models it over every e4m3 value."""
-    lines = ["{", ".reg .b16 a<8>;", ".reg .b32 h<8>, t<8>, k, z;",
-             f"mov.b32 k, {_BF16X2_2_112};", f"mov.b32 z, {_BF16X2_NEG0};"]
-    for w in range(4):
-        lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
-    for i in range(8):
-        lines += [f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};", f"and.b32 t{i}, h{i}, 0x7fff7fff;",
-                  f"shr.b32 t{i}, t{i}, 3;",
-                  f"lop3.b32 t{i}, t{i}, h{i}, 0x80008000, 0xf8;",  # t | (h & sign bits)
-                  f"fma.rn.bf16x2 h{i}, t{i}, k, z;"]
-        if early and i == 3:
-            lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
-    if not early:
-        lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
-    lines += ["st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
-    return "\n".join(lines)
-
-
 @dsl_user_op
 def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
-                 early: bool = False, int_bf16: bool = False, *, loc=None, ip=None) -> None:
+                 early: bool = False, *, loc=None, ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
     (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
-    integer ops; early: values 0-7 stored before 8-15 are converted; int_bf16: bf16 from cvt's
-    f16 by integer operations (see _e4m3_asm)."""
+    integer ops; early: values 0-7 stored before 8-15 are converted (see _e4m3_asm)."""
     regs = [dst0, dst1, *words] + ([] if scale is None else [scale])
     args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
-    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early, int_bf16),
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early),
                     ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 

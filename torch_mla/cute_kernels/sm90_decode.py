@@ -259,11 +259,6 @@ class MLADecodeSm90(DecodeKernel):
     load_warps = 1
     # kv_fp8 over the 656-byte rows (the sparse subclass): see _expand_half.
     group_scales = False
-    # kv_fp8 with bf16: the expansion's f16 -> bf16 by integer operations (ptx.e4m3_store16's
-    # int_bf16: one cvt a pair of values instead of four, one instruction more). H100, b 128,
-    # s_k 8192, same run: 9-12% faster here; the sparse subclass, whose consumers also issue
-    # the gather, measured 5-7% slower with it and keeps the f32 route (kernel-notes).
-    int_bf16 = True
     # A producer warpgroup (WG2, launched beside the two consumer warpgroups; the sparse
     # producer subclass): it fills the page buffers (and expands fp8 ones) over the same walk,
     # the consumers' _load_tiles only release buffer halves to it, and regs is the
@@ -899,9 +894,8 @@ class MLADecodeSm90(DecodeKernel):
                 scale = None
                 if const_expr(self.group_scales):
                     scale = scales[2 * (w // 4) + w % 2]
-                bf16 = self.dtype == cutlass.BFloat16
-                e4m3_store16(half + d0, half + d1, words[w], bf16, scale,
-                             int_bf16=bf16 and self.int_bf16 and scale is None)
+                e4m3_store16(half + d0, half + d1, words[w], self.dtype == cutlass.BFloat16,
+                             scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 

@@ -250,9 +250,6 @@ class MLASparseDecodeSm90(GatheredEntries, MLADecodeSm90):
     # one elected lane arrive on the half's tile mbarriers.
     load_warps = 4
     k_arrivals = 4 * GatheredEntries.k_arrivals
-    # The e4m3 cache's expansion keeps the f32 route: with the gather's instructions beside it
-    # the integer one measured 5-7% slower (sm90_decode.MLADecodeSm90.int_bf16).
-    int_bf16 = False
 
     def __init__(self, dtype, cache: str = "plain"):
         """cache: one of sm80_sparse_decode.CACHE_FORMATS (the FP8 ones expanded in shared
