@@ -359,8 +359,8 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     16-bit cache 4 copies a tile and thread by cp.async. The copies are tracked by
     cp.async.mbarrier.arrive (not .noinc); setmaxnreg on both sides; no local memory in the
     PTX, no call. ptxas (where installed): no serialised wgmma; the 16-bit cache no spill, the
-    656-byte rows at most 180 bytes (the producer's 56 registers: session 27, not placed: no
-    disassembler here)."""
+    656-byte rows at most 132 bytes at AHEAD 2 (the producer's 56 registers: session 27, not
+    placed: no disassembler here)."""
     from torch_mla.cute_kernels.sm90_producer_sparse_decode import AHEAD
 
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
@@ -384,7 +384,7 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     if p:
         # (setmaxnreg's split, REGS, assumes 168 a thread at launch: 56 x 128 + 224 x 256)
         assert not p["serialised"] and p["registers"] == 168, p
-        assert p["spill"] <= (180 if ds else 0), p
+        assert p["spill"] <= ((132 if AHEAD == 2 else 324) if ds else 0), p
 
 
 KEYSM_SPARSE_SCRIPT = r"""

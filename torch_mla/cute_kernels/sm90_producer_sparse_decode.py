@@ -28,17 +28,21 @@ The consumers run the dense kernel's code unchanged but for that release, a barr
 sm90_decode.MLADecodeSm90). setmaxnreg gives the consumers 224 registers and the producer 56
 (REGS: 168 a thread at launch).
 
-History and status (session 27): the first version gathered the fp8 bytes by cp.async after
+History and status (sessions 27-28): the first version gathered the fp8 bytes by cp.async after
 the release and had two of the producer's warps expand them in place (the dense kernel's
 schedule, in waves with barriers): correct (146 GPU tests, memcheck clean), but 10% slower than
 the heads-on-M kernel at b 128 (H100, h_q 64 over the 656-byte rows: 181.9 against 165.0 us),
 and with every entry -1 (nothing read) 156.9 us against 93.5 over the bf16 cache: the in-place
-expansion by 64 threads bound it. This version (registers, no in-place pass) is compiled only:
-no machine could be started again that session. ptxas spills 180 bytes in it at AHEAD 4 (0
-without the conversion; 132 at AHEAD 2, 324 at 8): the producer's 56 registers are the limit,
-and the consumers need their 224 (at 216 they spill). TORCH_MLA_DEV_AHEAD sets AHEAD at import,
-a developer knob for the A/B (tools/gpu_sparse.sh producer_ahead): a build with another value
-must use its own TORCH_MLA_CACHE_DIR, since the cache key does not include it.
+expansion by 64 threads bound it. This version (registers, no in-place pass) ran in session 28
+(H100): slower still at every row, more so the more steps it holds (b 128 h_q 64: 235 / 251 /
+294 us at AHEAD 2 / 4 / 8 against the heads-on-M kernel's 165; FlashMLA ~130). ptxas spills
+180 bytes in it at AHEAD 4 (0 without the conversion; 132 at AHEAD 2, 324 at 8): the
+producer's 56 registers are the limit, and the consumers need their 224 (at 216 they spill).
+FlashMLA's producer has 152, beside consumers of 192 and 160 (one computes S and the softmax);
+see docs/kernel-notes.md. Kept opt-in as the base of that split. TORCH_MLA_DEV_AHEAD sets
+AHEAD at import, a developer knob for the A/B (tools/gpu_sparse.sh producer_ahead): a build
+with another value must use its own TORCH_MLA_CACHE_DIR, since the cache key does not include
+it.
 
 Limits: as sm90_sparse_decode.py (h_q any, as 64-row m-blocks; s_q any; topk any), over the
 bf16/fp16 cache or the 656-byte rows (bf16 q); the e4m3 cache takes the heads-on-M kernel.
@@ -70,8 +74,9 @@ REGS = (56, 224)  # (producer, consumer) registers a thread after setmaxnreg
 PRODUCER_THREADS = 128
 # Steps (of 8, two rows a warp each) of a half's fp8 chunks a producer thread holds in
 # registers across the wait for the half's release; the others' lines go to L2 meanwhile, and
-# after the wait each stored step loads the one AHEAD steps on (the registers: REGS' 56).
-AHEAD = int(os.environ.get("TORCH_MLA_DEV_AHEAD", "4"))  # (a developer knob: see above)
+# after the wait each stored step loads the one AHEAD steps on (the registers: REGS' 56). 2
+# measured fastest of 2, 4 and 8 (session 28, docs/benchmarks-h100.md).
+AHEAD = int(os.environ.get("TORCH_MLA_DEV_AHEAD", "2"))  # (a developer knob: see above)
 CACHES = ("plain", "fp8_ds_mla")
 
 
