@@ -115,12 +115,20 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, k
     return out, lse
 
 
+def _no_reference_warning(**kw):
+    """mla_decode_sparse(**kw), asserting that it warned of no reference fallback. Warnings are
+    recorded, not raised: a variant compiled on first use may warn from the DSL (session 28's
+    run failed five cases so where the kernel cache lacked the variant)."""
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        torch_mla.mla_decode_sparse(**kw)
+    assert not [w for w in seen if "reference" in str(w.message)], [str(w.message) for w in seen]
+
+
 def test_the_kernel_runs_not_the_reference(backend):
     q, cache, idx, lens, _ = _case(16, 1, 64)
     assert sparse_ops.sparse_backend(q, cache, 512) == (backend, "")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens)
+    _no_reference_warning(q=q, kv_cache=cache, indices=idx, topk_length=lens)
 
 
 @pytest.mark.parametrize("h_q,s_q,topk", GRID)
@@ -279,9 +287,7 @@ def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
         pytest.skip("the producer variant takes the 656-byte rows, not the e4m3 cache")
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
     assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
-    with warnings.catch_warnings():
-        warnings.simplefilter("error")
-        torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)
+    _no_reference_warning(q=q, kv_cache=cache, indices=idx, topk_length=lens, kv_scale=kv_scale)
 
 
 # The issue's grid on both formats in bf16 (h_q 1, 16, 32, 64, 128 x s_q 1, 2 x topk 64, 2048),
