@@ -193,8 +193,10 @@ def _set_env(values: dict) -> None:
 
 def _column(kernel: str) -> str:
     """The SPARSE_KERNEL_ENV column a kernel the dispatch took is timed in: a variant that a
-    developer flag puts in its kernel's place (sm90_keysm_rs, sm90_producer) in that kernel's."""
-    return {"sm90_keysm_rs": "sm90_keysm", "sm90_producer": "sm90"}.get(kernel, kernel)
+    developer flag puts in its kernel's place (sm90_keysm_rs, sm90_producer, sm90_split) in that
+    kernel's."""
+    return {"sm90_keysm_rs": "sm90_keysm", "sm90_producer": "sm90",
+            "sm90_split": "sm90"}.get(kernel, kernel)
 
 
 def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:

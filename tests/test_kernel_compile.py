@@ -331,11 +331,12 @@ PRODUCER_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
 """ + PTXAS_FIGURES + r"""
-registry.build(registry.SparseStepConfig("sm90_producer", sys.argv[1], sys.argv[2]), "sm_90a")
+backend, cls = sys.argv[3], sys.argv[4]  # ("sm90_producer", its class name) or the split's
+registry.build(registry.SparseStepConfig(backend, sys.argv[1], sys.argv[2]), "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     for ptx in open(f).read().split(".entry ")[1:]:
-        if "MLASparseDecodeSm90Producer" not in ptx.split("(", 1)[0]:
+        if cls not in ptx.split("(", 1)[0]:
             continue
         for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
                   "mul.rn.f32", "cp.async.mbarrier.arrive.shared", "prefetch.global.L2",
@@ -343,7 +344,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
         if shutil.which("ptxas"):
-            ptxas = ptxas_figures(f, "MLASparseDecodeSm90Producer")
+            ptxas = ptxas_figures(f, cls)
 print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
@@ -365,7 +366,8 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
 
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache], env=env,
+    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache,
+                          "sm90_producer", "MLASparseDecodeSm90Producer"], env=env,
                          capture_output=True, text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
@@ -386,6 +388,44 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
         assert not p["serialised"] and p["registers"] == 168, p
         assert p["spill"] <= ((132 if AHEAD == 2 else 324) if ds else 0), p
 
+
+
+@pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
+def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
+    """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
+    opt-in, compiled only): the producer's fills as above (ahead 2 of the 8 steps held across
+    the release), WG0's Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in
+    the three inlined block sites (two a loop step and an odd last block): 3 x (36 + 4 + 4)
+    wgmma; setmaxnreg in the three warpgroups, REGS summing to 3 x 168 (the increases take
+    what the decrease frees). ptxas (where installed): 168 registers at launch, no serialised
+    wgmma (C7512: the consumers' budget too small), spill at most 28 bytes over the 656-byte
+    rows and none over the 16-bit cache."""
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
+
+    assert sum(REGS) == 3 * 168, REGS
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import MLASparseDecodeSm90Split
+
+    ahead = MLASparseDecodeSm90Split.ahead
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache,
+                          "sm90_split", "MLASparseDecodeSm90Split"], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    c, p = got["counts"], got["ptxas"]
+    assert c["wgmma.mma_async"] == 3 * (36 + 4 + 4), c
+    ds = cache == "fp8_ds_mla"
+    assert c["cp.async.cg.shared.global"] == (2 * 4 if ds else 2 * 4 * (4 + 5)), c
+    assert c["ld.global.nc.L1::no_allocate.v4"] == (4 * 8 if ds else 0), c
+    assert c["prefetch.global.L2"] == (4 * (8 - ahead) if ds else 0), c
+    assert c["cvt.rn.f16x2.e4m3x2"] == (4 * 8 * 8 if ds else 0), c
+    assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
+    assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
+    print(f"sm90_split {dtype} {cache}: ptxas {p}")
+    if p:
+        assert not p["serialised"] and p["registers"] == 168, p
+        assert p["spill"] <= (28 if ds else 0), p
 
 KEYSM_SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys

@@ -379,6 +379,10 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 producer = want == "sm90" and fmt != "fp8"  # (not over e4m3)
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
                     "sm90_producer" if producer else want, ""), (flag, fmt, h_q)
+                # =split: its variant with FlashMLA's warpgroup split, the same places
+                monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "split")
+                assert sparse_ops.sparse_backend(q, cache, 512) == (
+                    "sm90_split" if producer else want, ""), (flag, fmt, h_q)
                 monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
                 # TORCH_MLA_SPARSE_KEYSM_RS=1: its ping-pong variant, the FP8 caches, every
                 # h_q (64 columns from 33 heads, a CTA per 64 heads above 64), on sm_90a

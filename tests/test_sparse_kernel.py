@@ -38,21 +38,23 @@ def _take(kernel: str, monkeypatch) -> str:
     of those, not 0 for "sm90_keysm" (sm_90a only), which takes h_q <= 32, and
     TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: the FP8 caches,
     every h_q): the other shapes' cases skip (check_against_fp64); "sm90_producer" as "sm90"
-    with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant)."""
+    with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant), "sm90_split" with
+    =split (FlashMLA's warpgroup split)."""
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
-    sm90 = kernel in ("sm90", "sm90_producer")
+    sm90 = kernel in ("sm90", "sm90_producer", "sm90_split")
     if sm90 or keysm:
         if not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0):
             pytest.skip("the SM90 sparse kernels need compute capability 9.0")
     monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", "1" if sm90 else "0")
-    monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "1" if kernel == "sm90_producer" else "0")
+    monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", {"sm90_producer": "1",
+                                                     "sm90_split": "split"}.get(kernel, "0"))
     monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM", "1" if keysm else "0")
     monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1" if kernel == "sm90_keysm_rs" else "0")
     _TAKEN["kernel"] = kernel
     return kernel
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer", "sm90_split"])
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
     yield _take(request.param, monkeypatch)
@@ -96,7 +98,7 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, k
     copies (an FP8 cache decoded from its bytes): bf16/fp16 output rounding, fp32 lse; +inf
     exactly where a token uses no entry."""
     taken = sparse_ops.sparse_backend(q, kv_cache, 512)[0]
-    if (_TAKEN["kernel"] in ("sm90_keysm", "sm90_keysm_rs", "sm90_producer")
+    if (_TAKEN["kernel"] in ("sm90_keysm", "sm90_keysm_rs", "sm90_producer", "sm90_split")
             and taken != _TAKEN["kernel"]):
         pytest.skip(f"the {_TAKEN['kernel']} sparse kernel does not take this shape ({taken} "
                     "would run)")
@@ -274,7 +276,8 @@ def test_m_block_edges_and_every_entry_kind(backend, h_q):
 FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", torch.bfloat16)]
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer",
+                        "sm90_split"])
 def fp8_kernel(request, monkeypatch):
     """The kernel the FP8 cases run (_take)."""
     yield _take(request.param, monkeypatch)
@@ -283,8 +286,8 @@ def fp8_kernel(request, monkeypatch):
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
 def test_fp8_runs_the_kernel_not_the_reference(fp8_kernel, fmt, dtype):
-    if fp8_kernel == "sm90_producer" and fmt == "fp8":
-        pytest.skip("the producer variant takes the 656-byte rows, not the e4m3 cache")
+    if fp8_kernel in ("sm90_producer", "sm90_split") and fmt == "fp8":
+        pytest.skip("the producer variants take the 656-byte rows, not the e4m3 cache")
     q, cache, idx, lens, _, kv_scale = _case(16, 1, 64, fmt, dtype=dtype, scale=True)
     assert sparse_ops.sparse_backend(q, cache, 512) == (fp8_kernel, "")
     _no_reference_warning(q=q, kv_cache=cache, indices=idx, topk_length=lens, kv_scale=kv_scale)

@@ -28,6 +28,12 @@
 #             and without the flag; producer_ahead: the A/B of its AHEAD (2, 4, 8: the
 #             TORCH_MLA_DEV_AHEAD knob, each build in its own cache directory) against the SM90
 #             kernel, then bench_sparse_patterns.py with the flag (FlashMLA beside it)
+#   split     the SM90 kernel's variant with FlashMLA's warpgroup split
+#             (TORCH_MLA_SPARSE_PRODUCER=split, sm90_split_sparse_decode.py; compiled only until
+#             it runs): the tests, an A/B against the SM90 and producer kernels over the
+#             656-byte rows (tools/sparse_rows.py split / sm90 / producer, alternated twice),
+#             memcheck over the 656-byte rows at h_q 16 and 100, then bench_sparse_patterns.py
+#             with the flag (FlashMLA beside it)
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -75,6 +81,9 @@ case $kernel in
   producer) sel=sm90_producer; smoke="sm90_producer and (runs_not_the_reference or grid_matches_fp64 and 64-1-2048)"
             cache="fp8_ds_mla"; groups=sparse,sparse_producer,schedule,append_kv
             flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=1) ;;
+  split)    sel=sm90_split; smoke="sm90_split and (runs_not_the_reference or grid_matches_fp64 and 64-1-2048)"
+            cache="fp8_ds_mla"; groups=sparse,sparse_producer,sparse_split,schedule,append_kv
+            flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split) ;;
   producer_bench)
     preamble flashmla-sm90-sparse
     python -c "import flash_mla" 2>/dev/null || echo "(flash_mla does not import: no peer column)"
@@ -125,7 +134,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
@@ -133,10 +142,12 @@ run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels "$grou
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
   -k "$smoke"
 stop_if_hung smoke
-if [[ $kernel == producer ]]; then  # the A/B first: a number even if a later stage hangs
+if [[ $kernel == producer || $kernel == split ]]; then  # the A/B first: a number even if a
+  # later stage hangs
   ROWS="2,1,64 32,1,64 128,1,64 128,2,64 2,1,128 32,1,128 128,1,128"
+  modes="producer sm90"; [[ $kernel == split ]] && modes="split sm90 producer"
   for round in 1 2; do
-    for mode in producer sm90; do
+    for mode in $modes; do
       run "ab_${mode}_$round" 60 env TAG="r$round" python -m tools.sparse_rows $mode 656 $ROWS
       stop_if_hung "ab_${mode}_$round"
     done
@@ -149,9 +160,13 @@ for c in $cache; do  # (memcheck_e4m3.log, ... where there are two)
   [[ $cache == "$c" ]] || MEMCHECK_NAME=memcheck_$c
   memcheck 60 env "${flag[@]}" python -m tools.sparse_memcheck --cache "$c"
 done
-if [[ $kernel == producer ]]; then  # (two m-blocks a token, the second with 36 heads)
+if [[ $kernel == producer || $kernel == split ]]; then  # (two m-blocks a token, the second
+  # with 36 heads)
   MEMCHECK_NAME=memcheck_100 memcheck 45 env "${flag[@]}" python -m tools.sparse_memcheck \
     --cache fp8_ds_mla --heads 100
+  if [[ $kernel == split ]]; then
+    run pat 120 env "${flag[@]}" python benchmarks/bench_sparse_patterns.py
+  fi
 elif [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
   # two CTAs of 64 a token; =32: 64 heads as two CTAs of 32)
   for h in 24 64 100; do

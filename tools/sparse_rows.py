@@ -10,6 +10,7 @@ MODE picks the kernel through the dispatch's environment flags:
               two CTAs of 32 columns, each a ping-pong, instead of one of two 32-column halves)
     sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1)
     producer  its variant with a producer warpgroup (the same and TORCH_MLA_SPARSE_PRODUCER=1)
+    split     the same with FlashMLA's warpgroup split (TORCH_MLA_SPARSE_PRODUCER=split)
     portable  the portable kernel (both 0)
 FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).
 TOPK defaults to 2048 and S_K to 32768 (the issue's V3.2 shapes).
@@ -33,11 +34,13 @@ MODES = {
     "sm90": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1"},
     "producer": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1",
                  "TORCH_MLA_SPARSE_PRODUCER": "1"},
+    "split": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1",
+              "TORCH_MLA_SPARSE_PRODUCER": "split"},
     "portable": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "0"},
 }
 # the kernel each mode asks for (ops.sparse.sparse_backend's names)
 KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "rs32": "sm90_keysm_rs", "sm90": "sm90",
-           "producer": "sm90_producer", "portable": "sm80"}
+           "producer": "sm90_producer", "split": "sm90_split", "portable": "sm80"}
 # bytes of a cache row, by format
 ROW_BYTES = {"bf16": 1152, "e4m3": 576, "656": 656}
 

@@ -2,7 +2,7 @@
 
     python -m torch_mla.precompile [--arch sm_90a] [--dtypes bf16,fp16] [--causal both]
                                    [--kernels step,fp8_step,fp8_fast,sparse,sparse_rs,
-                                              sparse_producer,keysm,keysm64,
+                                              sparse_producer,sparse_split,keysm,keysm64,
                                               keysm_rs,keysm_fast,decode,combine,portable,
                                               schedule,append_kv]
                                    [--jobs N]
@@ -21,7 +21,8 @@ bf16/fp16/fp32 sources and int32/int64 slots. ``portable`` adds the portable dec
 sm_90a (``TORCH_MLA_PORTABLE=1``), ``keysm64`` the keys-on-M steps of 64 columns
 (``TORCH_MLA_KEYSM=1``), ``sparse_rs`` the sparse ping-pong steps over the FP8 caches
 (``TORCH_MLA_SPARSE_KEYSM_RS=1``), ``sparse_producer`` the SM90 sparse steps with a producer
-warpgroup (``TORCH_MLA_SPARSE_PRODUCER=1``; the 16-bit caches and the 656-byte rows); decode
+warpgroup (``TORCH_MLA_SPARSE_PRODUCER=1``; the 16-bit caches and the 656-byte rows),
+``sparse_split`` those with FlashMLA's consumer split (``TORCH_MLA_SPARSE_PRODUCER=split``); decode
 and combine alone
 serve benchmarks. The variants are listed in
 torch_mla/ops/registry.py.

@@ -266,6 +266,12 @@ class MLADecodeSm90(DecodeKernel):
     producer = False
     consumer_threads = 256
     regs = None
+    # The split subclass (a producer subclass too): WG0 runs every block's Q K^T and softmax
+    # and O's left half, WG1 O's right half (_split_blocks).
+    split = False
+    # Q K^T's RoPE tile from registers (rQ8: its shared-memory tile holds P1); False: from
+    # shared memory like the others (the split subclass, which has no P1).
+    rope_in_regs = True
 
     def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype
@@ -524,7 +530,13 @@ class MLADecodeSm90(DecodeKernel):
                 cute.arch.setmaxregister_decrease(self.regs[0])
                 self._produce(walk, tKgK, barK)
         else:
-            if const_expr(self.producer):
+            if const_expr(self.producer and len(self.regs) == 3):
+                # (WG0, WG1 apart: the split subclass's consumers, regs = (producer, WG0, WG1))
+                if wg == 0:
+                    cute.arch.setmaxregister_increase(self.regs[1])
+                else:
+                    cute.arch.setmaxregister_decrease(self.regs[2])
+            elif const_expr(self.producer):
                 cute.arch.setmaxregister_increase(self.regs[1])
             # Scalars of the request a segment works on (L, its first two pages, its slot range),
             # loaded one segment ahead so that their latency hides behind the previous segment.
@@ -593,11 +605,21 @@ class MLADecodeSm90(DecodeKernel):
                     else:
                         cute.arch.mbarrier_wait(barQ, phase[2])
                         phase[2] = phase[2] ^ 1
-                        cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
+                        if const_expr(self.rope_in_regs):
+                            cute.copy(ld_Q8, ld_Q8.partition_S(sQ8), ld_Q8.retile(rQ8))
                         row_l2 = [scale_log2, scale_log2]
                     self._stamp(1)
 
-                    if wg == 0:
+                    if const_expr(self.split):
+                        # (the split subclass: WG0 computes every block's S and softmax, WG1
+                        # only its half of O)
+                        if wg == 0:
+                            cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
+                        self._split_blocks(
+                            wg, n, lo, hi, border, min_border, acc_S, acc_O, rP, row_sum, tSrQ,
+                            tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK,
+                            phase, r0, c0, wtid, row_l2)
+                    elif wg == 0:
                         cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,
                                  (0, 1, 2, 3, 4, 5, 6, 7, 8))
@@ -698,6 +720,9 @@ class MLADecodeSm90(DecodeKernel):
 
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup's walk (a producer subclass defines it)."""
+
+    def _split_blocks(self, *args):
+        """A segment's blocks on the split subclass's consumers (it defines them)."""
         raise NotImplementedError
 
     @cute.jit
@@ -810,11 +835,11 @@ class MLADecodeSm90(DecodeKernel):
         starts S from zero, last flips buffer s's wait parity."""
         atom = cute.make_mma_atom(self.d_tiled_qk_ss.op)
         atom_rs = None
-        if const_expr(not self.fast):
+        if const_expr(not self.fast and self.rope_in_regs):
             atom_rs = cute.make_mma_atom(self.d_tiled_qk_rs.op)
         if const_expr(fresh):
             fence_operand(acc_S)
-            if const_expr(not self.fast):
+            if const_expr(not self.fast and self.rope_in_regs):
                 fence_operand(rQ8)
         first = fresh
         for t in cutlass.range_constexpr(len(order)):
@@ -846,7 +871,7 @@ class MLADecodeSm90(DecodeKernel):
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(4):
                     k = tile * 4 + kk
-                    if const_expr(tile == N_TILES - 1):
+                    if const_expr(tile == N_TILES - 1 and self.rope_in_regs):
                         atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
                         cute.gemm(atom_rs, acc_S, rQ8[None, None, kk],
                                   tSrK_rs[None, None, k, s], acc_S)

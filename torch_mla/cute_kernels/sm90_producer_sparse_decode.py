@@ -117,6 +117,11 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
     # cp.async.mbarrier.arrive, which adds no expected arrival).
     k_arrivals = PRODUCER_THREADS
 
+    # Steps of a half's fp8 chunks held across the release (the module's AHEAD) and the order
+    # of a block's halves (a subclass with other consumers changes them).
+    ahead = AHEAD
+    fill_order = staticmethod(fill_order)
+
     def __init__(self, dtype, cache: str = "plain"):
         assert cache in CACHES, cache
         super().__init__(dtype, cache)
@@ -170,10 +175,10 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                 nxt = cutlass.min(blk + 1, hi - 1)
                 slots0 = list(self._entries(self._page(mIdx, r, blk)))
                 slots1 = list(self._entries(self._page(mIdx, r, nxt)))
-                for h in fill_order(0):
+                for h in self.fill_order(0):
                     self._fill(rows, slots0, 0, h, barK, parity, warp)
                 if blk + 1 < hi:
-                    for h in fill_order(1):
+                    for h in self.fill_order(1):
                         self._fill(rows, slots1, 1, h, barK, parity, warp)
 
     @cute.jit
@@ -207,7 +212,7 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             src = cutlass.select_(warp < 2, slots[0], slots[1])  # rows 16 warp .. + 15
             for j in cutlass.range_constexpr(PAGE_SIZE // 8):
                 row, ok = self._row_of(rows, src, warp, j, p)
-                if const_expr(j < AHEAD):
+                if const_expr(j < self.ahead):
                     words.append(ldg_or_zero(4, row + 256 * h + 16 * k, ok))
                 else:
                     prefetch_l2(row + 256 * h + 16 * k, ok)
@@ -230,8 +235,8 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             # from reusing the ones computed before it, which would hold ~20 more registers)
             src = pin_b32(src)
             for j in cutlass.range_constexpr(PAGE_SIZE // 8):
-                if const_expr(j + AHEAD < PAGE_SIZE // 8):  # (a window of AHEAD steps)
-                    row, ok = self._row_of(rows, src, warp, j + AHEAD, p)
+                if const_expr(j + self.ahead < PAGE_SIZE // 8):  # (a window of AHEAD steps)
+                    row, ok = self._row_of(rows, src, warp, j + self.ahead, p)
                     words.append(ldg_or_zero(4, row + 256 * h + 16 * k, ok))
                 row = 16 * warp + 2 * j + p
                 pair = [cute.arch.shuffle_sync(scales[g], 2 * j + p) for g in range(2)]

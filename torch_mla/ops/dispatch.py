@@ -87,6 +87,9 @@ sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # a producer warpgroup that gathers and dequantizes (cute_kernels/sm90_producer_sparse_decode.py;
 # the 16-bit cache and the 656-byte rows).
 sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
+# =split: its variant with FlashMLA's split of the consumer warpgroups
+# (cute_kernels/sm90_split_sparse_decode.py; compiled, not yet run on a GPU).
+sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
 # on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,

@@ -185,7 +185,7 @@ class DecodeConfig(DecodeStepConfig):
 
 
 # The sparse backends (SparseStepConfig: which cache formats each takes).
-SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer")
+SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer", "sm90_split")
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
 # its ping-pong variant (at 64 columns its two warpgroups split the columns, 32 each)
 SPARSE_KEYSM_RS_COLUMNS = (8, 16, 32, 64)
@@ -206,7 +206,8 @@ class SparseStepConfig(_Config):
     "sm90_keysm_rs" (its ping-pong variant, the FP8 caches only, 8, 16, 32 or 64 columns; opt-in,
     TORCH_MLA_SPARSE_KEYSM_RS=1), "sm90_producer" (the SM90 one with a producer warpgroup that
     gathers and dequantizes, the 16-bit cache and the 656-byte rows; opt-in,
-    TORCH_MLA_SPARSE_PRODUCER=1),
+    TORCH_MLA_SPARSE_PRODUCER=1), "sm90_split" (the same with FlashMLA's split of the consumer
+    warpgroups; opt-in, TORCH_MLA_SPARSE_PRODUCER=split),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -222,7 +223,7 @@ class SparseStepConfig(_Config):
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
                 or (self.backend == "sm90_keysm_rs" and self.cache == "plain")
-                or (self.backend == "sm90_producer" and self.cache == "e4m3")):
+                or (self.backend in ("sm90_producer", "sm90_split") and self.cache == "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r}, columns {self.columns}")
         if self.cache not in sparse_caches(self.dtype):
@@ -332,7 +333,7 @@ class Variant(NamedTuple):
 
 # Groups of variants, by precompile's --kernels names.
 KERNELS = ("step", "fp8_step", "fp8_fast", "fp8_dither", "sparse", "sparse_rs",
-           "sparse_producer", "keysm",
+           "sparse_producer", "sparse_split", "keysm",
            "keysm64", "keysm_rs", "keysm_fast", "decode", "combine", "portable", "schedule",
            "append_kv")
 DEFAULT_KERNELS = ("step", "fp8_step", "fp8_fast", "keysm", "keysm_rs", "keysm_fast", "sparse",
@@ -396,9 +397,11 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
-        if "sparse_producer" in kernels and native == "sm90":  # (TORCH_MLA_SPARSE_PRODUCER=1)
-            out += [SparseStepConfig("sm90_producer", dt, c) for c in sparse_caches(dt)
-                    if c != "e4m3"]
+        for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:
+                               ("sparse_split", "sm90_split")):  # TORCH_MLA_SPARSE_PRODUCER)
+            if group in kernels and native == "sm90":
+                out += [SparseStepConfig(backend, dt, c) for c in sparse_caches(dt)
+                        if c != "e4m3"]
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
             out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
                     for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]

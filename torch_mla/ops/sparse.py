@@ -90,7 +90,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
     keys-on-M kernel does not take, =0 never; "sm90_producer", its variant with a producer
     warpgroup, instead with TORCH_MLA_SPARSE_PRODUCER=1 over the 16-bit cache and the 656-byte
-    rows), "sm80"
+    rows; "sm90_split", with FlashMLA's split of the consumer warpgroups, with =split), "sm80"
     (the portable one) or "reference", for
     validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
     every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
@@ -121,8 +121,12 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         return "sm90_keysm", ""
     if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
             dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
-        producer = dispatch.sparse_producer() and fmt != "fp8"  # (not over e4m3)
-        return ("sm90_producer" if producer else "sm90"), ""
+        if fmt != "fp8":  # (the producer variants take the 16-bit cache and the 656-byte rows)
+            if dispatch.sparse_producer():
+                return "sm90_producer", ""
+            if dispatch.sparse_split():
+                return "sm90_split", ""
+        return "sm90", ""
     return "sm80", ""
 
 
@@ -143,7 +147,7 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
     if not q.is_cuda:
         return None
     name, reason = sparse_backend(q, kv_cache, d_v)
-    if name in ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer"):
+    if name in registry.SPARSE_BACKENDS:
         return partial(run_sparse_step, name)
     if reason not in _warned and not dispatch._force_reference():
         _warned.add(reason)

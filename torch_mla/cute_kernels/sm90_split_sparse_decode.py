@@ -1,0 +1,164 @@
+"""Sparse MLA decode on SM90 with FlashMLA's split of the warpgroups, CuTe DSL.
+
+Problem and mapping: sm90_producer_sparse_decode.py's (64 heads of a token a CTA, blocks of 64
+gathered entries in two page buffers, a producer warpgroup WG2 that gathers and dequantizes
+them, filling each buffer half once the consumers release it). What changes is the consumers'
+split. There (the dense kernel's seesaw) both consumer warpgroups compute Q K^T and the
+softmax of alternate blocks and each holds its S and Q's RoPE tile beside its half of O: 224
+registers each, which leaves the producer 56 (setmaxnreg), too few to keep its fp8 loads in
+flight (session 28: 1.4x the heads-on-M kernel at b 128). Here, as in FlashMLA's sparse FP8
+decode (read at 9241ae3; nothing copied):
+  - WG0, every block j (buffer j % 2): S = Q K^T (all nine 64-column tiles from shared memory,
+    Q's RoPE tile included), the mask and the online softmax, O's columns 0-255 += P V (P from
+    registers); it hands P (shared memory, sP0) and the block's row scale (sScale0) to WG1.
+  - WG1: O's columns 256-511 rescaled, += P V (P from shared memory).
+  - A buffer half is released when its last reader is done: columns 0-255 (half 0) by WG0
+    after its P V, columns 256-575 (half 1) by WG1 after its P V (WG0's Q K^T read the RoPE
+    tile before it handed P over). The producer fills both halves in order (fill_order).
+  - Named barriers (256 threads): NB_P (WG0 -> WG1: P and the scale of block j are in shared
+    memory) and NB_FREE (WG1 -> WG0: block j's P V is done, sP0 may be overwritten; only
+    between blocks of a segment, so every arrival meets its sync).
+setmaxnreg: 216 for both consumers, 72 for the producer (REGS: their sum is 3 x 168, the
+registers a thread at launch, since the increases take what the decrease frees), which holds 2
+of a half's 8 steps of fp8 chunks across the release (ahead 2). Not FlashMLA's 192 / 160 /
+152: the consumer warpgroups share the dense kernel's segment loop and epilogue after
+setmaxnreg, and ptxas then allocates that shared code for the smaller budget (WG0 192 with WG1
+160 spilled 2084 bytes; equal budgets of 200 spilled 116 and serialised the wgmma, C7512; 208
+spilled 32 in the consumers). At (72, 216, 216) ptxas spills 28 bytes over the 656-byte rows
+(80 at ahead 4), none over the 16-bit cache. Separate code paths for the two consumers would
+let WG1 take 160 and the producer ~128 (the next step).
+
+The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroups'); the
+running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
+kernel's.
+
+Status (session 28): compiled only, not yet run on a GPU. Opt-in
+(TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel; the
+16-bit cache and the 656-byte rows).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32
+from cutlass.cute.nvgpu import warpgroup
+
+from . import softmax
+from .sm80_sparse_decode import MLASparseDecodeStep
+from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
+from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
+
+REGS = (72, 216, 216)  # (producer, WG0, WG1) registers a thread after setmaxnreg
+NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
+NB_FREE = NB_SCALE1  # WG1 -> WG0
+
+
+class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
+    """The SM90 sparse kernel with FlashMLA's split of the warpgroups; see the module
+    docstring."""
+
+    split = True
+    regs = REGS
+    ahead = 2
+    rope_in_regs = False  # (Q's RoPE tile stays in shared memory: sP1 does not use it)
+
+    @staticmethod
+    def fill_order(s: int) -> tuple:
+        """WG0 computes every block's Q K^T, tiles 0-8 in order: half 0 first."""
+        return (0, 1)
+
+    @cute.jit
+    def _release(self, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], wtid):
+        """Half h of buffer s to the producer: one elected lane of the warpgroup's warp 0."""
+        if wtid < 32:
+            with cute.arch.elect_one():
+                cute.arch.mbarrier_arrive(self.d_storage.barE.data_ptr() + 2 * s + h)
+
+    @cute.jit
+    def _wg0_block(self, b, lo, hi, s: cutlass.Constexpr[int], border, min_border, acc_S,
+                   acc_O, rP, row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
+                   r0, c0, wtid, scale_log2):
+        """WG0, block b of [lo, hi) in buffer s: S, the softmax, P and its scale to WG1, P V for
+        O's left half; then half 0 of the buffer goes back to the producer."""
+        self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, s, tuple(range(N_TILES)))
+        warpgroup.wait_group(0)
+        fence_operand(acc_S)
+        self._mask(acc_S, b, border, min_border, c0, s)
+        m_new, m_use, scale = self._softmax_stats(acc_S, sM, r0, scale_log2)
+        cute.arch.sync_warp()  # (the quad read sM: now one lane writes it)
+        if wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                sM[r0 + 8 * h] = m_new[h]
+        softmax.scale_rows(acc_O, scale)
+        self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale)
+        self._to_P(acc_S, rP, [Float32(1.0), Float32(1.0)])
+        if b > lo:  # WG1 is done with the previous block's P and scale
+            cute.arch.barrier(barrier_id=NB_FREE, number_of_threads=256)
+        if wtid % 4 == 0:
+            for h in cutlass.range_constexpr(2):
+                sScale0[r0 + 8 * h] = scale[h]
+        self._store_P(st_P, rP, sP0)
+        cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
+        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True)
+        warpgroup.wait_group(0)
+        fence_operand(acc_O)
+        if b + 2 < hi:
+            self._release(s, 0, wtid)
+
+    @cute.jit
+    def _wg1_block(self, b, hi, s: cutlass.Constexpr[int], acc_O, tOrV, tOrP0s, sScale0, r0,
+                   wtid):
+        """WG1, block b of [.., hi) in buffer s: O's right half rescaled, += P V; then half 1
+        of the buffer goes back to the producer."""
+        cute.arch.barrier(barrier_id=NB_P, number_of_threads=256)
+        softmax.scale_rows(acc_O, [sScale0[r0], sScale0[r0 + 8]])
+        self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[s][1], False)
+        warpgroup.wait_group(0)
+        fence_operand(acc_O)
+        if b + 1 < hi:
+            cute.arch.barrier_arrive(barrier_id=NB_FREE, number_of_threads=256)
+        if b + 2 < hi:
+            self._release(s, 1, wtid)
+
+    @cute.jit
+    def _split_blocks(self, wg, n, lo, hi, border, min_border, acc_S, acc_O, rP, row_sum,
+                      tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK,
+                      phase, r0, c0, wtid, scale_log2):
+        """A segment's blocks [lo, hi) (n of them, the first two already released to the
+        producer), two a loop step so that each block's buffer is a compile-time index."""
+        if wg == 0:
+            for i in cutlass.range(n // 2, unroll=1):
+                b = lo + 2 * i
+                self._wg0_block(b, lo, hi, 0, border, min_border, acc_S, acc_O, rP, row_sum,
+                                tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
+                                wtid, scale_log2)
+                self._wg0_block(b + 1, lo, hi, 1, border, min_border, acc_S, acc_O, rP,
+                                row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
+                                r0, c0, wtid, scale_log2)
+            if n % 2 == 1:
+                self._wg0_block(hi - 1, lo, hi, 0, border, min_border, acc_S, acc_O, rP,
+                                row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
+                                r0, c0, wtid, scale_log2)
+        else:
+            for i in cutlass.range(n // 2, unroll=1):
+                b = lo + 2 * i
+                self._wg1_block(b, hi, 0, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
+                self._wg1_block(b + 1, hi, 1, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
+            if n % 2 == 1:
+                self._wg1_block(hi - 1, hi, 0, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
+
+
+# --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------
+
+
+def compile_sparse_step(config, arch: str):
+    """The SM90 sparse decode step with FlashMLA's warpgroup split (dtype, cache format),
+    compiled for arch (sm_90a)."""
+    from ..contract import compile_sparse_step_kernel, dsl_dtype
+
+    dtype = dsl_dtype(config.dtype)
+    return compile_sparse_step_kernel(
+        MLASparseDecodeStep(MLASparseDecodeSm90Split(dtype, config.cache), dtype,
+                            use_pdl=True),
+        dtype, arch, config.cache)
