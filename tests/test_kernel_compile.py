@@ -343,6 +343,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "ld.global.nc.L1::no_allocate.v4", "setmaxnreg", "cp.async.bulk.tensor",
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
+        # (setmaxnreg's direction and count: .dec to a larger count is an illegal instruction)
+        counts["setmaxnreg_to"] = sorted(re.findall(r"setmaxnreg\.(inc|dec)\S*\s+(\d+)", ptx))
         if shutil.which("ptxas"):
             ptxas = ptxas_figures(f, cls)
 print(json.dumps({"counts": counts, "ptxas": ptxas}))
@@ -381,6 +383,7 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert c["cvt.rn.f16x2.e4m3x2"] == (4 * 8 * 8 if ds else 0), c
     assert c["mul.rn.f32"] == (4 * 8 * 16 if ds else 0), c
     assert c["setmaxnreg"] == 2 and c["cp.async.bulk.tensor"] == 27, c
+    assert c["setmaxnreg_to"] == [["dec", "56"], ["inc", "224"]], c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     print(f"sm90_producer {dtype} {cache}: ptxas {p}")
     if p:
@@ -421,6 +424,10 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert c["prefetch.global.L2"] == (4 * (8 - ahead) if ds else 0), c
     assert c["cvt.rn.f16x2.e4m3x2"] == (4 * 8 * 8 if ds else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
+    # the producer down to REGS[0], both consumers up to their count (an H200 run of the first
+    # build, which decreased WG1 "to" 216, stopped on an illegal instruction)
+    assert c["setmaxnreg_to"] == sorted([["dec", str(REGS[0])], ["inc", str(REGS[1])],
+                                         ["inc", str(REGS[2])]]), c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     print(f"sm90_split {dtype} {cache}: ptxas {p}")
     if p:

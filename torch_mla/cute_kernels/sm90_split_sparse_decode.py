@@ -32,7 +32,12 @@ The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroup
 running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
 kernel's.
 
-Status (session 28): compiled only, not yet run on a GPU. Opt-in
+Status (session 28): first run on an H200 at the session's end, with ~100 s of device time:
+the first build stopped on an illegal instruction (WG1's setmaxnreg.dec "to" 216, a larger
+count; now each consumer goes the way its count lies from launch's, and the compile test checks
+the directions); after the fix 6 cases of the grid passed (16-bit cache and 656-byte rows at
+h_q 16 s_q 2 topk 64, h_q 64 and 128 topk 2048; e4m3's 3 skipped: not this kernel's), and the
+stage's timeout cut the process as it printed its summary. Not timed, no memcheck. Opt-in
 (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel; the
 16-bit cache and the 656-byte rows).
 """
