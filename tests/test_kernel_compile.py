@@ -351,6 +351,17 @@ print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
 
+def _producer_counts(tmp_path, dtype, cache, backend, cls):
+    """PRODUCER_SPARSE_SCRIPT on one producer-kernel variant: (PTX counts, ptxas figures)."""
+    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
+               CUTE_DSL_DUMP_DIR=str(tmp_path))
+    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend,
+                          cls], env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-4000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    return got["counts"], got["ptxas"]
+
+
 @pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
 def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     """The SM90 sparse kernel with a producer warpgroup (sm90_producer_sparse_decode.py; opt-in):
@@ -366,14 +377,8 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     placed: no disassembler here)."""
     from torch_mla.cute_kernels.sm90_producer_sparse_decode import AHEAD
 
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache,
-                          "sm90_producer", "MLASparseDecodeSm90Producer"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    c, p = got["counts"], got["ptxas"]
+    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_producer",
+                            "MLASparseDecodeSm90Producer")
     assert c["wgmma.mma_async"] == 196, c
     ds = cache == "fp8_ds_mla"
     assert c["cp.async.cg.shared.global"] == (2 * 4 if ds else 2 * 4 * (4 + 5)), c
@@ -403,20 +408,11 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     what the decrease frees). ptxas (where installed): 168 registers at launch, no serialised
     wgmma (C7512: the consumers' budget too small), spill at most 28 bytes over the 656-byte
     rows and none over the 16-bit cache."""
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS, MLASparseDecodeSm90Split
 
     assert sum(REGS) == 3 * 168, REGS
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import MLASparseDecodeSm90Split
-
     ahead = MLASparseDecodeSm90Split.ahead
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache,
-                          "sm90_split", "MLASparseDecodeSm90Split"], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert res.returncode == 0, res.stderr[-4000:]
-    got = json.loads(res.stdout.strip().splitlines()[-1])
-    c, p = got["counts"], got["ptxas"]
+    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split")
     assert c["wgmma.mma_async"] == 3 * (36 + 4 + 4), c
     ds = cache == "fp8_ds_mla"
     assert c["cp.async.cg.shared.global"] == (2 * 4 if ds else 2 * 4 * (4 + 5)), c
