@@ -874,8 +874,8 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
 def test_sparse_rows_tool_modes(monkeypatch):
     """tools/sparse_rows.py: each mode's flags make the dispatch (on sm_90a) pick the kernel it
     names, at h_q 16 over each FP8 format ("rs", "rs32": its ping-pong variant; over bf16 the
-    keys-on-M kernel would run, which the tool reports as not taken; "producer" over e4m3:
-    the SM90 kernel, likewise); rows parse with their
+    keys-on-M kernel would run, which the tool reports as not taken; "producer" and "split"
+    over e4m3: the SM90 kernel, likewise); rows parse with their
     defaults; a
     bad mode or format stops."""
     from tools import sparse_rows
@@ -897,8 +897,8 @@ def test_sparse_rows_tool_modes(monkeypatch):
             want = sparse_rows.KERNELS[mode]
             if mode in ("rs", "rs32") and fmt == "bf16":
                 want = "sm90_keysm"
-            if mode == "producer" and fmt == "e4m3":  # (the producer variant does not take it)
-                want = "sm90"
+            if mode in ("producer", "split") and fmt == "e4m3":  # (the producer variants do
+                want = "sm90"  # not take it)
             assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (mode, fmt)
     assert sparse_rows.parse_row("128,1,16") == (128, 1, 16, 2048, 32768)
     assert sparse_rows.parse_row("2,2,64,512,4096") == (2, 2, 64, 512, 4096)
