@@ -530,7 +530,7 @@ class MLADecodeSm90(DecodeKernel):
                 cute.arch.setmaxregister_decrease(self.regs[0])
                 self._produce(walk, tKgK, barK)
         else:
-            if const_expr(self.producer and len(self.regs) == 3):
+            if const_expr(self.split):
                 # (WG0, WG1 apart: the split subclass's consumers, regs = (producer, WG0, WG1),
                 # summing to 3x the count at launch; setmaxnreg.dec to a larger count is an
                 # illegal instruction, so each goes the way its count lies from launch's)
@@ -729,6 +729,7 @@ class MLADecodeSm90(DecodeKernel):
 
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup's walk (a producer subclass defines it)."""
+        raise NotImplementedError
 
     def _split_blocks(self, *args):
         """A segment's blocks on the split subclass's consumers (it defines them)."""

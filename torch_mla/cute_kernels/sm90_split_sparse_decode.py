@@ -95,6 +95,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         if wtid % 4 == 0:
             for h in cutlass.range_constexpr(2):
                 sM[r0 + 8 * h] = m_new[h]
+        # (and the quad's next read of sM after that write: no barrier orders them between a
+        # segment's first two blocks, where WG0 does not wait for NB_FREE)
+        cute.arch.sync_warp()
         softmax.scale_rows(acc_O, scale)
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale)
         self._to_P(acc_S, rP, [Float32(1.0), Float32(1.0)])
