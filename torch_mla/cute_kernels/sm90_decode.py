@@ -626,8 +626,8 @@ class MLADecodeSm90(DecodeKernel):
                             cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
                         self._split_blocks(
                             wg, n, lo, hi, border, min_border, acc_S, acc_O, rP, row_sum, tSrQ,
-                            tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK,
-                            phase, r0, c0, wtid, row_l2)
+                            tSrK, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
+                            wtid, row_l2)
                     elif wg == 0:
                         cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)  # sM reset seen
                         self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0,

@@ -44,6 +44,8 @@ stage's timeout cut the process as it printed its summary. Not timed, no memchec
 
 from __future__ import annotations
 
+from functools import partial
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32
@@ -131,30 +133,29 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     @cute.jit
     def _split_blocks(self, wg, n, lo, hi, border, min_border, acc_S, acc_O, rP, row_sum,
-                      tSrQ, tSrK, tSrK_rs, rQ8, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK,
-                      phase, r0, c0, wtid, scale_log2):
+                      tSrQ, tSrK, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
+                      wtid, scale_log2):
         """A segment's blocks [lo, hi) (n of them, the first two already released to the
         producer), two a loop step so that each block's buffer is a compile-time index."""
         if wg == 0:
+            block = partial(self._wg0_block, lo=lo, hi=hi, border=border,
+                            min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
+                            row_sum=row_sum, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, st_P=st_P,
+                            sP0=sP0, sM=sM, sScale0=sScale0, barK=barK, phase=phase, r0=r0,
+                            c0=c0, wtid=wtid, scale_log2=scale_log2)
             for i in cutlass.range(n // 2, unroll=1):
-                b = lo + 2 * i
-                self._wg0_block(b, lo, hi, 0, border, min_border, acc_S, acc_O, rP, row_sum,
-                                tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
-                                wtid, scale_log2)
-                self._wg0_block(b + 1, lo, hi, 1, border, min_border, acc_S, acc_O, rP,
-                                row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
-                                r0, c0, wtid, scale_log2)
+                block(lo + 2 * i, s=0)
+                block(lo + 2 * i + 1, s=1)
             if n % 2 == 1:
-                self._wg0_block(hi - 1, lo, hi, 0, border, min_border, acc_S, acc_O, rP,
-                                row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
-                                r0, c0, wtid, scale_log2)
+                block(hi - 1, s=0)
         else:
+            block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
+                            sScale0=sScale0, r0=r0, wtid=wtid)
             for i in cutlass.range(n // 2, unroll=1):
-                b = lo + 2 * i
-                self._wg1_block(b, hi, 0, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
-                self._wg1_block(b + 1, hi, 1, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
+                block(lo + 2 * i, s=0)
+                block(lo + 2 * i + 1, s=1)
             if n % 2 == 1:
-                self._wg1_block(hi - 1, hi, 0, acc_O, tOrV, tOrP0s, sScale0, r0, wtid)
+                block(hi - 1, s=0)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------
