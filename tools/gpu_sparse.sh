@@ -30,10 +30,10 @@
 #             kernel, then bench_sparse_patterns.py with the flag (FlashMLA beside it)
 #   split     the SM90 kernel's variant with FlashMLA's warpgroup split
 #             (TORCH_MLA_SPARSE_PRODUCER=split, sm90_split_sparse_decode.py; compiled only until
-#             it runs): the tests, an A/B against the SM90 and producer kernels over the
-#             656-byte rows (tools/sparse_rows.py split / sm90 / producer, alternated twice),
-#             memcheck over the 656-byte rows at h_q 16 and 100, then bench_sparse_patterns.py
-#             with the flag (FlashMLA beside it)
+#             it runs): an A/B against the SM90 and producer kernels over the 656-byte rows
+#             (tools/sparse_rows.py split / sm90 / producer, alternated twice),
+#             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests and
+#             memcheck over the 656-byte rows at h_q 16 and 100
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -152,6 +152,9 @@ if [[ $kernel == producer || $kernel == split ]]; then  # the A/B first: a numbe
       stop_if_hung "ab_${mode}_$round"
     done
   done
+  if [[ $kernel == split ]]; then  # (FlashMLA beside it, before the tests: numbers first)
+    run pat 120 env "${flag[@]}" python benchmarks/bench_sparse_patterns.py
+  fi
 fi
 run tests 240 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse.py \
   tests/test_sparse_kernel.py -k "$sel or not (sm80 or sm90 or fp8)"
@@ -164,9 +167,6 @@ if [[ $kernel == producer || $kernel == split ]]; then  # (two m-blocks a token,
   # with 36 heads)
   MEMCHECK_NAME=memcheck_100 memcheck 45 env "${flag[@]}" python -m tools.sparse_memcheck \
     --cache fp8_ds_mla --heads 100
-  if [[ $kernel == split ]]; then
-    run pat 120 env "${flag[@]}" python benchmarks/bench_sparse_patterns.py
-  fi
 elif [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
   # two CTAs of 64 a token; =32: 64 heads as two CTAs of 32)
   for h in 24 64 100; do
