@@ -401,13 +401,15 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
 @pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
 def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
-    opt-in, compiled only): the producer's fills as above (ahead 2 of the 8 steps held across
-    the release), WG0's Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in
-    the three inlined block sites (two a loop step and an odd last block): 3 x (36 + 4 + 4)
-    wgmma; setmaxnreg in the three warpgroups, REGS summing to 3 x 168 (the increases take
-    what the decrease frees). ptxas (where installed): 168 registers at launch, no serialised
-    wgmma (C7512: the consumers' budget too small), spill at most 28 bytes over the 656-byte
-    rows and none over the 16-bit cache."""
+    opt-in): the producer's fills as above (ahead: all 8 steps held across the release), WG0's
+    Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in the three inlined
+    block sites (two a loop step and an odd last block): 3 x (36 + 4 + 4) wgmma; the body
+    traced once a warpgroup (each copy only its warpgroup's code: one setmaxnreg each, the Q
+    loads only in WG0's copy); REGS summing to 3 x 168 (the increases take what the decreases
+    free), each warpgroup's setmaxnreg going the way its count lies from launch's. ptxas (where
+    installed): 168 registers at launch, no serialised wgmma (C7512: a consumer's budget too
+    small), spill at most 64 bytes over the 656-byte rows (16-48 seen in session 29: it varies
+    between builds of the same code) and none over the 16-bit cache."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS, MLASparseDecodeSm90Split
 
     assert sum(REGS) == 3 * 168, REGS
@@ -420,15 +422,15 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert c["prefetch.global.L2"] == (4 * (8 - ahead) if ds else 0), c
     assert c["cvt.rn.f16x2.e4m3x2"] == (4 * 8 * 8 if ds else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
-    # the producer down to REGS[0], both consumers up to their count (an H200 run of the first
-    # build, which decreased WG1 "to" 216, stopped on an illegal instruction)
-    assert c["setmaxnreg_to"] == sorted([["dec", str(REGS[0])], ["inc", str(REGS[1])],
-                                         ["inc", str(REGS[2])]]), c
+    # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first
+    # build, which decreased WG1 "to" 216, stopped on one)
+    want = [["inc" if n > 168 else "dec", str(n)] for n in REGS]
+    assert c["setmaxnreg_to"] == sorted(want), c
     assert c["ld.local"] == c["st.local"] == c["vprintf"] == c["trap;"] == 0, c
     print(f"sm90_split {dtype} {cache}: ptxas {p}")
     if p:
         assert not p["serialised"] and p["registers"] == 168, p
-        assert p["spill"] <= (28 if ds else 0), p
+        assert p["spill"] <= (64 if ds else 0), p
 
 KEYSM_SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys

@@ -19,7 +19,8 @@ benchmarks/bench_decode.py's problem (each query token names TOPK distinct rando
 request's S_K tokens); us, GB/s of the rows named and % of the copy ceiling, and the kernel the
 dispatch took (a mode whose kernel does not take the row says so). An A/B of two trees: run each
 tree with PYTHONPATH=TREE and its own TORCH_MLA_CACHE_DIR, alternating; TAG (environment)
-prefixes each line.
+prefixes each line. NONE=1 (environment): every entry -1, so nothing is read (the kernel's own
+chain: bench_sparse_patterns.py's "none").
 """
 
 from __future__ import annotations
@@ -70,6 +71,8 @@ def main(argv: list[str]) -> None:
                     "656": (torch.uint8, 656)}[fmt]
     for spec, (b, s_q, h_q, topk, s_k) in zip(argv[2:], rows):
         tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, topk, s_k)
+        if os.environ.get("NONE") == "1":
+            idx.fill_(-1)
         kv_scale = None
         if fmt == "e4m3":
             kv_scale = (torch.cat(tokens, 1).float().abs().amax() / 448).reshape(1)

@@ -224,6 +224,13 @@ def group_scale_offset(h: int) -> int:
     return (4 * h + 2) * PAGE_SIZE * 128 - 512
 
 
+def could_be(wg, which: int) -> bool:
+    """Whether warpgroup index wg may be `which`: a runtime value may be any; a constant (a copy
+    of the kernel body traced for one warpgroup: MLADecodeSm90.body) only itself. Code that only
+    warpgroup `which` runs is left out of the other warpgroups' copies (const_expr)."""
+    return not isinstance(wg, int) or wg == which
+
+
 def shared_storage(**buffers):
     """The kernel's shared memory: `buffers` (name=type, in order: the operand tiles), then the
     softmax statistics and barriers of both modes: sM (running max), sScale0, sScale1 (the
@@ -364,17 +371,43 @@ class MLADecodeSm90(DecodeKernel):
     def body(self, loads: TmaLoads, tensors: SplitKVTensors, scale_log2: Float32, mTrace,
              fp8: Fp8Args, sQ_layout, sK_layout, tile_layout, vhalf_layout, tiled_qk_ss,
              tiled_qk_rs, tiled_pv_rs, tiled_pv_ss):
+        """The kernel (_body). The split subclass traces it once a warpgroup, with the
+        warpgroup's index a constant: each copy keeps only that warpgroup's code, so ptxas
+        allocates each for its own setmaxnreg count (one copy of code that every consumer runs
+        would be allocated for the smallest)."""
+        # (shared memory is allocated here, once: each traced copy's allocation would count)
+        storage = cutlass.utils.SmemAllocator().allocate(self.shared_storage)
+        args = (storage, loads, tensors, scale_log2, mTrace, fp8, sQ_layout, sK_layout,
+                tile_layout, vhalf_layout, tiled_qk_ss, tiled_qk_rs, tiled_pv_rs, tiled_pv_ss)
+        if const_expr(self.split):
+            tidx, _, _ = cute.arch.thread_idx()
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+            if wg == 0:
+                self._body(0, *args)
+            elif wg == 1:
+                self._body(1, *args)
+            else:
+                self._body(2, *args)
+        else:
+            self._body(None, *args)
+
+    @cute.jit
+    def _body(self, role: cutlass.Constexpr, storage, loads: TmaLoads, tensors: SplitKVTensors,
+              scale_log2: Float32, mTrace, fp8: Fp8Args, sQ_layout, sK_layout, tile_layout,
+              vhalf_layout, tiled_qk_ss, tiled_qk_rs, tiled_pv_rs, tiled_pv_ss):
         tma_q, tma_mQ, tma_k, tma_mKV = loads
         mKVScale, mQScale, q_scaled = fp8
         mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc, mLSEacc = tensors
         tidx, _, _ = cute.arch.thread_idx()
         m_block, part, _ = cute.arch.block_idx()
-        wg = cute.arch.make_warp_uniform(tidx // 128)
+        # (role: the warpgroup this copy runs as, a constant (body); None: any, from tidx)
+        if const_expr(role is None):
+            wg = cute.arch.make_warp_uniform(tidx // 128)
+        else:
+            wg = role
         wtid = tidx % 128  # thread index inside the warpgroup
         warp_in_wg = cute.arch.make_warp_uniform((tidx // 32) % 4)
 
-        smem = cutlass.utils.SmemAllocator()
-        storage = smem.allocate(self.shared_storage)
         # (for the sparse subclass's hooks: its bias rows, topk_length)
         self.d_storage, self.d_tensors = storage, tensors
         sw = sQ_layout.inner
@@ -416,15 +449,16 @@ class MLADecodeSm90(DecodeKernel):
         barK = storage.barK.data_ptr()
         barQ = storage.barQ.data_ptr()
 
-        if tidx == 0:
-            if const_expr(not self.fast):
-                cpasync.prefetch_descriptor(tma_q)
-            if const_expr(tma_k is not None):
-                cpasync.prefetch_descriptor(tma_k)
-            for i in cutlass.range_constexpr(2 * N_TILES):
-                cute.arch.mbarrier_init(barK + i, self.k_arrivals)
-            cute.arch.mbarrier_init(barQ, 1)
-            self._init_barriers()
+        if const_expr(could_be(wg, 0)):  # (thread 0 is WG0's)
+            if tidx == 0:
+                if const_expr(not self.fast):
+                    cpasync.prefetch_descriptor(tma_q)
+                if const_expr(tma_k is not None):
+                    cpasync.prefetch_descriptor(tma_k)
+                for i in cutlass.range_constexpr(2 * N_TILES):
+                    cute.arch.mbarrier_init(barK + i, self.k_arrivals)
+                cute.arch.mbarrier_init(barQ, 1)
+                self._init_barriers()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
@@ -563,8 +597,9 @@ class MLADecodeSm90(DecodeKernel):
             if walk.begin_req < walk.end_req or (walk.begin_req == walk.end_req
                                                  and walk.begin_blk < walk.end_blk):
                 q_ready[0] = 1
-                if tidx < 32:
-                    self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
+                if const_expr(could_be(wg, 0)):
+                    if tidx < 32:
+                        self._load_q(tma_q, tma_mQ, sQ, barQ, walk.begin_req, m_block)
 
             for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
                 L = req[0]
@@ -588,15 +623,16 @@ class MLADecodeSm90(DecodeKernel):
                             q_ready[0] = 0
                     # Everyone is done with the previous segment's buffers and smem statistics.
                     self._sync_consumers()
-                    if tidx < 32:
-                        if q_ready[0] == 0:
-                            self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
-                    if tidx < 32 * self.load_warps:
-                        self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
-                        if n > 1:
-                            self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
-                    if tidx < BLOCK_M:
-                        sM[tidx] = -Float32.inf
+                    if const_expr(could_be(wg, 0)):
+                        if tidx < 32:
+                            if q_ready[0] == 0:
+                                self._load_q(tma_q, tma_mQ, sQ, barQ, r, m_block)
+                        if tidx < 32 * self.load_warps:
+                            self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo, 0, 0, N_TILES)
+                            if n > 1:
+                                self._load_tiles(tma_k, tKgK, tKsK, barK, page_lo1, 1, 0, N_TILES)
+                        if tidx < BLOCK_M:
+                            sM[tidx] = -Float32.inf
                     acc_O.fill(0.0)
                     row_sum.fill(0.0)
                     # Horizon of each of this thread's rows: keys < border are visible.
@@ -1357,8 +1393,9 @@ class MLADecodeSm90(DecodeKernel):
         self._sync_consumers()
         self._stamp(6)
         if next_q:
-            if tidx < 32:
-                self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
+            if const_expr(could_be(wg, 0)):
+                if tidx < 32:
+                    self._load_q(tma_q, tma_mQ, sQ, barQ, r_next, m_block)
         total = [sL[r0] + sL[BLOCK_M + r0], sL[r0 + 8] + sL[BLOCK_M + r0 + 8]]
         # A row that saw no key has sum 0: output 0 (and lse +inf below).
         inv = [softmax.inv_sum(total[0]), softmax.inv_sum(total[1])]

@@ -18,28 +18,27 @@ decode (read at 9241ae3; nothing copied):
   - Named barriers (256 threads): NB_P (WG0 -> WG1: P and the scale of block j are in shared
     memory) and NB_FREE (WG1 -> WG0: block j's P V is done, sP0 may be overwritten; only
     between blocks of a segment, so every arrival meets its sync).
-setmaxnreg: 216 for both consumers, 72 for the producer (REGS: their sum is 3 x 168, the
-registers a thread at launch, since the increases take what the decrease frees), which holds 2
-of a half's 8 steps of fp8 chunks across the release (ahead 2). Not FlashMLA's 192 / 160 /
-152: the consumer warpgroups share the dense kernel's segment loop and epilogue after
-setmaxnreg, and ptxas then allocates that shared code for the smaller budget (WG0 192 with WG1
-160 spilled 2084 bytes; equal budgets of 200 spilled 116 and serialised the wgmma, C7512; 208
-spilled 32 in the consumers). At (72, 216, 216) ptxas spills 28 bytes over the 656-byte rows
-(80 at ahead 4), none over the 16-bit cache. Separate code paths for the two consumers would
-let WG1 take 160 and the producer ~128 (the next step).
+setmaxnreg: WG0 216, WG1 160, the producer 128 (REGS: their sum is 3 x 168, the registers a
+thread at launch, since the increases take what the decreases free), which holds all 8 steps
+of a half's fp8 chunks across the release (ahead 8). The kernel body is traced once a
+warpgroup with the warpgroup's index a constant (sm90_decode.MLADecodeSm90.body), so each
+consumer's segment loop and epilogue are its own code and ptxas allocates each for its own
+count; with one copy shared by both consumers it allocated it for the smaller count (session
+28: WG0 192 with WG1 160 spilled 2084 bytes, so both had 216 and the producer 72). ptxas
+spills 16-48 bytes at (128, 216, 160) (it varies between builds of the same code), none over
+the 16-bit cache; WG0 at 192 (FlashMLA's) spills 200.
 
 The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroups'); the
 running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
 kernel's.
 
-Status (session 28): first run on an H200 at the session's end, with ~100 s of device time:
-the first build stopped on an illegal instruction (WG1's setmaxnreg.dec "to" 216, a larger
-count; now each consumer goes the way its count lies from launch's, and the compile test checks
-the directions); after the fix 6 cases of the grid passed (16-bit cache and 656-byte rows at
-h_q 16 s_q 2 topk 64, h_q 64 and 128 topk 2048; e4m3's 3 skipped: not this kernel's), and the
-stage's timeout cut the process as it printed its summary. Not timed, no memcheck. Opt-in
-(TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel; the
-16-bit cache and the 656-byte rows).
+Status: run on an H100 (sessions 28-29): the GPU tests of the kernel pass (110 in session
+29), memcheck clean at h_q 16 and 100 over the 656-byte rows. Slower than the heads-on-M
+kernel over the 656-byte rows (b 128 s_q 1 h_q 64: 190.5 against 165.5 us; h_q 128: 323.5
+against 301.8; FlashMLA ~130 / ~185), at FlashMLA's speed over the 16-bit cache (h_q 64 130.8
+against FlashMLA's 656-byte 129.3 us); the producer bounds it (ncu: docs/kernels/sparse.md,
+session 29). Opt-in (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90
+sparse kernel; the 16-bit cache and the 656-byte rows).
 """
 
 from __future__ import annotations
@@ -56,7 +55,7 @@ from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 
-REGS = (72, 216, 216)  # (producer, WG0, WG1) registers a thread after setmaxnreg
+REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnreg
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -67,7 +66,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     split = True
     regs = REGS
-    ahead = 2
+    # (session 29, H100, b 128 h_q 64 / 128 over the 656-byte rows: 198 / 337 us at 2, 188 / 337
+    # at 4, 190 / 323 at 8)
+    ahead = 8
     rope_in_regs = False  # (Q's RoPE tile stays in shared memory: sP1 does not use it)
 
     @staticmethod
