@@ -340,7 +340,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
             continue
         for k in ["wgmma.mma_async", "cp.async.cg.shared.global", "cvt.rn.f16x2.e4m3x2",
                   "mul.rn.f32", "cp.async.mbarrier.arrive.shared", "prefetch.global.L2",
-                  "ld.global.nc.L1::no_allocate.v4", "setmaxnreg", "cp.async.bulk.tensor",
+                  "ld.global.nc.L1::no_allocate.v4", "ld.global.nc.L1::no_allocate.v2",
+                  "setmaxnreg", "cp.async.bulk.tensor",
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
         # (setmaxnreg's direction and count: .dec to a larger count is an illegal instruction)
@@ -401,26 +402,31 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
 @pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
 def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
-    opt-in): the producer's fills as above (ahead: all 8 steps held across the release), WG0's
+    opt-in). Its producer fills one block a loop step, the buffer a runtime index: two inlined
+    fills (one a half). Over the 656-byte rows each loads its 8 chunks of 16 fp8 bytes (two
+    keys, four chunks each) and 2 x 2 scale words by ld.global.nc before the release, none
+    prefetched into L2, converts 8 cvt a chunk with 16 multiplies, and copies the rope tile
+    over half 1 (4 copies a thread); over the 16-bit cache 4 copies a tile and thread. WG0's
     Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in the three inlined
     block sites (two a loop step and an odd last block): 3 x (36 + 4 + 4) wgmma; the body
     traced once a warpgroup (each copy only its warpgroup's code: one setmaxnreg each, the Q
     loads only in WG0's copy); REGS summing to 3 x 168 (the increases take what the decreases
     free), each warpgroup's setmaxnreg going the way its count lies from launch's. ptxas (where
     installed): 168 registers at launch, no serialised wgmma (C7512: a consumer's budget too
-    small), spill at most 64 bytes over the 656-byte rows (16-48 seen in session 29: it varies
-    between builds of the same code) and none over the 16-bit cache."""
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS, MLASparseDecodeSm90Split
+    small), spill at most 64 bytes over the 656-byte rows (8-48 seen in session 29: it varies
+    between builds) and none over the 16-bit cache."""
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
 
     assert sum(REGS) == 3 * 168, REGS
-    ahead = MLASparseDecodeSm90Split.ahead
     c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split")
     assert c["wgmma.mma_async"] == 3 * (36 + 4 + 4), c
     ds = cache == "fp8_ds_mla"
-    assert c["cp.async.cg.shared.global"] == (2 * 4 if ds else 2 * 4 * (4 + 5)), c
-    assert c["ld.global.nc.L1::no_allocate.v4"] == (4 * 8 if ds else 0), c
-    assert c["prefetch.global.L2"] == (4 * (8 - ahead) if ds else 0), c
-    assert c["cvt.rn.f16x2.e4m3x2"] == (4 * 8 * 8 if ds else 0), c
+    assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
+    assert c["ld.global.nc.L1::no_allocate.v4"] == (2 * 8 if ds else 0), c
+    assert c["ld.global.nc.L1::no_allocate.v2"] == (2 * 2 if ds else 0), c
+    assert c["prefetch.global.L2"] == 0, c
+    assert c["cvt.rn.f16x2.e4m3x2"] == (2 * 8 * 8 if ds else 0), c
+    assert c["mul.rn.f32"] == (2 * 8 * 16 if ds else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
     # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first
     # build, which decreased WG1 "to" 216, stopped on one)

@@ -210,3 +210,33 @@ def test_e4m3_conversion_ptx_gives_torchs_values(hw, bf16, scale):
             assert got[nan].isnan().all()
         elif scale is None:
             assert (got[nan].abs() == 480).all()
+
+
+def test_split_producer_lanes_cover_each_chunk_once_without_bank_conflicts():
+    """The split kernel's producer over the 656-byte rows (sm90_split_sparse_decode:
+    token_of_lane, token_store_offsets): over a buffer half, the 128 threads' 2 keys x 4 chunks
+    name each (key, 16-byte chunk) of the half exactly once; each chunk's bf16 values land
+    where fp8_store_offsets (the producer kernel's layout, the one the MMAs read) puts them;
+    and each 16-byte store's four phases of 8 lanes touch 8 distinct 16-byte bank groups."""
+    from torch_mla.cute_kernels.sm90_producer_sparse_decode import fp8_store_offsets
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import token_of_lane, token_store_offsets
+
+    for h in range(2):
+        named = []
+        for warp in range(4):
+            for lane in range(32):
+                for u in range(2):
+                    key, q = token_of_lane(warp, lane, u)
+                    for d in range(4):
+                        named.append((key, 4 * d + q))
+                        assert token_store_offsets(h, d, key, q) == fp8_store_offsets(
+                            h, key, 4 * d + q), (h, warp, lane, u, d)
+        assert sorted(named) == [(k, c) for k in range(64) for c in range(16)]
+        for warp in range(4):
+            for u in range(2):
+                for d in range(4):
+                    for half in range(2):  # (values 0-7, then 8-15: one store each)
+                        for phase in range(4):
+                            groups = {token_store_offsets(h, d, *token_of_lane(warp, x, u))[half]
+                                      % 128 // 16 for x in range(8 * phase, 8 * phase + 8)}
+                            assert len(groups) == 8, (h, warp, u, d, half, phase)

@@ -151,15 +151,20 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                     cute.arch.mbarrier_arrive(bar + 2 * s + h)
 
     @cute.jit
+    def _walk_inputs(self, mKV):
+        """What a producer's walk reads: (this thread's warp of the warpgroup, the entries, the
+        lengths, the split counts, the entries' blocks a request, the cache's rows as
+        row_source takes them)."""
+        tidx, _, _ = cute.arch.thread_idx()
+        mIdx = self.d_tensors.block_table
+        return (cute.arch.make_warp_uniform(tidx // 32) % 4, mIdx, self.d_tensors.seqlens,
+                self.d_tensors.num_splits, self._table_blocks(mIdx), self._cache_rows(mKV))
+
+    @cute.jit
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup: the consumers' walk, every block's two halves in
         fill_order (_fill); each block's entries are read at the start of its pair."""
-        tidx, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(tidx // 32) % 4
-        mIdx, mLens, mNumSplits = (self.d_tensors.block_table, self.d_tensors.seqlens,
-                                   self.d_tensors.num_splits)
-        width = self._table_blocks(mIdx)
-        rows = self._cache_rows(mKV)
+        warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(4, Int32)  # per buffer half, its "empty" mbarrier's
         parity.fill(0)
         last = cute.size(mLens) - 1
@@ -225,10 +230,7 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
         cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + 2 * s + h, parity[2 * s + h])
         parity[2 * s + h] = parity[2 * s + h] ^ 1
         if const_expr(h == 0):
-            if warp == 0:
-                self._write_bias(
-                    self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
-                    s * PAGE_SIZE, slots, lane)
+            self._half0_bias(s, slots, warp)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             # (the rows' addresses again, not kept across the wait: pin_b32 keeps the compiler
@@ -243,7 +245,25 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                 d0, d1 = fp8_store_offsets(h, row, k)
                 e4m3_store16(buf + d0, buf + d1, words[j], True,
                              cutlass.select_(k < 8, pair[0], pair[1]), early=True)
-            if const_expr(h == 1):  # (last: its addresses would hold registers beside words)
+        # (the rope tile last: its addresses would hold registers beside words)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp)
+
+    @cute.jit
+    def _half0_bias(self, s, slots, warp):
+        """With half 0 of buffer s: warp 0 writes the buffer's bias row (_write_bias) for the 64
+        keys whose slots the lanes hold."""
+        if warp == 0:
+            self._write_bias(self.d_storage.sBias.get_tensor(cute.make_layout(2 * PAGE_SIZE)),
+                             s * PAGE_SIZE, slots, cute.arch.lane_idx())
+
+    @cute.jit
+    def _copy_and_arrive(self, rows, slots, buf, h: cutlass.Constexpr[int], bar, warp):
+        """The end of a half's fill (buffer at shared address buf, tile mbarrier bar): the
+        half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1; the 16-bit
+        cache: the half's tiles), tracked by bar; then this thread's writes fenced for the
+        async proxy and its arrival on bar."""
+        if const_expr(self.cache == "fp8_ds_mla"):
+            if const_expr(h == 1):
                 gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)],
                          warp)
                 cp_async_mbarrier_arrive(bar.toint())

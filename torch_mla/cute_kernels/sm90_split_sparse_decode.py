@@ -19,8 +19,8 @@ decode (read at 9241ae3; nothing copied):
     memory) and NB_FREE (WG1 -> WG0: block j's P V is done, sP0 may be overwritten; only
     between blocks of a segment, so every arrival meets its sync).
 setmaxnreg: WG0 216, WG1 160, the producer 128 (REGS: their sum is 3 x 168, the registers a
-thread at launch, since the increases take what the decreases free), which holds all 8 steps
-of a half's fp8 chunks across the release (ahead 8). The kernel body is traced once a
+thread at launch, since the increases take what the decreases free), which holds all 8 of a
+thread's fp8 chunks of a half across the release (_fill). The kernel body is traced once a
 warpgroup with the warpgroup's index a constant (sm90_decode.MLADecodeSm90.body), so each
 consumer's segment loop and epilogue are its own code and ptxas allocates each for its own
 count; with one copy shared by both consumers it allocated it for the smaller count (session
@@ -28,17 +28,25 @@ count; with one copy shared by both consumers it allocated it for the smaller co
 spills 16-48 bytes at (128, 216, 160) (it varies between builds of the same code), none over
 the 16-bit cache; WG0 at 192 (FlashMLA's) spills 200.
 
+The producer (its own _produce and _fill, session 29): one block a loop step, the buffer a
+runtime index, so each half's fill is inlined once (the base class inlines four fills a pair
+of blocks: 64 KB of code, whose instruction fetch was its largest stall with nothing to read).
+Over the 656-byte rows a thread converts 4 of a half's 16 chunks of 16 fp8 bytes of each of 2
+keys (token_of_lane: FlashMLA's producer's map, four lanes a key), with one row address and
+one load of the half's two group scales a key; all of them load before the release.
+
 The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroups'); the
 running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
 kernel's.
 
 Status: run on an H100 (sessions 28-29): the GPU tests of the kernel pass (110 in session
 29), memcheck clean at h_q 16 and 100 over the 656-byte rows. Slower than the heads-on-M
-kernel over the 656-byte rows (b 128 s_q 1 h_q 64: 190.5 against 165.5 us; h_q 128: 323.5
-against 301.8; FlashMLA ~130 / ~185), at FlashMLA's speed over the 16-bit cache (h_q 64 130.8
-against FlashMLA's 656-byte 129.3 us); the producer bounds it (ncu: docs/kernels/sparse.md,
-session 29). Opt-in (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90
-sparse kernel; the 16-bit cache and the 656-byte rows).
+kernel over the 656-byte rows (b 128 s_q 1 h_q 64: 190.5 against 165.6 us; h_q 128: 322.7
+against 301.2; FlashMLA ~130 / ~185), at FlashMLA's speed over the 16-bit cache (h_q 64 130.8
+against FlashMLA's 656-byte 130.3 us, session 28's build); the producer bounds it (ncu:
+docs/kernels/sparse.md, session 29). The rewritten producer is compiled only (not yet run).
+Opt-in (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel;
+the 16-bit cache and the 656-byte rows).
 """
 
 from __future__ import annotations
@@ -47,17 +55,39 @@ from functools import partial
 
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, Int32, const_expr
 from cutlass.cute.nvgpu import warpgroup
 
-from . import softmax
+from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from . import softmax, splitkv
+from .ptx import e4m3_store16, ldg_or_zero
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
+from .sm90_sparse_decode import TILE16, row_source
 
 REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnreg
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
+
+
+def token_of_lane(warp: int, lane: int, u: int) -> tuple:
+    """(key, q) of producer thread (warp, lane) in round u (0 or 1) of a buffer half's fill over
+    the 656-byte rows: key 8 warp + lane % 8 + 32 u of the block; q = lane // 8, its chunks
+    256 h + 64 d + 16 q of the row (d = 0..3: 4 of a half's 16 chunks of 16 bytes, values of
+    group scales 2 h and 2 h + 1). Four lanes share a key, eight keys a warp and round."""
+    return 8 * warp + lane % 8 + 32 * u, lane // 8
+
+
+def token_store_offsets(h: int, d: int, key, q) -> tuple:
+    """Byte offsets, from a page buffer's start, of the two 16-byte chunks that values 0-7 and
+    8-15 of chunk 256 h + 64 d + 16 q of key `key`'s row become: 16-bit tile 4 h + d, columns
+    16 q + [0, 16) in the 128-byte swizzle (chunk c of row R at c ^ (R % 8)); the same places as
+    sm90_producer_sparse_decode.fp8_store_offsets(h, key, 4 d + q). A store phase of 8 lanes (one
+    q, keys 8 w + t for t = 0..7) covers 8 distinct 16-byte bank groups. key, q: ints (tests)
+    or the DSL's Int32."""
+    tile = (4 * h + d) * TILE16 + key * 128
+    return tile + (((2 * q) ^ (key % 8)) << 4), tile + (((2 * q + 1) ^ (key % 8)) << 4)
 
 
 class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
@@ -66,15 +96,77 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     split = True
     regs = REGS
-    # (session 29, H100, b 128 h_q 64 / 128 over the 656-byte rows: 198 / 337 us at 2, 188 / 337
-    # at 4, 190 / 323 at 8)
-    ahead = 8
     rope_in_regs = False  # (Q's RoPE tile stays in shared memory: sP1 does not use it)
 
     @staticmethod
     def fill_order(s: int) -> tuple:
         """WG0 computes every block's Q K^T, tiles 0-8 in order: half 0 first."""
         return (0, 1)
+
+    @cute.jit
+    def _produce(self, walk, mKV, barK):
+        """The producer warpgroup: the consumers' walk, one block a loop step (block j of a
+        segment into buffer j % 2, a runtime index, so that each half's fill is one copy of
+        code for both buffers: the producer's code is half that of two blocks a step), both
+        halves in order; the next block's entries load while this one fills."""
+        warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
+        parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
+        parity.fill(0)
+        slots = cute.make_rmem_tensor(2, Int32)  # this lane's entries of the block to fill
+        last = cute.size(mLens) - 1
+        for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
+            rr = cutlass.min(r, last)  # (as the base class's walk)
+            lo, hi = splitkv.segment(walk, r, mLens[rr], width,
+                                     mNumSplits[rr + 1] - mNumSplits[rr])
+            if lo < hi:
+                first = self._entries(self._page(mIdx, r, lo))
+                slots[0] = first[0]
+                slots[1] = first[1]
+                for blk in cutlass.range(lo, hi, unroll=1):
+                    nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
+                    cur = [slots[0], slots[1]]
+                    for h in self.fill_order(0):  # (both buffers' order: WG0 reads half 0 first)
+                        self._fill(rows, cur, (blk - lo) % 2, h, barK, parity, warp)
+                    slots[0] = nxt[0]
+                    slots[1] = nxt[1]
+
+    @cute.jit
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp):
+        """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
+        (keys lane and lane + 32), once the consumers released it. The 656-byte rows: thread
+        (warp, lane) converts 4 chunks of 16 fp8 bytes of each of 2 keys (token_of_lane), all
+        8 and the keys' 2 x 2 group scales loaded into registers before it waits (one row
+        address a key: no shuffle a chunk); then it stores each value times its scale, rounded
+        to bf16 (ptx.e4m3_store16), to its swizzled place (token_store_offsets). Over half 1
+        the bf16 rope tile by cp.async (gather16, the four warps sharing its rows). The 16-bit
+        cache: the half's tiles by cp.async once released. Warp 0 writes buffer s's bias row
+        with half 0. Every thread then fences its writes for the async proxy and arrives on
+        the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        lane = cute.arch.lane_idx()
+        buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
+        words, scales = [], []
+        if const_expr(self.cache == "fp8_ds_mla"):
+            for u in cutlass.range_constexpr(2):
+                key, q = token_of_lane(warp, lane, u)
+                # (key's entry: lane key - 32 u's entry u)
+                row, ok = row_source(*rows, cute.arch.shuffle_sync(slots[u], key - 32 * u))
+                for d in cutlass.range_constexpr(4):
+                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok))
+                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok))
+        bit = 2 * s + h
+        cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        parity[0] = parity[0] ^ (1 << bit)
+        if const_expr(h == 0):
+            self._half0_bias(s, slots, warp)
+        bar = barK + s * N_TILES + 4 * h
+        if const_expr(self.cache == "fp8_ds_mla"):
+            for u in cutlass.range_constexpr(2):
+                key, q = token_of_lane(warp, lane, u)
+                for d in cutlass.range_constexpr(4):
+                    d0, d1 = token_store_offsets(h, d, key, q)
+                    e4m3_store16(buf + d0, buf + d1, words[4 * u + d], True,
+                                 scales[u][d // 2], early=True)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp)
 
     @cute.jit
     def _release(self, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], wtid):
