@@ -229,26 +229,25 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                       tSrQ, tSrK, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
                       wtid, scale_log2):
         """A segment's blocks [lo, hi) (n of them, the first two already released to the
-        producer), two a loop step so that each block's buffer is a compile-time index."""
+        producer), two a loop step so that each block's buffer is a compile-time index; the
+        second only where it exists (two inlined block sites, not three: less code to fetch)."""
         if wg == 0:
             block = partial(self._wg0_block, lo=lo, hi=hi, border=border,
                             min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
                             row_sum=row_sum, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, st_P=st_P,
                             sP0=sP0, sM=sM, sScale0=sScale0, barK=barK, phase=phase, r0=r0,
                             c0=c0, wtid=wtid, scale_log2=scale_log2)
-            for i in cutlass.range(n // 2, unroll=1):
+            for i in cutlass.range((n + 1) // 2, unroll=1):
                 block(lo + 2 * i, s=0)
-                block(lo + 2 * i + 1, s=1)
-            if n % 2 == 1:
-                block(hi - 1, s=0)
+                if lo + 2 * i + 1 < hi:
+                    block(lo + 2 * i + 1, s=1)
         else:
             block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
                             sScale0=sScale0, r0=r0, wtid=wtid)
-            for i in cutlass.range(n // 2, unroll=1):
+            for i in cutlass.range((n + 1) // 2, unroll=1):
                 block(lo + 2 * i, s=0)
-                block(lo + 2 * i + 1, s=1)
-            if n % 2 == 1:
-                block(hi - 1, s=0)
+                if lo + 2 * i + 1 < hi:
+                    block(lo + 2 * i + 1, s=1)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------
