@@ -34,6 +34,9 @@
 #             (tools/sparse_rows.py split / sm90 / producer, alternated twice),
 #             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests and
 #             memcheck over the 656-byte rows at h_q 16 and 100
+#   split_ncu  ncu of the split at b 128 h_q 64 over the 656-byte rows (random entries, then
+#             every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
+#             gzipped into $OUT
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag
@@ -119,6 +122,21 @@ case $kernel in
     run pat 120 env TORCH_MLA_SPARSE_PRODUCER=1 TORCH_MLA_CACHE_DIR=/tmp/c4 \
       python benchmarks/bench_sparse_patterns.py
     finish; exit ;;
+  split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
+    # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)
+    preamble flashmla-sm90-sparse
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule --dtypes bf16
+    for none in 0 1; do
+      run "ncu_$none" 90 env NONE=$none ncu --clock-control none --section WarpStateStats \
+        --section SourceCounters --section SpeedOfLight -k regex:Sm90Split --launch-skip 3 -c 1 \
+        -o "/tmp/rep_$none" python -m tools.sparse_rows split 656 128,1,64
+      ncu -i "/tmp/rep_$none.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$none.csv"
+      gzip -c "/tmp/sass_$none.csv" > "$OUT/sass_$none.csv.gz"
+      python -m tools.ncu_sass "/tmp/sass_$none.csv" 30 > "$OUT/top_$none.txt"
+      head -14 "$OUT/top_$none.txt"
+    done
+    finish; exit ;;
   rs_ab)
     preamble flashmla-sm90-sparse
     run precompile 150 python -m torch_mla.precompile --arch sm_90a \
@@ -134,7 +152,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_ncu|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
