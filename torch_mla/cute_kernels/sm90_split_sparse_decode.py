@@ -25,8 +25,9 @@ warpgroup with the warpgroup's index a constant (sm90_decode.MLADecodeSm90.body)
 consumer's segment loop and epilogue are its own code and ptxas allocates each for its own
 count; with one copy shared by both consumers it allocated it for the smaller count (session
 28: WG0 192 with WG1 160 spilled 2084 bytes, so both had 216 and the producer 72). ptxas
-spills 16-48 bytes at (128, 216, 160) (it varies between builds of the same code), none over
-the 16-bit cache; WG0 at 192 (FlashMLA's) spills 200.
+spills 8 bytes at (128, 216, 160) over the 656-byte rows (16-48 with the base class's
+producer, varying between builds of the same code), none over the 16-bit cache; WG0 at 192
+(FlashMLA's) spilled 200.
 
 The producer (its own _produce and _fill, session 29): one block a loop step, the buffer a
 runtime index, so each half's fill is inlined once (the base class inlines four fills a pair
