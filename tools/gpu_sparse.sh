@@ -32,8 +32,9 @@
 #             (TORCH_MLA_SPARSE_PRODUCER=split, sm90_split_sparse_decode.py; compiled only until
 #             it runs): an A/B against the SM90 and producer kernels over the 656-byte rows
 #             (tools/sparse_rows.py split / sm90 / producer, alternated twice),
-#             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests and
-#             memcheck over the 656-byte rows at h_q 16 and 100
+#             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests,
+#             memcheck over the 656-byte rows at h_q 16 and 100, and bench_decode.py
+#             --sparse-kernels at h_q 64 and 128, b 2, 32, 128 (FlashMLA beside it)
 #   split_ncu  ncu of the split at b 128 h_q 64 over the 656-byte rows (random entries, then
 #             every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -185,6 +186,10 @@ if [[ $kernel == producer || $kernel == split ]]; then  # (two m-blocks a token,
   # with 36 heads)
   MEMCHECK_NAME=memcheck_100 memcheck 45 env "${flag[@]}" python -m tools.sparse_memcheck \
     --cache fp8_ds_mla --heads 100
+  if [[ $kernel == split ]]; then  # (issue 29's rows, FlashMLA in the same process)
+    run bench 150 env "${flag[@]}" python benchmarks/bench_decode.py --sparse-kernels \
+      --heads 64,128 --batches 2,32,128
+  fi
 elif [[ $kernel == keysm_rs ]]; then  # (32 columns; 64: the two warpgroups split them; 100:
   # two CTAs of 64 a token; =32: 64 heads as two CTAs of 32)
   for h in 24 64 100; do
