@@ -52,6 +52,7 @@ the 16-bit cache and the 656-byte rows).
 
 from __future__ import annotations
 
+import os
 from functools import partial
 
 import cutlass
@@ -68,6 +69,11 @@ from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import TILE16, row_source
 
 REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnreg
+# Halves of a block whose fp8 chunks the producer loads before it waits for the first: 1 (each
+# half's loads just before its own wait) or 2 (both halves' at once: one load latency a block,
+# not two). TORCH_MLA_DEV_SPLIT_EARLY sets it at import, a developer knob for the A/B (a build
+# with another value needs its own TORCH_MLA_CACHE_DIR: the cache key does not include it).
+EARLY = int(os.environ.get("TORCH_MLA_DEV_SPLIT_EARLY", "1"))
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -126,25 +132,25 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for blk in cutlass.range(lo, hi, unroll=1):
                     nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
                     cur = [slots[0], slots[1]]
+                    loaded = [None, None]
                     for h in self.fill_order(0):  # (both buffers' order: WG0 reads half 0 first)
-                        self._fill(rows, cur, (blk - lo) % 2, h, barK, parity, warp)
+                        if const_expr(EARLY == 2 and h == self.fill_order(0)[0]):
+                            for g in self.fill_order(0):
+                                loaded[g] = self._load(rows, cur, g, warp)
+                        if const_expr(EARLY == 1):
+                            loaded[h] = self._load(rows, cur, h, warp)
+                        self._fill(rows, cur, (blk - lo) % 2, h, barK, parity, warp, loaded[h])
                     slots[0] = nxt[0]
                     slots[1] = nxt[1]
 
     @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp):
-        """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
-        (keys lane and lane + 32), once the consumers released it. The 656-byte rows: thread
-        (warp, lane) converts 4 chunks of 16 fp8 bytes of each of 2 keys (token_of_lane), all
-        8 and the keys' 2 x 2 group scales loaded into registers before it waits (one row
-        address a key: no shuffle a chunk); then it stores each value times its scale, rounded
-        to bf16 (ptx.e4m3_store16), to its swizzled place (token_store_offsets). Over half 1
-        the bf16 rope tile by cp.async (gather16, the four warps sharing its rows). The 16-bit
-        cache: the half's tiles by cp.async once released. Warp 0 writes buffer s's bias row
-        with half 0. Every thread then fences its writes for the async proxy and arrives on
-        the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+    def _load(self, rows, slots, h: cutlass.Constexpr[int], warp):
+        """Over the 656-byte rows, this thread's part of half h of the block whose slots the
+        lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
+        of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
+        address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
+        empty over the 16-bit cache."""
         lane = cute.arch.lane_idx()
-        buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = [], []
         if const_expr(self.cache == "fp8_ds_mla"):
             for u in cutlass.range_constexpr(2):
@@ -154,6 +160,22 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for d in cutlass.range_constexpr(4):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok))
                 scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok))
+        return words, scales
+
+    @cute.jit
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
+        """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
+        (keys lane and lane + 32), once the consumers released it. The 656-byte rows: this
+        thread's chunks and scales are already loaded (`loaded`: _load, issued before the
+        wait); it stores each value times its scale, rounded to bf16 (ptx.e4m3_store16), to
+        its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
+        (gather16, the four warps sharing its rows). The 16-bit cache: the half's tiles by
+        cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
+        then fences its writes for the async proxy and arrives on the half's tile mbarrier
+        (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        lane = cute.arch.lane_idx()
+        buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
+        words, scales = loaded
         bit = 2 * s + h
         cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         parity[0] = parity[0] ^ (1 << bit)
