@@ -410,11 +410,11 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in the two inlined
     block sites (two blocks a loop step, the second where it exists): 2 x (36 + 4 + 4) wgmma;
     the body traced once a warpgroup (each copy only its warpgroup's code: one setmaxnreg
-    each, the Q loads only in WG0's copy); REGS summing to 3 x 168 (the increases take what the decreases
-    free), each warpgroup's setmaxnreg going the way its count lies from launch's. ptxas (where
-    installed): 168 registers at launch, no serialised wgmma (C7512: a consumer's budget too
-    small), spill at most 64 bytes over the 656-byte rows (8-48 seen in session 29: it varies
-    between builds) and none over the 16-bit cache."""
+    each, the Q loads only in WG0's copy); REGS summing to 3 x 168 (the increases take what
+    the decreases free), each warpgroup's setmaxnreg going the way its count lies from
+    launch's. ptxas (where installed): 168 registers at launch, no serialised wgmma (C7512: a
+    consumer's budget too small), spill at most 64 bytes over the 656-byte rows (0-48 seen in
+    session 29's builds) and none over the 16-bit cache."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
 
     assert sum(REGS) == 3 * 168, REGS
