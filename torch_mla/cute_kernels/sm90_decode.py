@@ -566,19 +566,14 @@ class MLADecodeSm90(DecodeKernel):
         else:
             if const_expr(self.split):
                 # (WG0, WG1 apart: the split subclass's consumers, regs = (producer, WG0, WG1),
-                # summing to 3x the count at launch; setmaxnreg.dec to a larger count is an
-                # illegal instruction, so each goes the way its count lies from launch's)
-                launch = sum(self.regs) // 3
-                if wg == 0:
-                    if const_expr(self.regs[1] >= launch):
-                        cute.arch.setmaxregister_increase(self.regs[1])
-                    else:
-                        cute.arch.setmaxregister_decrease(self.regs[1])
+                # summing to 3x the count at launch; wg is this copy's constant (body);
+                # setmaxnreg.dec to a larger count is an illegal instruction, so each goes the
+                # way its count lies from launch's)
+                count = self.regs[1] if const_expr(wg == 0) else self.regs[2]
+                if const_expr(count >= sum(self.regs) // 3):
+                    cute.arch.setmaxregister_increase(count)
                 else:
-                    if const_expr(self.regs[2] >= launch):
-                        cute.arch.setmaxregister_increase(self.regs[2])
-                    else:
-                        cute.arch.setmaxregister_decrease(self.regs[2])
+                    cute.arch.setmaxregister_decrease(count)
             elif const_expr(self.producer):
                 cute.arch.setmaxregister_increase(self.regs[1])
             # Scalars of the request a segment works on (L, its first two pages, its slot range),

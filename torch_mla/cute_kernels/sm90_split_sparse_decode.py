@@ -132,11 +132,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for blk in cutlass.range(lo, hi, unroll=1):
                     nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
                     cur = [slots[0], slots[1]]
-                    loaded = [None, None]
-                    for h in self.fill_order(0):  # (both buffers' order: WG0 reads half 0 first)
-                        if const_expr(EARLY == 2 and h == self.fill_order(0)[0]):
-                            for g in self.fill_order(0):
-                                loaded[g] = self._load(rows, cur, g, warp)
+                    halves = self.fill_order(0)  # (both buffers' order: WG0 reads half 0 first)
+                    loaded = {}
+                    if const_expr(EARLY == 2):
+                        for h in halves:
+                            loaded[h] = self._load(rows, cur, h, warp)
+                    for h in halves:
                         if const_expr(EARLY == 1):
                             loaded[h] = self._load(rows, cur, h, warp)
                         self._fill(rows, cur, (blk - lo) % 2, h, barK, parity, warp, loaded[h])
@@ -254,23 +255,19 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """A segment's blocks [lo, hi) (n of them, the first two already released to the
         producer), two a loop step so that each block's buffer is a compile-time index; the
         second only where it exists (two inlined block sites, not three: less code to fetch)."""
-        if wg == 0:
+        if const_expr(wg == 0):  # (wg: this copy's constant, MLADecodeSm90.body)
             block = partial(self._wg0_block, lo=lo, hi=hi, border=border,
                             min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
                             row_sum=row_sum, tSrQ=tSrQ, tSrK=tSrK, tOrV=tOrV, st_P=st_P,
                             sP0=sP0, sM=sM, sScale0=sScale0, barK=barK, phase=phase, r0=r0,
                             c0=c0, wtid=wtid, scale_log2=scale_log2)
-            for i in cutlass.range((n + 1) // 2, unroll=1):
-                block(lo + 2 * i, s=0)
-                if lo + 2 * i + 1 < hi:
-                    block(lo + 2 * i + 1, s=1)
         else:
             block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
                             sScale0=sScale0, r0=r0, wtid=wtid)
-            for i in cutlass.range((n + 1) // 2, unroll=1):
-                block(lo + 2 * i, s=0)
-                if lo + 2 * i + 1 < hi:
-                    block(lo + 2 * i + 1, s=1)
+        for i in cutlass.range((n + 1) // 2, unroll=1):
+            block(lo + 2 * i, s=0)
+            if lo + 2 * i + 1 < hi:
+                block(lo + 2 * i + 1, s=1)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------

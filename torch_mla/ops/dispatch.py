@@ -88,7 +88,8 @@ sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # the 16-bit cache and the 656-byte rows).
 sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # =split: its variant with FlashMLA's split of the consumer warpgroups
-# (cute_kernels/sm90_split_sparse_decode.py; first grid cases pass on an H200, not timed).
+# (cute_kernels/sm90_split_sparse_decode.py; measured on an H100: slower than the SM90 kernel
+# over the 656-byte rows, docs/kernels/sparse.md).
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
