@@ -332,7 +332,8 @@ import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
 """ + PTXAS_FIGURES + r"""
 backend, cls = sys.argv[3], sys.argv[4]  # ("sm90_producer", its class name) or the split's
-registry.build(registry.SparseStepConfig(backend, sys.argv[1], sys.argv[2]), "sm_90a")
+columns = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # (the split's cluster pair: 128)
+registry.build(registry.SparseStepConfig(backend, sys.argv[1], sys.argv[2], columns), "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     for ptx in open(f).read().split(".entry ")[1:]:
@@ -342,8 +343,13 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "mul.rn.f32", "cp.async.mbarrier.arrive.shared", "prefetch.global.L2",
                   "ld.global.nc.L1::no_allocate.v4", "ld.global.nc.L1::no_allocate.v2",
                   "setmaxnreg", "cp.async.bulk.tensor",
+                  "st.async", "barrier.cluster.arrive", "barrier.cluster.wait",
+                  "mbarrier.arrive.release.cluster", "mbarrier.arrive.expect_tx",
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
+        for v in ("v4", "v2"):  # (the read-only loads, whatever their cache hints)
+            counts["ldnc." + v] = counts.get("ldnc." + v, 0) + len(
+                re.findall(r"ld\.global\.nc[\w:.]*\." + v + r"\.b32", ptx))
         # (setmaxnreg's direction and count: .dec to a larger count is an illegal instruction)
         counts["setmaxnreg_to"] = sorted(re.findall(r"setmaxnreg\.(inc|dec)\S*\s+(\d+)", ptx))
         if shutil.which("ptxas"):
@@ -352,12 +358,13 @@ print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
 
-def _producer_counts(tmp_path, dtype, cache, backend, cls):
+def _producer_counts(tmp_path, dtype, cache, backend, cls, columns=0):
     """PRODUCER_SPARSE_SCRIPT on one producer-kernel variant: (PTX counts, ptxas figures)."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path))
     res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend,
-                          cls], env=env, capture_output=True, text=True, timeout=600)
+                          cls, str(columns)], env=env, capture_output=True, text=True,
+                         timeout=600)
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return got["counts"], got["ptxas"]
@@ -399,8 +406,9 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
 
 
 
-@pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
-def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
+@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "fp8_ds_mla", 0), ("fp16", "plain", 0),
+                                                 ("bf16", "fp8_ds_mla", 128)])
+def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
     opt-in). Its producer fills one block a loop step, the buffer a runtime index: two inlined
     fills (one a half). Over the 656-byte rows each loads its 8 chunks of 16 fp8 bytes (two
@@ -414,19 +422,32 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache):
     the decreases free), each warpgroup's setmaxnreg going the way its count lies from
     launch's. ptxas (where installed): 168 registers at launch, no serialised wgmma (C7512: a
     consumer's budget too small), spill at most 64 bytes over the 656-byte rows (0-48 seen in
-    session 29's builds) and none over the 16-bit cache."""
+    session 29's builds) and none over the 16-bit cache.
+
+    columns 128, the cluster pair (the 656-byte rows at h_q 65-128): each producer converts one
+    round of 32 keys a half (half the loads, cvt and multiplies) and stores every chunk here
+    and by st.async into the peer (16 a fill); thread 0's arrival expects the peer's bytes
+    (one expect_tx a fill beyond the Q loads' three); releases go to both CTAs (cluster-scoped
+    remote arrivals); each traced copy syncs the cluster after the barriers' set-up and at the
+    end."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
 
     assert sum(REGS) == 3 * 168, REGS
-    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split")
+    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split",
+                            columns)
     assert c["wgmma.mma_async"] == 2 * (36 + 4 + 4), c
     ds = cache == "fp8_ds_mla"
+    rounds = 1 if columns else 2
     assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
-    assert c["ld.global.nc.L1::no_allocate.v4"] == (2 * 8 if ds else 0), c
-    assert c["ld.global.nc.L1::no_allocate.v2"] == (2 * 2 if ds else 0), c
+    assert c["ldnc.v4"] == (2 * 4 * rounds if ds else 0), c
+    assert c["ldnc.v2"] == (2 * rounds if ds else 0), c
     assert c["prefetch.global.L2"] == 0, c
-    assert c["cvt.rn.f16x2.e4m3x2"] == (2 * 8 * 8 if ds else 0), c
-    assert c["mul.rn.f32"] == (2 * 8 * 16 if ds else 0), c
+    assert c["cvt.rn.f16x2.e4m3x2"] == (2 * 4 * rounds * 8 if ds else 0), c
+    assert c["mul.rn.f32"] == (2 * 4 * rounds * 16 if ds else 0), c
+    assert c["st.async"] == (2 * 4 * 2 if columns else 0), c
+    assert c["barrier.cluster.arrive"] == c["barrier.cluster.wait"] == (6 if columns else 0), c
+    assert (c["mbarrier.arrive.release.cluster"] > 0) == bool(columns), c
+    assert c["mbarrier.arrive.expect_tx"] == 3 + (2 if columns else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
     # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first
     # build, which decreased WG1 "to" 216, stopped on one)

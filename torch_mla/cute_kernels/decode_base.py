@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import NamedTuple
 
 import cutlass.cute as cute
-from cutlass import Float32
+from cutlass import Float32, const_expr
 
 from ..constants import BLOCK_M
 from . import splitkv
@@ -76,6 +76,7 @@ class DecodeKernel:
     ``body`` (the device code, called by ``kernel``); kv_fp8 kernels take FP8_ARGS."""
 
     block_m = BLOCK_M  # query rows a CTA
+    cluster_m = 1  # CTAs a cluster along the query rows (launch)
     kv_fp8 = False  # over a float8_e4m3fn cache: takes kv_scale, q_scale, q_scaled
 
     can_implement = staticmethod(splitkv.supports)
@@ -111,13 +112,19 @@ class DecodeKernel:
         inputs, extra = self._prepare(mQ, mKV, fp8)
         tensors = SplitKVTensors(mBlockTable, mSeqlens, mMeta, mNumSplits, mO, mLSE, mOacc,
                                  mLSEacc)
-        # A CTA per block_m query rows and schedule part.
+        # A CTA per block_m query rows and schedule part (a cluster of cluster_m CTAs along
+        # the rows: a subclass's CTAs of one part that share work; the host picks such a
+        # kernel only where the m-blocks divide into clusters).
         num_m_blocks = (mO.shape[1] + self.block_m - 1) // self.block_m
+        launch = {}
+        if const_expr(self.cluster_m > 1):
+            launch["cluster"] = [self.cluster_m, 1, 1]
         self.kernel(inputs, tensors, scale_log2, extra).launch(
             grid=[num_m_blocks, mMeta.shape[0], 1],
             block=[self.num_threads, 1, 1],
             stream=stream,
             min_blocks_per_mp=1,
+            **launch,
         )
 
 

@@ -121,7 +121,7 @@ def lds128(addr: Int32, *, loc=None, ip=None):
 
 
 def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
-              early: bool = False) -> str:
+              early: bool = False, peer: bool = False) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
     value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
@@ -141,9 +141,23 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
     the kernels never read a byte that no entry names.
 
     early: values 0-7 are stored as soon as they are converted (fewer registers live at once:
-    the sparse producer warpgroup's 56)."""
-    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>;",
+    the sparse producer warpgroup's 56).
+
+    peer: each chunk also goes to the same place in a peer CTA's shared memory (st.async; the
+    next two operands: the peer's shared::cluster address minus the local one, and the peer's
+    mbarrier, whose transaction count each 16-byte store completes)."""
+    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>, pa<2>;",
              ".reg .f32 fl<8>, fu<8>, sc;"]
+    delta, pbar = (7, 8) if scaled else (6, 7)
+
+    def store(dst: int, regs: str) -> list:
+        out = [f"st.shared.v4.b32 [${dst}], {{{regs}}};"]
+        if peer:
+            out += [f"add.u32 pa{dst}, ${dst}, ${delta};",
+                    f"st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [pa{dst}], "
+                    f"{{{regs}}}, [${pbar}];"]
+        return out
+
     if not hw:
         lines += [".reg .b32 k256;", "mov.b32 k256, 0x5c005c00;"]  # 256.0 in both f16 halves
     if scaled:
@@ -167,22 +181,26 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
             pack = "bf16x2" if to_bf16 else "f16x2"
             lines.append(f"cvt.rn.{pack}.f32 h{i}, fu{i}, fl{i};")
         if early and i == 3:
-            lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
+            lines += store(0, "h0, h1, h2, h3")
     if not early:
-        lines.append("st.shared.v4.b32 [$0], {h0, h1, h2, h3};")
-    lines += ["st.shared.v4.b32 [$1], {h4, h5, h6, h7};", "}"]
+        lines += store(0, "h0, h1, h2, h3")
+    lines += store(1, "h4, h5, h6, h7") + ["}"]
     return "\n".join(lines)
 
 
 @dsl_user_op
 def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
-                 early: bool = False, *, loc=None, ip=None) -> None:
+                 early: bool = False, peer=None, *, loc=None, ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
     (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
-    integer ops; early: values 0-7 stored before 8-15 are converted (see _e4m3_asm)."""
-    regs = [dst0, dst1, *words] + ([] if scale is None else [scale])
+    integer ops; early: values 0-7 stored before 8-15 are converted; peer: (delta, mbarrier),
+    the chunks also stored at dst + delta in a peer CTA by st.async, completing bytes on that
+    shared::cluster mbarrier address (see _e4m3_asm)."""
+    regs = ([dst0, dst1, *words] + ([] if scale is None else [scale])
+            + ([] if peer is None else list(peer)))
     args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
-    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early),
+    llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early,
+                                          peer is not None),
                     ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
@@ -261,21 +279,32 @@ def ldg128(addr, *, loc=None, ip=None):
 
 
 @dsl_user_op
-def ldg_or_zero(n: int, addr, ok: Int32, *, loc=None, ip=None) -> list:
+def ldg_or_zero(n: int, addr, ok: Int32, l1: str = "no_allocate", l2: int = 0, *, loc=None,
+                ip=None) -> list:
     """n (1, 2 or 4) 32-bit words from global address addr (4n-byte aligned) by the read-only
-    path, not allocated in L1 (read once), or zeros without any read where ok is 0."""
+    path, or zeros without any read where ok is 0. l1: the L1 eviction priority (no_allocate:
+    read once); l2: an L2 prefetch size in bytes (64, 128 or 256: the L2 also fetches the
+    aligned block around addr), 0 for none."""
     out = ", ".join(f"${i}" for i in range(n))
-    vec = "" if n == 1 else f".v{n}"
+    vec = ("" if n == 1 else f".v{n}") if not l2 else f".L2::{l2}B" + ("" if n == 1 else f".v{n}")
     res = llvm.inline_asm(
         llvm.StructType.get_literal([T.i32()] * n),
         [cutlass.Int64(addr).ir_value(loc=loc, ip=ip), Int32(ok).ir_value(loc=loc, ip=ip)],
         "{ .reg .pred p; setp.ne.b32 p, $" + str(n + 1) + ", 0; "
         + " ".join(f"mov.b32 ${i}, 0;" for i in range(n))
-        + f" @p ld.global.nc.L1::no_allocate{vec}.b32 " + (out if n == 1 else "{" + out + "}")
+        + f" @p ld.global.nc.L1::{l1}{vec}.b32 " + (out if n == 1 else "{" + out + "}")
         + f", [${n}]; }}",
         ",".join(["=r"] * n + ["l", "r"]), has_side_effects=True, is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
     return [Int32(llvm.extractvalue(T.i32(), res, [i], loc=loc, ip=ip)) for i in range(n)]
+
+
+@dsl_user_op
+def mapa_shared(addr, rank, *, loc=None, ip=None) -> Int32:
+    """The shared::cluster address of shared::cta address addr (32-bit) in the CTA of rank
+    `rank` of this cluster (mapa)."""
+    return _asm2("mapa.shared::cluster.u32 $0, $1, $2;", Int32(addr), Int32(rank), "=r,r,r",
+                 loc, ip)
 
 
 @dsl_user_op

@@ -261,6 +261,11 @@ class MLADecodeSm90(DecodeKernel):
     # (generic-proxy writes: the warpgroups fence before their MMAs read them).
     k_arrivals = 1
     cp_async_tiles = False
+
+    def half_has_copies(self, h: int) -> bool:
+        """Whether buffer half h's tiles hold cp.async writes that the warpgroup waiting for them
+        must fence for the async proxy (a writer that stores and fences itself needs none)."""
+        return self.cp_async_tiles
     # Warps of a warpgroup that refill a buffer half together (_load_tiles): TMA needs one; the
     # sparse subclass's cp.async gather spreads its copies over the warpgroup's four.
     load_warps = 1
@@ -461,6 +466,10 @@ class MLADecodeSm90(DecodeKernel):
                 self._init_barriers()
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
+        if const_expr(self.cluster_m > 1):
+            # (a peer CTA's mbarriers are initialized before this one arrives on them)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
         # The combine kernel (launched with PDL) may start now: its CTAs wait for this grid to
         # finish before reading what it writes, so they only fill idle warp slots meanwhile.
         cute.arch.griddepcontrol_launch_dependents()
@@ -754,6 +763,10 @@ class MLADecodeSm90(DecodeKernel):
                 if q_ready[0] == 2:
                     cute.arch.mbarrier_wait(barQ, phase[2])  # no TMA in flight when the CTA exits
             self._stamp("end")
+        if const_expr(self.cluster_m > 1):
+            # (no CTA leaves while its peer may still store into it or arrive on its mbarriers)
+            cute.arch.cluster_arrive()
+            cute.arch.cluster_wait()
 
     def _init_barriers(self):
         """Thread 0, after the page tiles' and Q's mbarriers: a producer subclass's own."""
@@ -906,7 +919,8 @@ class MLADecodeSm90(DecodeKernel):
                     # for the async proxy a half.
                     if const_expr(tile == 0 or tile == 4):
                         cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
-                        cute.arch.fence_view_async_shared()
+                        if const_expr(self.half_has_copies(tile // 4)):
+                            cute.arch.fence_view_async_shared()
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
                 warpgroup.fence()
@@ -966,10 +980,11 @@ class MLADecodeSm90(DecodeKernel):
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
 
     @cute.jit
-    def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool]):
+    def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool],
+            fence: cutlass.Constexpr[bool] = True):
         atom = cute.make_mma_atom(tiled.op)
         atom.set(warpgroup.Field.ACCUMULATE, True)
-        if const_expr(self.cp_async_tiles):
+        if const_expr(self.cp_async_tiles and fence):
             # V may come from a buffer half the other warpgroup waited for (named barriers
             # ordered it before this point): the generic-proxy writes, then this MMA's reads.
             cute.arch.fence_view_async_shared()

@@ -144,11 +144,14 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                     t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
         """A consumer warp, where the kernel without a producer loads tiles [t_begin, t_end)
         of buffer s: one lane releases each buffer half those tiles cover to the producer."""
-        bar = self.d_storage.barE.data_ptr()
         with cute.arch.elect_one():
             for h in cutlass.range_constexpr(2):
                 if const_expr(t_begin <= 4 * h and 4 * h < t_end):
-                    cute.arch.mbarrier_arrive(bar + 2 * s + h)
+                    self._free(2 * s + h)
+
+    def _free(self, i: int):
+        """Half i % 2 of buffer i // 2 to the producer (one lane: its "empty" mbarrier)."""
+        cute.arch.mbarrier_arrive(self.d_storage.barE.data_ptr() + i)
 
     @cute.jit
     def _walk_inputs(self, mKV):
@@ -257,11 +260,13 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                              s * PAGE_SIZE, slots, cute.arch.lane_idx())
 
     @cute.jit
-    def _copy_and_arrive(self, rows, slots, buf, h: cutlass.Constexpr[int], bar, warp):
+    def _copy_and_arrive(self, rows, slots, buf, h: cutlass.Constexpr[int], bar, warp,
+                         tx: cutlass.Constexpr[int] = 0):
         """The end of a half's fill (buffer at shared address buf, tile mbarrier bar): the
         half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1; the 16-bit
         cache: the half's tiles), tracked by bar; then this thread's writes fenced for the
-        async proxy and its arrival on bar."""
+        async proxy and its arrival on bar (tx: bytes a peer CTA's st.async completes on bar,
+        which thread 0 of the warpgroup's arrival expects)."""
         if const_expr(self.cache == "fp8_ds_mla"):
             if const_expr(h == 1):
                 gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)],
@@ -272,7 +277,13 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t0, t1)], warp)
             cp_async_mbarrier_arrive(bar.toint())
         cute.arch.fence_view_async_shared()
-        cute.arch.mbarrier_arrive(bar)
+        if const_expr(tx):
+            if warp == 0 and cute.arch.lane_idx() == 0:
+                cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)
+            else:
+                cute.arch.mbarrier_arrive(bar)
+        else:
+            cute.arch.mbarrier_arrive(bar)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_producer") ---------------

@@ -58,11 +58,12 @@ from functools import partial
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
+from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
@@ -74,6 +75,16 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # not two). TORCH_MLA_DEV_SPLIT_EARLY sets it at import, a developer knob for the A/B (a build
 # with another value needs its own TORCH_MLA_CACHE_DIR: the cache key does not include it).
 EARLY = int(os.environ.get("TORCH_MLA_DEV_SPLIT_EARLY", "1"))
+# Developer knobs for the session-30 A/B (same caveat: each build its own cache directory):
+# L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
+# priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
+# 656-byte rows (half 0 is written and fenced by the producer itself; P V reads half 0).
+L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "0"))
+L1_EVICT = os.environ.get("TORCH_MLA_DEV_SPLIT_L1", "no_allocate")
+FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "1"))
+# Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
+# values x 2 bytes (the rope tile each CTA gathers itself).
+PEER_BYTES = 32 * 256 * 2
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -104,6 +115,36 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     split = True
     regs = REGS
     rope_in_regs = False  # (Q's RoPE tile stays in shared memory: sP1 does not use it)
+
+    def __init__(self, dtype, cache: str = "plain", pair: bool = False):
+        """pair: the two m-blocks of a token (h_q 65-128) as a cluster of two CTAs whose
+        producers each convert half of every block's keys (rows 32 rank .. + 31) into both
+        CTAs' buffers (the 656-byte rows only); see the module docstring."""
+        assert not pair or cache == "fp8_ds_mla", cache
+        super().__init__(dtype, cache)
+        self.pair = pair
+        self.cluster_m = 2 if pair else 1
+
+    def _init_barriers(self):
+        """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
+        consumers' and the peer's: the producers write into both CTAs' buffers)."""
+        bar = self.d_storage.barE.data_ptr()
+        for i in range(4):
+            cute.arch.mbarrier_init(bar + i, 2 if self.pair else 1)
+
+    def _free(self, i: int):
+        """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
+        peer's (a cluster-scoped release: the peer's producer then overwrites the half here)."""
+        bar = self.d_storage.barE.data_ptr() + i
+        cute.arch.mbarrier_arrive(bar)
+        if const_expr(self.pair):
+            cute.arch.mbarrier_arrive(bar, 1 - cute.arch.block_idx_in_cluster(),
+                                      scope=nvvm.MemScopeKind.CLUSTER)
+
+    def half_has_copies(self, h: int) -> bool:
+        """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
+        arrives); half 1 the rope tile's cp.async copies."""
+        return FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1
 
     @staticmethod
     def fill_order(s: int) -> tuple:
@@ -154,13 +195,18 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         lane = cute.arch.lane_idx()
         words, scales = [], []
         if const_expr(self.cache == "fp8_ds_mla"):
-            for u in cutlass.range_constexpr(2):
+            for i in cutlass.range_constexpr(self._rounds()):
+                u = self._round(i)
                 key, q = token_of_lane(warp, lane, u)
+                src = slots[i]
+                if const_expr(self.pair):
+                    src = cutlass.select_(u == 0, slots[0], slots[1])
                 # (key's entry: lane key - 32 u's entry u)
-                row, ok = row_source(*rows, cute.arch.shuffle_sync(slots[u], key - 32 * u))
+                row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
                 for d in cutlass.range_constexpr(4):
-                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok))
-                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok))
+                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
+                                             L1_EVICT, L2_PREFETCH))
+                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
         return words, scales
 
     @cute.jit
@@ -184,20 +230,33 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             self._half0_bias(s, slots, warp)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
-            for u in cutlass.range_constexpr(2):
-                key, q = token_of_lane(warp, lane, u)
+            peer = None
+            if const_expr(self.pair):  # (the same places in the peer CTA, its tile mbarrier)
+                other = 1 - cute.arch.block_idx_in_cluster()
+                peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
+            for i in cutlass.range_constexpr(self._rounds()):
+                key, q = token_of_lane(warp, lane, self._round(i))
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
-                    e4m3_store16(buf + d0, buf + d1, words[4 * u + d], True,
-                                 scales[u][d // 2], early=True)
-        self._copy_and_arrive(rows, slots, buf, h, bar, warp)
+                    e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
+                                 scales[i][d // 2], early=True, peer=peer)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0)
+
+    def _rounds(self) -> int:
+        """Rounds of 32 keys a producer thread converts a buffer half (token_of_lane's u): 2,
+        or with pair 1 (the peer converts the other)."""
+        return 1 if self.pair else 2
+
+    def _round(self, i: int):
+        """Round i's u: i, or with pair this CTA's rank in the cluster (keys 32 rank ..)."""
+        return cute.arch.block_idx_in_cluster() if self.pair else i
 
     @cute.jit
     def _release(self, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], wtid):
         """Half h of buffer s to the producer: one elected lane of the warpgroup's warp 0."""
         if wtid < 32:
             with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive(self.d_storage.barE.data_ptr() + 2 * s + h)
+                self._free(2 * s + h)
 
     @cute.jit
     def _wg0_block(self, b, lo, hi, s: cutlass.Constexpr[int], border, min_border, acc_S,
@@ -227,7 +286,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 sScale0[r0 + 8 * h] = scale[h]
         self._store_P(st_P, rP, sP0)
         cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
-        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True)
+        # (V: half 0, which this warpgroup waited for and fenced where it had copies)
+        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True, fence=FENCE == 1)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if b + 2 < hi:
@@ -274,12 +334,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
 
 def compile_sparse_step(config, arch: str):
-    """The SM90 sparse decode step with FlashMLA's warpgroup split (dtype, cache format),
-    compiled for arch (sm_90a)."""
+    """The SM90 sparse decode step with FlashMLA's warpgroup split (dtype, cache format; columns
+    128: the cluster pair), compiled for arch (sm_90a)."""
     from ..contract import compile_sparse_step_kernel, dsl_dtype
 
     dtype = dsl_dtype(config.dtype)
+    decode = MLASparseDecodeSm90Split(dtype, config.cache, pair=config.columns > 0)
     return compile_sparse_step_kernel(
-        MLASparseDecodeStep(MLASparseDecodeSm90Split(dtype, config.cache), dtype,
-                            use_pdl=True),
+        MLASparseDecodeStep(decode, dtype, use_pdl=True),
         dtype, arch, config.cache)

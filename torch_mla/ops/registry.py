@@ -189,6 +189,8 @@ SPARSE_BACKENDS = ("sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer
 SPARSE_KEYSM_COLUMNS = (8, 16, 32)  # the keys-on-M sparse kernel: one consumer warpgroup
 # its ping-pong variant (at 64 columns its two warpgroups split the columns, 32 each)
 SPARSE_KEYSM_RS_COLUMNS = (8, 16, 32, 64)
+# the split kernel's cluster pair over the 656-byte rows: a token's two 64-row m-blocks
+SPARSE_SPLIT_PAIR = 128
 
 
 def sparse_caches(dtype: str) -> tuple[str, ...]:
@@ -207,7 +209,8 @@ class SparseStepConfig(_Config):
     TORCH_MLA_SPARSE_KEYSM_RS=1), "sm90_producer" (the SM90 one with a producer warpgroup that
     gathers and dequantizes, the 16-bit cache and the 656-byte rows; opt-in,
     TORCH_MLA_SPARSE_PRODUCER=1), "sm90_split" (the same with FlashMLA's split of the consumer
-    warpgroups; opt-in, TORCH_MLA_SPARSE_PRODUCER=split),
+    warpgroups; opt-in, TORCH_MLA_SPARSE_PRODUCER=split; ``columns`` 128 over the 656-byte rows:
+    a token's two m-blocks as a cluster pair sharing the conversion),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
@@ -219,9 +222,11 @@ class SparseStepConfig(_Config):
 
     def __post_init__(self):
         columns = {"sm90_keysm": SPARSE_KEYSM_COLUMNS,
-                   "sm90_keysm_rs": SPARSE_KEYSM_RS_COLUMNS}.get(self.backend, (0,))
+                   "sm90_keysm_rs": SPARSE_KEYSM_RS_COLUMNS,
+                   "sm90_split": (0, SPARSE_SPLIT_PAIR)}.get(self.backend, (0,))
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
+                or (self.backend == "sm90_split" and self.columns and self.cache != "fp8_ds_mla")
                 or (self.backend == "sm90_keysm_rs" and self.cache == "plain")
                 or (self.backend in ("sm90_producer", "sm90_split") and self.cache == "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
@@ -402,6 +407,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             if group in kernels and native == "sm90":
                 out += [SparseStepConfig(backend, dt, c) for c in sparse_caches(dt)
                         if c != "e4m3"]
+                if backend == "sm90_split" and "fp8_ds_mla" in sparse_caches(dt):
+                    out.append(SparseStepConfig(backend, dt, "fp8_ds_mla", SPARSE_SPLIT_PAIR))
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
             out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
                     for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]

@@ -77,6 +77,15 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
     return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
 
 
+def split_pair_rows(h_q: int, cache: str) -> int:
+    """The split kernel's cluster pair (registry.SPARSE_SPLIT_PAIR query rows: the two 64-row
+    m-blocks of a token as one cluster whose producers share each block's conversion) where it
+    applies, h_q 65-128 over the 656-byte rows (unless TORCH_MLA_SPARSE_SPLIT_PAIR=0), else 0."""
+    pair = registry.SPARSE_SPLIT_PAIR
+    return pair if (cache == "fp8_ds_mla" and pair // 2 < h_q <= pair
+                    and not dispatch.sparse_split_pair_off()) else 0
+
+
 # The keys-on-M backends' column counts for h_q heads (run_sparse_step, on every eager call).
 _COLUMNS = {"sm90_keysm": keysm_sparse_columns, "sm90_keysm_rs": keysm_rs_sparse_columns}
 
@@ -203,6 +212,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
     columns = _COLUMNS[backend](h_q) if backend in _COLUMNS else 0
+    if backend == "sm90_split":
+        columns = split_pair_rows(h_q, cache)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
