@@ -888,6 +888,8 @@ def test_sparse_rows_tool_modes(monkeypatch):
               "e4m3": torch.empty(2, 64, 1, 576, dtype=torch.float8_e4m3fn),
               "656": torch.empty(2, 64, 1, 656, dtype=torch.uint8)}
     for mode, env in sparse_rows.MODES.items():
+        if mode == "flashmla":  # (FlashMLA's call, not the dispatch's)
+            continue
         for fmt, cache in caches.items():
             for name in ("TORCH_MLA_SPARSE_KEYSM", "TORCH_MLA_SPARSE_KEYSM_RS",
                          "TORCH_MLA_SPARSE_SM90", "TORCH_MLA_SPARSE_PRODUCER"):
@@ -902,6 +904,32 @@ def test_sparse_rows_tool_modes(monkeypatch):
             assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (mode, fmt)
     assert sparse_rows.parse_row("128,1,16") == (128, 1, 16, 2048, 32768)
     assert sparse_rows.parse_row("2,2,64,512,4096") == (2, 2, 64, 512, 4096)
-    for argv in (["slow", "656", "1,1,16"], ["rs", "fp4", "1,1,16"], ["rs", "656", "1,1"]):
+    for argv in (["slow", "656", "1,1,16"], ["rs", "fp4", "1,1,16"], ["rs", "656", "1,1"],
+                 ["flashmla", "bf16", "1,1,64"]):
         with pytest.raises(SystemExit):
             sparse_rows.main(argv)
+
+
+def test_split_pair_rows(monkeypatch):
+    """The split kernel's cluster pair (ops.sparse.split_pair_rows): 128 rows (a token's two
+    m-blocks as one cluster) at h_q 65-128 over the 656-byte rows, only with
+    TORCH_MLA_SPARSE_SPLIT_PAIR=1 (opt-in: not yet run on a GPU); its build exists only over
+    those rows."""
+    from torch_mla.ops import registry
+
+    for flag in (None, "1"):
+        if flag is None:
+            monkeypatch.delenv("TORCH_MLA_SPARSE_SPLIT_PAIR", raising=False)
+        else:
+            monkeypatch.setenv("TORCH_MLA_SPARSE_SPLIT_PAIR", flag)
+        for cache in ("plain", "e4m3", "fp8_ds_mla"):
+            for h_q in (1, 16, 64, 65, 100, 128, 129, 256):
+                pair = flag == "1" and cache == "fp8_ds_mla" and 64 < h_q <= 128
+                assert sparse_ops.split_pair_rows(h_q, cache) == (128 if pair else 0), (
+                    flag, cache, h_q)
+    assert registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128).key() == {
+        "dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128}
+    for bad in [("sm90_split", "bf16", "plain", 128), ("sm90_split", "bf16", "fp8_ds_mla", 64),
+                ("sm90_producer", "bf16", "fp8_ds_mla", 128)]:
+        with pytest.raises(ValueError, match="no sparse decode kernel"):
+            registry.SparseStepConfig(*bad)

@@ -36,6 +36,14 @@
 #             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests,
 #             memcheck over the 656-byte rows at h_q 16 and 100, and bench_decode.py
 #             --sparse-kernels at h_q 64 and 128, b 2, 32, 128 (FlashMLA beside it)
+#   split_pair  the split's cluster pair (h_q 65-128 over the 656-byte rows; session 30,
+#             compiled only until this runs): its smoke cases first (a hang shows there; on a
+#             failure the rest runs without it), then builds A (the
+#             defaults), D (TORCH_MLA_DEV_SPLIT_L2=256 TORCH_MLA_DEV_SPLIT_FENCE=0) and F (D with
+#             TORCH_MLA_DEV_SPLIT_L1=evict_last), each in its own cache directory, timed over
+#             the 656-byte rows alternated twice with A without the pair (A0) and FlashMLA
+#             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
+#             100 on D
 #   split_ncu  ncu of the split at b 128 h_q 64 over the 656-byte rows (random entries, then
 #             every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -123,6 +131,43 @@ case $kernel in
     grep -h " us" "$OUT"/ab_*.log > "$OUT/ab_all.txt"
     run pat 120 env TORCH_MLA_SPARSE_PRODUCER=1 TORCH_MLA_CACHE_DIR=/tmp/c4 \
       python benchmarks/bench_sparse_patterns.py
+    finish; exit ;;
+  split_pair)
+    preamble flashmla-sm90-sparse
+    V="A:0:1:no_allocate D:256:0:no_allocate F:256:0:evict_last"
+    for v in $V; do IFS=: read -r n l2 fe l1 <<< "$v"
+      (TORCH_MLA_DEV_SPLIT_L2=$l2 TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1 \
+        TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 240 python -m torch_mla.precompile --arch sm_90a \
+        --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+    done
+    wait
+    export TORCH_MLA_SPARSE_SPLIT_PAIR=1  # (opt-in until this runs)
+    F0=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split
+        TORCH_MLA_CACHE_DIR=/tmp/cA)
+    if ! run smoke 90 env "${F0[@]}" python -m pytest -m cuda -q -x -p no:cacheprovider \
+        tests/test_sparse_kernel.py \
+        -k "sm90_split and (fp8_grid and fp8_ds_mla and 128 or entry_kinds and 100)"; then
+      echo "the pair's smoke failed: the rest without it"; export TORCH_MLA_SPARSE_SPLIT_PAIR=0
+    fi
+    ROWS="32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128"
+    for round in 1 2; do
+      for v in $V A0:0:1:no_allocate; do IFS=: read -r n l2 fe l1 <<< "$v"
+        pair=(); rows=$ROWS
+        if [[ $n == A0 ]]; then pair=(TORCH_MLA_SPARSE_SPLIT_PAIR=0); rows="32,1,128 128,1,128 128,2,128"; fi
+        run "ab_${n}_$round" 60 env TAG="r$round $n" TORCH_MLA_DEV_SPLIT_L2=$l2 \
+          TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1 TORCH_MLA_CACHE_DIR=/tmp/c${n:0:1} \
+          "${pair[@]}" python -m tools.sparse_rows split 656 $rows
+        stop_if_hung "ab_${n}_$round"
+      done
+      run "ab_fm_$round" 90 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $ROWS
+    done
+    grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
+    FD=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split
+        TORCH_MLA_DEV_SPLIT_L2=256 TORCH_MLA_DEV_SPLIT_FENCE=0 TORCH_MLA_CACHE_DIR=/tmp/cD)
+    run tests 150 env "${FD[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse.py tests/test_sparse_kernel.py -k "sm90_split or not (sm80 or sm90 or fp8)"
+    MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
+      --cache fp8_ds_mla --heads 100
     finish; exit ;;
   split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
     # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)

@@ -12,6 +12,9 @@ MODE picks the kernel through the dispatch's environment flags:
     producer  its variant with a producer warpgroup (the same and TORCH_MLA_SPARSE_PRODUCER=1)
     split     the same with FlashMLA's warpgroup split (TORCH_MLA_SPARSE_PRODUCER=split)
     portable  the portable kernel (both 0)
+    flashmla  FlashMLA's sparse decode (FORMAT 656 only; its build on PYTHONPATH, as
+              shared/anchors/flashmla-sm90-sparse says): the same problem, for a same-start
+              ratio beside ours
 FORMAT: bf16, e4m3 (float8_e4m3fn with kv_scale) or 656 (DeepSeek-V3.2's 656-byte rows).
 TOPK defaults to 2048 and S_K to 32768 (the issue's V3.2 shapes).
 Each row: one mla_decode_sparse call (schedule made once, outside) captured in a CUDA graph, on
@@ -38,10 +41,12 @@ MODES = {
     "split": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "1",
               "TORCH_MLA_SPARSE_PRODUCER": "split"},
     "portable": {"TORCH_MLA_SPARSE_KEYSM": "0", "TORCH_MLA_SPARSE_SM90": "0"},
+    "flashmla": {},
 }
 # the kernel each mode asks for (ops.sparse.sparse_backend's names)
 KERNELS = {"keysm": "sm90_keysm", "rs": "sm90_keysm_rs", "rs32": "sm90_keysm_rs", "sm90": "sm90",
-           "producer": "sm90_producer", "split": "sm90_split", "portable": "sm80"}
+           "producer": "sm90_producer", "split": "sm90_split", "portable": "sm80",
+           "flashmla": "flashmla"}
 # bytes of a cache row, by format
 ROW_BYTES = {"bf16": 1152, "e4m3": 576, "656": 656}
 
@@ -59,6 +64,8 @@ def main(argv: list[str]) -> None:
         raise SystemExit(f"usage: python -m tools.sparse_rows {{{','.join(MODES)}}} "
                          f"{{{','.join(ROW_BYTES)}}} B,S_Q,H_Q[,TOPK[,S_K]] [...]")
     mode, fmt = argv[0], argv[1]
+    if mode == "flashmla" and fmt != "656":
+        raise SystemExit("flashmla: FORMAT 656 (FlashMLA's sparse decode reads the 656-byte rows)")
     rows = [parse_row(spec) for spec in argv[2:]]
     os.environ.update(MODES[mode])
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
@@ -77,12 +84,18 @@ def main(argv: list[str]) -> None:
         if fmt == "e4m3":
             kv_scale = (torch.cat(tokens, 1).float().abs().amax() / 448).reshape(1)
         cache = bd._sparse_cache(b * s_k, dtype, width, tokens, kv_scale)
-        taken = sparse_backend(q, cache, 512)[0]
         line = f"{os.environ.get('TAG', '')} {mode} {fmt} {spec}:"
-        if taken != KERNELS[mode]:
-            print(f"{line} not taken ({taken} would run)", flush=True)
-            continue
-        us = bd._sparse_us(q, cache, idx, sched, kv_scale)
+        if mode == "flashmla":
+            import flash_mla
+
+            taken = "flashmla"
+            us = bd._flash_mla_sparse_us(flash_mla, q, cache, idx)
+        else:
+            taken = sparse_backend(q, cache, 512)[0]
+            if taken != KERNELS[mode]:
+                print(f"{line} not taken ({taken} would run)", flush=True)
+                continue
+            us = bd._sparse_us(q, cache, idx, sched, kv_scale)
         gbps = b * s_q * topk * ROW_BYTES[fmt] / us / 1e3
         print(f"{line} {us:.1f} us, {gbps:.0f} GB/s ({100 * gbps / bd.COPY_GBPS:.0f}% copy), "
               f"{taken}", flush=True)

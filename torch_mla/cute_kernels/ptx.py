@@ -146,7 +146,8 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
     peer: each chunk also goes to the same place in a peer CTA's shared memory (st.async; the
     next two operands: the peer's shared::cluster address minus the local one, and the peer's
     mbarrier, whose transaction count each 16-byte store completes)."""
-    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;", ".reg .b32 h<8>, x<8>, s<8>, pa<2>;",
+    lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;",
+             ".reg .b32 h<8>, x<8>, s<8>" + (", pa<2>;" if peer else ";"),
              ".reg .f32 fl<8>, fu<8>, sc;"]
     delta, pbar = (7, 8) if scaled else (6, 7)
 

@@ -40,14 +40,25 @@ The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroup
 running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
 kernel's.
 
-Status: run on an H100 (sessions 28-29): the GPU tests of the kernel pass (110 in session
-29), memcheck clean at h_q 16 and 100 over the 656-byte rows. Slower than the heads-on-M
-kernel over the 656-byte rows (b 128 s_q 1 h_q 64: 190.5 against 165.6 us; h_q 128: 322.7
-against 301.2; FlashMLA ~130 / ~185), at FlashMLA's speed over the 16-bit cache (h_q 64 130.8
-against FlashMLA's 656-byte 130.3 us, session 28's build); the producer bounds it (ncu:
-docs/kernels/sparse.md, session 29). The rewritten producer is compiled only (not yet run).
+The cluster pair (pair=True: SparseStepConfig columns 128, the dispatch's
+ops.sparse.split_pair_rows; h_q 65-128 over the 656-byte rows): a token's two 64-row m-blocks
+launch as a cluster of two CTAs walking the same blocks. Each producer converts keys
+32 rank .. 32 rank + 31 of every block half (one round of token_of_lane) and stores each chunk
+both here and, by st.async, at the same place in the peer, completing bytes on the peer's tile
+mbarrier (thread 0's arrival expects PEER_BYTES); the rope tile and the bias row each CTA
+writes itself, for all 64 keys. A half is free when both CTAs' consumers released it ("empty"
+mbarriers of count 2; each release also arrives, cluster-scoped, on the peer's); the cluster
+syncs after the mbarriers' set-up and at the end, so no CTA exits while its peer may still
+store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the same way.
+
+Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
+30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
+rewritten producer): at or below the heads-on-M kernel on every row of the 656-byte A/B
+(b 128 s_q 1 h_q 64: 162.1 against 164.4 us; h_q 128: 277.6 against 299.6; b 32 h_q 64: 64.2
+against 92.8), FlashMLA 129.2 / 184.1 in the same start. The pair and the developer knobs
+(L2_PREFETCH, L1_EVICT, FENCE) are compiled only: the machine loans paused before they ran.
 Opt-in (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel;
-the 16-bit cache and the 656-byte rows).
+the 16-bit cache and the 656-byte rows; the pair with TORCH_MLA_SPARSE_SPLIT_PAIR=1 as well).
 """
 
 from __future__ import annotations

@@ -91,9 +91,9 @@ sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # (cute_kernels/sm90_split_sparse_decode.py; measured on an H100: slower than the SM90 kernel
 # over the 656-byte rows, docs/kernels/sparse.md).
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
-# TORCH_MLA_SPARSE_SPLIT_PAIR=0: the split kernel without its cluster pair at h_q 65-128 over the
-# 656-byte rows (ops.sparse.split_pair_rows; for the A/B of the two).
-sparse_split_pair_off = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR", "0")
+# TORCH_MLA_SPARSE_SPLIT_PAIR=1 (with =split): the split kernel's cluster pair at h_q 65-128 over
+# the 656-byte rows (ops.sparse.split_pair_rows; compiled, not yet run on a GPU).
+sparse_split_pair = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
 # on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,
