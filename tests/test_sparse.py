@@ -372,6 +372,12 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
                 keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
+                # (over the 656-byte rows the split kernel in the SM90 kernel's place, unless
+                # TORCH_MLA_SPARSE_PRODUCER=0)
+                default = "sm90_split" if want == "sm90" and fmt == "fp8_ds_mla" else want
+                assert sparse_ops.sparse_backend(q, cache, 512) == (default, ""), (
+                    flag, fmt, h_q)
+                monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "0")
                 assert sparse_ops.sparse_backend(q, cache, 512) == (want, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_sparse_columns(h_q) == cols
                 # TORCH_MLA_SPARSE_PRODUCER=1: the SM90 kernel's producer variant in its place
@@ -407,8 +413,9 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86"])
 def test_fp8_caches_run_a_kernel(monkeypatch, arch):
     # The FP8 caches run both kernels (each dequantizes, in its gather or in shared memory),
-    # the SM90 one from fewer heads than over a 16-bit cache (sm90_sparse_pays); the 656-byte
-    # rows with bf16 q only (their RoPE values are bf16).
+    # the SM90 one (over the 656-byte rows its split variant) from fewer heads than over a
+    # 16-bit cache (sm90_sparse_pays); the 656-byte rows with bf16 q only (their RoPE values
+    # are bf16).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -423,6 +430,8 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
         for shape, want in (((1, 1, 16), "sm80"), ((128, 1, 128), big), ((128, 1, 16), big)):
             q = torch.empty(*shape, 576, dtype=dtype)
             assert sparse_ops.sparse_backend(q, e4m3, 512) == (want, "")
+            if want == "sm90":  # (over the 656-byte rows the split kernel in its place)
+                want = "sm90_split"
             want = (want, "") if dtype == torch.bfloat16 else (
                 "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' "
                              "RoPE values are bf16), got torch.float16")

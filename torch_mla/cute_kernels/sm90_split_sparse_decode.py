@@ -50,6 +50,11 @@ writes itself, for all 64 keys. A half is free when both CTAs' consumers release
 mbarriers of count 2; each release also arrives, cluster-scoped, on the peer's); the cluster
 syncs after the mbarriers' set-up and at the end, so no CTA exits while its peer may still
 store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the same way.
+st.async writes are generic-proxy writes that land after the peer's fence, so the warpgroup
+waiting for a half fences for the async proxy before its MMAs read it (half_has_copies; with
+FENCE 0 too). The waits are the DSL's mbarrier_wait (acquire at CTA scope), as CUTLASS's
+cluster pipelines and FlashMLA's pair wait; the PTX memory model asks for acquire.cluster
+where the release came from the peer (a formal gap noted by session 30's review).
 
 Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
@@ -154,8 +159,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def half_has_copies(self, h: int) -> bool:
         """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
-        arrives); half 1 the rope tile's cp.async copies."""
-        return FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1
+        arrives), half 1 also the rope tile's cp.async copies; with pair both halves hold the
+        peer's st.async writes too (generic proxy, landing after its fence: the waiting
+        warpgroup fences them)."""
+        return FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1 or self.pair
 
     @staticmethod
     def fill_order(s: int) -> tuple:
@@ -298,7 +305,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._store_P(st_P, rP, sP0)
         cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
         # (V: half 0, which this warpgroup waited for and fenced where it had copies)
-        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True, fence=FENCE == 1)
+        self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True,
+                 fence=FENCE == 1 or self.pair)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if b + 2 < hi:

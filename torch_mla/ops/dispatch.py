@@ -88,9 +88,11 @@ sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # the 16-bit cache and the 656-byte rows).
 sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # =split: its variant with FlashMLA's split of the consumer warpgroups
-# (cute_kernels/sm90_split_sparse_decode.py; measured on an H100: slower than the SM90 kernel
-# over the 656-byte rows, docs/kernels/sparse.md).
+# (cute_kernels/sm90_split_sparse_decode.py) over the 16-bit cache too; over the 656-byte rows
+# the split is the default (faster than the SM90 kernel on every row measured on an H100,
+# docs/kernels/sparse.md, session 30); =0: the SM90 kernel itself there.
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
+sparse_heads_on_m = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "0")
 # TORCH_MLA_SPARSE_SPLIT_PAIR=1 (with =split): the split kernel's cluster pair at h_q 65-128 over
 # the 656-byte rows (ops.sparse.split_pair_rows; compiled, not yet run on a GPU).
 sparse_split_pair = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR")

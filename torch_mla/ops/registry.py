@@ -356,7 +356,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
     float8_e4m3fn; "fp8_dither": the same with P dithered, what TORCH_MLA_FAST_DITHER=1 runs,
     not built by default), the sparse decode step ("sparse": the portable kernel's, every arch,
-    and on sm_90a the SM90 one; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns,
+    and on sm_90a the SM90 one and, over the 656-byte rows, the split kernel that the dispatch
+    takes in its place; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns,
     both cache formats, what the dispatch picks by default; "keysm64": its 64-column variants,
     which TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over
     an e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns;
@@ -398,8 +399,11 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                                          columns=n) for n in KEYSM_FAST_COLUMNS for c in causal]
         if "sparse" in kernels:
             out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
-            if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend)
+            if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend;
+                # over the 656-byte rows the split kernel in the SM90 one's place)
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
+                if "fp8_ds_mla" in sparse_caches(dt) and "sparse_split" not in kernels:
+                    out.append(SparseStepConfig("sm90_split", dt, "fp8_ds_mla"))
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:

@@ -98,9 +98,11 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     rows) "sm90_keysm_rs", its ping-pong variant, first at every h_q,
     even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
-    keys-on-M kernel does not take, =0 never; "sm90_producer", its variant with a producer
-    warpgroup, instead with TORCH_MLA_SPARSE_PRODUCER=1 over the 16-bit cache and the 656-byte
-    rows; "sm90_split", with FlashMLA's split of the consumer warpgroups, with =split), "sm80"
+    keys-on-M kernel does not take, =0 never; over the 656-byte rows "sm90_split" in its place,
+    its variant with FlashMLA's split of the warpgroups and a producer warpgroup, faster on
+    every row measured (session 30), unless TORCH_MLA_SPARSE_PRODUCER=0; with =split also over
+    the 16-bit cache; "sm90_producer", the producer variant, with =1 over the 16-bit cache and
+    the 656-byte rows), "sm80"
     (the portable one) or "reference", for
     validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
     every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
@@ -134,7 +136,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt != "fp8":  # (the producer variants take the 16-bit cache and the 656-byte rows)
             if dispatch.sparse_producer():
                 return "sm90_producer", ""
-            if dispatch.sparse_split():
+            if dispatch.sparse_split() or (fmt == "fp8_ds_mla"
+                                           and not dispatch.sparse_heads_on_m()):
                 return "sm90_split", ""
         return "sm90", ""
     return "sm80", ""
