@@ -261,11 +261,6 @@ class MLADecodeSm90(DecodeKernel):
     # (generic-proxy writes: the warpgroups fence before their MMAs read them).
     k_arrivals = 1
     cp_async_tiles = False
-
-    def half_has_copies(self, h: int) -> bool:
-        """Whether buffer half h's tiles hold cp.async writes that the warpgroup waiting for them
-        must fence for the async proxy (a writer that stores and fences itself needs none)."""
-        return self.cp_async_tiles
     # Warps of a warpgroup that refill a buffer half together (_load_tiles): TMA needs one; the
     # sparse subclass's cp.async gather spreads its copies over the warpgroup's four.
     load_warps = 1
@@ -284,6 +279,11 @@ class MLADecodeSm90(DecodeKernel):
     # Q K^T's RoPE tile from registers (rQ8: its shared-memory tile holds P1); False: from
     # shared memory like the others (the split subclass, which has no P1).
     rope_in_regs = True
+
+    def half_has_copies(self, h: int) -> bool:
+        """Whether buffer half h's tiles hold cp.async writes that the warpgroup waiting for them
+        must fence for the async proxy (a writer that stores and fences itself needs none)."""
+        return self.cp_async_tiles
 
     def __init__(self, dtype, causal: bool, kv_fp8: bool = False):
         self.dtype = dtype

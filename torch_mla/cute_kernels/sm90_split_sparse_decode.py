@@ -62,8 +62,9 @@ rewritten producer): at or below the heads-on-M kernel on every row of the 656-b
 (b 128 s_q 1 h_q 64: 162.1 against 164.4 us; h_q 128: 277.6 against 299.6; b 32 h_q 64: 64.2
 against 92.8), FlashMLA 129.2 / 184.1 in the same start. The pair and the developer knobs
 (L2_PREFETCH, L1_EVICT, FENCE) are compiled only: the machine loans paused before they ran.
-Opt-in (TORCH_MLA_SPARSE_PRODUCER=split, where the dispatch would take the SM90 sparse kernel;
-the 16-bit cache and the 656-byte rows; the pair with TORCH_MLA_SPARSE_SPLIT_PAIR=1 as well).
+The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows
+(TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
+TORCH_MLA_SPARSE_PRODUCER=split; the pair only with TORCH_MLA_SPARSE_SPLIT_PAIR=1 as well.
 """
 
 from __future__ import annotations
