@@ -438,6 +438,17 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
             assert sparse_ops.sparse_backend(q, rows, 512) == want
     q = torch.empty(1, 1, 16, 576)  # fp32 q: the reference, whatever the cache
     assert sparse_ops.sparse_backend(q, rows, 512)[0] == "reference"
+    # Over the 656-byte rows the split from 4 CTAs of 64+ heads (split_sparse_pays), where the
+    # SM90 kernel would not pay; TORCH_MLA_SPARSE_PRODUCER=0 keeps the portable one there.
+    for shape, ctas in (((2, 1, 64), 2), ((2, 2, 64), 4), ((2, 1, 128), 4), ((1, 1, 48), 1),
+                        ((4, 1, 48), 4)):
+        q = torch.empty(*shape, 576, dtype=torch.bfloat16)
+        split = arch == "sm_90a" and ctas >= 4 and shape[2] >= 64
+        assert sparse_ops.split_sparse_pays(*shape) == (shape[2] >= 64 and ctas >= 4), shape
+        assert sparse_ops.sparse_backend(q, rows, 512) == ("sm90_split" if split else "sm80", "")
+        monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "0")
+        assert sparse_ops.sparse_backend(q, rows, 512) == ("sm80", "")
+        monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
 
 
 def test_fp8_cache_rows_must_be_16_byte_aligned_for_the_kernel():

@@ -61,6 +61,19 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     return ctas >= (SM90_MIN_CTAS_FP8 if fp8 else SM90_MIN_CTAS)
 
 
+# Over the 656-byte rows the split kernel (which the dispatch takes where the SM90 one pays)
+# beats the portable one from fewer CTAs too: b 2 on an H100 (session 30, one process), split /
+# portable at h_q 64 s_q 1 (2 CTAs) 23.1 / 22.7 us, s_q 2 (4) 31.8 / 35.1, h_q 128 s_q 1 (4)
+# 31.3 / 34.2, s_q 2 (8) 38.7 / 44.7.
+SPLIT_MIN_CTAS = 4
+
+
+def split_sparse_pays(b: int, s_q: int, h_q: int) -> bool:
+    """Whether the split kernel runs over the 656-byte rows where the SM90 one would not pay:
+    h_q >= SM90_MIN_HEADS and b * s_q * ceil(h_q / 64) >= SPLIT_MIN_CTAS."""
+    return h_q >= SM90_MIN_HEADS and b * s_q * -(-h_q // BLOCK_M) >= SPLIT_MIN_CTAS
+
+
 def keysm_sparse_columns(h_q: int) -> int:
     """The query columns (8, 16, 32) of the keys-on-M sparse kernel for h_q heads (any cache
     format), or 0 where it cannot run (h_q > 32)."""
@@ -100,7 +113,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
     keys-on-M kernel does not take, =0 never; over the 656-byte rows "sm90_split" in its place,
     its variant with FlashMLA's split of the warpgroups and a producer warpgroup, faster on
-    every row measured (session 30), unless TORCH_MLA_SPARSE_PRODUCER=0; with =split also over
+    every row measured (session 30), and from fewer CTAs than it (split_sparse_pays), unless
+    TORCH_MLA_SPARSE_PRODUCER=0; with =split also over
     the 16-bit cache; "sm90_producer", the producer variant, with =1 over the 16-bit cache and
     the 656-byte rows), "sm80"
     (the portable one) or "reference", for
@@ -131,15 +145,18 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
     if arch == registry.SM90_ARCH and not dispatch.sparse_keysm_off() and keysm_sparse_columns(
             q.shape[2]):
         return "sm90_keysm", ""
-    if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off() and (
-            dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")):
-        if fmt != "fp8":  # (the producer variants take the 16-bit cache and the 656-byte rows)
+    if arch == registry.SM90_ARCH and not dispatch.sparse_sm90_off():
+        pays = dispatch.sparse_sm90_always() or sm90_sparse_pays(*q.shape[:3], fmt != "plain")
+        if pays and fmt != "fp8":  # (the producer variants: the 16-bit cache, the 656-byte rows)
             if dispatch.sparse_producer():
                 return "sm90_producer", ""
-            if dispatch.sparse_split() or (fmt == "fp8_ds_mla"
-                                           and not dispatch.sparse_heads_on_m()):
+            if dispatch.sparse_split():
                 return "sm90_split", ""
-        return "sm90", ""
+        if fmt == "fp8_ds_mla" and not dispatch.sparse_heads_on_m() and (
+                pays or split_sparse_pays(*q.shape[:3])):
+            return "sm90_split", ""
+        if pays:
+            return "sm90", ""
     return "sm80", ""
 
 
