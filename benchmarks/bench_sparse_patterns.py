@@ -6,7 +6,8 @@ small batches under schedules of more or fewer parts.
     python benchmarks/bench_sparse_patterns.py --heads 16,32  # the keys-on-M kernel
 
 b 128, s_q 1, topk 2048, s_k 32768, h_q 64 and 128; the SM90 sparse kernel
-(TORCH_MLA_SPARSE_SM90=1) over a bf16 cache and the 656-byte FP8 rows, FlashMLA's sparse decode
+(TORCH_MLA_SPARSE_SM90=1) over a bf16 cache and the 656-byte FP8 rows (over those its split
+variant, the dispatch's choice there, unless TORCH_MLA_SPARSE_PRODUCER=0), FlashMLA's sparse decode
 over the same rows (when flash_mla imports). Patterns: random (benchmarks/bench_decode.py's
 distinct random slots), sequential (each request's first topk slots in order: whole pages), one
 page (every entry in the request's first page: cache hits), none (every entry -1: nothing is

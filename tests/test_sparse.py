@@ -372,9 +372,10 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
                 keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
-                # (over the 656-byte rows the split kernel in the SM90 kernel's place, unless
-                # TORCH_MLA_SPARSE_PRODUCER=0)
-                default = "sm90_split" if want == "sm90" and fmt == "fp8_ds_mla" else want
+                # (over the 656-byte rows at 64-128 heads the split kernel in the SM90 kernel's
+                # place, unless TORCH_MLA_SPARSE_PRODUCER=0)
+                default = ("sm90_split" if want == "sm90" and fmt == "fp8_ds_mla"
+                           and 64 <= h_q <= 128 else want)
                 assert sparse_ops.sparse_backend(q, cache, 512) == (default, ""), (
                     flag, fmt, h_q)
                 monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "0")
@@ -430,25 +431,36 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
         for shape, want in (((1, 1, 16), "sm80"), ((128, 1, 128), big), ((128, 1, 16), big)):
             q = torch.empty(*shape, 576, dtype=dtype)
             assert sparse_ops.sparse_backend(q, e4m3, 512) == (want, "")
-            if want == "sm90":  # (over the 656-byte rows the split kernel in its place)
-                want = "sm90_split"
+            if want == "sm90" and shape[2] >= 64:  # (over the 656-byte rows at 64-128 heads
+                want = "sm90_split"  # the split kernel in its place)
             want = (want, "") if dtype == torch.bfloat16 else (
                 "reference", "the sparse kernel over the 656-byte cache takes bf16 q (the rows' "
                              "RoPE values are bf16), got torch.float16")
             assert sparse_ops.sparse_backend(q, rows, 512) == want
     q = torch.empty(1, 1, 16, 576)  # fp32 q: the reference, whatever the cache
     assert sparse_ops.sparse_backend(q, rows, 512)[0] == "reference"
-    # Over the 656-byte rows the split from 4 CTAs of 64+ heads (split_sparse_pays), where the
-    # SM90 kernel would not pay; TORCH_MLA_SPARSE_PRODUCER=0 keeps the portable one there.
-    for shape, ctas in (((2, 1, 64), 2), ((2, 2, 64), 4), ((2, 1, 128), 4), ((1, 1, 48), 1),
-                        ((4, 1, 48), 4)):
+    # Over the 656-byte rows at 64-128 heads the split where the SM90 kernel pays and from 4
+    # CTAs below that (split_sparse_pays); at other head counts the SM90 kernel's own rules.
+    # TORCH_MLA_SPARSE_PRODUCER=0 keeps the SM90 / portable kernel, =1 its producer variant
+    # where the SM90 kernel pays, the portable one below.
+    for shape, want in (((2, 1, 64), "sm80"), ((2, 2, 64), "sm90_split"),
+                        ((2, 1, 128), "sm90_split"), ((128, 1, 100), "sm90_split"),
+                        ((1, 1, 48), "sm80"), ((4, 1, 48), "sm80"), ((128, 1, 48), "sm90"),
+                        ((4, 1, 256), "sm80"), ((128, 1, 256), "sm90")):
         q = torch.empty(*shape, 576, dtype=torch.bfloat16)
-        split = arch == "sm_90a" and ctas >= 4 and shape[2] >= 64
-        assert sparse_ops.split_sparse_pays(*shape) == (shape[2] >= 64 and ctas >= 4), shape
-        assert sparse_ops.sparse_backend(q, rows, 512) == ("sm90_split" if split else "sm80", "")
-        monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "0")
-        assert sparse_ops.sparse_backend(q, rows, 512) == ("sm80", "")
+        pays = sparse_ops.sm90_sparse_pays(*shape, True)
+        if arch != "sm_90a":
+            want = "sm80"
+        assert sparse_ops.sparse_backend(q, rows, 512) == (want, ""), shape
+        for flag, other in (("0", "sm90" if pays else "sm80"),
+                            ("1", "sm90_producer" if pays else "sm80")):
+            monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", flag)
+            assert sparse_ops.sparse_backend(q, rows, 512) == (
+                other if arch == "sm_90a" else "sm80", ""), (shape, flag)
         monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
+    assert not sparse_ops.split_sparse_pays(2, 1, 64) and sparse_ops.split_sparse_pays(2, 2, 64)
+    assert not sparse_ops.split_sparse_pays(128, 1, 48, True)
+    assert not sparse_ops.split_sparse_pays(128, 1, 256, True)
 
 
 def test_fp8_cache_rows_must_be_16_byte_aligned_for_the_kernel():

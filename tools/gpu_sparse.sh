@@ -8,8 +8,9 @@
 #             TORCH_MLA_SPARSE_KEYSM=0: every shape)
 #   fp8       the FP8 caches (e4m3 + kv_scale, the 656-byte rows): the FP8 tests of every
 #             kernel, memcheck on the default kernel (keys-on-M at h_q 16 on an H200)
-#   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0:
-#             every shape; by default the dispatch takes it where ops.sparse.sm90_sparse_pays)
+#   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0,
+#             TORCH_MLA_SPARSE_PRODUCER=0: every shape; by default the dispatch takes it where
+#             ops.sparse.sm90_sparse_pays, but the split over the 656-byte rows at 64-128 heads)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
 #   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, every h_q;
@@ -72,7 +73,8 @@ case $kernel in
   fp8)      sel=fp8; smoke="fp8_runs_the_kernel"; cache=fp8_ds_mla ;;
   sm90)     sel="(sm90 and not sm90_keysm)"
             smoke="$sel and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
-            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0) ;;
+            cache=bf16; flag=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0
+                              TORCH_MLA_SPARSE_PRODUCER=0) ;;
   keysm)    sel=sm90_keysm
             smoke="sm90_keysm and (runs_not_the_reference or grid_matches_fp64 and 16-1-64)"
             cache=fp8_ds_mla; flag=(TORCH_MLA_SPARSE_SM90=0) ;;
@@ -199,7 +201,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_ncu|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ncu|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

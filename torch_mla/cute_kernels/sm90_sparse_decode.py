@@ -54,7 +54,8 @@ slower than the portable kernel everywhere); the cp.async gather (session 17) fr
 0.57-0.76x FlashMLA at b 128 over the same 656-byte rows; from four warps with one wait a half
 (session 18) b 128, h_q 64 / 128 over bf16 121.3 / 200.8 us, FlashMLA over its 656-byte rows
 123.5 / 179.3 (0.60-0.79x over the same rows). The dispatch takes it where
-ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice").
+ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice"), but over the 656-byte
+rows at 64-128 heads, where its split variant runs (sm90_split_sparse_decode.py, session 30).
 """
 
 from __future__ import annotations

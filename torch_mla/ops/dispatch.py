@@ -79,7 +79,8 @@ _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 # The sparse kernels on sm_90a (ops.sparse.sparse_backend): the keys-on-M one for h_q <= 32
 # (TORCH_MLA_SPARSE_KEYSM=0: never), else the SM90 one where ops.sparse.sm90_sparse_pays
-# (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never).
+# (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never), over the 656-byte rows at 64-128
+# heads its split variant (ops.sparse.split_sparse_pays; TORCH_MLA_SPARSE_PRODUCER below).
 sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
@@ -93,8 +94,9 @@ sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # docs/kernels/sparse.md, session 30); =0: the SM90 kernel itself there.
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 sparse_heads_on_m = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "0")
-# TORCH_MLA_SPARSE_SPLIT_PAIR=1 (with =split): the split kernel's cluster pair at h_q 65-128 over
-# the 656-byte rows (ops.sparse.split_pair_rows; compiled, not yet run on a GPU).
+# TORCH_MLA_SPARSE_SPLIT_PAIR=1: where the split kernel runs over the 656-byte rows at h_q 65-128,
+# its cluster pair (ops.sparse.split_pair_rows; compiled, not yet run on a GPU; not in the
+# default precompile: it compiles on first use).
 sparse_split_pair = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked

@@ -61,17 +61,21 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
     return ctas >= (SM90_MIN_CTAS_FP8 if fp8 else SM90_MIN_CTAS)
 
 
-# Over the 656-byte rows the split kernel (which the dispatch takes where the SM90 one pays)
-# beats the portable one from fewer CTAs too: b 2 on an H100 (session 30, one process), split /
-# portable at h_q 64 s_q 1 (2 CTAs) 23.1 / 22.7 us, s_q 2 (4) 31.8 / 35.1, h_q 128 s_q 1 (4)
-# 31.3 / 34.2, s_q 2 (8) 38.7 / 44.7.
+# Over the 656-byte rows the split kernel takes the SM90 one's place at the head counts it was
+# measured at (H100, session 30: 64 and 128; 65-127 run the same code with fewer rows), and
+# beats the portable one from fewer CTAs too: b 2 in one process, split / portable at h_q 64
+# s_q 1 (2 CTAs) 23.1 / 22.7 us, s_q 2 (4) 31.8 / 35.1, h_q 128 s_q 1 (4) 31.3 / 34.2, s_q 2
+# (8) 38.7 / 44.7.
+SPLIT_MAX_HEADS = 128
 SPLIT_MIN_CTAS = 4
 
 
-def split_sparse_pays(b: int, s_q: int, h_q: int) -> bool:
-    """Whether the split kernel runs over the 656-byte rows where the SM90 one would not pay:
-    h_q >= SM90_MIN_HEADS and b * s_q * ceil(h_q / 64) >= SPLIT_MIN_CTAS."""
-    return h_q >= SM90_MIN_HEADS and b * s_q * -(-h_q // BLOCK_M) >= SPLIT_MIN_CTAS
+def split_sparse_pays(b: int, s_q: int, h_q: int, sm90_pays: bool = False) -> bool:
+    """Whether the split kernel runs over the 656-byte rows by default: SM90_MIN_HEADS <= h_q
+    <= SPLIT_MAX_HEADS, and where the SM90 kernel pays (sm90_pays) or from SPLIT_MIN_CTAS CTAs
+    (b * s_q * ceil(h_q / 64))."""
+    return SM90_MIN_HEADS <= h_q <= SPLIT_MAX_HEADS and (
+        sm90_pays or b * s_q * -(-h_q // BLOCK_M) >= SPLIT_MIN_CTAS)
 
 
 def keysm_sparse_columns(h_q: int) -> int:
@@ -105,22 +109,22 @@ _COLUMNS = {"sm90_keysm": keysm_sparse_columns, "sm90_keysm_rs": keysm_rs_sparse
 
 
 def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[str, str]:
-    """(name, reason): "sm90_keysm" (the keys-on-M sparse kernel, first: on sm_90a where
-    keysm_sparse_columns, i.e. h_q <= 32, over any cache format; TORCH_MLA_SPARSE_KEYSM=0
-    never; with TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) over an FP8 cache (e4m3 or the 656-byte
-    rows) "sm90_keysm_rs", its ping-pong variant, first at every h_q,
-    even with TORCH_MLA_SPARSE_KEYSM=0), "sm90" (the
-    SM90 one: on sm_90a where sm90_sparse_pays; TORCH_MLA_SPARSE_SM90=1 for every shape the
-    keys-on-M kernel does not take, =0 never; over the 656-byte rows "sm90_split" in its place,
-    its variant with FlashMLA's split of the warpgroups and a producer warpgroup, faster on
-    every row measured (session 30), and from fewer CTAs than it (split_sparse_pays), unless
-    TORCH_MLA_SPARSE_PRODUCER=0; with =split also over
-    the 16-bit cache; "sm90_producer", the producer variant, with =1 over the 16-bit cache and
-    the 656-byte rows), "sm80"
-    (the portable one) or "reference", for
-    validated inputs on a CUDA device; reason says why the reference runs. Every kernel takes
-    every cache format (the FP8 ones dequantized in the kernel); the 656-byte rows with bf16 q
-    only (their RoPE values are bf16)."""
+    """(name, reason) of the kernel for validated inputs on a CUDA device, or ("reference",
+    why). On sm_90a, in this order:
+      - "sm90_keysm_rs" with TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) over an FP8 cache (e4m3 or
+        the 656-byte rows) at every h_q it takes, even with TORCH_MLA_SPARSE_KEYSM=0;
+      - "sm90_keysm", the keys-on-M kernel, where keysm_sparse_columns (h_q <= 32), over any
+        cache format (TORCH_MLA_SPARSE_KEYSM=0: never);
+      - the SM90 kernel where sm90_sparse_pays (TORCH_MLA_SPARSE_SM90=1: every shape the
+        keys-on-M kernel does not take, =0: never): "sm90_producer" with
+        TORCH_MLA_SPARSE_PRODUCER=1 and "sm90_split" with =split (the 16-bit cache and the
+        656-byte rows); over the 656-byte rows at 64-128 heads "sm90_split" by default, also
+        from fewer CTAs (split_sparse_pays; faster than the SM90 kernel on every row measured,
+        session 30), unless TORCH_MLA_SPARSE_PRODUCER=0 or 1; else "sm90";
+      - else "sm80", the portable kernel (also on other GPUs from SM80).
+    Every kernel takes every cache format (the FP8 ones dequantized in the kernel) but the
+    producer variants, which do not take e4m3; the 656-byte rows with bf16 q only (their RoPE
+    values are bf16)."""
     if dispatch._force_reference():
         return "reference", "TORCH_MLA_FORCE_REFERENCE=1"
     arch = dispatch._small_kernel_arch(q.device)
@@ -152,8 +156,8 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
                 return "sm90_producer", ""
             if dispatch.sparse_split():
                 return "sm90_split", ""
-        if fmt == "fp8_ds_mla" and not dispatch.sparse_heads_on_m() and (
-                pays or split_sparse_pays(*q.shape[:3])):
+        if (fmt == "fp8_ds_mla" and not dispatch.sparse_heads_on_m()
+                and not dispatch.sparse_producer() and split_sparse_pays(*q.shape[:3], pays)):
             return "sm90_split", ""
         if pays:
             return "sm90", ""
@@ -165,7 +169,9 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
     On a GPU the kernel sparse_backend names: on sm_90a the keys-on-M kernel
     (cute_kernels/sm90_keysm_sparse_decode.py) for h_q <= 32, else the SM90 kernel
-    (cute_kernels/sm90_sparse_decode.py) where sm90_sparse_pays, else the portable kernel
+    (cute_kernels/sm90_sparse_decode.py) where sm90_sparse_pays (over the 656-byte rows at
+    64-128 heads its split variant, sm90_split_sparse_decode.py, there and from fewer CTAs:
+    split_sparse_pays), else the portable kernel
     (cute_kernels/sm80_sparse_decode.py), each over every cache format (the FP8 ones
     dequantized in the kernel); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
@@ -220,7 +226,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
                     sched_metadata, num_splits, softmax_scale: float, d_v: int, kv_scale=None):
     """The sparse decode step of `backend` ("sm80": the portable kernel, "sm90": the SM90 one,
     "sm90_keysm": the keys-on-M one, "sm90_keysm_rs": its ping-pong variant, "sm90_producer":
-    the SM90 one with a producer warpgroup; decode, then
+    the SM90 one with a producer warpgroup, "sm90_split": with FlashMLA's warpgroup split, its
+    cluster pair where split_pair_rows; decode, then
     combine) on validated arguments; the sink, if
     any, scales the output afterwards. Allocates nothing whose size depends on data (CUDA-graph
     safe)."""
@@ -405,7 +412,8 @@ def mla_decode_sparse(
 
     On a GPU a sparse kernel runs, over every cache format (docs/kernels/sparse.md): on
     H100/H200 the keys-on-M kernel for h_q <= 32, the SM90 kernel where it pays (64+ heads and
-    enough CTAs), else the portable kernel, which also runs on other GPUs from SM80; elsewhere,
+    enough CTAs; over the 656-byte rows at 64-128 heads its split variant, from 4 CTAs), else
+    the portable kernel, which also runs on other GPUs from SM80; elsewhere,
     and where no kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a
     GPU with a warning once per reason.
     """
