@@ -345,6 +345,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "setmaxnreg", "cp.async.bulk.tensor",
                   "st.async", "barrier.cluster.arrive", "barrier.cluster.wait",
                   "mbarrier.arrive.release.cluster", "mbarrier.arrive.expect_tx",
+                  "try_wait.parity.acquire.cluster",
                   "ld.local", "st.local", "vprintf", "trap;"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
         for v in ("v4", "v2"):  # (the read-only loads, whatever their cache hints)
@@ -428,8 +429,8 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     round of 32 keys a half (half the loads, cvt and multiplies) and stores every chunk here
     and by st.async into the peer (16 a fill); thread 0's arrival expects the peer's bytes
     (one expect_tx a fill beyond the Q loads' three); releases go to both CTAs (cluster-scoped
-    remote arrivals); each traced copy syncs the cluster after the barriers' set-up and at the
-    end."""
+    remote arrivals), and the waits they complete acquire at cluster scope; each traced copy
+    syncs the cluster after the barriers' set-up and at the end."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import REGS
 
     assert sum(REGS) == 3 * 168, REGS
@@ -447,6 +448,9 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c["st.async"] == (2 * 4 * 2 if columns else 0), c
     assert c["barrier.cluster.arrive"] == c["barrier.cluster.wait"] == (6 if columns else 0), c
     assert (c["mbarrier.arrive.release.cluster"] > 0) == bool(columns), c
+    # (the waits a peer's release completes, cluster-scoped: WG0's for each half at its two
+    # block sites, the producer's for a free half at its two fills)
+    assert c["try_wait.parity.acquire.cluster"] == (2 * 2 + 2 if columns else 0), c
     assert c["mbarrier.arrive.expect_tx"] == 3 + (2 if columns else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
     # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first

@@ -301,6 +301,20 @@ def ldg_or_zero(n: int, addr, ok: Int32, l1: str = "no_allocate", l2: int = 0, *
 
 
 @dsl_user_op
+def mbarrier_wait_cluster(bar, parity, *, loc=None, ip=None) -> None:
+    """Waits for the phase of parity `parity` of the shared::cta mbarrier at bar to complete,
+    with acquire semantics at cluster scope (mbarrier.try_wait.parity.acquire.cluster, retried):
+    the wait to pair with a peer CTA's release (its cluster-scoped arrival, or its st.async
+    bytes' completion), where the DSL's mbarrier_wait acquires at CTA scope."""
+    llvm.inline_asm(None, [Int32(bar).ir_value(loc=loc, ip=ip),
+                           Int32(parity).ir_value(loc=loc, ip=ip)],
+                    "{ .reg .pred p; WAIT: "
+                    "mbarrier.try_wait.parity.acquire.cluster.shared::cta.b64 p, [$0], $1; "
+                    "@!p bra WAIT; }", "r,r", has_side_effects=True,
+                    is_align_stack=False, asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
 def mapa_shared(addr, rank, *, loc=None, ip=None) -> Int32:
     """The shared::cluster address of shared::cta address addr (32-bit) in the CTA of rank
     `rank` of this cluster (mapa)."""

@@ -280,6 +280,11 @@ class MLADecodeSm90(DecodeKernel):
     # shared memory like the others (the split subclass, which has no P1).
     rope_in_regs = True
 
+    def _wait_half(self, bar, parity):
+        """The wait for a buffer half's tile mbarrier before its MMAs (a subclass whose halves a
+        peer CTA fills waits with cluster-scope acquire)."""
+        cute.arch.mbarrier_wait(bar, parity)
+
     def half_has_copies(self, h: int) -> bool:
         """Whether buffer half h's tiles hold cp.async writes that the warpgroup waiting for them
         must fence for the async proxy (a writer that stores and fences itself needs none)."""
@@ -918,7 +923,7 @@ class MLADecodeSm90(DecodeKernel):
                     # arrives on all of them after all of its copies): one wait and one fence
                     # for the async proxy a half.
                     if const_expr(tile == 0 or tile == 4):
-                        cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+                        self._wait_half(barK + s * N_TILES + tile, phase[s])
                         if const_expr(self.half_has_copies(tile // 4)):
                             cute.arch.fence_view_async_shared()
                 else:

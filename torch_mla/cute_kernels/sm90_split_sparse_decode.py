@@ -52,9 +52,10 @@ syncs after the mbarriers' set-up and at the end, so no CTA exits while its peer
 store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the same way.
 st.async writes are generic-proxy writes that land after the peer's fence, so the warpgroup
 waiting for a half fences for the async proxy before its MMAs read it (half_has_copies; with
-FENCE 0 too). The waits are the DSL's mbarrier_wait (acquire at CTA scope), as CUTLASS's
-cluster pipelines and FlashMLA's pair wait; the PTX memory model asks for acquire.cluster
-where the release came from the peer (a formal gap noted by session 30's review).
+FENCE 0 too). The waits that a peer's release completes (the producer's for a free half, WG0's
+for a filled one) acquire at cluster scope (ptx.mbarrier_wait_cluster), as the PTX memory
+model asks; CUTLASS's cluster pipelines and FlashMLA's pair wait at CTA scope (the DSL's
+mbarrier_wait), which session 30's review noted as a formal gap.
 
 Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
@@ -80,7 +81,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
@@ -157,6 +158,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         if const_expr(self.pair):
             cute.arch.mbarrier_arrive(bar, 1 - cute.arch.block_idx_in_cluster(),
                                       scope=nvvm.MemScopeKind.CLUSTER)
+
+    def _wait_half(self, bar, parity):
+        """With pair the peer's producer also fills the half (st.async, released at cluster
+        scope): a cluster-scope acquire, as the PTX memory model asks."""
+        if const_expr(self.pair):
+            mbarrier_wait_cluster(bar.toint(), parity)
+        else:
+            cute.arch.mbarrier_wait(bar, parity)
 
     def half_has_copies(self, h: int) -> bool:
         """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
@@ -243,7 +252,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
         bit = 2 * s + h
-        cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        empty = self.d_storage.barE.data_ptr() + bit
+        if const_expr(self.pair):  # (the peer's consumers release it too: cluster-scope acquire)
+            mbarrier_wait_cluster(empty.toint(), (parity[0] >> bit) & 1)
+        else:
+            cute.arch.mbarrier_wait(empty, (parity[0] >> bit) & 1)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
