@@ -944,19 +944,18 @@ def test_sparse_rows_tool_modes(monkeypatch):
 
 def test_split_pair_rows(monkeypatch):
     """The split kernel's cluster pair (ops.sparse.split_pair_rows): 128 rows (a token's two
-    m-blocks as one cluster) at h_q 65-128 over the 656-byte rows, only with
-    TORCH_MLA_SPARSE_SPLIT_PAIR=1 (opt-in: not yet run on a GPU); its build exists only over
-    those rows."""
+    m-blocks as one cluster) at h_q 65-128 over the 656-byte rows, unless
+    TORCH_MLA_SPARSE_SPLIT_PAIR=0; its build exists only over those rows."""
     from torch_mla.ops import registry
 
-    for flag in (None, "1"):
+    for flag in (None, "0"):
         if flag is None:
             monkeypatch.delenv("TORCH_MLA_SPARSE_SPLIT_PAIR", raising=False)
         else:
             monkeypatch.setenv("TORCH_MLA_SPARSE_SPLIT_PAIR", flag)
         for cache in ("plain", "e4m3", "fp8_ds_mla"):
             for h_q in (1, 16, 64, 65, 100, 128, 129, 256):
-                pair = flag == "1" and cache == "fp8_ds_mla" and 64 < h_q <= 128
+                pair = flag is None and cache == "fp8_ds_mla" and 64 < h_q <= 128
                 assert sparse_ops.split_pair_rows(h_q, cache) == (128 if pair else 0), (
                     flag, cache, h_q)
     assert registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128).key() == {

@@ -94,10 +94,10 @@ sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # docs/kernels/sparse.md, session 30); =0: the SM90 kernel itself there.
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 sparse_heads_on_m = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "0")
-# TORCH_MLA_SPARSE_SPLIT_PAIR=1: where the split kernel runs over the 656-byte rows at h_q 65-128,
-# its cluster pair (ops.sparse.split_pair_rows; compiled, not yet run on a GPU; not in the
-# default precompile: it compiles on first use).
-sparse_split_pair = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR")
+# Where the split kernel runs over the 656-byte rows at h_q 65-128, its cluster pair
+# (ops.sparse.split_pair_rows; faster than one CTA an m-block on every row measured, session
+# 30); TORCH_MLA_SPARSE_SPLIT_PAIR=0: without it.
+sparse_split_pair_off = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR", "0")
 # TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
 # caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
 # on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,

@@ -404,7 +404,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 # over the 656-byte rows the split kernel in the SM90 one's place)
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 if "fp8_ds_mla" in sparse_caches(dt) and "sparse_split" not in kernels:
-                    out.append(SparseStepConfig("sm90_split", dt, "fp8_ds_mla"))
+                    out += [SparseStepConfig("sm90_split", dt, "fp8_ds_mla", n)
+                            for n in (0, SPARSE_SPLIT_PAIR)]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:

@@ -97,11 +97,11 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
 def split_pair_rows(h_q: int, cache: str) -> int:
     """The split kernel's cluster pair (registry.SPARSE_SPLIT_PAIR query rows: the two 64-row
     m-blocks of a token as one cluster whose producers share each block's conversion) where it
-    applies, h_q 65-128 over the 656-byte rows with TORCH_MLA_SPARSE_SPLIT_PAIR=1 (opt-in: not
-    yet run on a GPU), else 0."""
+    applies, h_q 65-128 over the 656-byte rows (unless TORCH_MLA_SPARSE_SPLIT_PAIR=0), else
+    0."""
     pair = registry.SPARSE_SPLIT_PAIR
     return pair if (cache == "fp8_ds_mla" and pair // 2 < h_q <= pair
-                    and dispatch.sparse_split_pair()) else 0
+                    and not dispatch.sparse_split_pair_off()) else 0
 
 
 # The keys-on-M backends' column counts for h_q heads (run_sparse_step, on every eager call).
