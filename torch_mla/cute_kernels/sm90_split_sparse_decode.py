@@ -61,11 +61,13 @@ Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 i
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
 rewritten producer): at or below the heads-on-M kernel on every row of the 656-byte A/B
 (b 128 s_q 1 h_q 64: 162.1 against 164.4 us; h_q 128: 277.6 against 299.6; b 32 h_q 64: 64.2
-against 92.8), FlashMLA 129.2 / 184.1 in the same start. The pair and the developer knobs
-(L2_PREFETCH, L1_EVICT, FENCE) are compiled only: the machine loans paused before they ran.
-The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows
+against 92.8), FlashMLA 129.2 / 184.1 in the same start. Later in session 30 (563a9a8): the
+pair passed the split's GPU tests and memcheck (h_q 100) and took b 128 h_q 128 from 277.2 to
+260.9 us; L2_PREFETCH 256 with FENCE 0 did nothing alone (164.1 against 162.1 at h_q 64), with
+L1_EVICT evict_last 145.5 (FlashMLA 128.8): the defaults since 77c7264.
+The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
-TORCH_MLA_SPARSE_PRODUCER=split; the pair only with TORCH_MLA_SPARSE_SPLIT_PAIR=1 as well.
+TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
 """
 
 from __future__ import annotations
@@ -93,7 +95,7 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # not two). TORCH_MLA_DEV_SPLIT_EARLY sets it at import, a developer knob for the A/B (a build
 # with another value needs its own TORCH_MLA_CACHE_DIR: the cache key does not include it).
 EARLY = int(os.environ.get("TORCH_MLA_DEV_SPLIT_EARLY", "1"))
-# Developer knobs for the session-30 A/B (same caveat: each build its own cache directory):
+# Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
 # 656-byte rows (half 0 is written and fenced by the producer itself; P V reads half 0).
