@@ -281,8 +281,9 @@ class MLADecodeSm90(DecodeKernel):
     rope_in_regs = True
 
     def _wait_half(self, bar, parity):
-        """The wait for a buffer half's tile mbarrier before its MMAs (a subclass whose halves a
-        peer CTA fills waits with cluster-scope acquire)."""
+        """A wait on a buffer half's mbarrier: its tiles' before its MMAs (and a producer
+        subclass's wait for its release; a subclass whose halves a peer CTA fills and frees
+        waits with cluster-scope acquire)."""
         cute.arch.mbarrier_wait(bar, parity)
 
     def half_has_copies(self, h: int) -> bool:

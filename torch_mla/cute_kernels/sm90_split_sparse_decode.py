@@ -164,8 +164,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                                       scope=nvvm.MemScopeKind.CLUSTER)
 
     def _wait_half(self, bar, parity):
-        """With pair the peer's producer also fills the half (st.async, released at cluster
-        scope): a cluster-scope acquire, as the PTX memory model asks."""
+        """With pair the peer also fills a half (st.async) and frees it (its consumers'
+        cluster-scoped release): a cluster-scope acquire, as the PTX memory model asks."""
         if const_expr(self.pair):
             mbarrier_wait_cluster(bar.toint(), parity)
         else:
@@ -256,11 +256,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
         bit = 2 * s + h
-        empty = self.d_storage.barE.data_ptr() + bit
-        if const_expr(self.pair):  # (the peer's consumers release it too: cluster-scope acquire)
-            mbarrier_wait_cluster(empty.toint(), (parity[0] >> bit) & 1)
-        else:
-            cute.arch.mbarrier_wait(empty, (parity[0] >> bit) & 1)
+        # (with pair the peer's consumers release it too: _wait_half's cluster-scope acquire)
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
