@@ -45,6 +45,13 @@
 #             the 656-byte rows alternated twice with A without the pair (A0) and FlashMLA
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
+#   split_ahead  the split producer's load lookahead (session 31): builds B0 (the defaults),
+#             B1 (TORCH_MLA_DEV_SPLIT_AHEAD=1, _AHEAD_PAIR=1) and B2 (AHEAD 1, AHEAD_PAIR 2), each
+#             in its own cache directory; their smoke cases (one CTA an m-block and the pair),
+#             then the rows over the 656-byte rows alternated twice with FlashMLA
+#             (tools/sparse_rows.py split / flashmla; B2 only at h_q 128, where its pair
+#             differs from B1), then B2's split tests and memcheck at h_q 100 and 64 while
+#             time is left
 #   split_ncu  ncu of the split at b 128 h_q 64 over the 656-byte rows (random entries, then
 #             every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -171,6 +178,49 @@ case $kernel in
     MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
       --cache fp8_ds_mla --heads 100
     finish; exit ;;
+  split_ahead)
+    preamble flashmla-sm90-sparse
+    V="B0:0:0 B1:1:1 B2:1:2"
+    for v in $V; do IFS=: read -r n a ap <<< "$v"
+      (TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
+        TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 240 python -m torch_mla.precompile --arch sm_90a \
+        --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+    done
+    wait
+    tail -n 2 "$OUT"/preB*.log
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    K="sm90_split and (fp8_grid and fp8_ds_mla and (64-1-2048 or 128) or entry_kinds and 100)"
+    for v in B1:1:1 B2:1:2; do IFS=: read -r n a ap <<< "$v"
+      run "smoke_$n" 90 env "${F[@]}" TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
+        TORCH_MLA_CACHE_DIR=/tmp/c$n python -m pytest -m cuda -q -x -p no:cacheprovider \
+        tests/test_sparse_kernel.py -k "$K"
+      stop_if_hung "smoke_$n"
+    done
+    R64="2,1,64 32,1,64 128,1,64 128,2,64"; R128="2,1,128 32,1,128 128,1,128 128,2,128"
+    for round in 1 2; do
+      for v in $V; do IFS=: read -r n a ap <<< "$v"
+        rows="$R64 $R128"; [[ $n == B2 ]] && rows=$R128
+        run "ab_${n}_$round" 60 env TAG="r$round $n" TORCH_MLA_DEV_SPLIT_AHEAD=$a \
+          TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap TORCH_MLA_CACHE_DIR=/tmp/c$n \
+          python -m tools.sparse_rows split 656 $rows
+        stop_if_hung "ab_${n}_$round"
+      done
+      run "ab_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R64 $R128
+    done
+    grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
+    FB=("${F[@]}" TORCH_MLA_DEV_SPLIT_AHEAD=1 TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=2
+        TORCH_MLA_CACHE_DIR=/tmp/cB2)
+    if (( SECONDS < 380 )); then
+      run tests $((560 - SECONDS - 90)) env "${FB[@]}" python -m pytest -m cuda -q \
+        -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    fi
+    for hq in 100 64; do
+      if (( SECONDS < 520 )); then
+        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${FB[@]}" python -m tools.sparse_memcheck \
+          --cache fp8_ds_mla --heads $hq
+      fi
+    done
+    finish; exit ;;
   split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
     # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)
     preamble flashmla-sm90-sparse
@@ -201,7 +251,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ncu|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ahead|split_ncu|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

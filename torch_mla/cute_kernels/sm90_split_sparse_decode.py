@@ -90,11 +90,17 @@ from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import TILE16, row_source
 
 REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnreg
-# Halves of a block whose fp8 chunks the producer loads before it waits for the first: 1 (each
-# half's loads just before its own wait) or 2 (both halves' at once: one load latency a block,
-# not two). TORCH_MLA_DEV_SPLIT_EARLY sets it at import, a developer knob for the A/B (a build
-# with another value needs its own TORCH_MLA_CACHE_DIR: the cache key does not include it).
-EARLY = int(os.environ.get("TORCH_MLA_DEV_SPLIT_EARLY", "1"))
+# Buffer halves whose fp8 chunks the producer has in flight while it converts one (the
+# 656-byte rows): 0 loads each half just before its own wait (one load latency a half exposed);
+# 1 issues the next half's loads (the next block's half 0 across blocks) before converting this
+# one; 2 a whole block ahead (the next block's two halves before converting this block's). The
+# registers: a half's chunks are 18 a thread with pair, 36 without. Session 29's EARLY 2 (both
+# halves of a block loaded at its start) was 2-5% slower than 0 and is gone.
+# TORCH_MLA_DEV_SPLIT_AHEAD (one CTA an m-block) and TORCH_MLA_DEV_SPLIT_AHEAD_PAIR (the cluster
+# pair) set it at import, developer knobs for the A/B (a build with another value needs its own
+# TORCH_MLA_CACHE_DIR: the cache key does not include them).
+AHEAD = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD", "0"))
+AHEAD_PAIR = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD_PAIR", "0"))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -146,6 +152,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         super().__init__(dtype, cache)
         self.pair = pair
         self.cluster_m = 2 if pair else 1
+        self.ahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -188,11 +195,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """The producer warpgroup: the consumers' walk, one block a loop step (block j of a
         segment into buffer j % 2, a runtime index, so that each half's fill is one copy of
         code for both buffers: the producer's code is half that of two blocks a step), both
-        halves in order; the next block's entries load while this one fills."""
+        halves in order; the entries load a block ahead of the block whose rows load (two where
+        self.ahead), the rows self.ahead halves ahead of the half being converted (AHEAD)."""
         warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
         parity.fill(0)
-        slots = cute.make_rmem_tensor(2, Int32)  # this lane's entries of the block to fill
+        slots = cute.make_rmem_tensor(4, Int32)  # this lane's entries: this block's, the next's
+        carry = cute.make_rmem_tensor(max(self.ahead, 1) * self._half_words(), Int32)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
@@ -202,23 +211,68 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 first = self._entries(self._page(mIdx, r, lo))
                 slots[0] = first[0]
                 slots[1] = first[1]
+                if const_expr(self.ahead > 0):
+                    second = self._entries(self._page(mIdx, r, cutlass.min(lo + 1, hi - 1)))
+                    slots[2] = second[0]
+                    slots[3] = second[1]
+                    for h in cutlass.range_constexpr(self.ahead):
+                        self._stash(carry, h, self._load(rows, first, h, warp))
                 for blk in cutlass.range(lo, hi, unroll=1):
-                    nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
                     cur = [slots[0], slots[1]]
-                    halves = self.fill_order(0)  # (both buffers' order: WG0 reads half 0 first)
-                    loaded = {}
-                    if const_expr(EARLY == 2):
-                        for h in halves:
-                            loaded[h] = self._load(rows, cur, h, warp)
-                    for h in halves:
-                        if const_expr(EARLY == 1):
-                            loaded[h] = self._load(rows, cur, h, warp)
-                        self._fill(rows, cur, (blk - lo) % 2, h, barK, parity, warp, loaded[h])
-                    slots[0] = nxt[0]
-                    slots[1] = nxt[1]
+                    s = (blk - lo) % 2
+                    if const_expr(self.ahead == 0):
+                        nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
+                        for h in cutlass.range_constexpr(2):
+                            self._fill(rows, cur, s, h, barK, parity, warp,
+                                       self._load(rows, cur, h, warp))
+                    else:
+                        # (the next block's entries arrived during this one's; the one after's
+                        # load now, for the next step)
+                        nx = [slots[2], slots[3]]
+                        nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 2, hi - 1)))
+                        more = blk + 1 < hi
+                        held = [self._unstash(carry, h) for h in range(self.ahead)]
+                        if const_expr(self.ahead == 2):
+                            for h in cutlass.range_constexpr(2):
+                                self._stash(carry, h, self._load(rows, nx, h, warp, more))
+                            for h in cutlass.range_constexpr(2):
+                                self._fill(rows, cur, s, h, barK, parity, warp, held[h])
+                        else:
+                            half1 = self._load(rows, cur, 1, warp)
+                            self._fill(rows, cur, s, 0, barK, parity, warp, held[0])
+                            self._stash(carry, 0, self._load(rows, nx, 0, warp, more))
+                            self._fill(rows, cur, s, 1, barK, parity, warp, half1)
+                        slots[0] = nx[0]
+                        slots[1] = nx[1]
+                    slots[2 * (self.ahead > 0)] = nxt[0]
+                    slots[2 * (self.ahead > 0) + 1] = nxt[1]
+
+    def _half_words(self) -> int:
+        """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
+        (_load): 4 + 1 a round of keys (16 chunk words, 2 scale words)."""
+        return 18 * self._rounds() if self.cache == "fp8_ds_mla" else 1
+
+    def _stash(self, carry, k: int, loaded):
+        """Half `loaded` (_load's lists) into slot k of the register array carry (across a
+        loop step)."""
+        words, scales = loaded
+        flat = [w for chunk in words for w in chunk] + [w for pair in scales for w in pair]
+        for i, w in enumerate(flat):
+            carry[k * self._half_words() + i] = w
+
+    def _unstash(self, carry, k: int):
+        """_stash's inverse: (words, scales) as _load returns them."""
+        if const_expr(self.cache != "fp8_ds_mla"):
+            return [], []
+        base = k * self._half_words()
+        n = 4 * self._rounds()
+        words = [[carry[base + 4 * c + i] for i in range(4)] for c in range(n)]
+        scales = [[carry[base + 4 * n + 2 * c + i] for i in range(2)]
+                  for c in range(self._rounds())]
+        return words, scales
 
     @cute.jit
-    def _load(self, rows, slots, h: cutlass.Constexpr[int], warp):
+    def _load(self, rows, slots, h: cutlass.Constexpr[int], warp, more=None):
         """Over the 656-byte rows, this thread's part of half h of the block whose slots the
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
         of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
@@ -235,6 +289,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     src = cutlass.select_(u == 0, slots[0], slots[1])
                 # (key's entry: lane key - 32 u's entry u)
                 row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
+                if const_expr(more is not None):  # (no block to load ahead: no read)
+                    ok = cutlass.select_(more, ok, Int32(0))
                 for d in cutlass.range_constexpr(4):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
