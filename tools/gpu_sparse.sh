@@ -31,8 +31,7 @@
 #             kernel, then bench_sparse_patterns.py with the flag (FlashMLA beside it)
 #   split     the SM90 kernel's variant with FlashMLA's warpgroup split
 #             (TORCH_MLA_SPARSE_PRODUCER=split, sm90_split_sparse_decode.py): an A/B over the
-#             656-byte rows of the split, the split built with TORCH_MLA_DEV_SPLIT_EARLY=2 (its
-#             own cache) and the SM90 kernel (tools/sparse_rows.py split / split / sm90,
+#             656-byte rows of the split and the SM90 kernel (tools/sparse_rows.py split / sm90,
 #             alternated twice),
 #             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests,
 #             memcheck over the 656-byte rows at h_q 16 and 100, and bench_decode.py
@@ -255,11 +254,6 @@ case $kernel in
 esac
 
 preamble flashmla-sm90-sparse
-if [[ $kernel == split ]]; then  # (the split with both halves' loads early, its own cache)
-  (TORCH_MLA_DEV_SPLIT_EARLY=2 TORCH_MLA_CACHE_DIR=/tmp/c_early2 timeout 150 python -m \
-    torch_mla.precompile --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 \
-    --jobs 4 > "$OUT/pre_early2.log" 2>&1) &
-fi
 run precompile 150 python -m torch_mla.precompile --arch sm_90a --kernels "$groups"
 wait
 run smoke 90 python -m pytest -m cuda -x -q -p no:cacheprovider tests/test_sparse_kernel.py \
@@ -268,13 +262,10 @@ stop_if_hung smoke
 if [[ $kernel == producer || $kernel == split ]]; then  # the A/B first: a number even if a
   # later stage hangs
   ROWS="2,1,64 32,1,64 128,1,64 128,2,64 2,1,128 32,1,128 128,1,128"
-  modes="producer sm90"; [[ $kernel == split ]] && modes="split split_early2 sm90"
+  modes="producer sm90"; [[ $kernel == split ]] && modes="split sm90"
   for round in 1 2; do
     for mode in $modes; do
-      env=(TAG="r$round $mode")
-      [[ $mode == split_early2 ]] && env+=(TORCH_MLA_DEV_SPLIT_EARLY=2
-                                          TORCH_MLA_CACHE_DIR=/tmp/c_early2)
-      run "ab_${mode}_$round" 60 env "${env[@]}" python -m tools.sparse_rows "${mode%_early2}" \
+      run "ab_${mode}_$round" 60 env TAG="r$round $mode" python -m tools.sparse_rows "$mode" \
         656 $ROWS
       stop_if_hung "ab_${mode}_$round"
     done
