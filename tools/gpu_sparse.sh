@@ -177,7 +177,8 @@ case $kernel in
     MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
       --cache fp8_ds_mla --heads 100
     finish; exit ;;
-  split_ahead)
+  split_ahead)  # (ELAPSED: seconds the device call ran before this script, for its budget)
+    SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     V="B0:0:0 B1:1:1 B2:1:2"
     for v in $V; do IFS=: read -r n a ap <<< "$v"
