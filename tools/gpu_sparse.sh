@@ -208,6 +208,9 @@ case $kernel in
       run "ab_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R64 $R128
     done
     grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
+    if [[ -n ${EXTRA:-} ]]; then  # (a developer's command on B0's cache, after the numbers)
+      run extra 60 env TORCH_MLA_CACHE_DIR=/tmp/cB0 bash -c "$EXTRA"
+    fi
     FB=("${F[@]}" TORCH_MLA_DEV_SPLIT_AHEAD=1 TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=2
         TORCH_MLA_CACHE_DIR=/tmp/cB2)
     if (( SECONDS < 380 )); then
