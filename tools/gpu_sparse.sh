@@ -51,8 +51,8 @@
 #             (tools/sparse_rows.py split / flashmla; B2 only at h_q 128, where its pair
 #             differs from B1), then B2's split tests and memcheck at h_q 100 and 64 while
 #             time is left
-#   split_ncu  ncu of the split at b 128 h_q 64 over the 656-byte rows (random entries, then
-#             every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
+#   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
+#             (random entries, then every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
@@ -232,7 +232,7 @@ case $kernel in
     for none in 0 1; do
       run "ncu_$none" 90 env NONE=$none ncu --clock-control none --section WarpStateStats \
         --section SourceCounters --section SpeedOfLight -k regex:Sm90Split --launch-skip 3 -c 1 \
-        -o "/tmp/rep_$none" python -m tools.sparse_rows split 656 128,1,64
+        -o "/tmp/rep_$none" python -m tools.sparse_rows split 656 "${ROW:-128,1,64}"
       ncu -i "/tmp/rep_$none.ncu-rep" --page source --csv --print-source sass > "/tmp/sass_$none.csv"
       gzip -c "/tmp/sass_$none.csv" > "$OUT/sass_$none.csv.gz"
       python -m tools.ncu_sass "/tmp/sass_$none.csv" 30 > "$OUT/top_$none.txt"
