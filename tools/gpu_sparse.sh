@@ -44,13 +44,13 @@
 #             the 656-byte rows alternated twice with A without the pair (A0) and FlashMLA
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
-#   split_ahead  the split producer's load lookahead (session 31): builds B0 (the defaults),
-#             B1 (TORCH_MLA_DEV_SPLIT_AHEAD=1, _AHEAD_PAIR=1) and B2 (AHEAD 1, AHEAD_PAIR 2), each
-#             in its own cache directory; their smoke cases (one CTA an m-block and the pair),
-#             then the rows over the 656-byte rows alternated twice with FlashMLA
-#             (tools/sparse_rows.py split / flashmla; B2 only at h_q 128, where its pair
-#             differs from B1), then B2's split tests and memcheck at h_q 100 and 64 while
-#             time is left
+#   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
+#             NAME:AHEAD:AHEAD_PAIR:SCOPE, each in its own cache directory; default B0 the
+#             defaults, S SCOPE cta, SA SCOPE cta with AHEAD 1): their smoke cases, the rows over
+#             the 656-byte rows alternated twice with the first build without its pair and with
+#             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
+#             memcheck at h_q 100 and 64 on the last build (TESTED: another) while time is left.
+#             Session 31 ran it (as split_ahead) with BUILDS "B0:0:0 B2:1:2" and R64=128,1,64
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -177,52 +177,54 @@ case $kernel in
     MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
       --cache fp8_ds_mla --heads 100
     finish; exit ;;
-  split_ahead)  # (ELAPSED: seconds the device call ran before this script, for its budget)
+  split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    V=${BUILDS:-"B0:0:0 B1:1:1 B2:1:2"}  # (BUILDS: fewer, for less device time)
-    for v in $V; do IFS=: read -r n a ap <<< "$v"
-      (TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
+    V=${BUILDS:-"B0:0:0:cluster S:0:0:cta SA:1:0:cta"}  # (BUILDS: others, or fewer)
+    for v in $V; do IFS=: read -r n a ap sc <<< "$v"
+      (TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap TORCH_MLA_DEV_SPLIT_SCOPE=$sc \
         TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 240 python -m torch_mla.precompile --arch sm_90a \
         --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
     done
     wait
-    tail -n 2 "$OUT"/preB*.log
+    tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    knobs() {  # the developer knobs of build $1 (a BUILDS entry)
+      local n a ap sc; IFS=: read -r n a ap sc <<< "$1"
+      echo TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
+        TORCH_MLA_DEV_SPLIT_SCOPE=$sc TORCH_MLA_CACHE_DIR=/tmp/c$n
+    }
     K="sm90_split and (fp8_grid and fp8_ds_mla and (64-1-2048 or 128) or entry_kinds and 100)"
-    smokes="B1:1:1 B2:1:2"; [[ -n ${QUICK:-} ]] && smokes=B2:1:2  # (QUICK: less device time)
-    for v in $smokes; do IFS=: read -r n a ap <<< "$v"
-      run "smoke_$n" 90 env "${F[@]}" TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n python -m pytest -m cuda -q -x -p no:cacheprovider \
-        tests/test_sparse_kernel.py -k "$K"
-      stop_if_hung "smoke_$n"
+    for v in $V; do [[ $v == B0:* ]] && continue
+      run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
+        -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
+      stop_if_hung "smoke_${v%%:*}"
     done
     R64=${R64-"2,1,64 32,1,64 128,1,64 128,2,64"}; R128="2,1,128 32,1,128 128,1,128 128,2,128"
     for round in 1 2; do
-      for v in B0:0:0 B2:1:2 B1:1:1; do IFS=: read -r n a ap <<< "$v"
-        [[ " $V " == *" $v "* ]] || continue
-        rows="$R128 $R64"; [[ $n == B2 ]] && rows=$R128
-        run "ab_${n}_$round" 60 env TAG="r$round $n" TORCH_MLA_DEV_SPLIT_AHEAD=$a \
-          TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap TORCH_MLA_CACHE_DIR=/tmp/c$n \
-          python -m tools.sparse_rows split 656 $rows
+      for v in $V; do n=${v%%:*}
+        run "ab_${n}_$round" 60 env TAG="r$round $n" $(knobs "$v") \
+          python -m tools.sparse_rows split 656 $R128 $R64
         stop_if_hung "ab_${n}_$round"
       done
+      # (the first build without its pair at h_q 128: one CTA an m-block)
+      run "ab_nopair_$round" 60 env TAG="r$round ${V%%:*} nopair" $(knobs "${V%% *}") \
+        TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.sparse_rows split 656 $R128
       run "ab_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R128 $R64
     done
     grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
-    if [[ -n ${EXTRA:-} ]]; then  # (a developer's command on B0's cache, after the numbers)
-      run extra 60 env TORCH_MLA_CACHE_DIR=/tmp/cB0 bash -c "$EXTRA"
+    if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
+      run extra 60 bash -c "$EXTRA"
     fi
-    FB=("${F[@]}" TORCH_MLA_DEV_SPLIT_AHEAD=1 TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=2
-        TORCH_MLA_CACHE_DIR=/tmp/cB2)
-    if (( SECONDS < 380 )) && [[ " $V " == *" B2:1:2 "* ]]; then
-      run tests $((560 - SECONDS - 90)) env "${FB[@]}" python -m pytest -m cuda -q \
-        -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    T=${TESTED:-${V##* }}  # (the build the tests and memcheck run: the last one by default)
+    if (( SECONDS < 380 )); then
+      run tests $((560 - SECONDS - 90)) env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \
+        -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
     fi
     for hq in 100 64; do
-      if (( SECONDS < 520 )) && [[ " $V " == *" B2:1:2 "* ]]; then
-        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${FB[@]}" python -m tools.sparse_memcheck \
-          --cache fp8_ds_mla --heads $hq
+      if (( SECONDS < 520 )); then
+        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" $(knobs "$T") \
+          python -m tools.sparse_memcheck --cache fp8_ds_mla --heads $hq
       fi
     done
     finish; exit ;;
@@ -256,7 +258,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ahead|split_ncu|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

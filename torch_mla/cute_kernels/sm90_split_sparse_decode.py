@@ -110,6 +110,14 @@ AHEAD_PAIR = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD_PAIR", "0"))
 L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "256"))
 L1_EVICT = os.environ.get("TORCH_MLA_DEV_SPLIT_L1", "evict_last")
 FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
+# The scope of the pair's cross-CTA synchronisation: "cluster" (the PTX memory model's ask: the
+# waits a peer's release completes acquire at cluster scope, the releases to the peer are
+# cluster-scoped) or "cta" (CUTLASS's cluster pipelines and FlashMLA's pair: both at CTA scope).
+# Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope acquire becomes a CCTL.IVALL
+# (the whole L1 invalidated, the evict_last lines with it), the releases ERRBAR; those
+# instructions hold 9.2% and 2.9% of the warp samples. TORCH_MLA_DEV_SPLIT_SCOPE (developer
+# knob, its own TORCH_MLA_CACHE_DIR) picks it for the A/B.
+SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE", "cluster")
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -167,13 +175,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         bar = self.d_storage.barE.data_ptr() + i
         cute.arch.mbarrier_arrive(bar)
         if const_expr(self.pair):
-            cute.arch.mbarrier_arrive(bar, 1 - cute.arch.block_idx_in_cluster(),
-                                      scope=nvvm.MemScopeKind.CLUSTER)
+            scope = nvvm.MemScopeKind.CLUSTER if SCOPE == "cluster" else nvvm.MemScopeKind.CTA
+            cute.arch.mbarrier_arrive(bar, 1 - cute.arch.block_idx_in_cluster(), scope=scope)
 
     def _wait_half(self, bar, parity):
         """With pair the peer also fills a half (st.async) and frees it (its consumers'
-        cluster-scoped release): a cluster-scope acquire, as the PTX memory model asks."""
-        if const_expr(self.pair):
+        release): a cluster-scope acquire, as the PTX memory model asks (SCOPE "cta": the CTA
+        scope CUTLASS's cluster pipelines wait at)."""
+        if const_expr(self.pair and SCOPE == "cluster"):
             mbarrier_wait_cluster(bar.toint(), parity)
         else:
             cute.arch.mbarrier_wait(bar, parity)
