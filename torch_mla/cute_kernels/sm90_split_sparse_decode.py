@@ -65,6 +65,10 @@ against 92.8), FlashMLA 129.2 / 184.1 in the same start. Later in session 30 (56
 pair passed the split's GPU tests and memcheck (h_q 100) and took b 128 h_q 128 from 277.2 to
 260.9 us; L2_PREFETCH 256 with FENCE 0 did nothing alone (164.1 against 162.1 at h_q 64), with
 L1_EVICT evict_last 145.5 (FlashMLA 128.8): the defaults since 77c7264.
+Session 31 (3e0fb34, H100): the loads ahead (AHEAD_PAIR 2) gained nothing at h_q 128 (258.5
+against 256.7 us; FlashMLA 184.2); with every entry -1 the pair takes 227.6 us against 189.1
+for one CTA an m-block (FlashMLA 146.2), and ncu finds its cluster-scope acquires compiled to
+L1 invalidations (CCTL.IVALL): SCOPE's comment.
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
