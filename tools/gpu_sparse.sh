@@ -70,6 +70,15 @@
 # "ERROR SUMMARY: 0 errors"; the bench log has a row per configuration.
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
 
+# prebuild NAME KNOB=VALUE...: the split's steps and the schedule built in the background into
+# their own cache directory /tmp/cNAME under the developer knobs given (the cache key does not
+# include them); its log $OUT/preNAME.log. `wait` for it.
+prebuild() {
+  local n=$1; shift
+  (env "$@" TORCH_MLA_CACHE_DIR="/tmp/c$n" timeout 240 python -m torch_mla.precompile \
+    --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+}
+
 kernel=${1:-portable}
 flag=()  # the environment the kernel needs
 groups=sparse,sparse_rs,schedule,append_kv  # what precompile builds
@@ -144,9 +153,7 @@ case $kernel in
     preamble flashmla-sm90-sparse
     V="A:0:1:no_allocate D:256:0:no_allocate F:256:0:evict_last"
     for v in $V; do IFS=: read -r n l2 fe l1 <<< "$v"
-      (TORCH_MLA_DEV_SPLIT_L2=$l2 TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1 \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 240 python -m torch_mla.precompile --arch sm_90a \
-        --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+      prebuild "$n" TORCH_MLA_DEV_SPLIT_L2=$l2 TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1
     done
     wait
     export TORCH_MLA_SPARSE_SPLIT_PAIR=1  # (opt-in until this runs)
@@ -182,9 +189,8 @@ case $kernel in
     preamble flashmla-sm90-sparse
     V=${BUILDS:-"B0:0:0:cluster S:0:0:cta SA:1:0:cta"}  # (BUILDS: others, or fewer)
     for v in $V; do IFS=: read -r n a ap sc <<< "$v"
-      (TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap TORCH_MLA_DEV_SPLIT_SCOPE=$sc \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 240 python -m torch_mla.precompile --arch sm_90a \
-        --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+      prebuild "$n" TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
+        TORCH_MLA_DEV_SPLIT_SCOPE=$sc
     done
     wait
     tail -n 2 "$OUT"/pre*.log
