@@ -49,8 +49,10 @@
 #             defaults, S SCOPE cta, SA SCOPE cta with AHEAD 1): their smoke cases, the rows over
 #             the 656-byte rows alternated twice with the first build without its pair and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
-#             memcheck at h_q 100 and 64 on the last build (TESTED: another) while time is left.
-#             Session 31 ran it (as split_ahead) with BUILDS "B0:0:0 B2:1:2" and R64=128,1,64
+#             memcheck at h_q 100 and 64 on the last build (TESTED: another's NAME) while time
+#             is left.
+#             Session 31 ran it (as split_ahead, whose B2 skipped the h_q 64 rows) with BUILDS
+#             "B0:0:0:cluster B2:1:2:cluster" and R64=128,1,64
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -187,42 +189,43 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    V=${BUILDS:-"B0:0:0:cluster S:0:0:cta SA:1:0:cta"}  # (BUILDS: others, or fewer)
-    for v in $V; do IFS=: read -r n a ap sc <<< "$v"
-      prebuild "$n" TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
-        TORCH_MLA_DEV_SPLIT_SCOPE=$sc
+    VS=(${BUILDS:-B0:0:0:cluster S:0:0:cta SA:1:0:cta})  # (BUILDS: others, or fewer)
+    knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
+      local n a ap sc; IFS=: read -r n a ap sc <<< "$1"
+      echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
+        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_CACHE_DIR=/tmp/c$n
+    }
+    for v in "${VS[@]}"; do
+      prebuild "${v%%:*}" $(knobs "$v")
     done
     wait
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    knobs() {  # the developer knobs of build $1 (a BUILDS entry)
-      local n a ap sc; IFS=: read -r n a ap sc <<< "$1"
-      echo TORCH_MLA_DEV_SPLIT_AHEAD=$a TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=$ap \
-        TORCH_MLA_DEV_SPLIT_SCOPE=$sc TORCH_MLA_CACHE_DIR=/tmp/c$n
-    }
     K="sm90_split and (fp8_grid and fp8_ds_mla and (64-1-2048 or 128) or entry_kinds and 100)"
-    for v in $V; do [[ $v == B0:* ]] && continue
+    for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
       stop_if_hung "smoke_${v%%:*}"
     done
     R64=${R64-"2,1,64 32,1,64 128,1,64 128,2,64"}; R128="2,1,128 32,1,128 128,1,128 128,2,128"
     for round in 1 2; do
-      for v in $V; do n=${v%%:*}
+      for v in "${VS[@]}"; do n=${v%%:*}
         run "ab_${n}_$round" 60 env TAG="r$round $n" $(knobs "$v") \
           python -m tools.sparse_rows split 656 $R128 $R64
         stop_if_hung "ab_${n}_$round"
       done
       # (the first build without its pair at h_q 128: one CTA an m-block)
-      run "ab_nopair_$round" 60 env TAG="r$round ${V%%:*} nopair" $(knobs "${V%% *}") \
+      run "ab_nopair_$round" 60 env TAG="r$round ${VS[0]%%:*} nopair" $(knobs "${VS[0]}") \
         TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.sparse_rows split 656 $R128
+      stop_if_hung "ab_nopair_$round"
       run "ab_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R128 $R64
     done
     grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
     if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
       run extra 60 bash -c "$EXTRA"
     fi
-    T=${TESTED:-${V##* }}  # (the build the tests and memcheck run: the last one by default)
+    T=${VS[-1]}  # (the build the tests and memcheck run: the last, or the entry named TESTED)
+    for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
     if (( SECONDS < 380 )); then
       run tests $((560 - SECONDS - 90)) env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \
         -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"

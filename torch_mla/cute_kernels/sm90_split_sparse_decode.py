@@ -98,13 +98,16 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # 656-byte rows): 0 loads each half just before its own wait (one load latency a half exposed);
 # 1 issues the next half's loads (the next block's half 0 across blocks) before converting this
 # one; 2 a whole block ahead (the next block's two halves before converting this block's). The
-# registers: a half's chunks are 18 a thread with pair, 36 without. Session 29's EARLY 2 (both
-# halves of a block loaded at its start) was 2-5% slower than 0 and is gone.
+# registers: a half's chunks are 18 a thread with pair, 36 without (2 without the pair holds
+# ~144 words against the producer's 128 registers: ptxas spills 760 bytes). Session 29's EARLY 2
+# (both halves of a block loaded at its start) was 2-5% slower than 0 and is gone.
 # TORCH_MLA_DEV_SPLIT_AHEAD (one CTA an m-block) and TORCH_MLA_DEV_SPLIT_AHEAD_PAIR (the cluster
 # pair) set it at import, developer knobs for the A/B (a build with another value needs its own
 # TORCH_MLA_CACHE_DIR: the cache key does not include them).
-AHEAD = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD", "0"))
-AHEAD_PAIR = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD_PAIR", "0"))
+AHEAD = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD") or 0)
+AHEAD_PAIR = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD_PAIR") or 0)
+if AHEAD not in (0, 1, 2) or AHEAD_PAIR not in (0, 1, 2):
+    raise ValueError(f"TORCH_MLA_DEV_SPLIT_AHEAD(_PAIR) take 0, 1 or 2, not {AHEAD}, {AHEAD_PAIR}")
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -119,9 +122,11 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 # cluster-scoped) or "cta" (CUTLASS's cluster pipelines and FlashMLA's pair: both at CTA scope).
 # Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope acquire becomes a CCTL.IVALL
 # (the whole L1 invalidated, the evict_last lines with it), the releases ERRBAR; those
-# instructions hold 9.2% and 2.9% of the warp samples. TORCH_MLA_DEV_SPLIT_SCOPE (developer
+# instructions hold 9.2% and ~2.4% of the warp samples. TORCH_MLA_DEV_SPLIT_SCOPE (developer
 # knob, its own TORCH_MLA_CACHE_DIR) picks it for the A/B.
-SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE", "cluster")
+SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE") or "cluster"
+if SCOPE not in ("cluster", "cta"):
+    raise ValueError(f"TORCH_MLA_DEV_SPLIT_SCOPE takes cluster or cta, not {SCOPE!r}")
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -175,7 +180,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
-        peer's (a cluster-scoped release: the peer's producer then overwrites the half here)."""
+        peer's (a release at SCOPE: the peer's producer then overwrites the half here)."""
         bar = self.d_storage.barE.data_ptr() + i
         cute.arch.mbarrier_arrive(bar)
         if const_expr(self.pair):
@@ -208,8 +213,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """The producer warpgroup: the consumers' walk, one block a loop step (block j of a
         segment into buffer j % 2, a runtime index, so that each half's fill is one copy of
         code for both buffers: the producer's code is half that of two blocks a step), both
-        halves in order; the entries load a block ahead of the block whose rows load (two where
-        self.ahead), the rows self.ahead halves ahead of the half being converted (AHEAD)."""
+        halves in order; the entries load a block ahead of the block whose rows load (with
+        self.ahead, two ahead of the block being converted), the rows self.ahead halves ahead
+        of the half being converted (AHEAD)."""
         warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
         parity.fill(0)
@@ -325,7 +331,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
         bit = 2 * s + h
-        # (with pair the peer's consumers release it too: _wait_half's cluster-scope acquire)
+        # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
