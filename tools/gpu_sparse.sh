@@ -45,14 +45,15 @@
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
-#             NAME:AHEAD:AHEAD_PAIR:SCOPE, each in its own cache directory; default B0 the
-#             defaults, S SCOPE cta, SA SCOPE cta with AHEAD 1): their smoke cases, the rows over
+#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE, each in its own cache directory; default B0 the
+#             defaults, S SCOPE cta, SA that with AHEAD 1, SF SA with PFENCE 0): their smoke
+#             cases (all but the first build), the rows over
 #             the 656-byte rows alternated twice with the first build without its pair and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
 #             memcheck at h_q 100 and 64 on the last build (TESTED: another's NAME) while time
 #             is left.
 #             Session 31 ran it (as split_ahead, whose B2 skipped the h_q 64 rows) with BUILDS
-#             "B0:0:0:cluster B2:1:2:cluster" and R64=128,1,64
+#             "B0:0:0:cluster:1 B2:1:2:cluster:1" and R64=128,1,64
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
 #             gzipped into $OUT
@@ -189,11 +190,12 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-B0:0:0:cluster S:0:0:cta SA:1:0:cta})  # (BUILDS: others, or fewer)
+    VS=(${BUILDS:-B0:0:0:cluster:1 S:0:0:cta:1 SA:1:0:cta:1 SF:1:0:cta:0})  # (BUILDS: others)
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc; IFS=: read -r n a ap sc <<< "$1"
+      local n a ap sc pf; IFS=: read -r n a ap sc pf <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
-        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-1} \
+        TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")

@@ -121,6 +121,9 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
     # of a block's halves (a subclass with other consumers changes them).
     ahead = AHEAD
     fill_order = staticmethod(fill_order)
+    # Whether the producer fences its writes for the async proxy before it arrives (a subclass
+    # whose every reader fences after its wait may drop it).
+    producer_fences = True
 
     def __init__(self, dtype, cache: str = "plain"):
         assert cache in CACHES, cache
@@ -276,7 +279,8 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             t0, t1 = (0, 4) if h == 0 else (4, N_TILES)
             gather16(slots, rows, [(buf + t * TILE16, t * 128) for t in range(t0, t1)], warp)
             cp_async_mbarrier_arrive(bar.toint())
-        cute.arch.fence_view_async_shared()
+        if const_expr(self.producer_fences):
+            cute.arch.fence_view_async_shared()
         if const_expr(tx):
             if warp == 0 and cute.arch.lane_idx() == 0:
                 cute.arch.mbarrier_arrive_and_expect_tx(bar, tx)

@@ -127,6 +127,15 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE") or "cluster"
 if SCOPE not in ("cluster", "cta"):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_SCOPE takes cluster or cta, not {SCOPE!r}")
+# PFENCE 0 (developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own cache directory): with pair the
+# producer skips its fence for the async proxy before it arrives on a tile mbarrier. Every
+# reader of a half fences after its own wait there (WG0 after the tile wait, both before P V:
+# half_has_copies, the fence of _pv), as it must for the peer's st.async writes anyway. The
+# producer's two fences a block hold 2.0% and 1.1% of the warp samples with nothing read
+# (session 31's ncu of the pair; long scoreboard: perhaps its st.async stores). Not yet run.
+PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 1)
+if PFENCE not in (0, 1):
+    raise ValueError(f"TORCH_MLA_DEV_SPLIT_PFENCE takes 0 or 1, not {PFENCE}")
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -169,7 +178,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         super().__init__(dtype, cache)
         self.pair = pair
         self.cluster_m = 2 if pair else 1
-        self.ahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
+        self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
+        self.producer_fences = not (pair and PFENCE == 0)  # (PFENCE's comment)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -213,14 +223,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """The producer warpgroup: the consumers' walk, one block a loop step (block j of a
         segment into buffer j % 2, a runtime index, so that each half's fill is one copy of
         code for both buffers: the producer's code is half that of two blocks a step), both
-        halves in order; the entries load a block ahead of the block whose rows load (with
-        self.ahead, two ahead of the block being converted), the rows self.ahead halves ahead
-        of the half being converted (AHEAD)."""
+        halves in order; the entries load a block ahead of the block whose rows load (with a
+        lookahead, two ahead of the block being converted), the rows self.lookahead halves
+        ahead of the half being converted (AHEAD)."""
         warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
         parity.fill(0)
         slots = cute.make_rmem_tensor(4, Int32)  # this lane's entries: this block's, the next's
-        carry = cute.make_rmem_tensor(max(self.ahead, 1) * self._half_words(), Int32)
+        carry = cute.make_rmem_tensor(max(self.lookahead, 1) * self._half_words(), Int32)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
@@ -230,16 +240,16 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 first = self._entries(self._page(mIdx, r, lo))
                 slots[0] = first[0]
                 slots[1] = first[1]
-                if const_expr(self.ahead > 0):
+                if const_expr(self.lookahead > 0):
                     second = self._entries(self._page(mIdx, r, cutlass.min(lo + 1, hi - 1)))
                     slots[2] = second[0]
                     slots[3] = second[1]
-                    for h in cutlass.range_constexpr(self.ahead):
+                    for h in cutlass.range_constexpr(self.lookahead):
                         self._stash(carry, h, self._load(rows, first, h, warp))
                 for blk in cutlass.range(lo, hi, unroll=1):
                     cur = [slots[0], slots[1]]
                     s = (blk - lo) % 2
-                    if const_expr(self.ahead == 0):
+                    if const_expr(self.lookahead == 0):
                         nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
                         for h in cutlass.range_constexpr(2):
                             self._fill(rows, cur, s, h, barK, parity, warp,
@@ -250,8 +260,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nx = [slots[2], slots[3]]
                         nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 2, hi - 1)))
                         more = blk + 1 < hi
-                        held = [self._unstash(carry, h) for h in range(self.ahead)]
-                        if const_expr(self.ahead == 2):
+                        held = [self._unstash(carry, h) for h in range(self.lookahead)]
+                        if const_expr(self.lookahead == 2):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
                             for h in cutlass.range_constexpr(2):
@@ -263,8 +273,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                             self._fill(rows, cur, s, 1, barK, parity, warp, half1)
                         slots[0] = nx[0]
                         slots[1] = nx[1]
-                    slots[2 * (self.ahead > 0)] = nxt[0]
-                    slots[2 * (self.ahead > 0) + 1] = nxt[1]
+                    slots[2 * (self.lookahead > 0)] = nxt[0]
+                    slots[2 * (self.lookahead > 0) + 1] = nxt[1]
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
