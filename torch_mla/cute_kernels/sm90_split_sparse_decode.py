@@ -278,7 +278,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
-        (_load): 4 + 1 a round of keys (16 chunk words, 2 scale words)."""
+        (_load): 18 a round of keys (4 chunks of 4 words, 2 scale words); 1 (unused) over the
+        16-bit cache, whose fills load nothing ahead."""
         return 18 * self._rounds() if self.cache == "fp8_ds_mla" else 1
 
     def _stash(self, carry, k: int, loaded):
