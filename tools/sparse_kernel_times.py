@@ -35,33 +35,39 @@ def kernel_times(fn) -> list[tuple[str, float]]:
             if e.device_type.name == "CUDA" and e.count >= CALLS]
 
 
-def main(argv: list[str]) -> None:
-    if not argv:
-        raise SystemExit("usage: python -m tools.sparse_kernel_times B,S_Q,H_Q [...]")
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+def row_calls(spec: str) -> dict:
+    """{"ours": call, "flashmla": call} on row spec's problem over the 656-byte rows, and the
+    schedule's part count under "parts"."""
     import bench_decode as bd
     import flash_mla
     import torch
 
     import torch_mla
 
+    b, s_q, h_q = (int(x) for x in spec.split(","))
+    tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, 2048, 32768)
+    rows = bd._sparse_cache(b * 32768, torch.uint8, 656, tokens)
+    meta = flash_mla.get_mla_metadata()[0]
+    return {
+        "ours": lambda: torch_mla.mla_decode_sparse(q, rows, idx, schedule=sched),
+        "flashmla": lambda: flash_mla.flash_mla_with_kvcache(
+            q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5, False,
+            True, idx),
+        "parts": sched.metadata.shape[0],
+    }
+
+
+def main(argv: list[str]) -> None:
+    if not argv:
+        raise SystemExit("usage: python -m tools.sparse_kernel_times B,S_Q,H_Q [...]")
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     for spec in argv:
-        b, s_q, h_q = (int(x) for x in spec.split(","))
-        tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, 2048, 32768)
-        rows = bd._sparse_cache(b * 32768, torch.uint8, 656, tokens)
-        meta = flash_mla.get_mla_metadata()[0]
-        calls = {
-            "ours": lambda: torch_mla.mla_decode_sparse(q, rows, idx, schedule=sched),
-            "flashmla": lambda: flash_mla.flash_mla_with_kvcache(
-                q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5,
-                False, True, idx),
-        }
-        for name, fn in calls.items():
-            times = kernel_times(fn)
+        calls = row_calls(spec)
+        for name in ("ours", "flashmla"):
+            times = kernel_times(calls[name])
             parts = " | ".join(f"{k[:60]} {us:.1f}" for k, us in times)
             print(f"{spec} {name}: {sum(us for _, us in times):.1f} us | {parts}", flush=True)
-        print(f"{spec} schedule parts: {sched.metadata.shape[0]}", flush=True)
-        del rows, tokens
+        print(f"{spec} schedule parts: {calls['parts']}", flush=True)
 
 
 if __name__ == "__main__":
