@@ -167,12 +167,18 @@ def _sparse_us(q, cache, idx, sched, kv_scale) -> float:
                                                              kv_scale=kv_scale))
 
 
+def flash_mla_sparse_call(flash_mla, q, rows, idx):
+    """A call of FlashMLA's sparse decode over the 656-byte rows `rows` (its metadata made
+    once, here)."""
+    meta = flash_mla.get_mla_metadata()[0]
+    return lambda: flash_mla.flash_mla_with_kvcache(
+        q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5, False,
+        True, idx)
+
+
 def _flash_mla_sparse_us(flash_mla, q, rows, idx) -> float:
     """FlashMLA's sparse decode over the 656-byte rows `rows` (us, CUDA-graph replay)."""
-    meta = flash_mla.get_mla_metadata()[0]
-    return graph_time_us(lambda: flash_mla.flash_mla_with_kvcache(
-        q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5, False,
-        True, idx))
+    return graph_time_us(flash_mla_sparse_call(flash_mla, q, rows, idx))
 
 
 # The sparse kernels, by the environment that makes mla_decode_sparse run each for every shape

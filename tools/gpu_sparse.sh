@@ -57,8 +57,8 @@
 #             Session 31 ran it (as split_ahead, whose B2 skipped the h_q 64 rows) with BUILDS
 #             "B0:0:0:cluster:1 B2:1:2:cluster:1" and R64=128,1,64
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
-#             (random entries, then every entry -1): stall samples by SASS instruction (tools/ncu_sass.py), the CSVs
-#             gzipped into $OUT
+#             (random entries, then every entry -1): stall samples by SASS instruction
+#             (tools/ncu_sass.py), the CSVs gzipped into $OUT
 #   keysm_rs_bench  the bench alone (a second device call), b 128 (BATCHES): --sparse-kernels
 #             at h_q 16, 32, 64 and 128 with TORCH_MLA_SPARSE_KEYSM_RS=1 (its FP8 keys-on-M
 #             columns are this kernel), at 64 with =32, then at every h_q without the flag

@@ -47,12 +47,9 @@ def row_calls(spec: str) -> dict:
     b, s_q, h_q = (int(x) for x in spec.split(","))
     tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, 2048, 32768)
     rows = bd._sparse_cache(b * 32768, torch.uint8, 656, tokens)
-    meta = flash_mla.get_mla_metadata()[0]
     return {
         "ours": lambda: torch_mla.mla_decode_sparse(q, rows, idx, schedule=sched),
-        "flashmla": lambda: flash_mla.flash_mla_with_kvcache(
-            q, rows.view(torch.float8_e4m3fn), None, None, 512, meta, None, 576 ** -0.5, False,
-            True, idx),
+        "flashmla": bd.flash_mla_sparse_call(flash_mla, q, rows, idx),
         "parts": sched.metadata.shape[0],
     }
 
