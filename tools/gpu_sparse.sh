@@ -51,9 +51,9 @@
 #             the 656-byte rows alternated twice with the first build without its pair and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
 #             memcheck at h_q 100 and 64 on the last build (TESTED: another's NAME) while time
-#             is left. EXTRA: a command run after the numbers (e.g. EXTRA="python -m
-#             tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the small-batch rows'
-#             kernels one by one, ours and FlashMLA's)
+#             is left. EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s;
+#             e.g. EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128":
+#             the small-batch rows' kernels one by one, ours and FlashMLA's)
 #             Session 31 ran it (as split_ahead, whose B2 skipped the h_q 64 rows) with BUILDS
 #             "B0:0:0:cluster:1 B2:1:2:cluster:1" and R64=128,1,64
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
@@ -226,7 +226,7 @@ case $kernel in
     done
     grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
     if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
-      run extra 60 bash -c "$EXTRA"
+      run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
     fi
     T=${VS[-1]}  # (the build the tests and memcheck run: the last, or the entry named TESTED)
     for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
