@@ -45,17 +45,22 @@
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
-#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE, each in its own cache directory; default B0 the
-#             defaults, S SCOPE cta, SA that with AHEAD 1, SF SA with PFENCE 0): their smoke
-#             cases (all but the first build), the rows over
-#             the 656-byte rows alternated twice with the first build without its pair and with
-#             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
-#             memcheck at h_q 100 and 64 on the last build (TESTED: another's NAME) while time
-#             is left. EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s;
-#             e.g. EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128":
-#             the small-batch rows' kernels one by one, ours and FlashMLA's)
-#             Session 31 ran it (as split_ahead, whose B2 skipped the h_q 64 rows) with BUILDS
-#             "B0:0:0:cluster:1 B2:1:2:cluster:1" and R64=128,1,64
+#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE, each in its own cache directory; missing fields
+#             the defaults 0:0:cluster:0; by default B0 the defaults, N the pair at CTA scope,
+#             O sessions 30-31's defaults, PFENCE 1): their smoke cases (all but the first
+#             build), the rows over the 656-byte rows alternated twice with the first build
+#             without its pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then
+#             the split's tests and memcheck at h_q 100 and 64 on the last build (TESTED:
+#             another's NAME) while time is left. EXTRA: a command run after the numbers
+#             (EXTRA_S: its timeout, 60 s; e.g. EXTRA="python -m tools.sparse_kernel_times
+#             2,1,64 2,2,64 2,1,128 2,2,128": the small-batch rows' kernels one by one, ours and
+#             FlashMLA's). Session 31 ran it (as split_ahead) with BUILDS "B0:0:0:cluster:1
+#             B2:1:2:cluster:1" and R64=128,1,64; session 32 with "B0:0:0:cluster:1 S:0:0:cta:1
+#             SA:1:0:cta:1 SF:1:0:cta:0" (docs/benchmarks-h100.md)
+#   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
+#             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
+#             longer pieces and fewer CTAs), two rounds alternated with FlashMLA: whether the
+#             small batches' time is the pieces' fixed cost (docs/kernels/sparse.md, session 32)
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT
@@ -192,11 +197,11 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-B0:0:0:cluster:1 S:0:0:cta:1 SA:1:0:cta:1 SF:1:0:cta:0})  # (BUILDS: others)
+    VS=(${BUILDS:-B0:0:0:cluster:0 N:0:0:cta:0 O:0:0:cluster:1})  # (BUILDS: others)
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
       local n a ap sc pf; IFS=: read -r n a ap sc pf <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
-        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-1} \
+        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
@@ -240,6 +245,21 @@ case $kernel in
           python -m tools.sparse_memcheck --cache fp8_ds_mla --heads $hq
       fi
     done
+    finish; exit ;;
+  sms)
+    preamble flashmla-sm90-sparse
+    run precompile 100 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule --dtypes bf16
+    R="2,1,128 2,2,128 2,1,64 2,2,64 8,1,128 8,1,64 32,1,128 32,1,64"
+    for round in 1 2; do
+      for sms in 132 64 32 16; do
+        run "sms_${sms}_$round" 40 env SMS=$sms TAG="r$round sms$sms" \
+          python -m tools.sparse_rows split 656 $R
+        stop_if_hung "sms_${sms}_$round"
+      done
+      run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"
     finish; exit ;;
   split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
     # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)

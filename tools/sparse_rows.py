@@ -24,7 +24,8 @@ request's S_K tokens); us, GB/s of the rows named and % of the copy ceiling, and
 dispatch took (a mode whose kernel does not take the row says so). An A/B of two trees: run each
 tree with PYTHONPATH=TREE and its own TORCH_MLA_CACHE_DIR, alternating; TAG (environment)
 prefixes each line. NONE=1 (environment): every entry -1, so nothing is read (the kernel's own
-chain: bench_sparse_patterns.py's "none").
+chain: bench_sparse_patterns.py's "none"). SMS=N (environment): the schedule made for N SMs
+(get_sparse_decode_schedule's num_sms: fewer, longer pieces), the grid with it.
 """
 
 from __future__ import annotations
@@ -80,6 +81,10 @@ def main(argv: list[str]) -> None:
                     "656": (torch.uint8, 656)}[fmt]
     for spec, (b, s_q, h_q, topk, s_k) in zip(argv[2:], rows):
         tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, topk, s_k)
+        if os.environ.get("SMS"):
+            import torch_mla
+
+            sched = torch_mla.get_sparse_decode_schedule(idx, h_q, num_sms=int(os.environ["SMS"]))
         if os.environ.get("NONE") == "1":
             idx.fill_(-1)
         kv_scale = None

@@ -52,10 +52,12 @@ syncs after the mbarriers' set-up and at the end, so no CTA exits while its peer
 store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the same way.
 st.async writes are generic-proxy writes that land after the peer's fence, so the warpgroup
 waiting for a half fences for the async proxy before its MMAs read it (half_has_copies; with
-FENCE 0 too). The waits that a peer's release completes (the producer's for a free half, WG0's
-for a filled one) acquire at cluster scope (ptx.mbarrier_wait_cluster), as the PTX memory
-model asks; CUTLASS's cluster pipelines and FlashMLA's pair wait at CTA scope (the DSL's
-mbarrier_wait), which session 30's review noted as a formal gap.
+FENCE 0 too); that fence serves the producer's own stores as well, so with the pair the producer
+does not fence before it arrives (PFENCE 0, session 32: -5% at b 128 h_q 128). The waits that
+a peer's release completes (the producer's for a free half, WG0's for a filled one) acquire at
+cluster scope (ptx.mbarrier_wait_cluster), as the PTX memory model asks; CUTLASS's cluster
+pipelines and FlashMLA's pair wait at CTA scope (the DSL's mbarrier_wait), which session 30's
+review noted as a formal gap (SCOPE: the A/B knob).
 
 Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
@@ -69,6 +71,11 @@ Session 31 (3e0fb34, H100): the loads ahead (AHEAD_PAIR 2) gained nothing at h_q
 against 256.7 us; FlashMLA 184.2); with every entry -1 the pair takes 227.6 us against 189.1
 for one CTA an m-block (FlashMLA 146.2), and ncu finds its cluster-scope acquires compiled to
 L1 invalidations (CCTL.IVALL): SCOPE's comment.
+Session 32 (H100, same start as FlashMLA): without the producer's fences (PFENCE 0, the default
+since) b 128 h_q 128 took 244.1 us against 256.2 (FlashMLA 184.3); CTA-scope waits (SCOPE cta)
+1% less again with random entries (241.2), 10% with nothing read (205.2 against 227.6), but the
+cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. Tests (110
+at CTA scope, the FP8 ones at cluster scope) and memcheck (h_q 100 and 128) pass.
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
@@ -117,23 +124,26 @@ if AHEAD not in (0, 1, 2) or AHEAD_PAIR not in (0, 1, 2):
 L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "256"))
 L1_EVICT = os.environ.get("TORCH_MLA_DEV_SPLIT_L1", "evict_last")
 FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
-# The scope of the pair's cross-CTA synchronisation: "cluster" (the PTX memory model's ask: the
-# waits a peer's release completes acquire at cluster scope, the releases to the peer are
-# cluster-scoped) or "cta" (CUTLASS's cluster pipelines and FlashMLA's pair: both at CTA scope).
-# Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope acquire becomes a CCTL.IVALL
-# (the whole L1 invalidated, the evict_last lines with it), the releases ERRBAR; those
-# instructions hold 9.2% and ~2.4% of the warp samples. TORCH_MLA_DEV_SPLIT_SCOPE (developer
-# knob, its own TORCH_MLA_CACHE_DIR) picks it for the A/B.
+# The scope of the pair's cross-CTA synchronisation: "cta" (the default since session 32: CUTLASS's
+# cluster pipelines and FlashMLA's pair wait and release at CTA scope) or "cluster" (the PTX
+# memory model's letter: the waits a peer's release completes acquire at cluster scope, the
+# releases to the peer are cluster-scoped; the default in sessions 30-31). Session 31's ncu of the
+# pair (b 128 h_q 128): each cluster-scope acquire becomes a CCTL.IVALL (the whole L1
+# invalidated, the evict_last lines with it), the releases ERRBAR; 9.2% and ~2.4% of the warp
+# samples. Session 32 (H100, same start): with every entry -1, 228.2 us at cluster scope, 207.7
+# at cta (FlashMLA 147.3); random entries 256.8 / 256.2 alone, 240-242 with PFENCE 0.
+# TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks it for an A/B.
 SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE") or "cluster"
 if SCOPE not in ("cluster", "cta"):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_SCOPE takes cluster or cta, not {SCOPE!r}")
-# PFENCE 0 (developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own cache directory): with pair the
-# producer skips its fence for the async proxy before it arrives on a tile mbarrier. Every
-# reader of a half fences after its own wait there (WG0 after the tile wait, both before P V:
-# half_has_copies, the fence of _pv), as it must for the peer's st.async writes anyway. The
-# producer's two fences a block hold 2.0% and 1.1% of the warp samples with nothing read
-# (session 31's ncu of the pair; long scoreboard: perhaps its st.async stores). Not yet run.
-PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 1)
+# PFENCE 0 (the default since session 32; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
+# cache directory): with pair the producer skips its fence for the async proxy before it
+# arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
+# the tile wait, both before P V: half_has_copies, the fence of _pv), as it must for the peer's
+# st.async writes anyway. The producer's two fences a block held 2.0% and 1.1% of the warp
+# samples with nothing read (session 31's ncu of the pair). Session 32 (H100, same start, SCOPE
+# cta): b 128 s_q 1 h_q 128 240.2 / 241.6 us with PFENCE 0 against 253.4 / 256.2 with 1.
+PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 0)
 if PFENCE not in (0, 1):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_PFENCE takes 0 or 1, not {PFENCE}")
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
@@ -336,8 +346,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
         (gather16, the four warps sharing its rows). The 16-bit cache: the half's tiles by
         cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
-        then fences its writes for the async proxy and arrives on the half's tile mbarrier
-        (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        then fences its writes for the async proxy (not with pair: PFENCE) and arrives on the
+        half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
