@@ -50,7 +50,7 @@
 #             O sessions 30-31's defaults, PFENCE 1): their smoke cases (all but the first
 #             build), the rows over the 656-byte rows alternated twice with the first build
 #             without its pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then
-#             the split's tests and memcheck at h_q 100 and 64 on the last build (TESTED:
+#             the split's tests and memcheck at h_q 100 and 64 on the first build (TESTED:
 #             another's NAME) while time is left. EXTRA: a command run after the numbers
 #             (EXTRA_S: its timeout, 60 s; e.g. EXTRA="python -m tools.sparse_kernel_times
 #             2,1,64 2,2,64 2,1,128 2,2,128": the small-batch rows' kernels one by one, ours and
@@ -233,7 +233,7 @@ case $kernel in
     if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
       run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
     fi
-    T=${VS[-1]}  # (the build the tests and memcheck run: the last, or the entry named TESTED)
+    T=${VS[0]}  # (the build the tests and memcheck run: the first, or the entry named TESTED)
     for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
     if (( SECONDS < 380 )); then
       run tests $((560 - SECONDS - 90)) env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \

@@ -74,8 +74,9 @@ L1 invalidations (CCTL.IVALL): SCOPE's comment.
 Session 32 (H100, same start as FlashMLA): without the producer's fences (PFENCE 0, the default
 since) b 128 h_q 128 took 244.1 us against 256.2 (FlashMLA 184.3); CTA-scope waits (SCOPE cta)
 1% less again with random entries (241.2), 10% with nothing read (205.2 against 227.6), but the
-cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. Tests (110
-at CTA scope, the FP8 ones at cluster scope) and memcheck (h_q 100 and 128) pass.
+cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. The
+split's GPU tests passed at CTA scope (110) and, at cluster scope (the default), its FP8 cases
+(29: every case the pair runs); memcheck (h_q 100 and 128) ran at CTA scope: clean.
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
@@ -124,15 +125,16 @@ if AHEAD not in (0, 1, 2) or AHEAD_PAIR not in (0, 1, 2):
 L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "256"))
 L1_EVICT = os.environ.get("TORCH_MLA_DEV_SPLIT_L1", "evict_last")
 FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
-# The scope of the pair's cross-CTA synchronisation: "cta" (the default since session 32: CUTLASS's
-# cluster pipelines and FlashMLA's pair wait and release at CTA scope) or "cluster" (the PTX
-# memory model's letter: the waits a peer's release completes acquire at cluster scope, the
-# releases to the peer are cluster-scoped; the default in sessions 30-31). Session 31's ncu of the
-# pair (b 128 h_q 128): each cluster-scope acquire becomes a CCTL.IVALL (the whole L1
-# invalidated, the evict_last lines with it), the releases ERRBAR; 9.2% and ~2.4% of the warp
-# samples. Session 32 (H100, same start): with every entry -1, 228.2 us at cluster scope, 207.7
-# at cta (FlashMLA 147.3); random entries 256.8 / 256.2 alone, 240-242 with PFENCE 0.
-# TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks it for an A/B.
+# The scope of the pair's cross-CTA synchronisation: "cluster" (the default: the PTX memory
+# model's letter; the waits a peer's release completes acquire at cluster scope, the releases to
+# the peer are cluster-scoped) or "cta" (CUTLASS's cluster pipelines and FlashMLA's pair wait and
+# release at CTA scope). Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope
+# acquire becomes a CCTL.IVALL (the whole L1 invalidated, the evict_last lines with it), the
+# releases ERRBAR; 9.2% and ~2.4% of the warp samples. Session 32 (H100, same start, PFENCE 1):
+# with every entry -1 228.2 us at cluster scope, 207.7 at cta (FlashMLA 147.3); random entries
+# 257.7 / 256.8 against 253.4 / 256.2; with PFENCE 0 (another start) 243.9 / 244.3 against
+# 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks
+# it for an A/B.
 SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE") or "cluster"
 if SCOPE not in ("cluster", "cta"):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_SCOPE takes cluster or cta, not {SCOPE!r}")
@@ -141,8 +143,10 @@ if SCOPE not in ("cluster", "cta"):
 # arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
 # the tile wait, both before P V: half_has_copies, the fence of _pv), as it must for the peer's
 # st.async writes anyway. The producer's two fences a block held 2.0% and 1.1% of the warp
-# samples with nothing read (session 31's ncu of the pair). Session 32 (H100, same start, SCOPE
-# cta): b 128 s_q 1 h_q 128 240.2 / 241.6 us with PFENCE 0 against 253.4 / 256.2 with 1.
+# samples with nothing read (session 31's ncu of the pair). Session 32 (H100, same start as
+# FlashMLA): b 128 s_q 1 h_q 128 243.9 / 244.3 us with PFENCE 0 against 256.1 / 256.3 with 1 at
+# cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
+# the one-CTA-lookahead build's 255.2 / 255.1 (the lookahead does not touch the pair).
 PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 0)
 if PFENCE not in (0, 1):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_PFENCE takes 0 or 1, not {PFENCE}")
