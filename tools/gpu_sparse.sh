@@ -59,8 +59,10 @@
 #             SA:1:0:cta:1 SF:1:0:cta:0" (docs/benchmarks-h100.md)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
-#             longer pieces and fewer CTAs), two rounds alternated with FlashMLA: whether the
-#             small batches' time is the pieces' fixed cost (docs/kernels/sparse.md, session 32)
+#             longer pieces and fewer CTAs) and under FlashMLA's piece rule
+#             (TORCH_MLA_DEV_SPARSE_PIECES=flashmla), two rounds alternated with FlashMLA:
+#             whether the small batches' time is the pieces' fixed cost (docs/kernels/sparse.md,
+#             session 32)
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT
@@ -257,6 +259,8 @@ case $kernel in
           python -m tools.sparse_rows split 656 $R
         stop_if_hung "sms_${sms}_$round"
       done
+      run "sms_rule_$round" 40 env TORCH_MLA_DEV_SPARSE_PIECES=flashmla TAG="r$round rule" \
+        python -m tools.sparse_rows split 656 $R
       run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"

@@ -5,6 +5,7 @@ takes the inputs (:func:`find_sparse_decode_kernel`), else the reference. Forwar
 from __future__ import annotations
 
 import functools
+import os
 import warnings
 from functools import partial
 
@@ -14,6 +15,7 @@ from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..contract import keysm_columns_for
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
+from ..scheduling import DecodeSplitConfig, default_num_sms, flashmla_busy_parts, num_m_blocks
 from . import dispatch, registry
 from .checks import check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
@@ -338,7 +340,32 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
             check_topk_length_values(lengths, topk)
         if s_q > 1:
             lengths = lengths.repeat_interleave(s_q)
-    return get_decode_schedule(lengths, 1, _schedule_heads(h_q), num_sms)
+    heads = _schedule_heads(h_q)
+    if _flashmla_pieces():
+        num_sms = _flashmla_sms(indices.device, b * s_q, topk, heads, num_sms)
+    return get_decode_schedule(lengths, 1, heads, num_sms)
+
+
+def _flashmla_pieces() -> bool:
+    """TORCH_MLA_DEV_SPARSE_PIECES=flashmla (a developer knob for the small-batch A/B,
+    docs/kernels/sparse.md session 32): the sparse schedule gets as many parts as FlashMLA's
+    split rule keeps busy (scheduling.flashmla_busy_parts), so its pieces are about as long as
+    FlashMLA's. Unset: the dense schedule's part count. Not measured yet."""
+    value = os.environ.get("TORCH_MLA_DEV_SPARSE_PIECES") or ""
+    if value not in ("", "flashmla"):
+        raise ValueError(f"TORCH_MLA_DEV_SPARSE_PIECES takes flashmla (or nothing), not {value!r}")
+    return value == "flashmla"
+
+
+def _flashmla_sms(device: torch.device, requests: int, topk: int, heads: int,
+                  num_sms: int | None) -> int:
+    """The SM count whose schedule has flashmla_busy_parts parts for `requests` one-token
+    requests of topk entries (every request taken as full: the host reads no topk_length) and
+    `heads` heads, starting from num_sms (None: the device's)."""
+    m = num_m_blocks(1, heads)
+    parts = DecodeSplitConfig.from_heuristic(
+        1, heads, num_sms if num_sms is not None else default_num_sms(device)).num_parts
+    return m * max(flashmla_busy_parts(requests, max(1, -(-topk // PAGE_SIZE)), parts), 1)
 
 
 def _schedule_heads(h_q: int) -> int:
