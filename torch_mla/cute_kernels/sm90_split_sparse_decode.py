@@ -150,6 +150,13 @@ if SCOPE not in ("cluster", "cta"):
 PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 0)
 if PFENCE not in (0, 1):
     raise ValueError(f"TORCH_MLA_DEV_SPLIT_PFENCE takes 0 or 1, not {PFENCE}")
+# PVFENCE 0 (developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own cache directory; default 1):
+# with pair WG0 skips its fence for the async proxy before its P V, which reads only half 0:
+# WG0 fenced that half after its own wait for it (half_has_copies), as FENCE 0 reasons without
+# the pair. A candidate for the pair's chain (docs/kernels/sparse.md, session 32); not yet run.
+PVFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PVFENCE") or 1)
+if PVFENCE not in (0, 1):
+    raise ValueError(f"TORCH_MLA_DEV_SPLIT_PVFENCE takes 0 or 1, not {PVFENCE}")
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -421,7 +428,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
         # (V: half 0, which this warpgroup waited for and fenced where it had copies)
         self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True,
-                 fence=FENCE == 1 or self.pair)
+                 fence=FENCE == 1 or (self.pair and PVFENCE == 1))
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if b + 2 < hi:
