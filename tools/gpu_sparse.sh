@@ -262,6 +262,7 @@ case $kernel in
       done
       run "sms_rule_$round" 40 env TORCH_MLA_DEV_SPARSE_PIECES=flashmla TAG="r$round rule" \
         python -m tools.sparse_rows split 656 $R
+      stop_if_hung "sms_rule_$round"
       run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"

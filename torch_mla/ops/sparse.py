@@ -17,7 +17,7 @@ from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
 from ..scheduling import DecodeSplitConfig, default_num_sms, flashmla_busy_parts, num_m_blocks
 from . import dispatch, registry
-from .checks import check_schedule_args, checks_values, unpack_schedule
+from .checks import check_count, check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
     cache_format,
     check_fp8_ds_mla_append_args,
@@ -349,8 +349,10 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
 def _flashmla_pieces() -> bool:
     """TORCH_MLA_DEV_SPARSE_PIECES=flashmla (a developer knob for the small-batch A/B,
     docs/kernels/sparse.md session 32): the sparse schedule gets as many parts as FlashMLA's
-    split rule keeps busy (scheduling.flashmla_busy_parts), so its pieces are about as long as
-    FlashMLA's. Unset: the dense schedule's part count. Not measured yet."""
+    split rule keeps busy (scheduling.flashmla_busy_parts), cut evenly as ever (at b 2 h_q 128:
+    32 parts, pieces of 1-3 blocks and a few parts idle, where FlashMLA's are 2 blocks each).
+    Unset: the dense schedule's part count. Not measured yet; the loop runs on the host, so
+    under torch.compile b and topk are fixed at their traced values."""
     value = os.environ.get("TORCH_MLA_DEV_SPARSE_PIECES") or ""
     if value not in ("", "flashmla"):
         raise ValueError(f"TORCH_MLA_DEV_SPARSE_PIECES takes flashmla (or nothing), not {value!r}")
@@ -362,9 +364,11 @@ def _flashmla_sms(device: torch.device, requests: int, topk: int, heads: int,
     """The SM count whose schedule has flashmla_busy_parts parts for `requests` one-token
     requests of topk entries (every request taken as full: the host reads no topk_length) and
     `heads` heads, starting from num_sms (None: the device's)."""
+    if num_sms is None:
+        num_sms = default_num_sms(device)
+    check_count("num_sms", num_sms)
     m = num_m_blocks(1, heads)
-    parts = DecodeSplitConfig.from_heuristic(
-        1, heads, num_sms if num_sms is not None else default_num_sms(device)).num_parts
+    parts = DecodeSplitConfig.from_heuristic(1, heads, num_sms).num_parts
     return m * max(flashmla_busy_parts(requests, max(1, -(-topk // PAGE_SIZE)), parts), 1)
 
 
