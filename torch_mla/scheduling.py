@@ -125,10 +125,10 @@ def flashmla_busy_parts(requests: int, blocks: int, parts: int,
     transcribed, no code taken). Each part may take ceil(T / parts) + overhead units of the
     stream, T = requests x (blocks + overhead), and each piece costs `overhead` units besides
     its blocks: a whole request blocks + overhead, a cut one the part's remaining units less
-    overhead in blocks. So no piece is shorter than ceil(T / parts) blocks, and at small T
-    most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2 blocks a
-    piece; our even cut, compute_schedule, makes 28 pieces of a request there). For the
-    sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
+    overhead in blocks. So every piece but a request's last holds ceil(T / parts) blocks, and
+    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2
+    blocks a piece; our even cut, compute_schedule, makes 28 pieces of a request there). For
+    the sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
     if requests <= 0 or parts <= 0:
         return 0
     payload = -(-requests * (blocks + overhead) // parts) + overhead

@@ -101,6 +101,17 @@ from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import TILE16, row_source
 
+
+def _dev_knob(name: str, default, allowed: tuple):
+    """Developer knob TORCH_MLA_DEV_SPLIT_<name>, read at import: one of `allowed` (their type),
+    default when unset or empty."""
+    raw = os.environ.get(f"TORCH_MLA_DEV_SPLIT_{name}") or ""
+    value = type(default)(raw) if raw else default
+    if value not in allowed:
+        raise ValueError(f"TORCH_MLA_DEV_SPLIT_{name} takes one of {allowed}, not {raw!r}")
+    return value
+
+
 REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnreg
 # Buffer halves whose fp8 chunks the producer has in flight while it converts one (the
 # 656-byte rows): 0 loads each half just before its own wait (one load latency a half exposed);
@@ -112,10 +123,8 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # TORCH_MLA_DEV_SPLIT_AHEAD (one CTA an m-block) and TORCH_MLA_DEV_SPLIT_AHEAD_PAIR (the cluster
 # pair) set it at import, developer knobs for the A/B (a build with another value needs its own
 # TORCH_MLA_CACHE_DIR: the cache key does not include them).
-AHEAD = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD") or 0)
-AHEAD_PAIR = int(os.environ.get("TORCH_MLA_DEV_SPLIT_AHEAD_PAIR") or 0)
-if AHEAD not in (0, 1, 2) or AHEAD_PAIR not in (0, 1, 2):
-    raise ValueError(f"TORCH_MLA_DEV_SPLIT_AHEAD(_PAIR) take 0, 1 or 2, not {AHEAD}, {AHEAD_PAIR}")
+AHEAD = _dev_knob("AHEAD", 0, (0, 1, 2))
+AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 0, (0, 1, 2))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -135,9 +144,7 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 # 257.7 / 256.8 against 253.4 / 256.2; with PFENCE 0 (another start) 243.9 / 244.3 against
 # 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks
 # it for an A/B.
-SCOPE = os.environ.get("TORCH_MLA_DEV_SPLIT_SCOPE") or "cluster"
-if SCOPE not in ("cluster", "cta"):
-    raise ValueError(f"TORCH_MLA_DEV_SPLIT_SCOPE takes cluster or cta, not {SCOPE!r}")
+SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # PFENCE 0 (the default since session 32; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
 # cache directory): with pair the producer skips its fence for the async proxy before it
 # arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
@@ -147,16 +154,12 @@ if SCOPE not in ("cluster", "cta"):
 # FlashMLA): b 128 s_q 1 h_q 128 243.9 / 244.3 us with PFENCE 0 against 256.1 / 256.3 with 1 at
 # cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
 # the one-CTA-lookahead build's 255.2 / 255.1 (the lookahead does not touch the pair).
-PFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PFENCE") or 0)
-if PFENCE not in (0, 1):
-    raise ValueError(f"TORCH_MLA_DEV_SPLIT_PFENCE takes 0 or 1, not {PFENCE}")
+PFENCE = _dev_knob("PFENCE", 0, (0, 1))
 # PVFENCE 0 (developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own cache directory; default 1):
 # with pair WG0 skips its fence for the async proxy before its P V, which reads only half 0:
 # WG0 fenced that half after its own wait for it (half_has_copies), as FENCE 0 reasons without
 # the pair. A candidate for the pair's chain (docs/kernels/sparse.md, session 32); not yet run.
-PVFENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PVFENCE") or 1)
-if PVFENCE not in (0, 1):
-    raise ValueError(f"TORCH_MLA_DEV_SPLIT_PVFENCE takes 0 or 1, not {PVFENCE}")
+PVFENCE = _dev_knob("PVFENCE", 1, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
