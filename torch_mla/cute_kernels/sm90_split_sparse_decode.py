@@ -160,6 +160,11 @@ PFENCE = _dev_knob("PFENCE", 0, (0, 1))
 # WG0 fenced that half after its own wait for it (half_has_copies), as FENCE 0 reasons without
 # the pair. A candidate for the pair's chain (docs/kernels/sparse.md, session 32); not yet run.
 PVFENCE = _dev_knob("PVFENCE", 1, (0, 1))
+# PARRIVE (developer knob TORCH_MLA_DEV_SPLIT_PARRIVE, its own cache directory; default
+# "early"): when WG0 tells WG1 that P and its scale are in shared memory (NB_P). "early": before
+# WG0 issues its own P V; "late": right after it, as FlashMLA's WG0 does, so WG0's P V reaches
+# the tensor pipe before WG1's and WG0's next Q K^T waits less. Not yet run.
+PARRIVE = _dev_knob("PARRIVE", "early", ("early", "late"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -428,10 +433,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             for h in cutlass.range_constexpr(2):
                 sScale0[r0 + 8 * h] = scale[h]
         self._store_P(st_P, rP, sP0)
-        cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
+        if const_expr(PARRIVE == "early"):
+            cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
         # (V: half 0, which this warpgroup waited for and fenced where it had copies)
         self._pv(self.d_tiled_pv_rs, acc_O, rP, tOrV[s][0], True,
                  fence=FENCE == 1 or (self.pair and PVFENCE == 1))
+        if const_expr(PARRIVE == "late"):
+            cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
         if b + 2 < hi:
