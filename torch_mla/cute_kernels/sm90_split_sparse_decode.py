@@ -165,6 +165,13 @@ PVFENCE = _dev_knob("PVFENCE", 1, (0, 1))
 # WG0 issues its own P V; "late": right after it, as FlashMLA's WG0 does, so WG0's P V reaches
 # the tensor pipe before WG1's and WG0's next Q K^T waits less. Not yet run.
 PARRIVE = _dev_knob("PARRIVE", "early", ("early", "late"))
+# PIPE 1 (developer knob TORCH_MLA_DEV_SPLIT_PIPE, its own cache directory; default 0): WG0
+# queues block b + 1's Q K^T right behind its own P V of block b (its buffer half 0's tiles,
+# then, once that P V is done and block b's half 0 released, the other half's), so the tensor
+# pipe goes from P V to the next S with no wait, release or tile wait of WG0 between them, as
+# the dense kernel's seesaw does. Neither FlashMLA's sparse WG0 nor the default does. Not yet
+# run.
+PIPE = _dev_knob("PIPE", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -409,11 +416,16 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     @cute.jit
     def _wg0_block(self, b, lo, hi, s: cutlass.Constexpr[int], border, min_border, acc_S,
                    acc_O, rP, row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
-                   r0, c0, wtid, scale_log2):
+                   r0, c0, wtid, scale_log2, nxt: cutlass.Constexpr[bool] = False,
+                   waited: cutlass.Constexpr[bool] = False):
         """WG0, block b of [lo, hi) in buffer s: S, the softmax, P and its scale to WG1, P V for
-        O's left half; then half 0 of the buffer goes back to the producer."""
-        self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, s, tuple(range(N_TILES)))
-        warpgroup.wait_group(0)
+        O's left half; then half 0 of the buffer goes back to the producer. With PIPE, block b's
+        S is in flight already (issued by the previous block or _split_blocks; waited: and
+        landed), and with nxt (block b + 1 exists) this block issues block b + 1's."""
+        if const_expr(not PIPE):
+            self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, s, tuple(range(N_TILES)))
+        if const_expr(not waited):
+            warpgroup.wait_group(0)
         fence_operand(acc_S)
         self._mask(acc_S, b, border, min_border, c0, s)
         m_new, m_use, scale = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -440,10 +452,22 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                  fence=FENCE == 1 or (self.pair and PVFENCE == 1))
         if const_expr(PARRIVE == "late"):
             cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
-        warpgroup.wait_group(0)
-        fence_operand(acc_O)
-        if b + 2 < hi:
-            self._release(s, 0, wtid)
+        if const_expr(PIPE and nxt):
+            # Block b + 1's S behind this P V: its half 0 tiles, then (P V done, this block's
+            # half 0 released: the producer may go on) its half 1 tiles.
+            self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, 1 - s, (0, 1, 2, 3),
+                     last=False)
+            warpgroup.wait_group(1)
+            fence_operand(acc_O)
+            if b + 2 < hi:
+                self._release(s, 0, wtid)
+            self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, 1 - s, (4, 5, 6, 7, 8),
+                     fresh=False)
+        else:
+            warpgroup.wait_group(0)
+            fence_operand(acc_O)
+            if b + 2 < hi:
+                self._release(s, 0, wtid)
 
     @cute.jit
     def _wg1_block(self, b, hi, s: cutlass.Constexpr[int], acc_O, tOrV, tOrP0s, sScale0, r0,
@@ -476,10 +500,27 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         else:
             block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
                             sScale0=sScale0, r0=r0, wtid=wtid)
-        for i in cutlass.range((n + 1) // 2, unroll=1):
-            block(lo + 2 * i, s=0)
-            if lo + 2 * i + 1 < hi:
-                block(lo + 2 * i + 1, s=1)
+        if const_expr(wg == 0 and PIPE):
+            # (n >= 1.) The first block's S; each block then issues the next one's. No runtime
+            # branch may be entered or left with a wgmma in flight (ptxas then serialises
+            # them, C7518): loop steps whose two blocks and the next exist, then after the
+            # last S landed the one or two last blocks under a branch.
+            self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, 0, tuple(range(N_TILES)))
+            n_full = (n - 1) // 2
+            for i in cutlass.range(n_full, unroll=1):
+                block(lo + 2 * i, s=0, nxt=True)
+                block(lo + 2 * i + 1, s=1, nxt=True)
+            warpgroup.wait_group(0)
+            if n % 2 == 0:
+                block(lo + 2 * n_full, s=0, nxt=True, waited=True)
+                block(lo + 2 * n_full + 1, s=1)
+            else:
+                block(lo + 2 * n_full, s=0, waited=True)
+        else:
+            for i in cutlass.range((n + 1) // 2, unroll=1):
+                block(lo + 2 * i, s=0)
+                if lo + 2 * i + 1 < hi:
+                    block(lo + 2 * i + 1, s=1)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------
