@@ -155,22 +155,27 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
 # the one-CTA-lookahead build's 255.2 / 255.1 (the lookahead does not touch the pair).
 PFENCE = _dev_knob("PFENCE", 0, (0, 1))
-# PVFENCE 0 (developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own cache directory; default 1):
-# with pair WG0 skips its fence for the async proxy before its P V, which reads only half 0:
-# WG0 fenced that half after its own wait for it (half_has_copies), as FENCE 0 reasons without
-# the pair. A candidate for the pair's chain (docs/kernels/sparse.md, session 32); not yet run.
-PVFENCE = _dev_knob("PVFENCE", 1, (0, 1))
-# PARRIVE (developer knob TORCH_MLA_DEV_SPLIT_PARRIVE, its own cache directory; default
-# "early"): when WG0 tells WG1 that P and its scale are in shared memory (NB_P). "early": before
-# WG0 issues its own P V; "late": right after it, as FlashMLA's WG0 does, so WG0's P V reaches
-# the tensor pipe before WG1's and WG0's next Q K^T waits less. Not yet run.
-PARRIVE = _dev_knob("PARRIVE", "early", ("early", "late"))
+# PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
+# cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
+# reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
+# FENCE 0 reasons without the pair.
+PVFENCE = _dev_knob("PVFENCE", 0, (0, 1))
+# PARRIVE (developer knob TORCH_MLA_DEV_SPLIT_PARRIVE, its own cache directory; default "late"
+# since session 33): when WG0 tells WG1 that P and its scale are in shared memory (NB_P).
+# "early": before WG0 issues its own P V; "late": right after it, as FlashMLA's WG0 does, so
+# WG0's P V reaches the tensor pipe before WG1's. Session 33 (H100, same start, two rounds):
+# the two together (VL) 241.6 / 242.0 us at b 128 s_q 1 h_q 128 against 244.2 / 244.0, 466.7 /
+# 468.0 against 470.2 / 469.7 at s_q 2; the h_q 64 rows (no pair: PVFENCE does not apply)
+# unchanged within 0.3%.
+PARRIVE = _dev_knob("PARRIVE", "late", ("early", "late"))
 # PIPE 1 (developer knob TORCH_MLA_DEV_SPLIT_PIPE, its own cache directory; default 0): WG0
 # queues block b + 1's Q K^T right behind its own P V of block b (its buffer half 0's tiles,
-# then, once that P V is done and block b's half 0 released, the other half's), so the tensor
-# pipe goes from P V to the next S with no wait, release or tile wait of WG0 between them, as
-# the dense kernel's seesaw does. Neither FlashMLA's sparse WG0 nor the default does. Not yet
-# run.
+# then, once that P V is done and block b's half 0 released, the other half's), as the dense
+# kernel's seesaw does; FlashMLA's sparse WG0 does not. Session 33 (same start as above):
+# slower everywhere, 254.7-256.6 us at b 128 h_q 128 against ~244 (with or without VL), 147.4-
+# 147.9 against ~146.1 at h_q 64, 25.2-25.6 against ~23.4 at b 2 h_q 64. Likely why (not
+# measured): the next S enters the tensor pipe ahead of WG1's P V of the same block, which
+# WG0's next NB_FREE then waits for. Correct (the split's GPU tests and memcheck passed with it).
 PIPE = _dev_knob("PIPE", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
