@@ -85,8 +85,7 @@ class MLACombine:
         r, row_block, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
-        if row_block == 0 and warp == 0:
-            self.check_request(mBlockTable, mSeqlens, num_pages, r, lane)
+        self.check(mBlockTable, mSeqlens, num_pages, r, lane, warp, row_block)
         row = row_block * self.rows_per_cta + warp // self.wpr
         part = warp % self.wpr  # this warp takes pieces part, part + wpr, ...
         start = mNumSplits[r]  # written before the decode kernel ran: safe before the wait
@@ -165,6 +164,13 @@ class MLACombine:
                 cute.arch.griddepcontrol_wait()
 
     @cute.jit
+    def check(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32, warp: Int32,
+              row_block: Int32):
+        """The input checks of request r: check_request, by warp 0 of the request's first CTA."""
+        if row_block == 0 and warp == 0:
+            self.check_request(mBlockTable, mSeqlens, num_pages, r, lane)
+
+    @cute.jit
     def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
                      part: Int32):
         """The schedule was made for other lengths: a piece of request r holds lse +inf (the
@@ -207,8 +213,8 @@ class MLACombine:
 
 @cute.jit
 def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int32,
-                  batch: cutlass.Constexpr[int] = 1) -> Int32:
-    """One warp (lane 0..31): the first column c < n of row whose value is outside
+                  batch: cutlass.Constexpr[int] = 1, start: Int32 = 0) -> Int32:
+    """One warp (lane 0..31): the first column start <= c < n of row whose value is outside
     [low, high), in every lane; NO_COLUMN if none is.
 
     A lane loads `batch` values before it compares any, so a round trip to memory covers
@@ -217,7 +223,7 @@ def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int
     ~30 us for the 2048 entries of a sparse decode row (docs/kernels/sparse.md, session 26)."""
     first = Int32(NO_COLUMN)
     last = n - 1
-    for c in cutlass.range(0, n, 32 * batch, unroll=1):
+    for c in cutlass.range(start, n, 32 * batch, unroll=1):
         cols, vals = [], []
         for u in cutlass.range_constexpr(batch):
             cols.append(cutlass.min(c + 32 * u + lane, last))
