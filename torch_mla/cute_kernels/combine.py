@@ -12,7 +12,8 @@ It also checks the inputs of the step for every kernel that shares it: request r
 entry is wrong and stops the launch (check_request). Inside CUDA graphs too. The CTAs run it
 before they wait for the decode kernel, but a decode kernel that fills every SM leaves them no
 room until it ends, so its round trips can add to the step: first_outside batches its loads
-(sparse decode's 2048 entries a token: ~8 us under ncu, 30 us unbatched; session 26).
+(sparse decode's 2048 entries a token: ~8 us under ncu, 30 us unbatched; session 26), and the
+sparse combine spreads them over the request's CTAs, a slice each (MLASparseCombine.check).
 A schedule made for other lengths stops the launch too (check_pieces): a piece whose lse is +inf
 (the decode kernel found it past its request's end, splitkv.empty_segment), or a request with
 keys that the schedule gave no piece.
