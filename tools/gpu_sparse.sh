@@ -68,7 +68,8 @@
 #             session 32)
 #   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla and
 #             tools, taken along), same start: both trees' split steps built at once, the
-#             current tree's tests of TESTK (default: the combine's bad-entry messages), then
+#             current tree's tests of TESTK (default: the combine's bad-entry messages through
+#             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
@@ -261,14 +262,14 @@ case $kernel in
     # sources, so neither loads the other's kernels)
     preamble flashmla-sm90-sparse
     OLDT="$ROOT/.abtrees/old"
-    (timeout 200 python -m torch_mla.precompile --arch sm_90a --kernels sparse,sparse_split,schedule \
-      --dtypes bf16 --jobs 8 > "$OUT/pre_new.log" 2>&1) &
+    (timeout 200 python -m torch_mla.precompile --arch sm_90a --kernels sparse_split,schedule \
+      --dtypes bf16 --jobs 4 > "$OUT/pre_new.log" 2>&1) &
     (cd "$OLDT" && PYTHONPATH="$OLDT:$PYTHONPATH" timeout 200 python -m torch_mla.precompile \
       --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 4 > "$OUT/pre_old.log" 2>&1) &
     wait
     tail -n 2 "$OUT"/pre_*.log
     run tests 200 python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py \
-      -k "${TESTK:-bad_entry}"
+      -k "${TESTK:-bad_entry and sm90_split}"
     R=${ROWS:-"2,1,128 2,1,64 8,1,128 32,1,128 128,1,128 128,1,64"}
     for round in 1 2; do
       run "new_$round" 60 env TAG="r$round new" python -m tools.sparse_rows split 656 $R
