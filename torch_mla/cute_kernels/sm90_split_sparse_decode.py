@@ -246,6 +246,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             mbarrier_wait_cluster(bar.toint(), parity)
         else:
             cute.arch.mbarrier_wait(bar, parity)
+        self._stamp("tiles")  # (trace point: thread 0's, WG0's waits for a block's tiles)
 
     def half_has_copies(self, h: int) -> bool:
         """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
@@ -316,6 +317,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         slots[1] = nx[1]
                     slots[2 * (self.lookahead > 0)] = nxt[0]
                     slots[2 * (self.lookahead > 0) + 1] = nxt[1]
+                    self._stamp("filled", 256, blk - lo)
+                self._stamp("produced", 256)
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
@@ -427,6 +430,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         O's left half; then half 0 of the buffer goes back to the producer. With PIPE, block b's
         S is in flight already (issued by the previous block or _split_blocks; waited: and
         landed), and with nxt (block b + 1 exists) this block issues block b + 1's."""
+        self._stamp("block", 0, b - lo)  # (trace point: WG0 starts block b)
         if const_expr(not PIPE):
             self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, s, tuple(range(N_TILES)))
         if const_expr(not waited):
@@ -526,6 +530,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 block(lo + 2 * i, s=0)
                 if lo + 2 * i + 1 < hi:
                     block(lo + 2 * i + 1, s=1)
+        # (trace points: WG0's, WG1's loop done, MLADecodeSm90._stamp's 3 and 4)
+        if const_expr(wg == 0):
+            self._stamp(3)
+        else:
+            self._stamp(4, 128)
 
 
 # --- compile entry (ops/registry.py: SparseStepConfig, backend "sm90_split") -------------------
