@@ -243,11 +243,9 @@ print("ran")
 
 
 # (topk, topk_length (-1: none), the bad entries, the one named, or None: past the length,
-# so never read and nothing to report). The combine's check loads up to 512 entries a warp
-# before comparing (combine.first_outside), and each of a request's CTAs checks a slice of them
-# (h_q 16: four CTAs of 256 at topk_length 1000): the first bad one still comes first, and
-# alone, across batches, slices and at the length's last entry, and nothing past the length
-# counts.
+# so never read and nothing to report). The combine's check loads 512 entries a warp before
+# comparing (combine.first_outside): the first bad one still comes first, and alone, across
+# batches and at the length's last entry, and nothing past the length counts.
 @pytest.mark.parametrize("topk,length,bad,named", [(64, -1, "5", 5), (2048, 1000, "999,1500", 999),
                                                    (2048, 1000, "600,999", 600),
                                                    (2048, 1000, "1000,2047", None)])
@@ -260,8 +258,7 @@ def test_bad_entry_stops_with_a_message(backend, topk, length, bad, named):
         return
     assert res.returncode != 0
     assert f"indices[0, 1, {named}] = 128 is not a cache slot" in res.stdout + res.stderr, res
-    # (the check is spread over the request's CTAs, a slice each: only the first bad entry's
-    # CTA reports, here 600 in one slice and not 999 in another)
+    # (one message, the first bad entry's: not the later ones)
     for other in {int(c) for c in bad.split(",")} - {named}:
         assert f"indices[0, 1, {other}]" not in res.stdout + res.stderr, res
 

@@ -66,8 +66,8 @@
 #             (TORCH_MLA_DEV_SPARSE_PIECES=flashmla), two rounds alternated with FlashMLA:
 #             whether the small batches' time is the pieces' fixed cost (docs/kernels/sparse.md,
 #             session 32)
-#   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla and
-#             tools, taken along), same start: both trees' split steps built at once, the
+#   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla,
+#             benchmarks and tools, taken along), same start: both trees' split steps built at once, the
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
@@ -257,8 +257,8 @@ case $kernel in
       fi
     done
     finish; exit ;;
-  tree_ab)  # (the current tree against .abtrees/old, e.g. `git archive COMMIT torch_mla tools |
-    # tar -x -C .abtrees/old`, taken along: the cache key holds a hash of each tree's kernel
+  tree_ab)  # (the current tree against .abtrees/old, e.g. `git archive COMMIT torch_mla tools
+    # benchmarks | tar -x -C .abtrees/old`, taken along: the cache key holds a hash of each tree's kernel
     # sources, so neither loads the other's kernels)
     preamble flashmla-sm90-sparse
     OLDT="$ROOT/.abtrees/old"

@@ -12,8 +12,7 @@ It also checks the inputs of the step for every kernel that shares it: request r
 entry is wrong and stops the launch (check_request). Inside CUDA graphs too. The CTAs run it
 before they wait for the decode kernel, but a decode kernel that fills every SM leaves them no
 room until it ends, so its round trips can add to the step: first_outside batches its loads
-(sparse decode's 2048 entries a token: ~8 us under ncu, 30 us unbatched; session 26), and the
-sparse combine spreads them over the request's CTAs, a slice each (MLASparseCombine.check).
+(sparse decode's 2048 entries a token: ~8 us under ncu, 30 us unbatched; session 26).
 A schedule made for other lengths stops the launch too (check_pieces): a piece whose lse is +inf
 (the decode kernel found it past its request's end, splitkv.empty_segment), or a request with
 keys that the schedule gave no piece.
@@ -86,7 +85,8 @@ class MLACombine:
         r, row_block, _ = cute.arch.block_idx()
         lane = tidx % 32
         warp = cute.arch.make_warp_uniform(tidx // 32)
-        self.check(mBlockTable, mSeqlens, num_pages, r, lane, warp, row_block)
+        if row_block == 0 and warp == 0:
+            self.check_request(mBlockTable, mSeqlens, num_pages, r, lane)
         row = row_block * self.rows_per_cta + warp // self.wpr
         part = warp % self.wpr  # this warp takes pieces part, part + wpr, ...
         start = mNumSplits[r]  # written before the decode kernel ran: safe before the wait
@@ -165,13 +165,6 @@ class MLACombine:
                 cute.arch.griddepcontrol_wait()
 
     @cute.jit
-    def check(self, mBlockTable, mSeqlens, num_pages: Int32, r: Int32, lane: Int32, warp: Int32,
-              row_block: Int32):
-        """The input checks of request r: check_request, by warp 0 of the request's first CTA."""
-        if row_block == 0 and warp == 0:
-            self.check_request(mBlockTable, mSeqlens, num_pages, r, lane)
-
-    @cute.jit
     def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
                      part: Int32):
         """The schedule was made for other lengths: a piece of request r holds lse +inf (the
@@ -214,8 +207,8 @@ class MLACombine:
 
 @cute.jit
 def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int32,
-                  batch: cutlass.Constexpr[int] = 1, start: Int32 = 0) -> Int32:
-    """One warp (lane 0..31): the first column start <= c < n of row whose value is outside
+                  batch: cutlass.Constexpr[int] = 1) -> Int32:
+    """One warp (lane 0..31): the first column c < n of row whose value is outside
     [low, high), in every lane; NO_COLUMN if none is.
 
     A lane loads `batch` values before it compares any, so a round trip to memory covers
@@ -224,7 +217,7 @@ def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int
     ~30 us for the 2048 entries of a sparse decode row (docs/kernels/sparse.md, session 26)."""
     first = Int32(NO_COLUMN)
     last = n - 1
-    for c in cutlass.range(start, n, 32 * batch, unroll=1):
+    for c in cutlass.range(0, n, 32 * batch, unroll=1):
         cols, vals = [], []
         for u in cutlass.range_constexpr(batch):
             cols.append(cutlass.min(c + 32 * u + lane, last))

@@ -225,47 +225,25 @@ class MLASparseCombine(MLACombine):
     entries instead of lengths and page ids."""
 
     @cute.jit
-    def check(self, mIdx, mLens, num_slots: Int32, r: Int32, lane: Int32, warp: Int32,
-              row_block: Int32):
-        """The checks of one-token request r, spread over the request's CTAs: warp 0 of each
-        checks one slice of its entries (one round trip a CTA where the request's first CTA
-        took four for 2048 entries: the combine's CTAs start only as the decode kernel's leave
-        the SMs, so these loads follow its last CTA)."""
-        if warp == 0:
-            self.check_request(mIdx, mLens, num_slots, r, lane, row_block,
-                               cute.arch.grid_dim()[1])
-
-    @cute.jit
-    def check_request(self, mIdx, mLens, num_slots: Int32, r: Int32, lane: Int32,
-                      cta: Int32, ctas: Int32):
-        """One warp of CTA cta of the request's ctas: 0 <= topk_length <= topk for one-token
-        request r (CTA 0), and its entries below topk_length in this CTA's slice (multiples of
-        32) are -1 or slots of the cache; else a message naming the request's first bad entry
-        (request, token, position), from the CTA whose slice holds it, and the launch stops.
-        The decode kernel reads no entry past topk_length and no slot past the cache whatever
-        these hold."""
+    def check_request(self, mIdx, mLens, num_slots: Int32, r: Int32, lane: Int32):
+        """One warp: 0 <= topk_length <= topk for one-token request r, and its entries below
+        topk_length are -1 or slots of the cache; else a message naming the first bad one
+        (request, token, position), and the launch stops. The decode kernel reads no entry
+        past topk_length and no slot past the cache whatever these hold."""
         L = mLens[r]
         topk = mIdx.shape[1]
         s_q = mIdx.shape[0][0]
-        if cta == 0 and (L < 0 or L > topk):
+        if L < 0 or L > topk:
             if lane == 0:
                 fail("torch_mla.mla_decode_sparse: topk_length[{}] = {}, but it must be in "
                      "[0, topk = {}]", r // s_q, L, topk)
-        n = cutlass.max(cutlass.min(L, topk), 0)
-        per = ((n + ctas - 1) // ctas + 31) // 32 * 32
-        lo = cta * per
-        first = first_outside(mIdx[r, None], cutlass.min(lo + per, n), -1, num_slots, lane,
-                              CHECK_BATCH, lo)
+        first = first_outside(mIdx[r, None], cutlass.min(L, topk), -1, num_slots, lane,
+                              CHECK_BATCH)
         if first != NO_COLUMN:
-            # (only on bad input) the request's first bad entry is at or before this one: the
-            # CTA whose slice holds it reports it, so one message comes
-            first = first_outside(mIdx[r, None], first + 1, -1, num_slots, lane, CHECK_BATCH)
-            if first >= lo:
-                if lane == 0:
-                    fail("torch_mla.mla_decode_sparse: indices[{}, {}, {}] = {} is not a cache "
-                         "slot: the entries below topk_length must be -1 or slots page * 64 "
-                         "+ row in [0, {})", r // s_q, r % s_q, first, mIdx[r, first],
-                         num_slots)
+            if lane == 0:
+                fail("torch_mla.mla_decode_sparse: indices[{}, {}, {}] = {} is not a cache "
+                     "slot: the entries below topk_length must be -1 or slots page * 64 + "
+                     "row in [0, {})", r // s_q, r % s_q, first, mIdx[r, first], num_slots)
 
     @cute.jit
     def check_pieces(self, mLens, r: Int32, row: Int32, count: Int32, lane: Int32,
