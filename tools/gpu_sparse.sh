@@ -71,6 +71,8 @@
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
+#   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
+#             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64); not yet run
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT
@@ -279,6 +281,11 @@ case $kernel in
       stop_if_hung "old_$round"
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
+    finish; exit ;;
+  trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
+    # the raw stamps as .pt files in $OUT)
+    preamble flashmla-sm90-sparse
+    run trace 300 python -m tools.trace_sparse "$OUT" ${ROWS:-}
     finish; exit ;;
   sms)
     preamble flashmla-sm90-sparse
