@@ -71,6 +71,8 @@
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
+#   checkb    the combine's index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round trip for topk
+#             2048) against 16, rows alternated twice with FlashMLA, then the bad-entry tests
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64); not yet run
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
@@ -281,6 +283,26 @@ case $kernel in
       stop_if_hung "old_$round"
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
+    finish; exit ;;
+  checkb)  # (the combine's index check, 64 entries a lane before comparing (one round trip for
+    # topk 2048) against the default 16 (four), same start, FlashMLA beside; the bad-entry tests
+    # under 64)
+    preamble flashmla-sm90-sparse
+    prebuild c16 TORCH_MLA_DEV_CHECK_BATCH=16
+    prebuild c64 TORCH_MLA_DEV_CHECK_BATCH=64
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    R=${ROWS:-"2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64"}
+    for round in 1 2; do
+      for c in 16 64; do
+        run "cb${c}_$round" 60 env TAG="r$round cb$c" TORCH_MLA_DEV_CHECK_BATCH=$c \
+          TORCH_MLA_CACHE_DIR=/tmp/cc$c python -m tools.sparse_rows split 656 $R
+        stop_if_hung "cb${c}_$round"
+      done
+      run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    run tests 200 env TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_CACHE_DIR=/tmp/cc64 python -m pytest \
+      -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "bad_entry and sm90_split"
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)

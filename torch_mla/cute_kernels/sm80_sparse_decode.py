@@ -53,6 +53,8 @@ on the H200 (session 15: the GPU tests, memcheck, FlashMLA's own sparse cases th
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -75,8 +77,15 @@ ROPE_TILE = D_V // 64  # the 64-column tile of the rope values (copied by every 
 # Cache formats: the 16-bit cache, a float8_e4m3fn one with a per-tensor scale, DeepSeek-V3.2's
 # 656-byte rows (registry.SparseStepConfig.cache).
 CACHE_FORMATS = ("plain", "e4m3", "fp8_ds_mla")
-# entries a combine lane loads before comparing them (combine.first_outside): 512 a round trip
-CHECK_BATCH = 16
+# Entries a combine lane loads before comparing them (combine.first_outside): 512 a round trip,
+# four for topk 2048, made by the request's first combine CTA after the decode kernel's last CTA
+# leaves its SM. TORCH_MLA_DEV_CHECK_BATCH (a developer knob read at import, 16, 32 or 64; a
+# build with another value needs its own TORCH_MLA_CACHE_DIR) for the A/B of one round trip (64
+# registers of entries a lane) against four; not yet run. Session 33 measured spreading the
+# check over the request's CTAs instead: b 2 h_q 128 -4%, b 2 h_q 64 +4.5% (reverted).
+CHECK_BATCH = int(os.environ.get("TORCH_MLA_DEV_CHECK_BATCH") or 16)
+if CHECK_BATCH not in (16, 32, 64):
+    raise ValueError(f"TORCH_MLA_DEV_CHECK_BATCH takes 16, 32 or 64, not {CHECK_BATCH}")
 
 
 def fp8_units(cache: str, j: int, cols: tuple = (0, 9)) -> list:
