@@ -148,8 +148,8 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # PFENCE 0 (the default since session 32; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
 # cache directory): with pair the producer skips its fence for the async proxy before it
 # arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
-# the tile wait, both before P V: half_has_copies, the fence of _pv), as it must for the peer's
-# st.async writes anyway. The producer's two fences a block held 2.0% and 1.1% of the warp
+# the tile wait, half_has_copies; WG1 before its P V, the fence of _pv), as it must for the
+# peer's st.async writes anyway. The producer's two fences a block held 2.0% and 1.1% of the warp
 # samples with nothing read (session 31's ncu of the pair). Session 32 (H100, same start as
 # FlashMLA): b 128 s_q 1 h_q 128 243.9 / 244.3 us with PFENCE 0 against 256.1 / 256.3 with 1 at
 # cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
@@ -166,13 +166,13 @@ PVFENCE = _dev_knob("PVFENCE", 0, (0, 1))
 # WG0's P V reaches the tensor pipe before WG1's. Session 33 (H100, same start, two rounds):
 # the two together (VL) 241.6 / 242.0 us at b 128 s_q 1 h_q 128 against 244.2 / 244.0, 466.7 /
 # 468.0 against 470.2 / 469.7 at s_q 2; the h_q 64 rows (no pair: PVFENCE does not apply)
-# unchanged within 0.3%.
+# unchanged within 0.6%.
 PARRIVE = _dev_knob("PARRIVE", "late", ("early", "late"))
 # PIPE 1 (developer knob TORCH_MLA_DEV_SPLIT_PIPE, its own cache directory; default 0): WG0
 # queues block b + 1's Q K^T right behind its own P V of block b (its buffer half 0's tiles,
 # then, once that P V is done and block b's half 0 released, the other half's), as the dense
 # kernel's seesaw does; FlashMLA's sparse WG0 does not. Session 33 (same start as above):
-# slower everywhere, 254.7-256.6 us at b 128 h_q 128 against ~244 (with or without VL), 147.4-
+# slower everywhere, 254.7-256.6 us at b 128 h_q 128 against 244.1 (B0) and 241.8 (VL), 147.4-
 # 147.9 against ~146.1 at h_q 64, 25.2-25.6 against ~23.4 at b 2 h_q 64. Likely why (not
 # measured): the next S enters the tensor pipe ahead of WG1's P V of the same block, which
 # WG0's next NB_FREE then waits for. Correct (the split's GPU tests and memcheck passed with it).
@@ -510,10 +510,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
                             sScale0=sScale0, r0=r0, wtid=wtid)
         if const_expr(wg == 0 and PIPE):
-            # (n >= 1.) The first block's S; each block then issues the next one's. No runtime
-            # branch may be entered or left with a wgmma in flight (ptxas then serialises
-            # them, C7518): loop steps whose two blocks and the next exist, then after the
-            # last S landed the one or two last blocks under a branch.
+            # (n >= 1.) The first block's S; each block then issues the next one's. A wgmma
+            # issued inside a runtime branch and waited for outside it makes ptxas serialise
+            # every wgmma (C7518: the first build issued the next S under `if b + 1 < hi`), so
+            # loop steps whose two blocks and the next exist, then, after the last S landed,
+            # the one or two last blocks under a branch.
             self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, 0, tuple(range(N_TILES)))
             n_full = (n - 1) // 2
             for i in cutlass.range(n_full, unroll=1):
