@@ -74,7 +74,8 @@
 #   checkb    the combine's index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round trip for topk
 #             2048) against 16, rows alternated twice with FlashMLA, then the bad-entry tests
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
-#             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64); not yet run
+#             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
+#             the pair and with SCOPE cta, and FlashMLA's times of the rows
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT
@@ -268,7 +269,7 @@ case $kernel in
     OLDT="$ROOT/.abtrees/old"
     (timeout 200 python -m torch_mla.precompile --arch sm_90a --kernels sparse_split,schedule \
       --dtypes bf16 --jobs 4 > "$OUT/pre_new.log" 2>&1) &
-    (cd "$OLDT" && PYTHONPATH="$OLDT:$PYTHONPATH" timeout 200 python -m torch_mla.precompile \
+    (cd "$OLDT" && PYTHONPATH="$OLDT:${PYTHONPATH:-}" timeout 200 python -m torch_mla.precompile \
       --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 4 > "$OUT/pre_old.log" 2>&1) &
     wait
     tail -n 2 "$OUT"/pre_*.log
@@ -278,7 +279,7 @@ case $kernel in
     for round in 1 2; do
       run "new_$round" 60 env TAG="r$round new" python -m tools.sparse_rows split 656 $R
       stop_if_hung "new_$round"
-      run "old_$round" 60 bash -c "cd '$OLDT' && PYTHONPATH='$OLDT:$PYTHONPATH' TAG='r$round old' \
+      run "old_$round" 60 bash -c "cd '$OLDT' && PYTHONPATH='$OLDT:${PYTHONPATH:-}' TAG='r$round old' \
         python -m tools.sparse_rows split 656 $R"
       stop_if_hung "old_$round"
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
@@ -307,7 +308,13 @@ case $kernel in
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)
     preamble flashmla-sm90-sparse
-    run trace 300 python -m tools.trace_sparse "$OUT" ${ROWS:-}
+    run trace 240 python -m tools.trace_sparse "$OUT" ${ROWS:-}
+    # (h_q 128 without the pair, and the pair at CTA scope: where the pair's chain goes)
+    run trace_nopair 90 env TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.trace_sparse \
+      "$OUT/nopair" 128,1,128
+    run trace_cta 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_CACHE_DIR=/tmp/ccta \
+      python -m tools.trace_sparse "$OUT/cta" 128,1,128
+    run fm 60 python -m tools.sparse_rows flashmla 656 ${ROWS:-2,1,128 2,1,64 128,1,128 128,1,64}
     finish; exit ;;
   sms)
     preamble flashmla-sm90-sparse

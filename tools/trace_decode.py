@@ -135,7 +135,8 @@ def pair_times(stamps: torch.Tensor, segs: list[list[tuple[int, int]]], pair0: i
     st = (stamps - t0).double() / 1e3
     buckets: dict[float, list[float]] = {}
     for c, ss in enumerate(segs):
-        for k, (n, _split) in enumerate(ss[:pair_segs]):
+        # (the last slot set is reused by later segments: left out where it mixes them)
+        for k, (n, _split) in enumerate(ss[:pair_segs - (len(ss) > pair_segs)]):
             npairs = min((n + 1) // 2, pairs)
             for i in range(npairs - 2):
                 t = st[c, pair0 + pairs * k + i].item()

@@ -222,12 +222,16 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
             phases["epilogue"].append(epi_end - loop_end)
             if k + 1 < min(len(ss), TRACE_SEGS):
                 phases["gap_next"].append(at(c, k + 1, "seg") - epi_end)
-        for k, (n, _split) in enumerate(ss[:TRACE_BLOCK_SEGS]):
+    # (a CTA's last block slot set is reused by its later segments: with more segments than
+    # sets, that set mixes segments and is left out)
+    block_segs = [ss[:TRACE_BLOCK_SEGS - (len(ss) > TRACE_BLOCK_SEGS)] for ss in segs]
+    for c, ss in enumerate(block_segs):
+        for k, (n, _split) in enumerate(ss):
             row = st[c, TRACE_BLOCK0 + TRACE_BLOCKS * k:][:min(n, TRACE_BLOCKS)].tolist()
             steady += [b - a for a, b in zip(row[2:-2], row[3:-1])]
     # (pair_times takes pairs of blocks: a segment of n blocks passed as 2 n - 1 blocks has n
     # "pairs", each one block here)
-    by_time = pair_times(stamps, [[(2 * n - 1, x) for n, x in ss] for ss in segs],
+    by_time = pair_times(stamps, [[(2 * n - 1, x) for n, x in ss] for ss in block_segs],
                          TRACE_BLOCK0, TRACE_BLOCKS, TRACE_BLOCK_SEGS)
     return dict(span=torch.nan_to_num(ends, nan=0.0).max().item(),
                 start_skew=torch.nan_to_num(st[:, 0], nan=0.0).max().item(),
@@ -340,6 +344,7 @@ def main():
         compile_only()
         return
     out_dir = argv[0] if argv else os.environ.get("OUT", "/tmp")
+    os.makedirs(out_dir, exist_ok=True)
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import torch_mla
 
