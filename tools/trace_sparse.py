@@ -42,7 +42,7 @@ import torch  # noqa: E402
 from cutlass import Int32, const_expr  # noqa: E402
 
 from tools.trace_decode import pair_times  # noqa: E402
-from torch_mla.cute_kernels.ptx import globaltimer  # noqa: E402
+from torch_mla.cute_kernels.ptx import clock64, globaltimer  # noqa: E402
 from torch_mla.cute_kernels.sm80_sparse_decode import MLASparseDecodeStep  # noqa: E402
 from torch_mla.cute_kernels.sm90_split_sparse_decode import MLASparseDecodeSm90Split  # noqa: E402
 
@@ -57,8 +57,32 @@ TOPK, S_K = 2048, 32768
 # the stamps not kept (tile waits after a segment's first block, producer blocks after its
 # second). Segments are counted apart by the consumers (at point 9) and the producer (at its
 # loop's end), so a segment's producer points are the producer's own segment k.
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 192, 14, 4, 62, 63
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 256, 14, 4, 62, 63
 TRACE_BLOCK0, TRACE_BLOCKS, TRACE_BLOCK_SEGS = 64, 64, 2
+# Inside blocks DETAIL_FIRST .. + DETAIL_BLOCKS - 1 of a CTA's first segment, every point of
+# DETAIL as %clock64 (SM cycles: the three warpgroups share the SM's clock) at DETAIL0 +
+# len(DETAIL) (block - DETAIL_FIRST) + the point's index.
+DETAIL0, DETAIL_FIRST, DETAIL_BLOCKS = 192, 8, 4
+DETAIL = (
+    "d_start",  # WG0 starts the block
+    "d_tiles0",  # WG0's wait for half 0's tiles done
+    "d_tiles1",  # ... half 1's
+    "d_s",  # WG0: S landed (its wgmma wait)
+    "d_softmax",  # WG0: P in registers (mask, softmax, O's left half rescaled)
+    "d_nbfree",  # WG0: NB_FREE passed (WG1 done with the previous block's P)
+    "d_pv",  # WG0: P and its scale stored, its P V issued, NB_P arrived
+    "d_done",  # WG0: its P V landed, half 0 released
+    "d_w1_p",  # WG1: NB_P passed
+    "d_w1_pv",  # WG1: O's right half rescaled, its P V issued
+    "d_w1_landed",  # WG1: its P V landed
+    "d_w1_done",  # WG1: NB_FREE arrived, half 1 released
+    "d_free0",  # the producer: half 0 of the block's buffer free (its wait done)
+    "d_filled0",  # ... half 0 converted, stored and arrived on
+    "d_free1",  # ... half 1 free
+    "d_filled1",  # ... half 1 filled
+)
+DETAIL_WHO = {p: 128 if p.startswith("d_w1") else 256 if p[2:4] in ("fr", "fi") else 0
+              for p in DETAIL}
 # A segment's points, by index; 0-9 are MLADecodeSm90._stamp's events (2, WG0's first S in the
 # dense kernel, is not one of the split's: the split's first tile wait takes its place):
 POINTS = (
@@ -90,23 +114,59 @@ class TracedSplit(MLASparseDecodeSm90Split):
     warpgroup tidx // 128 its role), so the timings are of a slightly different kernel."""
 
     @cute.jit
+    def _detail(self, point: str, i) -> None:
+        """%clock64 at DETAIL point `point` of block i (of the CTA's current segment) by the
+        point's thread, when the block is one of the detailed ones."""
+        k = i - DETAIL_FIRST
+        keep = (k >= 0) & (k < DETAIL_BLOCKS) & (self.d_seg[0] == 0)
+        slot = cutlass.select_(keep, DETAIL0 + len(DETAIL) * k + DETAIL.index(point),
+                               Int32(TRACE_JUNK))
+        tidx, _, _ = cute.arch.thread_idx()
+        table, cta = self.d_trace, self.d_cta
+        if tidx == DETAIL_WHO[point]:
+            table[cta, slot] = clock64()
+
+    @cute.jit
     def _stamp(self, event, who: int = 0, i=None) -> None:
+        if const_expr(isinstance(event, str) and event.startswith("d_")):
+            if const_expr(DETAIL_WHO[event] == 256):
+                self._detail(event, self.d_blk[1])  # (the producer's block: "pblock")
+            else:
+                self._detail(event, i)
+        elif const_expr(event == "pblock"):
+            self.d_blk[1] = i
+        else:
+            self._stamp_table(event, who, i)
+
+    @cute.jit
+    def _stamp_table(self, event, who: int, i) -> None:
+        """The points of the stamp table but DETAIL's (%globaltimer)."""
         if const_expr(event == "start"):
             m_block, part, _ = cute.arch.block_idx()
             self.d_cta = part * cute.arch.grid_dim()[0] + m_block
             # (this warpgroup's copy: its segments done, WG0's tile waits in this segment)
             self.d_seg = cute.make_rmem_tensor(2, Int32)
             self.d_seg.fill(0)
+            # (WG0's block and its tile waits in it; the producer's block)
+            self.d_blk = cute.make_rmem_tensor(3, Int32)
+            self.d_blk.fill(0)
             slot = Int32(0)
         elif const_expr(event == "end"):
             slot = Int32(TRACE_END)
         elif const_expr(event == "block"):
+            self.d_blk[0] = i
+            self.d_blk[2] = 0
+            self._detail("d_start", i)
             k = cutlass.min(self.d_seg[0], TRACE_BLOCK_SEGS - 1)
             slot = TRACE_BLOCK0 + TRACE_BLOCKS * k + cutlass.min(i, TRACE_BLOCKS - 1)
         else:
             seg = 1 + TRACE_PER_SEG * cutlass.min(self.d_seg[0], TRACE_SEGS - 1)
             if const_expr(event == "tiles"):  # (wait n of the segment: n = 0, 1 kept)
                 n = self.d_seg[1]
+                w = self.d_blk[2]  # (wait w of WG0's block: its detail points)
+                self._detail("d_tiles0", cutlass.select_(w == 0, self.d_blk[0], Int32(-1)))
+                self._detail("d_tiles1", cutlass.select_(w == 1, self.d_blk[0], Int32(-1)))
+                self.d_blk[2] = w + 1
                 first, second = SPLIT_POINTS["tiles"]
                 slot = cutlass.select_(n < 2, seg + first + (second - first) * n,
                                        Int32(TRACE_JUNK))
@@ -242,6 +302,37 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
                 block=(_median(steady), len(steady)), block_by_time=by_time)
 
 
+def detail_summary(stamps: torch.Tensor) -> dict:
+    """The DETAIL points of blocks DETAIL_FIRST .. + DETAIL_BLOCKS - 1 (a CTA's first
+    segment): per point, the median over (CTA, block) of its offset from the block's d_start
+    in ns ("offset"); the median block (d_start to the next block's, "block_ns"); the SM clock
+    in GHz from WG0's block starts (%clock64 against the %globaltimer block stamps); n, the
+    blocks counted. Blocks with a point unstamped are left out."""
+    d = stamps[:, DETAIL0:DETAIL0 + len(DETAIL) * DETAIL_BLOCKS].double()
+    d = d.view(-1, DETAIL_BLOCKS, len(DETAIL))
+    full = (d > 0).all(dim=2)  # (CTA, block) with every point stamped
+    g = stamps[:, TRACE_BLOCK0 + DETAIL_FIRST:][:, :DETAIL_BLOCKS].double()
+    ghz = []
+    for c in range(d.shape[0]):
+        if full[c, 0] and full[c, -1] and g[c, 0] > 0 and g[c, -1] > g[c, 0]:
+            ghz.append(((d[c, -1, 0] - d[c, 0, 0]) / (g[c, -1] - g[c, 0])).item())
+    clk = _median(ghz)
+    if math.isnan(clk):
+        return {}
+    offs = {p: [] for p in DETAIL}
+    block = []
+    for c in range(d.shape[0]):
+        for k in range(DETAIL_BLOCKS):
+            if not full[c, k]:
+                continue
+            for j, p in enumerate(DETAIL):
+                offs[p].append(((d[c, k, j] - d[c, k, 0]) / clk).item())
+            if k + 1 < DETAIL_BLOCKS and full[c, k + 1]:
+                block.append(((d[c, k + 1, 0] - d[c, k, 0]) / clk).item())
+    return dict(offset={p: _median(v) for p, v in offs.items()}, block_ns=_median(block),
+                ghz=clk, n=len(offs["d_start"]))
+
+
 def _fmt(d: dict) -> str:
     return ", ".join(f"{k} {v:.2f}" for k, v in d.items() if not math.isnan(v))
 
@@ -309,6 +400,12 @@ def trace_row(spec: str, out_dir: str) -> None:
           + _fmt(summ["first"]))
     print(f"   slowest CTA ({summ['slowest_cta']}): " + _fmt(summ["slowest"]))
     print("   phases (median over segments, us): " + _fmt(summ["phases"]))
+    det = detail_summary(stamps.cpu())
+    if det:
+        print(f"   inside blocks {DETAIL_FIRST}-{DETAIL_FIRST + DETAIL_BLOCKS - 1} (n {det['n']}, "
+              f"SM clock {det['ghz']:.3f} GHz; ns from WG0's block start, median; block "
+              f"{det['block_ns']:.0f} ns): " + ", ".join(
+                  f"{p[2:]} {v:.0f}" for p, v in det["offset"].items()))
     med, cnt = summ["block"]
     if cnt:
         print(f"   WG0 block, steady state: {med:.3f} us (n {cnt}); by start time: " + "  ".join(
@@ -332,10 +429,10 @@ def compile_only() -> None:
             where = "dumped file"
         reads = ptx.count("%globaltimer")
         print(f"trace build, pair {pair}: compiled in {time.time() - t:.1f} s; PTX ({where}) "
-              f"{len(ptx)} bytes, {reads} %globaltimer reads, "
+              f"{len(ptx)} bytes, {reads} %globaltimer reads, {ptx.count('%clock64')} %clock64, "
               f"{ptx.count('wgmma.mma_async')} wgmma.mma_async", flush=True)
-        if not reads:
-            raise SystemExit("no %globaltimer read in the trace build's PTX")
+        if not reads or ptx.count("%clock64") < len(DETAIL):
+            raise SystemExit("%globaltimer or %clock64 reads missing in the trace build's PTX")
 
 
 def main():

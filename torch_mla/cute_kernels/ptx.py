@@ -96,12 +96,23 @@ def cp_async8(dst: Int32, src, src_size: Int32, *, loc=None, ip=None) -> None:
     _cp_async(dst, src, src_size, 8, "ca", loc, ip)
 
 
+def _sreg64(name: str, loc, ip) -> cutlass.Int64:
+    """The 64-bit special register %name, read in program order (side effects)."""
+    return cutlass.Int64(llvm.inline_asm(T.i64(), [], f"mov.u64 $0, %{name};", "=l",
+                                         has_side_effects=True, is_align_stack=False,
+                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+
+
 @dsl_user_op
 def globaltimer(*, loc=None, ip=None) -> cutlass.Int64:
     """%globaltimer (ns): trace builds only (tools/trace_decode.py)."""
-    return cutlass.Int64(llvm.inline_asm(T.i64(), [], "mov.u64 $0, %globaltimer;", "=l",
-                                         has_side_effects=True, is_align_stack=False,
-                                         asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip))
+    return _sreg64("globaltimer", loc, ip)
+
+
+@dsl_user_op
+def clock64(*, loc=None, ip=None) -> cutlass.Int64:
+    """%clock64 (the SM's cycles): trace builds only (tools/trace_sparse.py)."""
+    return _sreg64("clock64", loc, ip)
 
 
 def _load_words(n: int, addr, asm: str, addr_reg: str, loc, ip) -> list:

@@ -289,6 +289,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     for h in cutlass.range_constexpr(self.lookahead):
                         self._stash(carry, h, self._load(rows, first, h, warp))
                 for blk in cutlass.range(lo, hi, unroll=1):
+                    self._stamp("pblock", 256, blk - lo)  # (trace: the producer's block)
                     cur = [slots[0], slots[1]]
                     s = (blk - lo) % 2
                     if const_expr(self.lookahead == 0):
@@ -388,6 +389,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         bit = 2 * s + h
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
@@ -404,6 +406,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0)
+        self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
     def _rounds(self) -> int:
         """Rounds of 32 keys a producer thread converts a buffer half (token_of_lane's u): 2,
@@ -435,6 +438,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, s, tuple(range(N_TILES)))
         if const_expr(not waited):
             warpgroup.wait_group(0)
+        self._stamp("d_s", 0, b - lo)  # (trace: S landed)
         fence_operand(acc_S)
         self._mask(acc_S, b, border, min_border, c0, s)
         m_new, m_use, scale = self._softmax_stats(acc_S, sM, r0, scale_log2)
@@ -448,8 +452,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         softmax.scale_rows(acc_O, scale)
         self._exp_rows(acc_S, m_use, scale_log2, row_sum, scale)
         self._to_P(acc_S, rP, [Float32(1.0), Float32(1.0)])
+        self._stamp("d_softmax", 0, b - lo)  # (trace: P in registers)
         if b > lo:  # WG1 is done with the previous block's P and scale
             cute.arch.barrier(barrier_id=NB_FREE, number_of_threads=256)
+        self._stamp("d_nbfree", 0, b - lo)  # (trace: NB_FREE passed)
         if wtid % 4 == 0:
             for h in cutlass.range_constexpr(2):
                 sScale0[r0 + 8 * h] = scale[h]
@@ -461,6 +467,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                  fence=FENCE == 1 or (self.pair and PVFENCE == 1))
         if const_expr(PARRIVE == "late"):
             cute.arch.barrier_arrive(barrier_id=NB_P, number_of_threads=256)
+        self._stamp("d_pv", 0, b - lo)  # (trace: P V issued, NB_P arrived)
         if const_expr(PIPE and nxt):
             # Block b + 1's S behind this P V: its half 0 tiles, then (P V done, this block's
             # half 0 released: the producer may go on) its half 1 tiles.
@@ -477,21 +484,26 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             fence_operand(acc_O)
             if b + 2 < hi:
                 self._release(s, 0, wtid)
+        self._stamp("d_done", 0, b - lo)  # (trace: P V landed, half 0 released)
 
     @cute.jit
-    def _wg1_block(self, b, hi, s: cutlass.Constexpr[int], acc_O, tOrV, tOrP0s, sScale0, r0,
-                   wtid):
-        """WG1, block b of [.., hi) in buffer s: O's right half rescaled, += P V; then half 1
+    def _wg1_block(self, b, lo, hi, s: cutlass.Constexpr[int], acc_O, tOrV, tOrP0s, sScale0,
+                   r0, wtid):
+        """WG1, block b of [lo, hi) in buffer s: O's right half rescaled, += P V; then half 1
         of the buffer goes back to the producer."""
         cute.arch.barrier(barrier_id=NB_P, number_of_threads=256)
+        self._stamp("d_w1_p", 128, b - lo)  # (trace: NB_P passed)
         softmax.scale_rows(acc_O, [sScale0[r0], sScale0[r0 + 8]])
         self._pv(self.d_tiled_pv_ss, acc_O, tOrP0s, tOrV[s][1], False)
+        self._stamp("d_w1_pv", 128, b - lo)  # (trace: P V issued)
         warpgroup.wait_group(0)
         fence_operand(acc_O)
+        self._stamp("d_w1_landed", 128, b - lo)  # (trace: P V landed)
         if b + 1 < hi:
             cute.arch.barrier_arrive(barrier_id=NB_FREE, number_of_threads=256)
         if b + 2 < hi:
             self._release(s, 1, wtid)
+        self._stamp("d_w1_done", 128, b - lo)  # (trace: half 1 released)
 
     @cute.jit
     def _split_blocks(self, wg, n, lo, hi, border, min_border, acc_S, acc_O, rP, row_sum,
@@ -507,7 +519,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                             sP0=sP0, sM=sM, sScale0=sScale0, barK=barK, phase=phase, r0=r0,
                             c0=c0, wtid=wtid, scale_log2=scale_log2)
         else:
-            block = partial(self._wg1_block, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
+            block = partial(self._wg1_block, lo=lo, hi=hi, acc_O=acc_O, tOrV=tOrV, tOrP0s=tOrP0s,
                             sScale0=sScale0, r0=r0, wtid=wtid)
         if const_expr(wg == 0 and PIPE):
             # (n >= 1.) The first block's S; each block then issues the next one's. A wgmma
