@@ -263,17 +263,25 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
                              s * PAGE_SIZE, slots, cute.arch.lane_idx())
 
     @cute.jit
+    def rope_tile(self, rows, slots, buf, warp):
+        """The 656-byte rows' bf16 rope values of the 64 keys whose slots the lanes hold into
+        the last 16-bit tile of the buffer at shared address buf (cp.async, the four warps
+        sharing its rows; cp_async_mbarrier_arrive then tracks them)."""
+        gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)], warp)
+
+    @cute.jit
     def _copy_and_arrive(self, rows, slots, buf, h: cutlass.Constexpr[int], bar, warp,
-                         tx: cutlass.Constexpr[int] = 0):
+                         tx: cutlass.Constexpr[int] = 0, rope_issued: bool = False):
         """The end of a half's fill (buffer at shared address buf, tile mbarrier bar): the
-        half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1; the 16-bit
-        cache: the half's tiles), tracked by bar; then this thread's writes fenced for the
-        async proxy and its arrival on bar (tx: bytes a peer CTA's st.async completes on bar,
-        which thread 0 of the warpgroup's arrival expects)."""
+        half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1, unless
+        rope_issued: the caller issued it already, rope_tile; the 16-bit cache: the half's
+        tiles), tracked by bar; then this thread's writes fenced for the async proxy and its
+        arrival on bar (tx: bytes a peer CTA's st.async completes on bar, which thread 0 of the
+        warpgroup's arrival expects)."""
         if const_expr(self.cache == "fp8_ds_mla"):
             if const_expr(h == 1):
-                gather16(slots, rows, [(buf + (N_TILES - 1) * TILE16, FP8_DS_MLA_ROPE_AT)],
-                         warp)
+                if const_expr(not rope_issued):
+                    self.rope_tile(rows, slots, buf, warp)
                 cp_async_mbarrier_arrive(bar.toint())
         else:
             t0, t1 = (0, 4) if h == 0 else (4, N_TILES)

@@ -177,6 +177,14 @@ PARRIVE = _dev_knob("PARRIVE", "late", ("early", "late"))
 # measured): the next S enters the tensor pipe ahead of WG1's P V of the same block, which
 # WG0's next NB_FREE then waits for. Correct (the split's GPU tests and memcheck passed with it).
 PIPE = _dev_knob("PIPE", 0, (0, 1))
+# ROPE_FIRST 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_FIRST, its own cache directory): over
+# the 656-byte rows the producer issues half 1's rope tile gather (cp.async) right after its
+# wait for the free half, before it converts the half's fp8 values, so the gather's DRAM
+# latency runs under the conversion; 0 issues it after the conversion (sessions 29-33). Session
+# 34's trace (tools/trace_sparse.py, blocks 8-11, b 128 s_q 1, H100): WG0's wait for half 1
+# ended ~1 us after the producer's thread 256 had arrived on it (h_q 128 pair: 1377 ns into
+# WG0's block against 394; h_q 64: 1922 against 986), of a ~3.9 us block.
+ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -393,6 +401,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
+        rope_first = self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
+        if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
+            self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             peer = None
@@ -405,7 +416,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer)
-        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
+                              rope_issued=rope_first)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
     def _rounds(self) -> int:
