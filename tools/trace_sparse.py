@@ -57,7 +57,7 @@ TOPK, S_K = 2048, 32768
 # the stamps not kept (tile waits after a segment's first block, producer blocks after its
 # second). Segments are counted apart by the consumers (at point 9) and the producer (at its
 # loop's end), so a segment's producer points are the producer's own segment k.
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 256, 14, 4, 62, 63
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 272, 14, 4, 62, 63
 TRACE_BLOCK0, TRACE_BLOCKS, TRACE_BLOCK_SEGS = 64, 64, 2
 # Inside blocks DETAIL_FIRST .. + DETAIL_BLOCKS - 1 of a CTA's first segment, every point of
 # DETAIL as %clock64 (SM cycles: the three warpgroups share the SM's clock) at DETAIL0 +
@@ -76,12 +76,15 @@ DETAIL = (
     "d_w1_pv",  # WG1: O's right half rescaled, its P V issued
     "d_w1_landed",  # WG1: its P V landed
     "d_w1_done",  # WG1: NB_FREE arrived, half 1 released
+    "d_pstart",  # the producer starts the block (its loop step)
+    "d_wait0",  # ... half 0's loads issued, its wait for the free half begins
     "d_free0",  # the producer: half 0 of the block's buffer free (its wait done)
     "d_filled0",  # ... half 0 converted, stored and arrived on
+    "d_wait1",  # ... half 1's loads issued, its wait begins
     "d_free1",  # ... half 1 free
     "d_filled1",  # ... half 1 filled
 )
-DETAIL_WHO = {p: 128 if p.startswith("d_w1") else 256 if p[2:4] in ("fr", "fi") else 0
+DETAIL_WHO = {p: 128 if p.startswith("d_w1") else 0 if DETAIL.index(p) < 8 else 256
               for p in DETAIL}
 # A segment's points, by index; 0-9 are MLADecodeSm90._stamp's events (2, WG0's first S in the
 # dense kernel, is not one of the split's: the split's first tile wait takes its place):
@@ -135,6 +138,7 @@ class TracedSplit(MLASparseDecodeSm90Split):
                 self._detail(event, i)
         elif const_expr(event == "pblock"):
             self.d_blk[1] = i
+            self._detail("d_pstart", i)
         else:
             self._stamp_table(event, who, i)
 

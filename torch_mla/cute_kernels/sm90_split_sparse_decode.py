@@ -395,6 +395,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
         bit = 2 * s + h
+        self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
