@@ -93,9 +93,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster, prefetch_l2
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
@@ -185,6 +185,13 @@ PIPE = _dev_knob("PIPE", 0, (0, 1))
 # ended ~1 us after the producer's thread 256 had arrived on it (h_q 128 pair: 1377 ns into
 # WG0's block against 394; h_q 64: 1922 against 986), of a ~3.9 us block.
 ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
+# ROPE_PREFETCH 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_PREFETCH, its own cache directory):
+# with half 0's loads (before the producer's wait for half 0) each key's rope bytes are
+# prefetched into L2 (prefetch.global.L2 of the one or two 128-byte lines they span, lanes q 0
+# and 1 of the key), so half 1's rope gather, issued after the wait for half 1, reads L2. The
+# trace with ROPE_FIRST (session 34) still had WG0's wait for half 1 end ~0.5 us after the
+# producer's thread 256 arrived on it, at h_q 64 (no peer) as with the pair.
+ROPE_PREFETCH = _dev_knob("ROPE_PREFETCH", 1, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -374,6 +381,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
                 if const_expr(more is not None):  # (no block to load ahead: no read)
                     ok = cutlass.select_(more, ok, Int32(0))
+                if const_expr(h == 0 and ROPE_PREFETCH == 1):  # (ROPE_PREFETCH's comment)
+                    prefetch_l2(row + FP8_DS_MLA_ROPE_AT + 127 * q,
+                                cutlass.select_(q < 2, ok, Int32(0)))
                 for d in cutlass.range_constexpr(4):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
