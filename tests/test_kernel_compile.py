@@ -435,7 +435,7 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     (one expect_tx a fill beyond the Q loads' three); releases go to both CTAs (cluster-scoped
     remote arrivals), and the waits they complete acquire at cluster scope; each traced copy
     syncs the cluster after the barriers' set-up and at the end."""
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import PIPE, REGS, ROPE_PREFETCH
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import PIPE, REGS
 
     assert sum(REGS) == 3 * 168, REGS
     c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split",
@@ -449,8 +449,7 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
     assert c["ldnc.v4"] == (2 * 4 * rounds if ds else 0), c
     assert c["ldnc.v2"] == (2 * rounds if ds else 0), c
-    # (ROPE_PREFETCH: the rope lines of each round's keys with half 0's loads)
-    assert c["prefetch.global.L2"] == (rounds * ROPE_PREFETCH if ds else 0), c
+    assert c["prefetch.global.L2"] == 0, c
     assert c["cvt.rn.f16x2.e4m3x2"] == (2 * 4 * rounds * 8 if ds else 0), c
     assert c["mul.rn.f32"] == (2 * 4 * rounds * 16 if ds else 0), c
     assert c["st.async"] == (2 * 4 * 2 if columns else 0), c

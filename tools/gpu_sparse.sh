@@ -45,11 +45,12 @@
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
-#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ROPE_PREFETCH,
+#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN,
 #             each in its own cache directory; missing fields the defaults
-#             0:0:cluster:0:0:late:0:1:1; by default P1 the defaults, P0 the defaults with
-#             ROPE_PREFETCH 0; session 33 ran B0 (then session 32's defaults), VL, P and PVL,
-#             with O (PVFENCE 1, PARRIVE early); session 34 R1/R0 (ROPE_FIRST), R1/A1:0:1):
+#             0:0:cluster:0:0:late:0:1:1; by default E1 the defaults, E0 the defaults with
+#             ENTRY_LEN 0; session 33 ran B0 (then session 32's defaults), VL, P and PVL,
+#             with O (PVFENCE 1, PARRIVE early); session 34 R1/R0 (ROPE_FIRST), R1/A1:0:1,
+#             P1/P0 (a rope L2 prefetch, removed: no change)):
 #             their smoke cases
 #             (all but the first build), the rows over the 656-byte rows alternated twice with
 #             the first build without its pair and with FlashMLA (tools/sparse_rows.py split /
@@ -213,14 +214,14 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-P1 P0:0:0:cluster:0:0:late:0:1:0})
+    VS=(${BUILDS:-E1 E0:0:0:cluster:0:0:late:0:1:0})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf rp; IFS=: read -r n a ap sc pf pv pa pp rf rp <<< "$1"
+      local n a ap sc pf pv pa pp rf el; IFS=: read -r n a ap sc pf pv pa pp rf el <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
-        TORCH_MLA_DEV_SPLIT_ROPE_PREFETCH=${rp:-1} \
+        TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do

@@ -106,13 +106,22 @@ def fp8_tile_offset(cache: str, t: int) -> int:
 
 
 @cute.jit
-def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32):
+def request_length(mIdx, mLens, r: Int32) -> Int32:
+    """One-token request r's valid entries: its topk_length within [0, topk]."""
+    return cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1])
+
+
+@cute.jit
+def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32, length=None):
     """The slots of keys lane and lane + 32 of block `page` (one-token request page // nb,
     block page % nb; nb blocks a request), -1 for an entry that names no key (-1, at or past
-    topk_length, or a slot outside [0, num_slots))."""
+    topk_length, or a slot outside [0, num_slots)). length: the request's entries
+    (request_length), read here from mLens when None."""
     r = page // nb
     key0 = (page - r * nb) * PAGE_SIZE
-    limit = cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1]) - key0
+    if const_expr(length is None):
+        length = request_length(mIdx, mLens, r)
+    limit = length - key0
     lane = cute.arch.lane_idx()
     slots = [None, None]
     for h in cutlass.range_constexpr(2):
@@ -212,10 +221,12 @@ class GatheredEntries:
         return r * self._table_blocks(mIdx) + blk
 
     @cute.jit
-    def _entries(self, page: Int32):
-        """This lane's two entries of block `page` (block_entries)."""
+    def _entries(self, page: Int32, length=None):
+        """This lane's two entries of block `page` (block_entries; length: its request's
+        request_length, read from the lengths when None)."""
         return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
-                             self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table))
+                             self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table),
+                             length)
 
     @cute.jit
     def _cache_rows(self, mKV):

@@ -93,13 +93,13 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster, prefetch_l2
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
-from .sm90_sparse_decode import TILE16, row_source
+from .sm90_sparse_decode import TILE16, request_length, row_source
 
 
 def _dev_knob(name: str, default, allowed: tuple):
@@ -185,13 +185,13 @@ PIPE = _dev_knob("PIPE", 0, (0, 1))
 # ended ~1 us after the producer's thread 256 had arrived on it (h_q 128 pair: 1377 ns into
 # WG0's block against 394; h_q 64: 1922 against 986), of a ~3.9 us block.
 ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
-# ROPE_PREFETCH 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_PREFETCH, its own cache directory):
-# with half 0's loads (before the producer's wait for half 0) each key's rope bytes are
-# prefetched into L2 (prefetch.global.L2 of the one or two 128-byte lines they span, lanes q 0
-# and 1 of the key), so half 1's rope gather, issued after the wait for half 1, reads L2. The
-# trace with ROPE_FIRST (session 34) still had WG0's wait for half 1 end ~0.5 us after the
-# producer's thread 256 arrived on it, at h_q 64 (no peer) as with the pair.
-ROPE_PREFETCH = _dev_knob("ROPE_PREFETCH", 1, (0, 1))
+# ENTRY_LEN 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_LEN, its own cache directory): the
+# producer reads its request's topk_length once a segment, where block_entries read it with
+# every block, a load whose result a branch needs before the block's entries load: a round trip
+# at the start of each of the producer's blocks (the pair's cluster-scope waits invalidate the
+# L1 every block). Session 34's trace put ~0.78 us between the producer's block start and the
+# end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q 64.
+ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -293,12 +293,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             rr = cutlass.min(r, last)  # (as the base class's walk)
             lo, hi = splitkv.segment(walk, r, mLens[rr], width,
                                      mNumSplits[rr + 1] - mNumSplits[rr])
+            length = request_length(mIdx, mLens, rr)
             if lo < hi:
-                first = self._entries(self._page(mIdx, r, lo))
+                first = self._block_entries(mIdx, r, lo, length)
                 slots[0] = first[0]
                 slots[1] = first[1]
                 if const_expr(self.lookahead > 0):
-                    second = self._entries(self._page(mIdx, r, cutlass.min(lo + 1, hi - 1)))
+                    second = self._block_entries(mIdx, r, cutlass.min(lo + 1, hi - 1), length)
                     slots[2] = second[0]
                     slots[3] = second[1]
                     for h in cutlass.range_constexpr(self.lookahead):
@@ -308,7 +309,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     cur = [slots[0], slots[1]]
                     s = (blk - lo) % 2
                     if const_expr(self.lookahead == 0):
-                        nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 1, hi - 1)))
+                        nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
                         for h in cutlass.range_constexpr(2):
                             self._fill(rows, cur, s, h, barK, parity, warp,
                                        self._load(rows, cur, h, warp))
@@ -316,7 +317,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         # (the next block's entries arrived during this one's; the one after's
                         # load now, for the next step)
                         nx = [slots[2], slots[3]]
-                        nxt = self._entries(self._page(mIdx, r, cutlass.min(blk + 2, hi - 1)))
+                        nxt = self._block_entries(mIdx, r, cutlass.min(blk + 2, hi - 1), length)
                         more = blk + 1 < hi
                         held = [self._unstash(carry, h) for h in range(self.lookahead)]
                         if const_expr(self.lookahead == 2):
@@ -335,6 +336,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     slots[2 * (self.lookahead > 0) + 1] = nxt[1]
                     self._stamp("filled", 256, blk - lo)
                 self._stamp("produced", 256)
+
+    def _block_entries(self, mIdx, r, blk, length):
+        """This lane's two entries of block blk of request r (_entries), with the request's
+        length read once a segment (ENTRY_LEN 1) or with every block (0)."""
+        return self._entries(self._page(mIdx, r, blk), length if ENTRY_LEN == 1 else None)
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
@@ -381,9 +387,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
                 if const_expr(more is not None):  # (no block to load ahead: no read)
                     ok = cutlass.select_(more, ok, Int32(0))
-                if const_expr(h == 0 and ROPE_PREFETCH == 1):  # (ROPE_PREFETCH's comment)
-                    prefetch_l2(row + FP8_DS_MLA_ROPE_AT + 127 * q,
-                                cutlass.select_(q < 2, ok, Int32(0)))
                 for d in cutlass.range_constexpr(4):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
