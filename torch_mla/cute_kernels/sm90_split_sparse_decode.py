@@ -77,6 +77,12 @@ since) b 128 h_q 128 took 244.1 us against 256.2 (FlashMLA 184.3); CTA-scope wai
 cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. The
 split's GPU tests passed at CTA scope (110) and, at cluster scope (the default), its FP8 cases
 (29: every case the pair runs); memcheck (h_q 100 and 128) ran at CTA scope: clean.
+Session 34 (H100): a per-block trace (tools/trace_sparse.py) found WG0 waiting ~1 us a block for
+half 1, whose rope gather the producer issued after its conversion: ROPE_FIRST (the default
+since) took b 128 h_q 128 from 242.0 to 238.1 us and h_q 64 from 146.5 to 140.0; ENTRY_LEN 1
+(the producer's length read once a segment) measured 228.0 and 134.3 but is not yet the
+default (its GPU tests did not run); the pair's one-half lookahead (AHEAD_PAIR 1) was slower
+(251 us).
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
@@ -183,15 +189,25 @@ PIPE = _dev_knob("PIPE", 0, (0, 1))
 # latency runs under the conversion; 0 issues it after the conversion (sessions 29-33). Session
 # 34's trace (tools/trace_sparse.py, blocks 8-11, b 128 s_q 1, H100): WG0's wait for half 1
 # ended ~1 us after the producer's thread 256 had arrived on it (h_q 128 pair: 1377 ns into
-# WG0's block against 394; h_q 64: 1922 against 986), of a ~3.9 us block.
+# WG0's block against 394; h_q 64: 1922 against 986), of a ~3.9 us block. Measured (H100, same
+# start as FlashMLA, two rounds): b 128 s_q 1 h_q 128 238.0 / 238.2 us against 242.0 / 242.0,
+# h_q 64 139.9 / 140.1 against 146.5 / 146.4; every row faster or the same. The default since
+# (the split's GPU tests and memcheck at h_q 100 and 64 passed on it). An L2 prefetch of the
+# rope lines with half 0's loads on top of it changed nothing (238.8 / 238.5 against 239.4 /
+# 239.2) and is not kept.
 ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # ENTRY_LEN 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_LEN, its own cache directory): the
-# producer reads its request's topk_length once a segment, where block_entries read it with
+# producer reads its request's topk_length once a segment, where block_entries reads it with
 # every block, a load whose result a branch needs before the block's entries load: a round trip
 # at the start of each of the producer's blocks (the pair's cluster-scope waits invalidate the
 # L1 every block). Session 34's trace put ~0.78 us between the producer's block start and the
-# end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q 64.
-ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
+# end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q 64. Measured (H100, same start
+# as FlashMLA, two rounds): b 128 s_q 1 h_q 128 228.0 / 227.9 us against 238.6 / 238.8, h_q 64
+# 134.3 / 134.3 against 139.9 / 139.4, every row faster. Its PTX differs from 0's only there,
+# but the device time ran out before the split's GPU tests and memcheck ran on it, so the
+# default stays 0 (the build those passed on) until they do: `bash tools/gpu_sparse.sh
+# split_ab` (its default builds: the tests and memcheck run on E1).
+ENTRY_LEN = _dev_knob("ENTRY_LEN", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
