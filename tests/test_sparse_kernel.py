@@ -248,7 +248,8 @@ print("ran")
 # batches and at the length's last entry, and nothing past the length counts.
 @pytest.mark.parametrize("topk,length,bad,named", [(64, -1, "5", 5), (2048, 1000, "999,1500", 999),
                                                    (2048, 1000, "600,999", 600),
-                                                   (2048, 1000, "1000,2047", None)])
+                                                   (2048, 1000, "1000,2047", None),
+                                                   (2048, -1, "100,1900", 100)])
 def test_bad_entry_stops_with_a_message(backend, topk, length, bad, named):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     res = subprocess.run([sys.executable, "-c", BAD, str(topk), str(length), bad], cwd=root,
