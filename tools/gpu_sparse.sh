@@ -51,9 +51,9 @@
 #             rows over the 656-byte rows alternated twice with the first build without its
 #             pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME)
-#             while time is left. By default E0 (the defaults) and E1 (ENTRY_LEN 1), the tests
-#             and memcheck on E1 (not yet run on it). EXTRA: a command run after the numbers
-#             (EXTRA_S: its timeout, 60 s; e.g. EXTRA="python -m tools.sparse_kernel_times
+#             while time is left. By default E1 (ENTRY_LEN 1: its tests and memcheck, not yet
+#             run), E0 (the defaults) and EC (E1 at SCOPE cta). EXTRA: a command run after the
+#             numbers (EXTRA_S: its timeout, 60 s; e.g. EXTRA="python -m tools.sparse_kernel_times
 #             2,1,64 2,2,64 2,1,128 2,2,128": the small-batch rows' kernels one by one, ours and
 #             FlashMLA's). Session 31 ran it (as split_ahead) with BUILDS "B0:0:0:cluster:1
 #             B2:1:2:cluster:1" and R64=128,1,64; session 32 with "B0:0:0:cluster:1 S:0:0:cta:1
@@ -212,7 +212,7 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-E0 E1:0:0:cluster:0:0:late:0:1:1})
+    VS=(${BUILDS:-E1:0:0:cluster:0:0:late:0:1:1 E0 EC:0:0:cta:0:0:late:0:1:1})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
       local n a ap sc pf pv pa pp rf el; IFS=: read -r n a ap sc pf pv pa pp rf el <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
@@ -252,7 +252,6 @@ case $kernel in
       run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
     fi
     T=${VS[0]}  # (the build the tests and memcheck run: the first, or the entry named TESTED)
-    TESTED=${TESTED-$( [[ -z ${BUILDS:-} ]] && echo E1 )}  # (the default builds: E1's)
     for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
     if (( SECONDS < 380 )); then
       run tests $((560 - SECONDS - 90)) env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \

@@ -206,7 +206,7 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # 134.3 / 134.3 against 139.9 / 139.4, every row faster. Its PTX differs from 0's only there,
 # but the device time ran out before the split's GPU tests and memcheck ran on it, so the
 # default stays 0 (the build those passed on) until they do: `bash tools/gpu_sparse.sh
-# split_ab` (its default builds: the tests and memcheck run on E1).
+# split_ab` (its first default build, E1, is the one its tests and memcheck run on).
 ENTRY_LEN = _dev_knob("ENTRY_LEN", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
