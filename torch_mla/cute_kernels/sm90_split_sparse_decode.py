@@ -208,6 +208,15 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # default stays 0 (the build those passed on) until they do: `bash tools/gpu_sparse.sh
 # split_ab` (its first default build, E1, is the one its tests and memcheck run on).
 ENTRY_LEN = _dev_knob("ENTRY_LEN", 0, (0, 1))
+# LOAD_BLOCK 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
+# AHEAD / AHEAD_PAIR 0): the producer issues both halves' loads of a block before its wait for
+# half 0, so half 1's load latency runs under half 0's conversion (FlashMLA's producer loads a
+# whole block at once), holding 36 words a thread with the pair, 72 without (ptxas may spill).
+# Session 34's trace (pair, b 128 h_q 128): each half's loads issued after the previous half's
+# conversion, ~1 us of exposed latency a half. Session 29's EARLY 2 (the same order, before the
+# pair existed) was 2-5% slower at h_q 64; session 34's AHEAD_PAIR 1 (the next half's loads
+# before this half's conversion, across blocks) 5% slower. Not yet run.
+LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -326,9 +335,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     s = (blk - lo) % 2
                     if const_expr(self.lookahead == 0):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
-                        for h in cutlass.range_constexpr(2):
-                            self._fill(rows, cur, s, h, barK, parity, warp,
-                                       self._load(rows, cur, h, warp))
+                        if const_expr(LOAD_BLOCK == 1):  # (both halves' loads first)
+                            loaded = [self._load(rows, cur, h, warp) for h in range(2)]
+                            for h in cutlass.range_constexpr(2):
+                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
+                        else:
+                            for h in cutlass.range_constexpr(2):
+                                self._fill(rows, cur, s, h, barK, parity, warp,
+                                           self._load(rows, cur, h, warp))
                     else:
                         # (the next block's entries arrived during this one's; the one after's
                         # load now, for the next step)
