@@ -50,12 +50,13 @@
 #             0:0:cluster:0:0:late:0:1:0:0): the smoke cases of all but the first build, the
 #             rows over the 656-byte rows alternated twice with the first build without its
 #             pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
-#             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME)
-#             while time is left. By default E1 (ENTRY_LEN 1: its tests and memcheck, not yet
-#             run), E0 (the defaults), EC (E1 at SCOPE cta) and EL (E1 with LOAD_BLOCK 1).
+#             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
+#             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
+#             time is left. By default E1 (ENTRY_LEN 1: its tests and memcheck, not yet
+#             run), E0 (the defaults) and EL (E1 with LOAD_BLOCK 1).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
-#             EXTRA="python -m tools.sparse_kernel_times
-#             2,1,64 2,2,64 2,1,128 2,2,128": the small-batch rows' kernels one by one, ours and
+#             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
+#             small-batch rows' kernels one by one, ours and
 #             FlashMLA's). Session 31 ran it (as split_ahead) with BUILDS "B0:0:0:cluster:1
 #             B2:1:2:cluster:1" and R64=128,1,64; session 32 with "B0:0:0:cluster:1 S:0:0:cta:1
 #             SA:1:0:cta:1 SF:1:0:cta:0"; session 33 B0, VL, P, PVL and O (PVFENCE 1, PARRIVE
@@ -213,8 +214,7 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-E1:0:0:cluster:0:0:late:0:1:1 E0 EC:0:0:cta:0:0:late:0:1:1
-        EL:0:0:cluster:0:0:late:0:1:1:1})
+    VS=(${BUILDS:-E1:0:0:cluster:0:0:late:0:1:1 E0 EL:0:0:cluster:0:0:late:0:1:1:1})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
       local n a ap sc pf pv pa pp rf el lb
       IFS=: read -r n a ap sc pf pv pa pp rf el lb <<< "$1"
@@ -232,6 +232,23 @@ case $kernel in
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
     K="sm90_split and (fp8_grid and fp8_ds_mla and (64-1-2048 or 128) or entry_kinds and 100)"
+    T=${VS[0]}  # (the build the tests and memcheck run: the first, or the entry named TESTED)
+    for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
+    split_tests() {  # the split's GPU tests, then memcheck at h_q 100 and 64, on build $T
+      if (( SECONDS < 380 )); then
+        local lim=$((560 - SECONDS - 90)); (( lim > 200 )) && lim=200  # (~75 s when they pass)
+        run tests $lim env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \
+          -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+      fi
+      for hq in 100 64; do
+        if (( SECONDS < 520 )); then
+          MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" $(knobs "$T") \
+            python -m tools.sparse_memcheck --cache fp8_ds_mla --heads $hq
+        fi
+      done
+    }
+    if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
+    # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
@@ -254,18 +271,7 @@ case $kernel in
     if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
       run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
     fi
-    T=${VS[0]}  # (the build the tests and memcheck run: the first, or the entry named TESTED)
-    for v in "${VS[@]}"; do [[ ${v%%:*} == "${TESTED:-}" ]] && T=$v; done
-    if (( SECONDS < 380 )); then
-      run tests $((560 - SECONDS - 90)) env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \
-        -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
-    fi
-    for hq in 100 64; do
-      if (( SECONDS < 520 )); then
-        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" $(knobs "$T") \
-          python -m tools.sparse_memcheck --cache fp8_ds_mla --heads $hq
-      fi
-    done
+    if [[ ${TESTS_FIRST:-1} != 1 ]]; then split_tests; fi
     finish; exit ;;
   tree_ab)  # (the current tree against .abtrees/old, e.g. `git archive COMMIT torch_mla tools
     # benchmarks | tar -x -C .abtrees/old`, taken along: the cache key holds a hash of each tree's kernel

@@ -4,7 +4,8 @@
     python -m tools.trace_sparse --compile-only
 
 Builds TracedSplit (the shipped MLASparseDecodeSm90Split, sm90_split_sparse_decode.py, with its
-trace points recording %globaltimer: MLADecodeSm90._stamp's and the split's own) inside the
+trace points recording %globaltimer, MLADecodeSm90._stamp's and the split's own, and inside four
+blocks a CTA the DETAIL points' %clock64) inside the
 sparse decode step, as the dispatch builds it over the 656-byte rows (the cluster pair at h_q
 65-128: ops.sparse.split_pair_rows), runs it on tools/sparse_rows.py's problem (topk 2048 random
 distinct slots of s_k 32768 tokens a request, bench_decode's _sparse_problem and _sparse_cache)
@@ -16,7 +17,11 @@ such a run its own TORCH_MLA_CACHE_DIR, as their comments say).
 
 --compile-only (no GPU; CUTE_DSL_ARCH=sm_90a unless set, and unless CUTE_DSL_KEEP is set the
 PTX kept in a fresh temporary CUTE_DSL_DUMP_DIR): builds the traced step with and without the
-pair and counts the %globaltimer reads in its PTX.
+pair and counts the %globaltimer and %clock64 reads in its PTX (both required).
+
+DETAIL's labels assume the defaults of the split's PIPE and lookahead knobs: with PIPE 1 a
+block's tile waits happen inside the previous block's steps, and with AHEAD, AHEAD_PAIR or
+LOAD_BLOCK the producer's d_wait points no longer follow that half's own loads.
 """
 
 from __future__ import annotations
@@ -49,15 +54,16 @@ from torch_mla.cute_kernels.sm90_split_sparse_decode import MLASparseDecodeSm90S
 DEFAULT = ["2,1,128", "2,1,64", "128,1,128", "128,1,64"]
 TOPK, S_K = 2048, 32768
 
-# The stamp table, (ctas, TRACE_SLOTS) int64 ns per CTA (m-block m of part p: CTA m + m_blocks
-# p; 0: never stamped): slot 0 the kernel's start, TRACE_END its end (WG0's thread 0); per
-# segment k (the last slot set reused past TRACE_SEGS segments) the points of POINTS at
-# 1 + TRACE_PER_SEG k + their index; WG0's start of block i of segment k (k < TRACE_BLOCK_SEGS,
-# i < TRACE_BLOCKS, the last reused) at TRACE_BLOCK0 + TRACE_BLOCKS k + i; TRACE_JUNK takes
-# the stamps not kept (tile waits after a segment's first block, producer blocks after its
-# second). Segments are counted apart by the consumers (at point 9) and the producer (at its
-# loop's end), so a segment's producer points are the producer's own segment k.
-TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 272, 14, 4, 62, 63
+# The stamp table, (ctas, TRACE_SLOTS) int64 per CTA, ns (%globaltimer) but DETAIL's SM cycles
+# (m-block m of part p: CTA m + m_blocks p; 0: never stamped): slot 0 the kernel's start,
+# TRACE_END its end (WG0's thread 0); per segment k (the last slot set reused past TRACE_SEGS
+# segments) the points of POINTS at 1 + TRACE_PER_SEG k + their index; WG0's start of block i
+# of segment k (k < TRACE_BLOCK_SEGS, i < TRACE_BLOCKS, the last reused) at TRACE_BLOCK0 +
+# TRACE_BLOCKS k + i; TRACE_JUNK takes the stamps not kept (tile waits after a segment's first
+# block, producer blocks after its second). Segments are counted apart by the consumers (at
+# point 9) and the producer (at its loop's end), so a segment's producer points are the
+# producer's own segment k.
+TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 288, 14, 4, 62, 63
 TRACE_BLOCK0, TRACE_BLOCKS, TRACE_BLOCK_SEGS = 64, 64, 2
 # Inside blocks DETAIL_FIRST .. + DETAIL_BLOCKS - 1 of a CTA's first segment, every point of
 # DETAIL as %clock64 (SM cycles: the three warpgroups share the SM's clock) at DETAIL0 +
@@ -82,10 +88,16 @@ DETAIL = (
     "d_filled0",  # ... half 0 converted, stored and arrived on
     "d_wait1",  # ... half 1's loads issued, its wait begins
     "d_free1",  # ... half 1 free
-    "d_filled1",  # ... half 1 filled
+    "d_filled1",  # ... half 1 filled (thread 256, the producer's warp 0)
+    "d_filled1_w1",  # ... half 1 filled, the producer's warp 1 (thread 288)
+    "d_filled1_w2",  # ... warp 2 (thread 320)
+    "d_filled1_w3",  # ... warp 3 (thread 352)
 )
+# The thread that records each point: WG0's 0, WG1's 128, the producer's 256 (its warp 0) and,
+# for the other warps' half 1 arrivals, 288, 320, 352.
 DETAIL_WHO = {p: 128 if p.startswith("d_w1") else 0 if DETAIL.index(p) < 8 else 256
               for p in DETAIL}
+DETAIL_WHO.update({f"d_filled1_w{w}": 256 + 32 * w for w in range(1, 4)})
 # A segment's points, by index; 0-9 are MLADecodeSm90._stamp's events (2, WG0's first S in the
 # dense kernel, is not one of the split's: the split's first tile wait takes its place):
 POINTS = (
@@ -122,18 +134,19 @@ class TracedSplit(MLASparseDecodeSm90Split):
         point's thread, when the block is one of the detailed ones."""
         k = i - DETAIL_FIRST
         keep = (k >= 0) & (k < DETAIL_BLOCKS) & (self.d_seg[0] == 0)
-        slot = cutlass.select_(keep, DETAIL0 + len(DETAIL) * k + DETAIL.index(point),
-                               Int32(TRACE_JUNK))
         tidx, _, _ = cute.arch.thread_idx()
         table, cta = self.d_trace, self.d_cta
-        if tidx == DETAIL_WHO[point]:
-            table[cta, slot] = clock64()
+        if keep & (tidx == DETAIL_WHO[point]):  # (nothing read or stored elsewhere)
+            table[cta, DETAIL0 + len(DETAIL) * k + DETAIL.index(point)] = clock64()
 
     @cute.jit
     def _stamp(self, event, who: int = 0, i=None) -> None:
         if const_expr(isinstance(event, str) and event.startswith("d_")):
             if const_expr(DETAIL_WHO[event] == 256):
                 self._detail(event, self.d_blk[1])  # (the producer's block: "pblock")
+                if const_expr(event == "d_filled1"):  # (the other producer warps' arrivals)
+                    for w in cutlass.range_constexpr(1, 4):
+                        self._detail(f"d_filled1_w{w}", self.d_blk[1])
             else:
                 self._detail(event, i)
         elif const_expr(event == "pblock"):
@@ -373,6 +386,7 @@ def trace_row(spec: str, out_dir: str) -> None:
     for _ in range(3):
         traced(*args, stamps)
     torch.cuda.synchronize()
+    host = stamps.cpu()  # (the third eager run's: the graph timing below overwrites the table)
     ref = torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched)[0]
     diff = (out.float() - ref.float()).abs().max().item()
     lengths = torch.full((b * s_q,), TOPK, dtype=torch.int32)
@@ -380,15 +394,17 @@ def trace_row(spec: str, out_dir: str) -> None:
     for p, _r, lo, hi, slot in walk_schedule(sched.metadata, sched.num_splits, lengths):
         for m in range(m_blocks):
             segs[p * m_blocks + m].append((hi - lo, slot >= 0))
-    summ = summarize(stamps.cpu(), segs)
+    summ = summarize(host, segs)
     t_op = graph_time_us(lambda: torch_mla.mla_decode_sparse(q, cache, idx, schedule=sched))
     t_traced = graph_time_us(lambda: traced(*args, stamps))
-    torch.save(dict(stamps=stamps.cpu(), meta=sched.metadata.cpu(),
+    torch.save(dict(stamps=host, meta=sched.metadata.cpu(),
                     num_splits=sched.num_splits.cpu(), lengths=lengths, cfg=(b, s_q, h_q),
                     topk=TOPK, s_k=S_K, pair=pair, m_blocks=m_blocks, points=POINTS,
                     layout=dict(slots=TRACE_SLOTS, per_seg=TRACE_PER_SEG, segs=TRACE_SEGS,
                                 junk=TRACE_JUNK, end=TRACE_END, block0=TRACE_BLOCK0,
-                                blocks=TRACE_BLOCKS, block_segs=TRACE_BLOCK_SEGS),
+                                blocks=TRACE_BLOCKS, block_segs=TRACE_BLOCK_SEGS,
+                                detail0=DETAIL0, detail=DETAIL, detail_first=DETAIL_FIRST,
+                                detail_blocks=DETAIL_BLOCKS, detail_who=DETAIL_WHO),
                     t_op=t_op, t_traced=t_traced, backend=taken),
                os.path.join(out_dir, f"trace_sparse_{b}_{s_q}_{h_q}.pt"))
     blocks = sorted(sum(n for n, _ in ss) for ss in segs)
@@ -404,7 +420,7 @@ def trace_row(spec: str, out_dir: str) -> None:
           + _fmt(summ["first"]))
     print(f"   slowest CTA ({summ['slowest_cta']}): " + _fmt(summ["slowest"]))
     print("   phases (median over segments, us): " + _fmt(summ["phases"]))
-    det = detail_summary(stamps.cpu())
+    det = detail_summary(host)
     if det:
         print(f"   inside blocks {DETAIL_FIRST}-{DETAIL_FIRST + DETAIL_BLOCKS - 1} (n {det['n']}, "
               f"SM clock {det['ghz']:.3f} GHz; ns from WG0's block start, median; block "

@@ -271,7 +271,8 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
 
     @cute.jit
     def _copy_and_arrive(self, rows, slots, buf, h: cutlass.Constexpr[int], bar, warp,
-                         tx: cutlass.Constexpr[int] = 0, rope_issued: bool = False):
+                         tx: cutlass.Constexpr[int] = 0,
+                         rope_issued: cutlass.Constexpr[bool] = False):
         """The end of a half's fill (buffer at shared address buf, tile mbarrier bar): the
         half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1, unless
         rope_issued: the caller issued it already, rope_tile; the 16-bit cache: the half's

@@ -77,8 +77,9 @@ since) b 128 h_q 128 took 244.1 us against 256.2 (FlashMLA 184.3); CTA-scope wai
 cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. The
 split's GPU tests passed at CTA scope (110) and, at cluster scope (the default), its FP8 cases
 (29: every case the pair runs); memcheck (h_q 100 and 128) ran at CTA scope: clean.
-Session 34 (H100): a per-block trace (tools/trace_sparse.py) found WG0 waiting ~1 us a block for
-half 1, whose rope gather the producer issued after its conversion: ROPE_FIRST (the default
+Session 34 (H100): a per-block trace (tools/trace_sparse.py) found WG0 waiting 1.2-1.7 us a
+block for half 1, ending ~1 us after the producer's thread 256 had arrived (the rope gather was
+issued after the conversion): ROPE_FIRST (the default
 since) took b 128 h_q 128 from 242.0 to 238.1 us and h_q 64 from 146.5 to 140.0; ENTRY_LEN 1
 (the producer's length read once a segment) measured 228.0 and 134.3 but is not yet the
 default (its GPU tests did not run); the pair's one-half lookahead (AHEAD_PAIR 1) was slower
@@ -199,19 +200,21 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # ENTRY_LEN 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_LEN, its own cache directory): the
 # producer reads its request's topk_length once a segment, where block_entries reads it with
 # every block, a load whose result a branch needs before the block's entries load: a round trip
-# at the start of each of the producer's blocks (the pair's cluster-scope waits invalidate the
-# L1 every block). Session 34's trace put ~0.78 us between the producer's block start and the
-# end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q 64. Measured (H100, same start
-# as FlashMLA, two rounds): b 128 s_q 1 h_q 128 228.0 / 227.9 us against 238.6 / 238.8, h_q 64
-# 134.3 / 134.3 against 139.9 / 139.4, every row faster. Its PTX differs from 0's only there,
-# but the device time ran out before the split's GPU tests and memcheck ran on it, so the
-# default stays 0 (the build those passed on) until they do: `bash tools/gpu_sparse.sh
-# split_ab` (its first default build, E1, is the one its tests and memcheck run on).
+# at the start of each of the producer's blocks (at both head counts; the pair's cluster-scope
+# waits also invalidate the L1 every block). Session 34's trace put ~0.78 us between the
+# producer's block start and the end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q
+# 64. Measured (H100, same start as FlashMLA, two rounds): b 128 s_q 1 h_q 128 228.0 / 227.9 us
+# against 238.6 / 238.8, h_q 64 134.3 / 134.3 against 139.9 / 139.4, every row faster. Its PTX
+# differs from 0's only there, but the device time ran out before the split's GPU tests and
+# memcheck ran on it, so the default stays 0 (the build those passed on) until they do:
+# `bash tools/gpu_sparse.sh split_ab` (its first default build, E1, is the one its tests and
+# memcheck run on).
 ENTRY_LEN = _dev_knob("ENTRY_LEN", 0, (0, 1))
 # LOAD_BLOCK 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
 # AHEAD / AHEAD_PAIR 0): the producer issues both halves' loads of a block before its wait for
 # half 0, so half 1's load latency runs under half 0's conversion (FlashMLA's producer loads a
-# whole block at once), holding 36 words a thread with the pair, 72 without (ptxas may spill).
+# whole block at once), holding 36 words a thread with the pair, 72 without (ptxas: no spill
+# either way at the defaults).
 # Session 34's trace (pair, b 128 h_q 128): each half's loads issued after the previous half's
 # conversion, ~1 us of exposed latency a half. Session 29's EARLY 2 (the same order, before the
 # pair existed) was 2-5% slower at h_q 64; session 34's AHEAD_PAIR 1 (the next half's loads
