@@ -521,6 +521,7 @@ def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
 KEYSM_RS_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
 from torch_mla.ops import registry
+""" + PTXAS_FIGURES + r"""
 registry.build(registry.SparseStepConfig("sm90_keysm_rs", sys.argv[1], sys.argv[3],
                                         int(sys.argv[2])), "sm_90a")
 counts = {}
@@ -534,12 +535,8 @@ for ptx in open(f).read().split(".entry ")[1:]:
               ".bf16.bf16", "ld.local", "st.local", "vprintf", "trap;"]:
         counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
 if shutil.which("ptxas"):
-    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
-                         capture_output=True, text=True)
-    assert res.returncode == 0, res.stderr[-2000:]
-    info = res.stderr.split("MLASparseDecodeKeysMRS", 2)[2]
-    counts["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
-    counts["serialised"] = "wgmma.mma_async instructions are serialized" in res.stderr
+    p = ptxas_figures(f, "MLASparseDecodeKeysMRS")
+    counts["spill"], counts["serialised"] = p["spill"], p["serialised"]
 print(json.dumps(counts))
 """
 
