@@ -79,11 +79,10 @@ split's GPU tests passed at CTA scope (110) and, at cluster scope (the default),
 (29: every case the pair runs); memcheck (h_q 100 and 128) ran at CTA scope: clean.
 Session 34 (H100): a per-block trace (tools/trace_sparse.py) found WG0 waiting 1.2-1.7 us a
 block for half 1, ending ~1 us after the producer's thread 256 had arrived (the rope gather was
-issued after the conversion): ROPE_FIRST (the default
-since) took b 128 h_q 128 from 242.0 to 238.1 us and h_q 64 from 146.5 to 140.0; ENTRY_LEN 1
-(the producer's length read once a segment) measured 228.0 and 134.3 but is not yet the
-default (its GPU tests did not run); the pair's one-half lookahead (AHEAD_PAIR 1) was slower
-(251 us).
+issued after the conversion): ROPE_FIRST (the default since) took b 128 h_q 128 from 242.0 to
+238.1 us and h_q 64 from 146.5 to 140.0; ENTRY_LEN 1 (the producer's length read once a
+segment) measured 228.0 and 134.3 but is not yet the default (its GPU tests did not run); the
+pair's one-half lookahead (AHEAD_PAIR 1) was slower (251 us).
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
