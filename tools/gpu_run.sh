@@ -41,8 +41,11 @@ memcheck() {
   fi
 }
 
-# finish: the summary, memcheck's error count and the tests' last pass/fail line.
+# finish: the summary, memcheck's error count and the tests' last pass/fail line; every log and
+# text file under $OUT also in $OUT/0_logs.tgz (the device call returns only the first few files
+# of $OUT by name, session 34: this one sorts first).
 finish() {
+  (cd "$OUT" && find . -name '*.log' -o -name '*.txt' | tar -czf 0_logs.tgz -T -) 2>/dev/null
   echo; echo "== summary ($OUT)"
   printf '%s\n' "${summary[@]}"
   grep -H "ERROR SUMMARY" "$OUT"/memcheck*.log 2>/dev/null
