@@ -73,8 +73,12 @@
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
-#   checkb    the combine's index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round trip for topk
-#             2048) against 16, rows alternated twice with FlashMLA, then the bad-entry tests
+#   checkb    the combine's variants: the index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round
+#             trip for topk 2048) against 16, the merge's pieces eight a step
+#             (TORCH_MLA_DEV_COMBINE_CHUNK=8) and both; the tests on both first (the sparse
+#             split's and bad-entry cases, tests/test_kernel_sm90.py and
+#             test_schedule_mismatch.py: the dense split-KV path), then the rows
+#             alternated twice with FlashMLA; not yet run
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with SCOPE cta, and FlashMLA's times of the rows
@@ -296,25 +300,36 @@ case $kernel in
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     finish; exit ;;
-  checkb)  # (the combine's index check, 64 entries a lane before comparing (one round trip for
-    # topk 2048) against the default 16 (four), same start, FlashMLA beside; the bad-entry tests
-    # under 64)
+  checkb)  # (the combine's variants, same start, FlashMLA beside: V16 the defaults, V64 the
+    # index check at 64 entries a lane (one round trip for topk 2048), K8 the merge's pieces
+    # eight a step (TORCH_MLA_DEV_COMBINE_CHUNK=8), KB both; first the tests on KB: the bad-entry
+    # messages and the split's sparse tests, then the dense split-KV cases)
     preamble flashmla-sm90-sparse
-    prebuild c16 TORCH_MLA_DEV_CHECK_BATCH=16
-    prebuild c64 TORCH_MLA_DEV_CHECK_BATCH=64
+    ckn() {  # the knobs of variant $1
+      case $1 in
+        V16) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
+        V64) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
+        K8) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
+        KB) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
+      esac
+    }
+    for v in V16 V64 K8 KB; do prebuild "$v" $(ckn $v); done
     wait
     tail -n 2 "$OUT"/pre*.log
+    run tests 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
+      -p no:cacheprovider tests/test_sparse_kernel.py -k "bad_entry or sm90_split"
+    run tests_dense 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
+      -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
     R=${ROWS:-"2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64"}
     for round in 1 2; do
-      for c in 16 64; do
-        run "cb${c}_$round" 60 env TAG="r$round cb$c" TORCH_MLA_DEV_CHECK_BATCH=$c \
-          TORCH_MLA_CACHE_DIR=/tmp/cc$c python -m tools.sparse_rows split 656 $R
-        stop_if_hung "cb${c}_$round"
+      for v in V16 V64 K8 KB; do
+        run "cb${v}_$round" 60 env TAG="r$round $v" $(ckn $v) TORCH_MLA_CACHE_DIR=/tmp/c$v \
+          python -m tools.sparse_rows split 656 $R
+        stop_if_hung "cb${v}_$round"
       done
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
-    run tests 200 env TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_CACHE_DIR=/tmp/cc64 python -m pytest \
-      -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "bad_entry and sm90_split"
+    grep -h " us" "$OUT"/cb*.log "$OUT"/fm_*.log | sort
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)

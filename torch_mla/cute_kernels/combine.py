@@ -32,6 +32,8 @@ compiled with use_pdl=False and launched after the decode kernel as usual.
 
 from __future__ import annotations
 
+import os
+
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -40,6 +42,17 @@ from ..constants import LN_2, PAGE_SIZE
 from .device_error import fail
 
 UNROLL = 4
+# CHUNK (developer knob TORCH_MLA_DEV_COMBINE_CHUNK, read at import, 0, 4 or 8; a build with
+# another value needs its own TORCH_MLA_CACHE_DIR): 0, the loop over a warp's pieces unrolled
+# UNROLL times, whose remainder (up to UNROLL - 1 pieces, taken first) runs one piece a branch:
+# each piece's loads wait for the previous piece's FMAs, one round trip a piece (the PTX of
+# session 34: at b 2 h_q 128, 28 pieces over 4 warps, 3 + 1 round trips a warp). CHUNK c: c
+# pieces a step with no branch between them (a piece past the warp's last reads that last
+# piece again with weight 0), so their loads go out together: ceil(pieces / c) round trips.
+# Not yet run.
+CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
+if CHUNK not in (0, 4, 8):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -127,12 +140,15 @@ class MLACombine:
                     if c + lane < count:
                         w = cute.math.exp2(mLSEacc[start + c + lane, row] - lse2, fastmath=True)
                     n = cutlass.min(count - c, 32)
-                    for j in cutlass.range(part, n, self.wpr, unroll=UNROLL):
-                        wj = cute.arch.shuffle_sync(w, j)
-                        for k in cutlass.range_constexpr(self.n_vec):
-                            src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
-                                                  (lane + 32 * k,))
-                            acc[k].store(acc[k].load() + wj * src.load())
+                    if const_expr(CHUNK):
+                        self._merge_chunks(acc, w, mOacc, start + c, n, row, part, lane)
+                    else:
+                        for j in cutlass.range(part, n, self.wpr, unroll=UNROLL):
+                            wj = cute.arch.shuffle_sync(w, j)
+                            for k in cutlass.range_constexpr(self.n_vec):
+                                src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
+                                                      (lane + 32 * k,))
+                                acc[k].store(acc[k].load() + wj * src.load())
             if const_expr(self.wpr > 1):
                 # Every warp of the CTA is here (the row and count are the CTA's).
                 for k in cutlass.range_constexpr(self.n_vec):
@@ -163,6 +179,27 @@ class MLACombine:
                 # decode kernel: one CTA waits for it, and the grid's completion (which later
                 # kernels in the stream wait for) then implies the decode kernel's.
                 cute.arch.griddepcontrol_wait()
+
+    @cute.jit
+    def _merge_chunks(self, acc, w, mOacc, first: Int32, n: Int32, row: Int32, part: Int32,
+                      lane: Int32):
+        """acc += sum over this warp's pieces j (part, part + wpr, ... < n) of w_j O_(first + j)
+        (w: lane j's weight), CHUNK pieces a step: every load of a step before its FMAs and no
+        branch between them (CHUNK's comment); a piece past n reads piece n - 1 again with
+        weight 0."""
+        for j0 in cutlass.range(part, n, self.wpr * CHUNK, unroll=1):
+            vals, ws = [], []
+            for u in cutlass.range_constexpr(CHUNK):
+                j = j0 + self.wpr * u
+                jj = cutlass.min(j, n - 1)
+                wj = cute.arch.shuffle_sync(w, jj)
+                ws.append(cutlass.select_(j < n, wj, Float32(0.0)))
+                vals.append([cute.local_tile(mOacc[first + jj, row, None], (4,),
+                                             (lane + 32 * k,)).load()
+                             for k in range(self.n_vec)])
+            for u in cutlass.range_constexpr(CHUNK):
+                for k in cutlass.range_constexpr(self.n_vec):
+                    acc[k].store(acc[k].load() + ws[u] * vals[u][k])
 
     @cute.jit
     def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,
