@@ -45,7 +45,8 @@ memcheck() {
 # text file under $OUT also in $OUT/0_logs.tgz (the device call returns only the first few files
 # of $OUT by name, session 34: this one sorts first).
 finish() {
-  (cd "$OUT" && find . -name '*.log' -o -name '*.txt' | tar -czf 0_logs.tgz -T -) 2>/dev/null
+  (cd "$OUT" && find . -type f \( -name '*.log' -o -name '*.txt' \) -print0 |
+    tar --null -czf 0_logs.tgz -T -) 2>/dev/null
   echo; echo "== summary ($OUT)"
   printf '%s\n' "${summary[@]}"
   grep -H "ERROR SUMMARY" "$OUT"/memcheck*.log 2>/dev/null

@@ -74,11 +74,11 @@
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
 #   checkb    the combine's variants: the index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round
-#             trip for topk 2048) against 16, the merge's pieces eight a step
-#             (TORCH_MLA_DEV_COMBINE_CHUNK=8) and both; the tests on both first (the sparse
-#             split's and bad-entry cases, tests/test_kernel_sm90.py and
-#             test_schedule_mismatch.py: the dense split-KV path), then the rows
-#             alternated twice with FlashMLA; not yet run
+#             trip for topk 2048) against 16, the merge's pieces four or eight a step
+#             (TORCH_MLA_DEV_COMBINE_CHUNK) and 64 with 8; the split's sparse tests on the last
+#             first, then the rows alternated twice with FlashMLA, then while time is left the
+#             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
+#             it; not yet run
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with SCOPE cta, and FlashMLA's times of the rows
@@ -243,6 +243,9 @@ case $kernel in
         local lim=$((560 - SECONDS - 90)); (( lim > 200 )) && lim=200  # (~75 s when they pass)
         run tests $lim env "${F[@]}" $(knobs "$T") python -m pytest -m cuda \
           -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+        stop_if_hung tests
+      else
+        summary+=("tests            skipped: too little time left")
       fi
       for hq in 100 64; do
         if (( SECONDS < 520 )); then
@@ -301,35 +304,46 @@ case $kernel in
     done
     finish; exit ;;
   checkb)  # (the combine's variants, same start, FlashMLA beside: V16 the defaults, V64 the
-    # index check at 64 entries a lane (one round trip for topk 2048), K8 the merge's pieces
-    # eight a step (TORCH_MLA_DEV_COMBINE_CHUNK=8), KB both; first the tests on KB: the bad-entry
-    # messages and the split's sparse tests, then the dense split-KV cases)
+    # index check at 64 entries a lane (one round trip for topk 2048), K4 / K8 the merge's
+    # pieces four / eight a step (TORCH_MLA_DEV_COMBINE_CHUNK), KB V64 with K8; first the
+    # split's sparse tests on KB (its bad-entry cases among them), then the rows, then, while
+    # time is left, the dense split-KV tests on KB (their steps compile there))
+    SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
+    VS=(V16 V64 K4 K8 KB)
     ckn() {  # the knobs of variant $1
       case $1 in
         V16) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
         V64) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
+        K4) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=4 ;;
         K8) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
         KB) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
       esac
     }
-    for v in V16 V64 K8 KB; do prebuild "$v" $(ckn $v); done
+    for v in "${VS[@]}"; do prebuild "$v" $(ckn $v); done
     wait
     tail -n 2 "$OUT"/pre*.log
     run tests 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "bad_entry or sm90_split"
-    run tests_dense 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
-      -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
+      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    stop_if_hung tests
     R=${ROWS:-"2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64"}
     for round in 1 2; do
-      for v in V16 V64 K8 KB; do
+      for v in "${VS[@]}"; do
         run "cb${v}_$round" 60 env TAG="r$round $v" $(ckn $v) TORCH_MLA_CACHE_DIR=/tmp/c$v \
           python -m tools.sparse_rows split 656 $R
         stop_if_hung "cb${v}_$round"
       done
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
-    grep -h " us" "$OUT"/cb*.log "$OUT"/fm_*.log | sort
+    grep -h " us" "$OUT"/cb*.log "$OUT"/fm_*.log | sort > "$OUT/cb_all.txt"
+    cat "$OUT/cb_all.txt"
+    if (( SECONDS < 400 )); then
+      run tests_dense $((560 - SECONDS)) env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m \
+        pytest -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py \
+        tests/test_schedule_mismatch.py
+    else
+      summary+=("tests_dense      skipped: too little time left")
+    fi
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)

@@ -46,10 +46,12 @@ UNROLL = 4
 # another value needs its own TORCH_MLA_CACHE_DIR): 0, the loop over a warp's pieces unrolled
 # UNROLL times, whose remainder (up to UNROLL - 1 pieces, taken first) runs one piece a branch:
 # each piece's loads wait for the previous piece's FMAs, one round trip a piece (the PTX of
-# session 34: at b 2 h_q 128, 28 pieces over 4 warps, 3 + 1 round trips a warp). CHUNK c: c
-# pieces a step with no branch between them (a piece past the warp's last reads that last
-# piece again with weight 0), so their loads go out together: ceil(pieces / c) round trips.
-# Not yet run.
+# session 34: at b 2 h_q 128, 28 pieces over 16 warps a row, two serial round trips for a warp
+# of 2). CHUNK c: min(c, 32 / warps_per_row) pieces a step with no branch between them (a
+# piece past the warp's last reads that last piece again with weight 0), so their loads go
+# out together: one round trip a step. Registers (ptxas, session 34's review): 64 / 72 / 80 at
+# 1 / 4 / 16 warps a row with 0; 126 / 126 / 104 with 4; 218 / 208 / 75 with 8 (at 16 warps a
+# row: 2 pieces a step; 8 there spilled ~2 KB before the cap). Not yet run.
 CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
 if CHUNK not in (0, 4, 8):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")
@@ -184,12 +186,13 @@ class MLACombine:
     def _merge_chunks(self, acc, w, mOacc, first: Int32, n: Int32, row: Int32, part: Int32,
                       lane: Int32):
         """acc += sum over this warp's pieces j (part, part + wpr, ... < n) of w_j O_(first + j)
-        (w: lane j's weight), CHUNK pieces a step: every load of a step before its FMAs and no
-        branch between them (CHUNK's comment); a piece past n reads piece n - 1 again with
-        weight 0."""
-        for j0 in cutlass.range(part, n, self.wpr * CHUNK, unroll=1):
+        (w: lane j's weight), CHUNK pieces a step (at most 32 / wpr): every load of a step
+        before its FMAs and no branch between them (CHUNK's comment); a piece past n reads
+        piece n - 1 again with weight 0."""
+        chunk = min(CHUNK, 32 // self.wpr)  # (a row's 32 pieces of a pass over the warps)
+        for j0 in cutlass.range(part, n, self.wpr * chunk, unroll=1):
             vals, ws = [], []
-            for u in cutlass.range_constexpr(CHUNK):
+            for u in cutlass.range_constexpr(chunk):
                 j = j0 + self.wpr * u
                 jj = cutlass.min(j, n - 1)
                 wj = cute.arch.shuffle_sync(w, jj)
@@ -197,7 +200,7 @@ class MLACombine:
                 vals.append([cute.local_tile(mOacc[first + jj, row, None], (4,),
                                              (lane + 32 * k,)).load()
                              for k in range(self.n_vec)])
-            for u in cutlass.range_constexpr(CHUNK):
+            for u in cutlass.range_constexpr(chunk):
                 for k in cutlass.range_constexpr(self.n_vec):
                     acc[k].store(acc[k].load() + ws[u] * vals[u][k])
 
