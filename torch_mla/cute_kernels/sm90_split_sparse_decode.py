@@ -203,22 +203,25 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # waits also invalidate the L1 every block). Session 34's trace put ~0.78 us between the
 # producer's block start and the end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q
 # 64. Measured (H100, same start as FlashMLA, two rounds): b 128 s_q 1 h_q 128 228.0 / 227.9 us
-# against 238.6 / 238.8, h_q 64 134.3 / 134.3 against 139.9 / 139.4, every row faster. Its PTX
-# differs from 0's only there, but the device time ran out before the split's GPU tests and
-# memcheck ran on it, so the default stays 0 (the build those passed on) until they do:
-# `bash tools/gpu_sparse.sh split_ab` (its first default build, E1, is the one its tests and
-# memcheck run on).
-ENTRY_LEN = _dev_knob("ENTRY_LEN", 0, (0, 1))
-# LOAD_BLOCK 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
-# AHEAD / AHEAD_PAIR 0): the producer issues both halves' loads of a block before its wait for
-# half 0, so half 1's load latency runs under half 0's conversion (FlashMLA's producer loads a
-# whole block at once), holding 36 words a thread with the pair, 72 without (ptxas: no spill
-# either way at the defaults).
+# against 238.6 / 238.8, h_q 64 134.3 / 134.3 against 139.9 / 139.4, every row faster; session
+# 35 (another start) 228.2 / 228.2 against 239.2 / 240.3 and 135.5 / 135.7 against 140.7 /
+# 140.9. The default since session 35, whose run passed the split's GPU tests (111) and memcheck
+# at h_q 100 and 64 on it.
+ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
+# LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
+# AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
+# halves' loads of a block before its wait for half 0, so half 1's load latency runs under half
+# 0's conversion (FlashMLA's producer loads a whole block at once), holding 36 words a thread
+# with the pair, 72 without (ptxas: no spill either way); 0 never.
 # Session 34's trace (pair, b 128 h_q 128): each half's loads issued after the previous half's
-# conversion, ~1 us of exposed latency a half. Session 29's EARLY 2 (the same order, before the
-# pair existed) was 2-5% slower at h_q 64; session 34's AHEAD_PAIR 1 (the next half's loads
-# before this half's conversion, across blocks) 5% slower. Not yet run.
-LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 0, (0, 1))
+# conversion, ~1 us of exposed latency a half. Session 35 (H100, same start as FlashMLA, two
+# rounds, with ENTRY_LEN 1; LOAD_BLOCK 2 against 0): with the pair b 128 s_q 1 h_q 128 221.0 /
+# 221.3 us against 228.2 / 228.2, s_q 2 424.5 / 422.6 against 438.8 / 439.5, b 32 80.4 / 81.1
+# against 84.2 / 84.2; without it (h_q 64) slower, 140.1 / 140.4 against 135.5 / 135.7 and
+# 261.3 / 261.9 against 252.2 / 252.3 at s_q 2 (twice the registers held, 72 words). Session
+# 34's AHEAD_PAIR 1 (the next half's loads before this half's conversion, across blocks) was 5%
+# slower; session 29's EARLY 2 (this order, before the pair) 2-5% slower at h_q 64.
+LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 0, (0, 1, 2))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -263,6 +266,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = not (pair and PFENCE == 0)  # (PFENCE's comment)
+        self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -337,7 +341,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     s = (blk - lo) % 2
                     if const_expr(self.lookahead == 0):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
-                        if const_expr(LOAD_BLOCK == 1):  # (both halves' loads first)
+                        if const_expr(self.load_block):  # (both halves' loads first)
                             loaded = [self._load(rows, cur, h, warp) for h in range(2)]
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
