@@ -111,20 +111,12 @@ def request_length(mIdx, mLens, r: Int32) -> Int32:
     return cutlass.min(cutlass.max(mLens[r], 0), mIdx.shape[1])
 
 
-def checked_slot(slot: Int32, num_slots: Int32) -> Int32:
-    """slot, or -1 where it lies outside [0, num_slots) (-1 itself, or a bad entry)."""
-    return cutlass.select_((slot >= 0) & (slot < num_slots), slot, Int32(-1))
-
-
 @cute.jit
-def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32, length=None,
-                  checked: cutlass.Constexpr[bool] = True):
+def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32, length=None):
     """The slots of keys lane and lane + 32 of block `page` (one-token request page // nb,
     block page % nb; nb blocks a request), -1 for an entry that names no key (-1, at or past
     topk_length, or a slot outside [0, num_slots)). length: the request's entries
-    (request_length), read here from mLens when None. checked False: the entries as read (-1
-    at or past topk_length), for the caller to pass through checked_slot before any use (no
-    instruction here then waits for the read)."""
+    (request_length), read here from mLens when None."""
     r = page // nb
     key0 = (page - r * nb) * PAGE_SIZE
     if const_expr(length is None):
@@ -136,7 +128,7 @@ def block_entries(mIdx, mLens, num_slots: Int32, page: Int32, nb: Int32, length=
         slot = Int32(-1)
         if lane + 32 * h < limit:
             slot = mIdx[r, key0 + lane + 32 * h]
-        slots[h] = checked_slot(slot, num_slots) if checked else slot
+        slots[h] = cutlass.select_((slot >= 0) & (slot < num_slots), slot, Int32(-1))
     return slots[0], slots[1]
 
 
@@ -229,12 +221,12 @@ class GatheredEntries:
         return r * self._table_blocks(mIdx) + blk
 
     @cute.jit
-    def _entries(self, page: Int32, length=None, checked: cutlass.Constexpr[bool] = True):
+    def _entries(self, page: Int32, length=None):
         """This lane's two entries of block `page` (block_entries; length: its request's
-        request_length, read from the lengths when None; checked: as block_entries')."""
+        request_length, read from the lengths when None)."""
         return block_entries(self.d_tensors.block_table, self.d_tensors.seqlens,
                              self.d_num_slots, page, self._table_blocks(self.d_tensors.block_table),
-                             length, checked)
+                             length)
 
     @cute.jit
     def _cache_rows(self, mKV):

@@ -105,7 +105,7 @@ from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
-from .sm90_sparse_decode import TILE16, checked_slot, request_length, row_source
+from .sm90_sparse_decode import TILE16, request_length, row_source
 
 
 def _dev_knob(name: str, default, allowed: tuple):
@@ -226,13 +226,6 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # 66.9), the h_q 64 rows the same within 0.4%; the split's GPU tests (111) and memcheck at h_q
 # 100 and 64 passed on it: the default since.
 LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
-# ENTRY_RAW 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_RAW, its own cache directory; with
-# AHEAD / AHEAD_PAIR 0): the producer keeps the next block's entries as read and checks them
-# (checked_slot: -1 outside the cache) when that block begins, where 0 checks them right after
-# the read, so that the check's compare may wait there for the index load (an L2 or DRAM
-# round trip a block, in the producer's path at h_q 64 where the producer is the bound:
-# session 35's trace, pstart to d_wait0 ~480 ns). Not yet run.
-ENTRY_RAW = _dev_knob("ENTRY_RAW", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -349,8 +342,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for blk in cutlass.range(lo, hi, unroll=1):
                     self._stamp("pblock", 256, blk - lo)  # (trace: the producer's block)
                     cur = [slots[0], slots[1]]
-                    if const_expr(self.lookahead == 0 and ENTRY_RAW == 1):  # (read unchecked)
-                        cur = [checked_slot(x, self.d_num_slots) for x in cur]
                     s = (blk - lo) % 2
                     if const_expr(self.lookahead == 0):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
@@ -388,11 +379,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _block_entries(self, mIdx, r, blk, length):
         """This lane's two entries of block blk of request r (_entries), with the request's
-        length read once a segment (ENTRY_LEN 1) or with every block (0); unchecked with
-        ENTRY_RAW 1 (_produce checks them when their block begins)."""
-        raw = self.lookahead == 0 and ENTRY_RAW == 1
-        return self._entries(self._page(mIdx, r, blk), length if ENTRY_LEN == 1 else None,
-                             not raw)
+        length read once a segment (ENTRY_LEN 1) or with every block (0)."""
+        return self._entries(self._page(mIdx, r, blk), length if ENTRY_LEN == 1 else None)
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
