@@ -81,6 +81,10 @@
 #             first, then the rows alternated twice with FlashMLA, then while time is left the
 #             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
 #             it (EXTRA, EXTRA_S: as split_ab's, before those); not yet run
+#   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
+#             32,2,64): each GPU kernel of one call, ours and FlashMLA's
+#             (tools/sparse_kernel_times.py), then the rows under the default schedule and
+#             FlashMLA's piece rule, alternated twice with FlashMLA
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with SCOPE cta, and FlashMLA's times of the rows
@@ -350,6 +354,22 @@ case $kernel in
       summary+=("tests_dense      skipped: too little time left")
     fi
     finish; exit ;;
+  times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
+    # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
+    # the default schedule and FlashMLA's piece rule, alternated twice with FlashMLA)
+    preamble flashmla-sm90-sparse
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule --dtypes bf16 --jobs 8
+    R=${ROWS:-"2,1,64 2,2,64 2,1,128 2,2,128 32,2,64"}
+    run kt 150 python -m tools.sparse_kernel_times $R
+    for round in 1 2; do
+      run "tr_$round" 40 env TAG="r$round" python -m tools.sparse_rows split 656 $R
+      run "tp_$round" 40 env TAG="r$round pieces" TORCH_MLA_DEV_SPARSE_PIECES=flashmla \
+        python -m tools.sparse_rows split 656 $R
+      run "tf_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    grep -h " us" "$OUT"/t[rpf]_*.log | sort > "$OUT/t_all.txt"
+    finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)
     preamble flashmla-sm90-sparse
@@ -409,7 +429,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|checkb|tree_ab|sms|trace]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse
