@@ -83,6 +83,10 @@ issued after the conversion): ROPE_FIRST (the default since) took b 128 h_q 128 
 238.1 us and h_q 64 from 146.5 to 140.0; ENTRY_LEN 1 (the producer's length read once a
 segment) measured 228.0 and 134.3 but is not yet the default (its GPU tests did not run); the
 pair's one-half lookahead (AHEAD_PAIR 1) was slower (251 us).
+Session 35 (H100): ENTRY_LEN 1 passed the GPU tests and memcheck (the default since); with the
+pair, both halves' loads of a block issued before the wait for half 0 (LOAD_BLOCK 1, the default
+since) took b 128 h_q 128 from 228.5 to 219.6 us (FlashMLA 184.5); without the pair they were
+slower (h_q 64), so only the pair does it.
 The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
 (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
 TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
@@ -204,7 +208,7 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # producer's block start and the end of its half 0 load issue at h_q 128 (pair), ~0.74 at h_q
 # 64. Measured (H100, same start as FlashMLA, two rounds): b 128 s_q 1 h_q 128 228.0 / 227.9 us
 # against 238.6 / 238.8, h_q 64 134.3 / 134.3 against 139.9 / 139.4, every row faster; session
-# 35 (another start) 228.2 / 228.2 against 239.2 / 240.3 and 135.5 / 135.7 against 140.7 /
+# 35 (another start) 230.1 / 228.2 against 239.2 / 240.3 and 135.5 / 135.7 against 140.7 /
 # 140.9. The default since session 35, whose run passed the split's GPU tests (111) and memcheck
 # at h_q 100 and 64 on it.
 ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
