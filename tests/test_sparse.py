@@ -467,11 +467,13 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
             assert sparse_ops.sparse_backend(q, rows, 512) == want
     q = torch.empty(1, 1, 16, 576)  # fp32 q: the reference, whatever the cache
     assert sparse_ops.sparse_backend(q, rows, 512)[0] == "reference"
-    # Over the 656-byte rows at 64-128 heads the split where the SM90 kernel pays and from 4
-    # CTAs below that (split_sparse_pays); at other head counts the SM90 kernel's own rules.
+    # Over the 656-byte rows at 64-128 heads the split where the SM90 kernel pays and from 2
+    # one-token requests below that (split_sparse_pays); at other head counts the SM90
+    # kernel's own rules.
     # TORCH_MLA_SPARSE_PRODUCER=0 keeps the SM90 / portable kernel, =1 its producer variant
     # where the SM90 kernel pays, the portable one below.
-    for shape, want in (((2, 1, 64), "sm80"), ((2, 2, 64), "sm90_split"),
+    for shape, want in (((1, 1, 64), "sm80"), ((1, 1, 128), "sm80"), ((2, 1, 64), "sm90_split"),
+                        ((1, 2, 64), "sm90_split"), ((2, 2, 64), "sm90_split"),
                         ((2, 1, 128), "sm90_split"), ((128, 1, 100), "sm90_split"),
                         ((1, 1, 48), "sm80"), ((4, 1, 48), "sm80"), ((128, 1, 48), "sm90"),
                         ((4, 1, 256), "sm80"), ((128, 1, 256), "sm90")):
@@ -486,7 +488,8 @@ def test_fp8_caches_run_a_kernel(monkeypatch, arch):
             assert sparse_ops.sparse_backend(q, rows, 512) == (
                 other if arch == "sm_90a" else "sm80", ""), (shape, flag)
         monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
-    assert not sparse_ops.split_sparse_pays(2, 1, 64) and sparse_ops.split_sparse_pays(2, 2, 64)
+    assert not sparse_ops.split_sparse_pays(1, 1, 64) and sparse_ops.split_sparse_pays(2, 1, 64)
+    assert not sparse_ops.split_sparse_pays(1, 1, 128) and sparse_ops.split_sparse_pays(1, 2, 128)
     assert not sparse_ops.split_sparse_pays(128, 1, 48, True)
     assert not sparse_ops.split_sparse_pays(128, 1, 256, True)
 

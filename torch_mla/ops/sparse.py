@@ -67,17 +67,20 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 # measured at (H100, session 30: 64 and 128; 65-127 run the same code with fewer rows), and
 # beats the portable one from fewer CTAs too: b 2 in one process, split / portable at h_q 64
 # s_q 1 (2 CTAs) 23.1 / 22.7 us, s_q 2 (4) 31.8 / 35.1, h_q 128 s_q 1 (4) 31.3 / 34.2, s_q 2
-# (8) 38.7 / 44.7.
+# (8) 38.7 / 44.7. Session 35 (H100, one start): the split at b 2 s_q 1 h_q 64 22.3 / 22.3 us
+# (tools/sparse_rows.py), the portable kernel there 23.1 (bench_decode.py --sparse, the same
+# problem and CUDA-graph timing), FlashMLA 23.8. So it runs from 2 one-token requests (b s_q)
+# since, where it ran from 4 CTAs (b s_q ceil(h_q / 64)): the same at 65-128 heads, 2 and 3
+# tokens of at most 64 heads added; a single token stays on the portable kernel (not measured).
 SPLIT_MAX_HEADS = 128
-SPLIT_MIN_CTAS = 4
+SPLIT_MIN_TOKENS = 2
 
 
 def split_sparse_pays(b: int, s_q: int, h_q: int, sm90_pays: bool = False) -> bool:
     """Whether the split kernel runs over the 656-byte rows by default: SM90_MIN_HEADS <= h_q
-    <= SPLIT_MAX_HEADS, and where the SM90 kernel pays (sm90_pays) or from SPLIT_MIN_CTAS CTAs
-    (b * s_q * ceil(h_q / 64))."""
-    return SM90_MIN_HEADS <= h_q <= SPLIT_MAX_HEADS and (
-        sm90_pays or b * s_q * -(-h_q // BLOCK_M) >= SPLIT_MIN_CTAS)
+    <= SPLIT_MAX_HEADS, and where the SM90 kernel pays (sm90_pays) or from SPLIT_MIN_TOKENS
+    one-token requests (b * s_q)."""
+    return SM90_MIN_HEADS <= h_q <= SPLIT_MAX_HEADS and (sm90_pays or b * s_q >= SPLIT_MIN_TOKENS)
 
 
 def keysm_sparse_columns(h_q: int) -> int:
