@@ -989,6 +989,16 @@ def test_split_pair_rows(monkeypatch):
                 pair = flag is None and cache == "fp8_ds_mla" and 64 < h_q <= 128
                 assert sparse_ops.split_pair_rows(h_q, cache) == (128 if pair else 0), (
                     flag, cache, h_q)
+                # (from SPLIT_PAIR_MIN_TOKENS one-token requests)
+                least = sparse_ops.SPLIT_PAIR_MIN_TOKENS
+                assert sparse_ops.split_pair_rows(h_q, cache, least) == (128 if pair else 0)
+                if least > 1:
+                    assert sparse_ops.split_pair_rows(h_q, cache, least - 1) == 0
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SPLIT_PAIR", raising=False)
+    monkeypatch.setattr(sparse_ops, "SPLIT_PAIR_MIN_TOKENS", 16)
+    assert [sparse_ops.split_pair_rows(128, "fp8_ds_mla", n) for n in (1, 8, 15, 16, 256)] == [
+        0, 0, 0, 128, 128]
+    assert sparse_ops.split_pair_rows(128, "fp8_ds_mla") == 128  # (no count given)
     assert registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128).key() == {
         "dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128}
     for bad in [("sm90_split", "bf16", "plain", 128), ("sm90_split", "bf16", "fp8_ds_mla", 64),

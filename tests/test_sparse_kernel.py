@@ -336,6 +336,24 @@ def test_fp8_entry_kinds_sm90_keysm_rs32(monkeypatch, fmt, dtype, h_q):
         _TAKEN["kernel"] = None
 
 
+@pytest.mark.parametrize("h_q,s_q,topk", [(100, 3, 200), (128, 1, 2048), (128, 2, 64)])
+def test_fp8_entry_kinds_sm90_split_no_pair(monkeypatch, h_q, s_q, topk):
+    # The split over the 656-byte rows at 65-128 heads without its cluster pair
+    # (TORCH_MLA_SPARSE_SPLIT_PAIR=0, and what ops.sparse.SPLIT_PAIR_MIN_TOKENS gives few
+    # tokens): one CTA an m-block, the second with h_q - 64 real rows.
+    _take("sm90_split", monkeypatch)
+    monkeypatch.setenv("TORCH_MLA_SPARSE_SPLIT_PAIR", "0")
+    try:
+        assert sparse_ops.split_pair_rows(h_q, "fp8_ds_mla") == 0
+        if s_q == 3:
+            entry_kinds_case("fp8_ds_mla", torch.bfloat16, h_q)
+        else:
+            q, cache, idx, lens, _ = _case(h_q, s_q, topk, "fp8_ds_mla")
+            check_against_fp64(q, cache, idx, lens)
+    finally:
+        _TAKEN["kernel"] = None
+
+
 def entry_kinds_case(fmt, dtype, h_q):
     """test_fp8_entry_kinds_lengths_and_sink's case on the kernel _take chose."""
     q, cache, idx, lens, sink, kv_scale = _case(h_q, 3, 200, fmt, b=4, sink=True, dtype=dtype,

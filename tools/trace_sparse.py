@@ -369,7 +369,7 @@ def trace_row(spec: str, out_dir: str) -> None:
     cache = bd._sparse_cache(b * S_K, torch.uint8, 656, tokens)
     del tokens
     taken = sparse_backend(q, cache, 512)[0]
-    pair = split_pair_rows(h_q, "fp8_ds_mla") > 0
+    pair = split_pair_rows(h_q, "fp8_ds_mla", b * s_q) > 0
     parts = sched.metadata.shape[0]
     m_blocks = -(-h_q // 64)
     slots = b * s_q + parts

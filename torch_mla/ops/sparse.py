@@ -99,13 +99,23 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
     return n if n in registry.SPARSE_KEYSM_RS_COLUMNS else 0
 
 
-def split_pair_rows(h_q: int, cache: str) -> int:
+# The pair from this many one-token requests (b s_q). Session 35 (H100, same start as
+# FlashMLA, 656-byte rows, h_q 128): one CTA an m-block was 0.2-1.0 us faster up to 8 tokens
+# (b 2 s_q 1 27.6 against 28.5 us) and 1.6-4.9 us slower from 16 (16,1,128 54.7 against 52.8;
+# docs/benchmarks-h100.md). 1 (every shape) until the split's GPU tests have run without the
+# pair at 100-128 heads on the current kernel (test_fp8_entry_kinds_sm90_split_no_pair; not
+# yet run); TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS (a developer knob, read at import) sets it.
+SPLIT_PAIR_MIN_TOKENS = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS") or 1)
+
+
+def split_pair_rows(h_q: int, cache: str, tokens: int | None = None) -> int:
     """The split kernel's cluster pair (registry.SPARSE_SPLIT_PAIR query rows: the two 64-row
     m-blocks of a token as one cluster whose producers share each block's conversion) where it
-    applies, h_q 65-128 over the 656-byte rows (unless TORCH_MLA_SPARSE_SPLIT_PAIR=0), else
-    0."""
+    applies, h_q 65-128 over the 656-byte rows from SPLIT_PAIR_MIN_TOKENS one-token requests
+    (tokens: b * s_q, None: any count; unless TORCH_MLA_SPARSE_SPLIT_PAIR=0), else 0."""
     pair = registry.SPARSE_SPLIT_PAIR
     return pair if (cache == "fp8_ds_mla" and pair // 2 < h_q <= pair
+                    and (tokens is None or tokens >= SPLIT_PAIR_MIN_TOKENS)
                     and not dispatch.sparse_split_pair_off()) else 0
 
 
@@ -246,7 +256,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
     columns = _COLUMNS[backend](h_q) if backend in _COLUMNS else 0
     if backend == "sm90_split":
-        columns = split_pair_rows(h_q, cache)
+        columns = split_pair_rows(h_q, cache, b * s_q)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
         topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
