@@ -81,6 +81,12 @@
 #             first, then the rows alternated twice with FlashMLA, then while time is left the
 #             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
 #             it (EXTRA, EXTRA_S: as split_ab's, before those); not yet run
+#   smallb    session 35's small-batch candidates against the defaults (D): M2 (the 16-warp
+#             combine at two CTAs an SM, TORCH_MLA_DEV_COMBINE_MIN_CTAS=2), W4 (every combine at
+#             4 warps a row, TORCH_MLA_DEV_COMBINE_WPR=4), P16 (the split's pair from 16
+#             one-token requests, TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16); the split's tests on
+#             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
+#             M2, then the rows (ROWS) alternated twice with FlashMLA; not yet run
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -354,6 +360,50 @@ case $kernel in
       summary+=("tests_dense      skipped: too little time left")
     fi
     finish; exit ;;
+  smallb)  # (session 35's small-batch candidates, same start, FlashMLA beside: D the defaults;
+    # M2 TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 (its own build: two 16-warp combine CTAs an SM); W4
+    # TORCH_MLA_DEV_COMBINE_WPR=4 and P16 TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 (host-side
+    # choices on D's build); first the split's tests on D (the pair-less 100-128 heads among
+    # them) and M2's combine tests, then the rows alternated twice, then ptxas -v on M2's PTX)
+    SECONDS=${ELAPSED:-0}
+    preamble flashmla-sm90-sparse
+    prebuild D
+    prebuild M2 TORCH_MLA_DEV_COMBINE_MIN_CTAS=2
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    run tests 150 env "${F[@]}" TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
+      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    stop_if_hung tests
+    run tests_m2 120 env TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2 python \
+      -m pytest -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
+      -k "sm90_split and (splits or long_rows or many_blocks or grid_matches and 128)"
+    stop_if_hung tests_m2
+    R=${ROWS:-"2,1,64 2,2,64 2,1,128 2,2,128 4,1,128 8,1,128 16,1,128 32,1,64 32,1,128"}
+    for round in 1 2; do
+      for v in D M2 W4 P16; do
+        case $v in
+          D) k=(TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
+          M2) k=(TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2) ;;
+          W4) k=(TORCH_MLA_DEV_COMBINE_WPR=4 TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
+          P16) k=(TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
+        esac
+        run "sb${v}_$round" 60 env TAG="r$round $v" "${k[@]}" python -m tools.sparse_rows \
+          split 656 $R
+        stop_if_hung "sb${v}_$round"
+      done
+      run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    grep -h " us" "$OUT"/sb*.log "$OUT"/fm_*.log | sort > "$OUT/sb_all.txt"
+    cat "$OUT/sb_all.txt"
+    if command -v ptxas > /dev/null; then  # (the 16-warp combine's registers under MIN_CTAS)
+      rm -rf /tmp/ptxM2 && mkdir -p /tmp/ptxM2
+      TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR=/tmp/ptxM2 \
+        TORCH_MLA_CACHE_DIR=/tmp/cM2x timeout 60 python -m torch_mla.precompile --arch sm_90a \
+        --kernels combine --dtypes bf16 --jobs 1 > /dev/null 2>&1
+      for f in /tmp/ptxM2/*.ptx; do ptxas -arch=sm_90a -v "$f" -o /dev/null 2>&1 | tail -n 3; done
+    fi
+    finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
     # the default schedule and FlashMLA's piece rule, alternated twice with FlashMLA)
@@ -429,7 +479,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|checkb|tree_ab|sms|trace]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|smallb|checkb|tree_ab|sms|trace]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

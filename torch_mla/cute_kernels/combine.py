@@ -55,6 +55,13 @@ UNROLL = 4
 CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
 if CHUNK not in (0, 4, 8):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")
+# MIN_CTAS (developer knob TORCH_MLA_DEV_COMBINE_MIN_CTAS, read at import, 0 or 2; its own
+# TORCH_MLA_CACHE_DIR): 2 asks ptxas for two CTAs an SM of the 16-warps-a-row variant (512
+# threads: at most 64 registers a thread, where it takes 80 and so runs one CTA an SM: the
+# sparse small batches' 256-512 rows in 2-4 waves). Not yet run.
+MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
+if MIN_CTAS not in (0, 2):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -88,10 +95,15 @@ class MLACombine:
         stream,
     ):
         b, rows = cute.size(mO, mode=[0]), mO.shape[1]  # (mode 0 may be nested: sparse)
+        occupancy = {}
+        if const_expr(MIN_CTAS and self.warps == 16):
+            # (.minnctapersm; a carveout given, the default, so that the DSL does not ask a
+            # device for its shared memory: the compile runs without one)
+            occupancy = dict(min_blocks_per_mp=MIN_CTAS, preferred_smem_carveout=-1)
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens,
                     num_pages).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
-            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.use_pdl,
+            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.use_pdl, **occupancy,
         )
 
     @cute.kernel

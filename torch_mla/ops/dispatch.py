@@ -462,12 +462,23 @@ def _q_rows(q, b, rows):
     return q3
 
 
+# TORCH_MLA_DEV_COMBINE_WPR (a developer knob for an A/B, read at import: 1, 4 or 16): every
+# combine merges with that many warps a row, whatever CombineConfig would choose. Session 35's
+# reading (not yet measured): 16 warps a row is a CTA of 512 threads at 80 registers, one CTA
+# an SM, so the sparse small batches' 256-512 rows (b 2, s_q 1-2, h_q 64-128) take 2-4 waves.
+_COMBINE_WPR = int(os.environ.get("TORCH_MLA_DEV_COMBINE_WPR") or 0)
+if _COMBINE_WPR not in (0, *COMBINE_WARPS_PER_ROW):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_WPR takes one of {COMBINE_WARPS_PER_ROW}, not "
+                     f"{_COMBINE_WPR}")
+
+
 @functools.lru_cache(maxsize=None)
 def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
-    """CombineConfig's choice, cached: it runs on every eager decode call."""
+    """CombineConfig's choice (or TORCH_MLA_DEV_COMBINE_WPR's), cached: it runs on every eager
+    decode call."""
     from ..scheduling import CombineConfig
 
-    return CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
+    return _COMBINE_WPR or CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
 
 
 @functools.lru_cache(maxsize=None)
