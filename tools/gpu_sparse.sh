@@ -86,7 +86,8 @@
 #             4 warps a row, TORCH_MLA_DEV_COMBINE_WPR=4), P16 (the split's pair from 16
 #             one-token requests, TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16); the split's tests on
 #             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
-#             M2, then the rows (ROWS) alternated twice with FlashMLA; not yet run
+#             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
+#             of 2,1,128 and 2,2,64; not yet run
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -402,6 +403,9 @@ case $kernel in
         TORCH_MLA_CACHE_DIR=/tmp/cM2x timeout 60 python -m torch_mla.precompile --arch sm_90a \
         --kernels combine --dtypes bf16 --jobs 1 > /dev/null 2>&1
       for f in /tmp/ptxM2/*.ptx; do ptxas -arch=sm_90a -v "$f" -o /dev/null 2>&1 | tail -n 3; done
+    fi
+    if (( SECONDS < 420 )); then  # (the small batches' per-CTA timeline, while time is left)
+      run trace 120 python -m tools.trace_sparse "$OUT/trace" 2,1,128 2,2,64
     fi
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
