@@ -123,6 +123,24 @@ prebuild() {
     --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
 }
 
+# ab_rows PREFIX KNOBS ROWS VARIANT...: two rounds over the 656-byte rows (ROWS: b,s_q,h_q ...),
+# each the split under every VARIANT (its environment: the words `KNOBS VARIANT` prints, its
+# cache directory among them) then FlashMLA's decode; logs $OUT/PREFIXVARIANT_ROUND.log, every
+# line sorted into $OUT/PREFIX_all.txt and printed.
+ab_rows() {
+  local pre=$1 knobs=$2 rows=$3 round v; shift 3
+  for round in 1 2; do
+    for v in "$@"; do
+      run "$pre${v}_$round" 60 env TAG="r$round $v" $($knobs "$v") python -m tools.sparse_rows \
+        split 656 $rows
+      stop_if_hung "$pre${v}_$round"
+    done
+    run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $rows
+  done
+  grep -h " us" "$OUT/$pre"*.log "$OUT"/fm_*.log | sort > "$OUT/${pre}_all.txt"
+  cat "$OUT/${pre}_all.txt"
+}
+
 kernel=${1:-portable}
 flag=()  # the environment the kernel needs
 groups=sparse,sparse_rs,schedule,append_kv  # what precompile builds
@@ -324,7 +342,7 @@ case $kernel in
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     VS=(V16 V64 K4 K8 KB)
-    ckn() {  # the knobs of variant $1
+    ckn() {  # the knobs of variant $1 (without its cache directory: cknd)
       case $1 in
         V16) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
         V64) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
@@ -333,23 +351,15 @@ case $kernel in
         KB) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
       esac
     }
+    cknd() { echo $(ckn "$1") TORCH_MLA_CACHE_DIR=/tmp/c$1; }
     for v in "${VS[@]}"; do prebuild "$v" $(ckn $v); done
     wait
     tail -n 2 "$OUT"/pre*.log
     run tests 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
       -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
     stop_if_hung tests
-    R=${ROWS:-"2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64"}
-    for round in 1 2; do
-      for v in "${VS[@]}"; do
-        run "cb${v}_$round" 60 env TAG="r$round $v" $(ckn $v) TORCH_MLA_CACHE_DIR=/tmp/c$v \
-          python -m tools.sparse_rows split 656 $R
-        stop_if_hung "cb${v}_$round"
-      done
-      run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
-    done
-    grep -h " us" "$OUT"/cb*.log "$OUT"/fm_*.log | sort > "$OUT/cb_all.txt"
-    cat "$OUT/cb_all.txt"
+    ab_rows cb cknd "${ROWS:-2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64}" \
+      "${VS[@]}"
     if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
       run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
     fi
@@ -380,23 +390,16 @@ case $kernel in
       -m pytest -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
       -k "sm90_split and (splits or long_rows or many_blocks or grid_matches and 128)"
     stop_if_hung tests_m2
-    R=${ROWS:-"2,1,64 2,2,64 2,1,128 2,2,128 4,1,128 8,1,128 16,1,128 32,1,64 32,1,128"}
-    for round in 1 2; do
-      for v in D M2 W4 P16; do
-        case $v in
-          D) k=(TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
-          M2) k=(TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2) ;;
-          W4) k=(TORCH_MLA_DEV_COMBINE_WPR=4 TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
-          P16) k=(TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 TORCH_MLA_CACHE_DIR=/tmp/cD) ;;
-        esac
-        run "sb${v}_$round" 60 env TAG="r$round $v" "${k[@]}" python -m tools.sparse_rows \
-          split 656 $R
-        stop_if_hung "sb${v}_$round"
-      done
-      run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
-    done
-    grep -h " us" "$OUT"/sb*.log "$OUT"/fm_*.log | sort > "$OUT/sb_all.txt"
-    cat "$OUT/sb_all.txt"
+    sbk() {  # the environment of variant $1
+      case $1 in
+        D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+        M2) echo TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2 ;;
+        W4) echo TORCH_MLA_DEV_COMBINE_WPR=4 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+        P16) echo TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+      esac
+    }
+    ab_rows sb sbk "${ROWS:-2,1,64 2,2,64 2,1,128 2,2,128 4,1,128 8,1,128 16,1,128 32,1,64 32,1,128}" \
+      D M2 W4 P16
     if command -v ptxas > /dev/null; then  # (the 16-warp combine's registers under MIN_CTAS)
       rm -rf /tmp/ptxM2 && mkdir -p /tmp/ptxM2
       TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR=/tmp/ptxM2 \
