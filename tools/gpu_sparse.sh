@@ -80,7 +80,8 @@
 #             (TORCH_MLA_DEV_COMBINE_CHUNK) and 64 with 8; the split's sparse tests on the last
 #             first, then the rows alternated twice with FlashMLA, then while time is left the
 #             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
-#             it (EXTRA, EXTRA_S: as split_ab's, before those); not yet run
+#             it (EXTRA, EXTRA_S: as split_ab's, before those); run in session 35
+#             (docs/benchmarks-h100.md)
 #   smallb    session 35's small-batch candidates against the defaults (D): M2 (the 16-warp
 #             combine at two CTAs an SM, TORCH_MLA_DEV_COMBINE_MIN_CTAS=2), W4 (every combine at
 #             4 warps a row, TORCH_MLA_DEV_COMBINE_WPR=4), P16 (the split's pair from 16
@@ -375,7 +376,8 @@ case $kernel in
     # M2 TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 (its own build: two 16-warp combine CTAs an SM); W4
     # TORCH_MLA_DEV_COMBINE_WPR=4 and P16 TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 (host-side
     # choices on D's build); first the split's tests on D (the pair-less 100-128 heads among
-    # them) and M2's combine tests, then the rows alternated twice, then ptxas -v on M2's PTX)
+    # them) and 46 split-heavy ones on M2, then the rows alternated twice, then ptxas -v on
+    # M2's 16-warp combine, then (time left) a trace of two rows)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     prebuild D
@@ -403,12 +405,18 @@ case $kernel in
     if command -v ptxas > /dev/null; then  # (the 16-warp combine's registers under MIN_CTAS)
       rm -rf /tmp/ptxM2 && mkdir -p /tmp/ptxM2
       TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR=/tmp/ptxM2 \
-        TORCH_MLA_CACHE_DIR=/tmp/cM2x timeout 60 python -m torch_mla.precompile --arch sm_90a \
-        --kernels combine --dtypes bf16 --jobs 1 > /dev/null 2>&1
-      for f in /tmp/ptxM2/*.ptx; do ptxas -arch=sm_90a -v "$f" -o /dev/null 2>&1 | tail -n 3; done
+        timeout 60 python -c "from torch_mla.cute_kernels.combine import compile_combine
+from torch_mla.ops.registry import CombineKernelConfig
+compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
+      for f in /tmp/ptxM2/*.ptx; do
+        [[ -e $f ]] || continue
+        { echo "$f: $(grep -m1 -o 'reqntid [0-9]*' "$f") $(grep -m1 'minnctapersm' "$f")"
+          ptxas -arch=sm_90a -v "$f" -o /dev/null 2>&1 | tail -n 3; } | tee -a "$OUT/ptxas_m2.txt"
+      done
     fi
     if (( SECONDS < 420 )); then  # (the small batches' per-CTA timeline, while time is left)
-      run trace 120 python -m tools.trace_sparse "$OUT/trace" 2,1,128 2,2,64
+      run trace 120 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m tools.trace_sparse "$OUT/trace" \
+        2,1,128 2,2,64
     fi
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
@@ -417,12 +425,16 @@ case $kernel in
     preamble flashmla-sm90-sparse
     run precompile 150 python -m torch_mla.precompile --arch sm_90a \
       --kernels sparse_split,schedule --dtypes bf16 --jobs 8
+    stop_if_hung precompile
     R=${ROWS:-"2,1,64 2,2,64 2,1,128 2,2,128 32,2,64"}
     run kt 150 python -m tools.sparse_kernel_times $R
+    stop_if_hung kt
     for round in 1 2; do
       run "tr_$round" 40 env TAG="r$round" python -m tools.sparse_rows split 656 $R
+      stop_if_hung "tr_$round"
       run "tp_$round" 40 env TAG="r$round pieces" TORCH_MLA_DEV_SPARSE_PIECES=flashmla \
         python -m tools.sparse_rows split 656 $R
+      stop_if_hung "tp_$round"
       run "tf_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/t[rpf]_*.log | sort > "$OUT/t_all.txt"

@@ -220,15 +220,15 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # Session 34's trace (pair, b 128 h_q 128): each half's loads issued after the previous half's
 # conversion, ~1 us of exposed latency a half. Session 35 (H100, same start as FlashMLA, two
 # rounds, with ENTRY_LEN 1; LOAD_BLOCK 2 against 0): with the pair b 128 s_q 1 h_q 128 221.0 /
-# 221.3 us against 228.2 / 228.2, s_q 2 424.5 / 422.6 against 438.8 / 439.5, b 32 80.4 / 81.1
-# against 84.2 / 84.2; without it (h_q 64) slower, 140.1 / 140.4 against 135.5 / 135.7 and
+# 221.3 us against 230.1 / 228.2, s_q 2 424.5 / 422.6 against 438.8 / 439.5, b 32 80.4 / 81.1
+# against 84.1 / 84.2; without it (h_q 64) slower, 140.1 / 140.4 against 135.5 / 135.7 and
 # 261.3 / 261.9 against 252.2 / 252.3 at s_q 2 (twice the registers held, 72 words). Session
 # 34's AHEAD_PAIR 1 (the next half's loads before this half's conversion, across blocks) was 5%
 # slower; session 29's EARLY 2 (this order, before the pair) 2-5% slower at h_q 64. Then (same
 # session, another start) LOAD_BLOCK 1 against 0: 219.6 / 219.6 against 228.8 / 228.3, 422.9 /
 # 419.2 against 435.7 / 436.1, 80.4 / 80.4 against 84.1 / 83.8 (FlashMLA 184.7 / 184.3, 356.4,
-# 66.9), the h_q 64 rows the same within 0.4%; the split's GPU tests (111) and memcheck at h_q
-# 100 and 64 passed on it: the default since.
+# 66.9), the h_q 64 rows the same within 0.7% (the same code there); the split's GPU tests
+# (111) and memcheck at h_q 100 and 64 passed on it: the default since.
 LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
@@ -321,7 +321,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         code for both buffers: the producer's code is half that of two blocks a step), both
         halves in order; the entries load a block ahead of the block whose rows load (with a
         lookahead, two ahead of the block being converted), the rows self.lookahead halves
-        ahead of the half being converted (AHEAD)."""
+        ahead of the half being converted (AHEAD), or with load_block both halves' rows before
+        the wait for half 0 (LOAD_BLOCK)."""
         warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
         parity.fill(0)

@@ -67,11 +67,12 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 # measured at (H100, session 30: 64 and 128; 65-127 run the same code with fewer rows), and
 # beats the portable one from fewer CTAs too: b 2 in one process, split / portable at h_q 64
 # s_q 1 (2 CTAs) 23.1 / 22.7 us, s_q 2 (4) 31.8 / 35.1, h_q 128 s_q 1 (4) 31.3 / 34.2, s_q 2
-# (8) 38.7 / 44.7. Session 35 (H100, one start): the split at b 2 s_q 1 h_q 64 22.3 / 22.3 us
+# (8) 38.7 / 44.7. Session 35 (H100, one start): the split at b 2 s_q 1 h_q 64 22.5 / 22.4 us
 # (tools/sparse_rows.py), the portable kernel there 23.1 (bench_decode.py --sparse, the same
-# problem and CUDA-graph timing), FlashMLA 23.8. So it runs from 2 one-token requests (b s_q)
-# since, where it ran from 4 CTAs (b s_q ceil(h_q / 64)): the same at 65-128 heads, 2 and 3
-# tokens of at most 64 heads added; a single token stays on the portable kernel (not measured).
+# problem and CUDA-graph timing), FlashMLA 23.8 (the split in the session's other starts
+# 21.5-22.5). So it runs from 2 one-token requests (b s_q) since, where it ran from 4 CTAs
+# (b s_q ceil(h_q / 64)): the same at 65-128 heads, 2 and 3 tokens of 64 heads added; a single
+# token stays on the portable kernel (not measured).
 SPLIT_MAX_HEADS = 128
 SPLIT_MIN_TOKENS = 2
 
@@ -106,16 +107,20 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
 # pair at 100-128 heads on the current kernel (test_fp8_entry_kinds_sm90_split_no_pair; not
 # yet run); TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS (a developer knob, read at import) sets it.
 SPLIT_PAIR_MIN_TOKENS = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS") or 1)
+if SPLIT_PAIR_MIN_TOKENS < 1:
+    raise ValueError("TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS takes a count from 1, not "
+                     f"{SPLIT_PAIR_MIN_TOKENS}")
 
 
 def split_pair_rows(h_q: int, cache: str, tokens: int | None = None) -> int:
     """The split kernel's cluster pair (registry.SPARSE_SPLIT_PAIR query rows: the two 64-row
     m-blocks of a token as one cluster whose producers share each block's conversion) where it
     applies, h_q 65-128 over the 656-byte rows from SPLIT_PAIR_MIN_TOKENS one-token requests
-    (tokens: b * s_q, None: any count; unless TORCH_MLA_SPARSE_SPLIT_PAIR=0), else 0."""
+    (tokens: b * s_q; None or 0, an empty batch: any count; unless
+    TORCH_MLA_SPARSE_SPLIT_PAIR=0), else 0."""
     pair = registry.SPARSE_SPLIT_PAIR
     return pair if (cache == "fp8_ds_mla" and pair // 2 < h_q <= pair
-                    and (tokens is None or tokens >= SPLIT_PAIR_MIN_TOKENS)
+                    and (not tokens or tokens >= SPLIT_PAIR_MIN_TOKENS)
                     and not dispatch.sparse_split_pair_off()) else 0
 
 
