@@ -46,13 +46,14 @@
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK, each in its own cache directory; missing fields the defaults
-#             0:0:cluster:0:0:late:0:1:1:1): the smoke cases of all but the first build, the
+#             LOAD_BLOCK:ROPE_REGS, each in its own cache directory; missing fields the
+#             defaults 0:0:cluster:0:0:late:0:1:1:1:0): the smoke cases of all but the first build, the
 #             rows over the 656-byte rows alternated twice with the first build without its
 #             pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
 #             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
-#             time is left. By default D (the defaults) and L0 (LOAD_BLOCK 0).
+#             time is left. By default RR (ROPE_REGS 1: its tests first; not yet run) and D
+#             (the defaults).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
 #             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
 #             small-batch rows' kernels one by one, ours and
@@ -250,16 +251,16 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-D L0:0:0:cluster:0:0:late:0:1:1:0})
+    VS=(${BUILDS:-RR:0:0:cluster:0:0:late:0:1:1:1:1 D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb rr
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb rr <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_DEV_SPLIT_ROPE_REGS=${rr:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")
