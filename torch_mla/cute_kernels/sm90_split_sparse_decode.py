@@ -245,9 +245,10 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # only after that wait. Session 35's traces (L1 build, b 128 s_q 1): WG0's wait for half 1 ends
 # ~1.8 us after the producer's wait for that half ends, at h_q 64 (27 -> 1804 ns) and 128 (pair;
 # -1283 -> 535) alike, ~0.5 us (h_q 64) and ~1 us (128) after the producer's last arrival on
-# it: the rope gather, issued at the free half, still landing (an L2 prefetch of its lines moved
-# the h_q 64 tail in session 34 but not that block time, where the producer bounds). 16 more
-# words a producer thread. Not yet run.
+# it. Likely the rope gather, issued at the free half, still landing (with the pair the peer's
+# st.async bytes complete that mbarrier too); an L2 prefetch of its lines moved the h_q 64 tail
+# in session 34 but not that block time, where the producer bounds, so the gain to look for is
+# at h_q 128. 16 more words a producer thread. Not yet run.
 ROPE_REGS = _dev_knob("ROPE_REGS", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
