@@ -51,7 +51,10 @@ UNROLL = 4
 # piece past the warp's last reads that last piece again with weight 0), so their loads go
 # out together: one round trip a step. Registers (ptxas, session 34's review): 64 / 72 / 80 at
 # 1 / 4 / 16 warps a row with 0; 126 / 126 / 104 with 4; 218 / 208 / 75 with 8 (at 16 warps a
-# row: 2 pieces a step; 8 there spilled ~2 KB before the cap). Not yet run.
+# row: 2 pieces a step; 8 there spilled ~2 KB before the cap). Session 35 (H100, same start
+# as FlashMLA, docs/benchmarks-h100.md): 8 up to 0.9 us faster at b 2, 4-12 us slower at b 32
+# (32,1,64 72.5 against 61.0); 4 slower at b 32 too. The split-KV GPU tests (sparse and dense)
+# pass with 8. Off.
 CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
 if CHUNK not in (0, 4, 8):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")
