@@ -90,6 +90,10 @@
 #             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
 #             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
 #             of 2,1,128 and 2,2,64; not yet run
+#   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
+#             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
+#             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
+#             the h_q 64 block; not yet run
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -420,6 +424,25 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         2,1,128 2,2,64
     fi
     finish; exit ;;
+  convert)  # (the producer's conversion route, timing only: EX the default exact route, BM
+    # FlashMLA's bf16 multiply (inexact), FM f16 bits read as bf16 (wrong values: a bound);
+    # TORCH_MLA_DEV_SPLIT_CONVERT, each build in its own cache directory; no tests, as FM's
+    # results are wrong by construction)
+    preamble flashmla-sm90-sparse
+    prebuild EX
+    prebuild BM TORCH_MLA_DEV_SPLIT_CONVERT=bf16mul
+    prebuild FM TORCH_MLA_DEV_SPLIT_CONVERT=f16mul
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    cvk() {  # the environment of build $1
+      case $1 in
+        EX) echo TORCH_MLA_CACHE_DIR=/tmp/cEX ;;
+        BM) echo TORCH_MLA_DEV_SPLIT_CONVERT=bf16mul TORCH_MLA_CACHE_DIR=/tmp/cBM ;;
+        FM) echo TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cFM ;;
+      esac
+    }
+    ab_rows cv cvk "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" EX BM FM
+    finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
     # the default schedule and FlashMLA's piece rule, alternated twice with FlashMLA)
@@ -499,7 +522,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|smallb|checkb|tree_ab|sms|trace]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|smallb|convert|checkb|tree_ab|sms|trace]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

@@ -132,7 +132,7 @@ def lds128(addr: Int32, *, loc=None, ip=None):
 
 
 def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
-              early: bool = False, peer: bool = False) -> str:
+              early: bool = False, peer: bool = False, route: str = "exact") -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
     value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
@@ -156,7 +156,15 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
 
     peer: each chunk also goes to the same place in a peer CTA's shared memory (st.async; the
     next two operands: the peer's shared::cluster address minus the local one, and the peer's
-    mbarrier, whose transaction count each 16-byte store completes)."""
+    mbarrier, whose transaction count each 16-byte store completes).
+
+    route (scaled, hw only; a developer's timing experiment, never a default): "exact" as
+    above (6 instructions a pair of values); "bf16mul" FlashMLA's route, the exact bf16 value
+    times the scale rounded to bf16, in bf16 (mul.rn.bf16x2: 5 a pair, rounded twice);
+    "f16mul" the f16 value times the scale rounded to f16, in f16 (2 a pair), stored as f16
+    bits where the caller reads bf16: wrong values, for a timing bound only."""
+    assert route in ("exact", "bf16mul", "f16mul"), route
+    assert route == "exact" or (scaled and hw and to_bf16), route
     lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;",
              ".reg .b32 h<8>, x<8>, s<8>" + (", pa<2>;" if peer else ";"),
              ".reg .f32 fl<8>, fu<8>, sc;"]
@@ -174,18 +182,28 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
         lines += [".reg .b32 k256;", "mov.b32 k256, 0x5c005c00;"]  # 256.0 in both f16 halves
     if scaled:
         lines.append("mov.b32 sc, $6;")
+    if route != "exact":  # (the scale as a 16-bit pair, once)
+        pack = "bf16x2" if route == "bf16mul" else "f16x2"
+        lines.insert(1, ".reg .b32 sc2;")
+        lines.append(f"cvt.rn.{pack}.f32 sc2, sc, sc;")
     for w in range(4):
         lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
     for i in range(8):
         if hw:
             lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
+            if route == "f16mul":
+                lines.append(f"mul.rn.f16x2 h{i}, h{i}, sc2;")
+            elif route == "bf16mul":
+                lines += [f"mov.b32 {{l{i}, u{i}}}, h{i};", f"cvt.f32.f16 fl{i}, l{i};",
+                          f"cvt.f32.f16 fu{i}, u{i};", f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};",
+                          f"mul.rn.bf16x2 h{i}, h{i}, sc2;"]
         else:
             sel = "0x4140" if i % 2 == 0 else "0x4342"  # bytes 0, 1 (or 2, 3) -> bytes 0, 2
             lines += [f"prmt.b32 x{i}, ${2 + i // 2}, 0, {sel};",
                       f"and.b32 s{i}, x{i}, 0x00800080;", f"shl.b32 s{i}, s{i}, 8;",
                       f"and.b32 x{i}, x{i}, 0x007f007f;", f"shl.b32 x{i}, x{i}, 7;",
                       f"or.b32 h{i}, s{i}, x{i};", f"mul.rn.f16x2 h{i}, h{i}, k256;"]
-        if to_bf16 or scaled:
+        if (to_bf16 or scaled) and route == "exact":
             lines += [f"mov.b32 {{l{i}, u{i}}}, h{i};", f"cvt.f32.f16 fl{i}, l{i};",
                       f"cvt.f32.f16 fu{i}, u{i};"]
             if scaled:
@@ -202,17 +220,18 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
 
 @dsl_user_op
 def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
-                 early: bool = False, peer=None, *, loc=None, ip=None) -> None:
+                 early: bool = False, peer=None, route: str = "exact", *, loc=None,
+                 ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
     (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
     integer ops; early: values 0-7 stored before 8-15 are converted; peer: (delta, mbarrier),
     the chunks also stored at dst + delta in a peer CTA by st.async, completing bytes on that
-    shared::cluster mbarrier address (see _e4m3_asm)."""
+    shared::cluster mbarrier address; route: _e4m3_asm's (a timing experiment)."""
     regs = ([dst0, dst1, *words] + ([] if scale is None else [scale])
             + ([] if peer is None else list(peer)))
     args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
     llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early,
-                                          peer is not None),
+                                          peer is not None, route),
                     ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 

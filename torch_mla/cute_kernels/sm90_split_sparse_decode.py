@@ -250,6 +250,15 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # in session 34 but not that block time, where the producer bounds, so the gain to look for is
 # at h_q 128. 16 more words a producer thread. Not yet run.
 ROPE_REGS = _dev_knob("ROPE_REGS", 0, (0, 1))
+# CONVERT (developer knob TORCH_MLA_DEV_SPLIT_CONVERT, its own cache directory; a timing
+# experiment, never a default): the producer's e4m3 -> bf16 route over the 656-byte rows
+# (ptx._e4m3_asm's route). "exact" (the default: the product in fp32, rounded once to bf16, as
+# the reference dequantizes; 6 instructions a pair of values); "bf16mul" (FlashMLA's: the bf16
+# value times the scale rounded to bf16, 5 a pair, rounded twice: inexact); "f16mul" (2 a
+# pair: f16 bits where the MMAs read bf16, so wrong results: an upper bound on what a 2-
+# instruction route with f16 MMAs could gain, docs/kernels/sparse.md session 35). Whether the
+# producer's conversion bounds the h_q 64 block. Not yet run.
+CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -527,7 +536,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
-                                 scales[i][d // 2], early=True, peer=peer)
+                                 scales[i][d // 2], early=True, peer=peer, route=CONVERT)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
                               rope_issued=rope_first)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
