@@ -248,7 +248,9 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # it. Likely the rope gather, issued at the free half, still landing (with the pair the peer's
 # st.async bytes complete that mbarrier too); an L2 prefetch of its lines moved the h_q 64 tail
 # in session 34 but not that block time, where the producer bounds, so the gain to look for is
-# at h_q 128. 16 more words a producer thread. Not yet run.
+# at h_q 128. 16 more words a producer thread; ptxas (the DSL's, CUTE_DSL_COMPILER_OPT=
+# "remarks{ptx}", session 35): the same 168 registers and spill as without it (none with the
+# pair, 12 / 44 bytes of stores / loads without, as the default). Not yet run.
 ROPE_REGS = _dev_knob("ROPE_REGS", 0, (0, 1))
 # CONVERT (developer knob TORCH_MLA_DEV_SPLIT_CONVERT, its own cache directory; a timing
 # experiment, never a default): the producer's e4m3 -> bf16 route over the 656-byte rows
