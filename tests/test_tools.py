@@ -89,3 +89,36 @@ def test_trace_build_compiles(tmp_path):
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     assert counts == {"traced": 17}, counts
+
+
+def test_ptxas_figures_parses_the_dsl_remarks():
+    """tools/ptxas_figures.py reads each entry's registers and spill from the DSL's ptxas
+    remarks (wrapped lines, the name on the line after "Compiling entry function")."""
+    from tools import ptxas_figures
+
+    text = """          ptxas info    : Compiling entry function
+          'kernel_cutlass_kernel_torch_mlacute_kernelscombineMLACombine_object_at__tensor_x'
+          for 'sm_90a'
+          ptxas         .     88 bytes stack frame, 20 bytes spill stores, 28 bytes spill loads
+          ptxas info    : Used 64 registers, used 1 barriers, 88 bytes cumulative stack size
+          ptxas info    : Compiling entry function
+          'some_other_kernel' for 'sm_90a'
+          ptxas         .     0 bytes stack frame, 0 bytes spill stores, 0 bytes spill loads
+          ptxas info    : Used 168 registers, used 1 barriers"""
+    assert ptxas_figures.figures(text) == [
+        {"kernel": "combine.MLACombine", "registers": 64, "spill_stores": 20, "spill_loads": 28,
+         "stack": 88},
+        {"kernel": "some_other_kernel", "registers": 168, "spill_stores": 0, "spill_loads": 0,
+         "stack": 0}]
+    assert [ptxas_figures.parse_value(v) for v in ("16", "true", "bf16")] == [16, True, "bf16"]
+
+
+def test_ptxas_figures_on_a_build():
+    """The tool on a real build (the combine at 16 warps a row, ~5 s): one line with figures."""
+    res = subprocess.run([sys.executable, "-m", "tools.ptxas_figures", "CombineKernelConfig",
+                          "dtype=bf16", "warps_per_row=16"], cwd=ROOT, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = [ln for ln in res.stdout.splitlines() if ln.startswith("combine.MLACombine: ")]
+    assert len(lines) == 1 and " registers, " in lines[0] and "spill stores" in lines[0], res.stdout
+    assert int(lines[0].split(": ")[1].split(" ")[0]) > 0

@@ -62,8 +62,9 @@ if CHUNK not in (0, 4, 8):
 # TORCH_MLA_CACHE_DIR): 2 asks ptxas for two CTAs an SM of the 16-warps-a-row variant (512
 # threads: at most 64 registers a thread, where it takes 80 and so runs one CTA an SM: the
 # sparse small batches' 256-512 rows in 2-4 waves). ptxas (the DSL's, CUTE_DSL_COMPILER_OPT=
-# "remarks{ptx}", session 35): 64 registers and 20 / 28 bytes of spill stores / loads, against
-# 80 and none without it. Not yet run.
+# "remarks{ptx}", session 35; `python -m tools.ptxas_figures`): 64 registers and 20 / 28 bytes
+# of spill stores / loads, against 80 and none without it (the sparse step's: 64 with 32 / 36,
+# against 77). Not yet run.
 MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
 if MIN_CTAS not in (0, 2):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")

@@ -464,7 +464,7 @@ def _q_rows(q, b, rows):
 
 # TORCH_MLA_DEV_COMBINE_WPR (a developer knob for an A/B, read at import: 1, 4 or 16): every
 # combine merges with that many warps a row, whatever CombineConfig would choose. Session 35's
-# reading (not yet measured): 16 warps a row is a CTA of 512 threads at 80 registers, one CTA
+# reading (not yet measured): 16 warps a row is a CTA of 512 threads at 77-80 registers, one CTA
 # an SM, so the sparse small batches' 256-512 rows (b 2, s_q 1-2, h_q 64-128) take 2-4 waves.
 _COMBINE_WPR = int(os.environ.get("TORCH_MLA_DEV_COMBINE_WPR") or 0)
 if _COMBINE_WPR not in (0, *COMBINE_WARPS_PER_ROW):
