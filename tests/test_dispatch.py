@@ -405,7 +405,8 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     monkeypatch.setitem(dispatch.STEPS, "sm90", lambda dtype, causal, index: step)
     out, lse = dispatch.run_sm90(inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, meta,
                                   splits, 0.5, True)
-    variant = dispatch.combine_variant(b, meta.shape[0], s_q * g)
+    variant = dispatch.combine_variant(b, meta.shape[0], s_q * g,
+                                       dispatch.device_num_sms(inp.q.device))
     assert layouts == {(True,) * 9 + (round(0.5 * math.log2(math.e), 6), variant)}
     assert mismatches == []
     heads = inp.kv_cache[inp.block_table[0, 0], 0, torch.arange(4) // g, :512]  # (h_q, 512)
@@ -460,6 +461,25 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, d
                      (2, 8, 512), True, True, 1), []]
     torch.testing.assert_close(out, torch.ones(2, 2, 4, 512, dtype=torch.bfloat16))
     torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
+
+
+@pytest.mark.parametrize("num_sms", [132, 78])
+def test_combine_takes_4_warps_a_row_past_two_waves_of_16_warp_ctas(num_sms):
+    """16 warps a row while its 512-thread CTAs (one an SM) fit two waves, then 4; below 16
+    the choice does not depend on the device's size."""
+    from torch_mla.scheduling import CombineConfig
+
+    def pick(batch, parts, rows):
+        return CombineConfig.from_heuristic(batch, parts, rows, num_sms).warps_per_row
+
+    for batch, rows in [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (2, 256), (4, 64)]:
+        want = 16 if batch * rows <= 2 * num_sms else 4
+        assert pick(batch, 16 * batch, rows) == want, (batch, rows)
+        assert pick(batch, 16 * batch - 1, rows) == CombineConfig.from_heuristic(
+            batch, 16 * batch - 1, rows, 10 ** 6).warps_per_row != 16
+    assert dispatch.combine_warps_per_row(2, 66, 256, 132) == 4
+    assert dispatch.combine_warps_per_row(2, 66, 128, 132) == 16
+    assert dispatch.device_num_sms(torch.device("cpu")) == 132
 
 
 def test_no_import_cycle_between_torch_mla_modules():

@@ -380,7 +380,8 @@ def trace_row(spec: str, out_dir: str) -> None:
             torch.empty(b, h_q, s_q, dtype=torch.float32, device=dev),
             torch.empty(slots, h_q, 512, dtype=torch.float32, device=dev),
             torch.empty(slots, h_q, dtype=torch.float32, device=dev),
-            576 ** -0.5 * LOG2_E, dispatch.combine_variant(b * s_q, parts, h_q))
+            576 ** -0.5 * LOG2_E, dispatch.combine_variant(b * s_q, parts, h_q,
+                                                            dispatch.device_num_sms(dev)))
     stamps = torch.zeros(parts * m_blocks, TRACE_SLOTS, dtype=torch.int64, device=dev)
     traced = traced_step(pair)
     for _ in range(3):

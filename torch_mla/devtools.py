@@ -51,7 +51,8 @@ def breakdown_us(inp: DecodeInputs, sched: DecodeSchedule, causal: bool) -> tupl
     decode = registry.compiled(registry.DecodeConfig("sm90", dt, causal and s_q > 1),
                                registry.SM90_ARCH)
     combine = registry.compiled(registry.CombineKernelConfig(
-        dt, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q)),
+        dt, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q,
+                                        dispatch.device_num_sms(inp.q.device))),
         registry.SM90_ARCH)
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
@@ -106,7 +107,7 @@ def combine_warps(warps_per_row: int):
 
     old = dispatch.combine_variant
     index = COMBINE_WARPS_PER_ROW.index(warps_per_row)
-    dispatch.combine_variant = lambda batch, num_parts, rows: index
+    dispatch.combine_variant = lambda batch, num_parts, rows, num_sms=132: index
     try:
         yield
     finally:

@@ -67,12 +67,23 @@ class CombineConfig:
 
     warps_per_row: int
 
+    # 16 warps a row are a CTA of 512 threads at 77-80 registers: one CTA an SM. Over more
+    # than this many waves of such CTAs (batch * rows of them) 4 warps a row (one wave) merge
+    # faster. H100, sparse decode over the 656-byte rows, same start (session 36, us, 16 / 4
+    # warps a row): 128 rows (2,1,64) 21.8 / 23.8; 256 (2,1,128) 29.0 / 29.6, (2,2,64) 28.7 /
+    # 29.0; 512 (2,2,128) 36.0 / 31.2, (4,1,128) 36.0 / 31.2.
+    MAX_WAVES_16 = 2
+
     @classmethod
-    def from_heuristic(cls, batch: int, num_parts: int, rows: int) -> "CombineConfig":
+    def from_heuristic(cls, batch: int, num_parts: int, rows: int,
+                       num_sms: int = 132) -> "CombineConfig":
         """rows: query rows per request (s_q * h_q). A request is cut into up to
         ~num_parts / batch + 1 pieces. H200, anchor workload, us for 1 / 4 / 16 warps per row
-        (tools/sweep_schedule.py, docs/kernel-notes.md)."""
+        (tools/sweep_schedule.py, docs/kernel-notes.md). num_sms: the device's
+        multiprocessors (the 16-warp rows' waves)."""
         if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5
+            if batch * rows > cls.MAX_WAVES_16 * num_sms:
+                return cls(4)
             return cls(16)
         if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
             return cls(4)

@@ -68,6 +68,13 @@ if CHUNK not in (0, 4, 8):
 MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
 if MIN_CTAS not in (0, 2):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")
+# UNROLL16 (developer knob TORCH_MLA_DEV_COMBINE_UNROLL16, read at import, 0, 1 or 2; its own
+# TORCH_MLA_CACHE_DIR): the 16-warps-a-row variant's unroll (0: UNROLL). There a warp takes
+# ~2 pieces of a row at b 2 (33 over 16 warps), so 4 in flight buy little, while their loads'
+# registers (80 a thread) keep the variant at one CTA an SM. Session 36, not yet run.
+UNROLL16 = int(os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL16") or 0)
+if UNROLL16 not in (0, 1, 2):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_UNROLL16 takes 0, 1 or 2, not {UNROLL16}")
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -163,7 +170,8 @@ class MLACombine:
                     if const_expr(CHUNK):
                         self._merge_chunks(acc, w, mOacc, start + c, n, row, part, lane)
                     else:
-                        for j in cutlass.range(part, n, self.wpr, unroll=UNROLL):
+                        unroll = UNROLL16 if self.wpr == 16 and UNROLL16 else UNROLL
+                        for j in cutlass.range(part, n, self.wpr, unroll=unroll):
                             wj = cute.arch.shuffle_sync(w, j)
                             for k in cutlass.range_constexpr(self.n_vec):
                                 src = cute.local_tile(mOacc[start + c + j, row, None], (4,),

@@ -418,7 +418,7 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     else:
         step = STEPS[kind](out_dtype, bool(causal) and s_q > 1, index)
     parts = meta.shape[0]
-    variant = combine_variant(b, parts, rows)
+    variant = combine_variant(b, parts, rows, device_num_sms(q.device))
     # One slot per piece a request can be cut into: at most batch + num_parts (scheduling.py).
     # (new_empty with the sizes as separate arguments: of the ways to allocate, the one that
     # costs least to parse, ~0.5 us below torch.empty(..., device=) per tensor.)
@@ -473,18 +473,27 @@ if _COMBINE_WPR not in (0, *COMBINE_WARPS_PER_ROW):
 
 
 @functools.lru_cache(maxsize=None)
-def combine_warps_per_row(batch: int, num_parts: int, rows: int) -> int:
+def combine_warps_per_row(batch: int, num_parts: int, rows: int, num_sms: int = 132) -> int:
     """CombineConfig's choice (or TORCH_MLA_DEV_COMBINE_WPR's), cached: it runs on every eager
     decode call."""
     from ..scheduling import CombineConfig
 
-    return _COMBINE_WPR or CombineConfig.from_heuristic(batch, num_parts, rows).warps_per_row
+    return _COMBINE_WPR or CombineConfig.from_heuristic(batch, num_parts, rows,
+                                                        num_sms).warps_per_row
 
 
 @functools.lru_cache(maxsize=None)
-def combine_variant(batch: int, num_parts: int, rows: int) -> int:
+def combine_variant(batch: int, num_parts: int, rows: int, num_sms: int = 132) -> int:
     """The index of that choice among the decode step's combine variants."""
-    return COMBINE_WARPS_PER_ROW.index(combine_warps_per_row(batch, num_parts, rows))
+    return COMBINE_WARPS_PER_ROW.index(combine_warps_per_row(batch, num_parts, rows, num_sms))
+
+
+@functools.lru_cache(maxsize=None)
+def device_num_sms(device: torch.device) -> int:
+    """scheduling.default_num_sms, cached: read on every eager decode call."""
+    from ..scheduling import default_num_sms
+
+    return default_num_sms(device)
 
 
 

@@ -272,7 +272,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     out = q.new_empty(b, s_q, h_q, D_V)
     lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
     if b > 0 and s_q > 0:
-        variant = dispatch.combine_variant(b * s_q, parts, h_q)
+        variant = dispatch.combine_variant(b * s_q, parts, h_q,
+                                           dispatch.device_num_sms(q.device))
         # kv_scale: the float8_e4m3fn cache's, else None (the 656-byte rows carry their
         # scales), passed either way: a step loaded from the disk cache takes its defaulted
         # trailing arguments explicitly (dispatch.run_split_kv's fp8 arguments likewise)
