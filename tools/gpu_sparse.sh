@@ -92,9 +92,9 @@
 #             of 2,1,128 and 2,2,64; not yet run
 #   unroll16  session 36's combine candidates against the defaults (D: 16 warps a row while
 #             its CTAs fit two waves, then 4): O every combine at 16 (the old choice at the
-#             rows), U2 / U1 O with TORCH_MLA_DEV_COMBINE_UNROLL16 (two CTAs an SM); tests on U2
-#             (the split's, the dense split-KV ones), the rows alternated twice with FlashMLA,
-#             the issue's bench on D, then D / O on dense rows
+#             rows), U2 / U1 O with TORCH_MLA_DEV_COMBINE_UNROLL16 (two CTAs an SM); the
+#             split's tests on U2, the rows alternated twice with FlashMLA, the issue's bench
+#             on D, then (time left) D / O on dense rows and U2's dense split-KV tests
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
@@ -433,8 +433,8 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     # defaults (16 warps a row up to two waves of its CTAs, then 4); O the old choice (every
     # combine at 16, TORCH_MLA_DEV_COMBINE_WPR=16: the old rule's choice at ROWS); U2 / U1 O
     # with TORCH_MLA_DEV_COMBINE_UNROLL16=2 / 1 (59 / 57 registers: two CTAs an SM); the
-    # split's tests and the dense split-KV tests on U2 first, then the rows alternated twice,
-    # then the issue's bench on D, then (time left) D against O on dense rows)
+    # split's tests on U2 first, then the rows alternated twice, then the issue's bench on D,
+    # then (time left) D against O on dense rows and the dense split-KV tests on U2)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     prebuild D
@@ -446,10 +446,6 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     run tests 150 env "${F[@]}" TORCH_MLA_DEV_COMBINE_UNROLL16=2 TORCH_MLA_CACHE_DIR=/tmp/cU2 \
       python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
     stop_if_hung tests
-    run tests_dense 200 env TORCH_MLA_DEV_COMBINE_UNROLL16=2 TORCH_MLA_CACHE_DIR=/tmp/cU2 python \
-      -m pytest -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py \
-      tests/test_schedule_mismatch.py
-    stop_if_hung tests_dense
     uk() {  # the environment of variant $1
       case $1 in
         D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
@@ -462,11 +458,18 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     }
     ab_rows uk uk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128 4,2,64}" D O U2 U1
     run bench 240 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --sparse
-    if (( SECONDS < 470 )); then  # (dense rows where the rule moved 16 warps to 4)
+    if (( SECONDS < 450 )); then  # (dense rows where the rule moved 16 warps to 4)
       DR="4,1,4096,128 8,1,4096,64 2,2,4096,128 1,1,4096,128"
-      run dense_D 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py $DR
+      run dense_D 80 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py $DR
       run dense_O 60 env TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_CACHE_DIR=/tmp/cD python \
         benchmarks/bench_decode.py $DR
+    fi
+    if (( SECONDS < 480 )); then  # (U2's dense split-KV tests, while time is left)
+      run tests_dense $((570 - SECONDS)) env TORCH_MLA_DEV_COMBINE_UNROLL16=2 \
+        TORCH_MLA_CACHE_DIR=/tmp/cU2 python -m pytest -m cuda -q -x -p no:cacheprovider \
+        tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
+    else
+      summary+=("tests_dense      skipped: too little time left")
     fi
     finish; exit ;;
   convert)  # (the producer's conversion route, timing only: EX the default exact route, BM
