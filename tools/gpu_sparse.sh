@@ -95,6 +95,9 @@
 #             rows), U2 / U1 O with TORCH_MLA_DEV_COMBINE_UNROLL16 (two CTAs an SM); the
 #             split's tests on U2, the rows alternated twice with FlashMLA, the issue's bench
 #             on D, then (time left) D / O on dense rows and U2's dense split-KV tests
+#   combine36  session 36's combine defaults: the split's tests, the issue's bench, then dense
+#             rows (DR) on the defaults against TORCH_MLA_DEV_COMBINE_UNROLL16=4 (the 16-warp
+#             variant's old unroll), alternated twice
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
@@ -471,6 +474,32 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     else
       summary+=("tests_dense      skipped: too little time left")
     fi
+    finish; exit ;;
+  combine36)  # (session 36's combine defaults, FlashMLA beside: the split's tests, the issue's
+    # bench, then dense rows (DR) on the defaults (D) against the 16-warp variant's old unroll
+    # (U4, TORCH_MLA_DEV_COMBINE_UNROLL16=4), alternated twice)
+    SECONDS=${ELAPSED:-0}
+    preamble flashmla-sm90-sparse
+    prebuild D
+    (TORCH_MLA_DEV_COMBINE_UNROLL16=4 TORCH_MLA_CACHE_DIR=/tmp/cU4 timeout 200 python -m \
+      torch_mla.precompile --arch sm_90a --kernels step,schedule --dtypes bf16 --jobs 8 \
+      > "$OUT/preU4.log" 2>&1) &
+    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
+      --kernels step,schedule --dtypes bf16 --jobs 8 > "$OUT/preDd.log" 2>&1) &
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    run tests 150 env "${F[@]}" TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
+      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    stop_if_hung tests
+    run bench 240 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --sparse
+    DR=${DR:-"1,1,4096,128 2,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64 1,2,4096,128"}
+    for round in 1 2; do
+      run "dense_D_$round" 90 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py \
+        --no-check $DR
+      run "dense_U4_$round" 90 env TORCH_MLA_DEV_COMBINE_UNROLL16=4 TORCH_MLA_CACHE_DIR=/tmp/cU4 \
+        python benchmarks/bench_decode.py --no-check $DR
+    done
     finish; exit ;;
   convert)  # (the producer's conversion route, timing only: EX the default exact route, BM
     # FlashMLA's bf16 multiply (inexact), FM f16 bits read as bf16 (wrong values: a bound);

@@ -67,12 +67,15 @@ class CombineConfig:
 
     warps_per_row: int
 
-    # 16 warps a row are a CTA of 512 threads at 77-80 registers: one CTA an SM. Over more
-    # than this many waves of such CTAs (batch * rows of them) 4 warps a row (one wave) merge
-    # faster. H100, sparse decode over the 656-byte rows, same start (session 36, us, 16 / 4
-    # warps a row): 128 rows (2,1,64) 21.8 / 23.8; 256 (2,1,128) 29.0 / 29.6, (2,2,64) 28.7 /
-    # 29.0; 512 (2,2,128) 36.0 / 31.2, (4,1,128) 36.0 / 31.2.
-    MAX_WAVES_16 = 2
+    # 16 warps a row are a CTA of 512 threads at 59 registers (combine.UNROLL16): two CTAs an
+    # SM. Past one wave of them (batch * rows > MAX_CTAS_16 x num_sms) 4 warps a row merge
+    # faster. H100,
+    # sparse decode over the 656-byte rows, same start (session 36, us, 16 warps a row at 80
+    # registers / at 59 / 4 warps a row): 256 rows (2,1,128) 29.0 / 26.8 / 29.0, (2,2,64) 28.4 /
+    # 27.0 / 28.6; 512 (2,2,128) 36.0 / 32.0 / 31.0, (4,1,128) 36.1 / 32.0 / 31.2, (8,1,64) 37.4 /
+    # 33.6 / 31.8. Dense (bench_decode.py, 16 / 4 warps at 80 registers): 4,1,4096,128 39.2 /
+    # 33.3, 8,1,4096,64 47.2 / 41.7, 2,2,4096,128 37.9 / 32.6.
+    MAX_CTAS_16 = 2  # a multiprocessor's
 
     @classmethod
     def from_heuristic(cls, batch: int, num_parts: int, rows: int,
@@ -82,7 +85,7 @@ class CombineConfig:
         (tools/sweep_schedule.py, docs/kernel-notes.md). num_sms: the device's
         multiprocessors (the 16-warp rows' waves)."""
         if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5
-            if batch * rows > cls.MAX_WAVES_16 * num_sms:
+            if batch * rows > cls.MAX_CTAS_16 * num_sms:
                 return cls(4)
             return cls(16)
         if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5

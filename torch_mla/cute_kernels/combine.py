@@ -64,17 +64,22 @@ if CHUNK not in (0, 4, 8):
 # sparse small batches' 256-512 rows in 2-4 waves). ptxas (the DSL's, CUTE_DSL_COMPILER_OPT=
 # "remarks{ptx}", session 35; `python -m tools.ptxas_figures`): 64 registers and 20 / 28 bytes
 # of spill stores / loads, against 80 and none without it (the sparse step's: 64 with 32 / 36,
-# against 77). Not yet run.
+# against 77). Session 36 (H100, same start): 2,2,64 27.0 against 28.7 us, 2,1,64 22.7 against
+# 21.8: UNROLL16 2 reaches two CTAs an SM without the spill (below). Off.
 MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
 if MIN_CTAS not in (0, 2):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")
-# UNROLL16 (developer knob TORCH_MLA_DEV_COMBINE_UNROLL16, read at import, 0, 1 or 2; its own
-# TORCH_MLA_CACHE_DIR): the 16-warps-a-row variant's unroll (0: UNROLL). There a warp takes
-# ~2 pieces of a row at b 2 (33 over 16 warps), so 4 in flight buy little, while their loads'
-# registers (80 a thread) keep the variant at one CTA an SM. Session 36, not yet run.
-UNROLL16 = int(os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL16") or 0)
-if UNROLL16 not in (0, 1, 2):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_UNROLL16 takes 0, 1 or 2, not {UNROLL16}")
+# UNROLL16: the 16-warps-a-row variant's unroll (developer knob TORCH_MLA_DEV_COMBINE_UNROLL16,
+# read at import, 1, 2 or 4; another value than the default needs its own TORCH_MLA_CACHE_DIR).
+# There a warp takes ~2 pieces of a row (b 2: 33 over 16 warps), so UNROLL's 4 in flight bought
+# little, while their loads' registers (80 a thread) kept the variant at one CTA an SM; at 2 it
+# takes 59 (ptxas), two CTAs an SM. Session 36 (H100, sparse decode over the 656-byte rows, same
+# start, us at 4 / 2 / 1): 2,1,128 (256 rows) 29.0 / 26.8 / 27.0; 2,2,64 28.4 / 27.0 / 27.1;
+# 2,1,64 (128 rows) 21.5 / 21.7 / 21.7. The split's tests (114) and the dense split-KV tests
+# (124) passed at 2.
+UNROLL16 = int(os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL16") or 2)
+if UNROLL16 not in (1, 2, 4):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_UNROLL16 takes 1, 2 or 4, not {UNROLL16}")
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -170,7 +175,7 @@ class MLACombine:
                     if const_expr(CHUNK):
                         self._merge_chunks(acc, w, mOacc, start + c, n, row, part, lane)
                     else:
-                        unroll = UNROLL16 if self.wpr == 16 and UNROLL16 else UNROLL
+                        unroll = UNROLL16 if self.wpr == 16 else UNROLL
                         for j in cutlass.range(part, n, self.wpr, unroll=unroll):
                             wj = cute.arch.shuffle_sync(w, j)
                             for k in cutlass.range_constexpr(self.n_vec):
