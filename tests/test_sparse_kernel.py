@@ -24,6 +24,8 @@ from test_sparse import (
 )
 
 import torch_mla
+from torch_mla.constants import COMBINE_VARIANTS
+from torch_mla.devtools import combine_warps
 from torch_mla.ops import sparse as sparse_ops
 from torch_mla.testing import DECODE_TOL, LSE_TOL
 
@@ -163,6 +165,15 @@ def test_splits_and_long_rows(backend, b, topk):
     # Few requests: each token's entries are cut across parts and merged by the combine.
     q, cache, idx, lens, _ = _case(64, 1, topk, b=b, num_blocks=64)
     check_against_fp64(q, cache, idx, lens)
+
+
+@pytest.mark.parametrize("variant", COMBINE_VARIANTS)
+def test_every_combine_variant(backend, variant):
+    # Each combine variant, forced (devtools.combine_warps), merges the pieces of a few long
+    # rows: the heuristic's choice depends on the device's size and may leave one untried.
+    q, cache, idx, lens, _ = _case(64, 2, 4096, b=2, num_blocks=64)
+    with combine_warps(*variant):
+        check_against_fp64(q, cache, idx, lens)
 
 
 def test_parts_of_many_blocks(backend):
