@@ -446,8 +446,9 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D
     DR=${DR:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64"}
     run dense 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
-    if (( SECONDS < 420 )); then  # (the dense split-KV tests, every variant's among them)
-      run tests_dense $((560 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \
+    END=${END:-570}  # (the call's seconds: the dense tests stop 10 s before)
+    if (( SECONDS < END - 100 )); then  # (the dense split-KV tests, every variant's among them)
+      run tests_dense $((END - 10 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \
         -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
     else
       summary+=("tests_dense      skipped: too little time left")
