@@ -92,8 +92,10 @@
 #             of 2,1,128 and 2,2,64; not yet run
 #   combine4  session 36's four combine variants (constants.COMBINE_VARIANTS): the split's
 #             tests and each variant's on every sparse backend, the issue's bench, the
-#             small-batch rows with FlashMLA, dense rows, then (time left) the dense split-KV
-#             tests; the A/Bs behind them ran as modes unroll16 (a351cec) and combine36 (790001e)
+#             small-batch rows with FlashMLA and dense rows with and without
+#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; not
+#             yet run (session 36's start failed); the A/Bs behind them ran as modes
+#             unroll16 (a351cec) and combine36 (790001e)
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
@@ -430,7 +432,9 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     finish; exit ;;
   combine4)  # (session 36's four combine variants, FlashMLA beside: the split's tests and
     # every backend's test of each variant, the issue's bench, the small-batch rows alternated
-    # twice, dense rows (DR), then while time is left the dense split-KV tests)
+    # twice and dense rows (DR), the defaults (D) and with TORCH_MLA_DEV_COMBINE_UNROLL2=1 (U,
+    # the heuristic takes (16, 2); the tests and the bench under it), then while time is left
+    # the dense split-KV tests)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
@@ -438,14 +442,16 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       > "$OUT/preD.log" 2>&1)
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    run tests 200 env "${F[@]}" TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
+    U=(TORCH_MLA_DEV_COMBINE_UNROLL2=1 TORCH_MLA_CACHE_DIR=/tmp/cD)  # (the heuristic takes (16, 2))
+    run tests 200 env "${F[@]}" "${U[@]}" python -m pytest -m cuda -q \
       -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split or every_combine"
     stop_if_hung tests
-    run bench 150 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --sparse
-    dk() { echo TORCH_MLA_CACHE_DIR=/tmp/cD; }
-    ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D
+    run bench 150 env "${U[@]}" python benchmarks/bench_decode.py --sparse
+    dk() { [[ $1 == U ]] && echo TORCH_MLA_DEV_COMBINE_UNROLL2=1; echo TORCH_MLA_CACHE_DIR=/tmp/cD; }
+    ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D U
     DR=${DR:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64"}
-    run dense 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
+    run dense_D 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
+    run dense_U 60 env "${U[@]}" python benchmarks/bench_decode.py --no-check $DR
     END=${END:-570}  # (the call's seconds: the dense tests stop 10 s before)
     if (( SECONDS < END - 100 )); then  # (the dense split-KV tests, every variant's among them)
       run tests_dense $((END - 10 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \

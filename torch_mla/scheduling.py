@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import torch
 
@@ -80,6 +81,12 @@ class CombineConfig:
     # 33.2 / 30.9 / -, 1,2,4096,128 24.9 / 23.1 / -; 4,1,4096,128 (512) 39.2 / - / 33.3,
     # 8,1,4096,64 47.2 / - / 41.7, 2,2,4096,128 37.9 / - / 32.6.
     CTAS_16_UNROLL_2 = 2  # 16-warp CTAs an SM at unroll 2
+    # Whether the heuristic takes (16, 2) (developer knob TORCH_MLA_DEV_COMBINE_UNROLL2=1, read
+    # at import): its kernel passed the split's tests (114) and the dense split-KV ones (124) as
+    # the only 16-warp variant (session 36), but the step with all four variants has not run on
+    # a GPU yet (its device start failed): until it has, up to two waves of 16-warp CTAs at
+    # unroll 4 (the 256-row times at unroll 4 above), then 4 warps a row.
+    UNROLL_2 = os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL2") == "1"
 
     @property
     def variant(self) -> int:
@@ -97,7 +104,7 @@ class CombineConfig:
             if batch * rows <= num_sms:
                 return cls(16)
             if batch * rows <= cls.CTAS_16_UNROLL_2 * num_sms:
-                return cls(16, 2)
+                return cls(16, 2) if cls.UNROLL_2 else cls(16)
             return cls(4)
         if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
             return cls(4)
