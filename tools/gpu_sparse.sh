@@ -46,14 +46,13 @@
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:ROPE_REGS, each in its own cache directory; missing fields the
-#             defaults 0:0:cluster:0:0:late:0:1:1:1:0): the smoke cases of all but the first build, the
+#             LOAD_BLOCK, each in its own cache directory; missing fields the defaults
+#             0:0:cluster:0:0:late:0:1:1:1): the smoke cases of all but the first build, the
 #             rows over the 656-byte rows alternated twice with the first build without its
 #             pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
 #             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
-#             time is left. By default RR (ROPE_REGS 1: its tests first; not yet run) and D
-#             (the defaults).
+#             time is left. By default D alone (the defaults).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
 #             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
 #             small-batch rows' kernels one by one, ours and
@@ -64,7 +63,8 @@
 #             removed: no change) and E1/E0 (docs/benchmarks-h100.md); session 35 E1, E0 and
 #             EL (ENTRY_LEN 1 with LOAD_BLOCK, then only 0 or 1), then L1 (LOAD_BLOCK 1, the
 #             pair only) and D, then ER (ENTRY_RAW 1, the next block's entries checked when
-#             it begins: no change, removed) and D
+#             it begins: no change, removed) and D; session 36 RR (ROPE_REGS 1, the rope tile
+#             through registers: slower with the pair, removed) and D
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -89,17 +89,19 @@
 #             one-token requests, TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16); the split's tests on
 #             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
 #             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
-#             of 2,1,128 and 2,2,64; not yet run
-#   combine4  session 36's four combine variants (constants.COMBINE_VARIANTS): the split's
-#             tests and each variant's on every sparse backend, the issue's bench, the
-#             small-batch rows with FlashMLA and dense rows with and without
-#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; not
-#             yet run (session 36's start failed); the A/Bs behind them ran as modes
-#             unroll16 (a351cec) and combine36 (790001e)
+#             of 2,1,128 and 2,2,64; run in session 36 (docs/benchmarks-h100.md)
+#   unroll16  session 36's combine candidates against the defaults (D: 16 warps a row while
+#             its CTAs fit two waves, then 4): O every combine at 16 (the old choice at the
+#             rows), U2 / U1 O with TORCH_MLA_DEV_COMBINE_UNROLL16 (two CTAs an SM); the
+#             split's tests on U2, the rows alternated twice with FlashMLA, the issue's bench
+#             on D, then (time left) D / O on dense rows and U2's dense split-KV tests; run in
+#             session 36 (then a mode combine36, at 790001e: UNROLL16 2 the default against 4
+#             on dense rows; docs/benchmarks-h100.md). The step with both unrolls as separate
+#             variants, and its GPU run (mode combine4), are on the branch combine4
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
-#             the h_q 64 block; not yet run
+#             the h_q 64 block; run in session 36
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -261,16 +263,16 @@ case $kernel in
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    VS=(${BUILDS:-RR:0:0:cluster:0:0:late:0:1:1:1:1 D})
+    VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb rr
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb rr <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
-        TORCH_MLA_DEV_SPLIT_ROPE_REGS=${rr:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")
@@ -430,32 +432,45 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         2,1,128 2,2,64
     fi
     finish; exit ;;
-  combine4)  # (session 36's four combine variants, FlashMLA beside: the split's tests and
-    # every backend's test of each variant, the issue's bench, the small-batch rows alternated
-    # twice and dense rows (DR), the defaults (D) and with TORCH_MLA_DEV_COMBINE_UNROLL2=1 (U,
-    # the heuristic takes (16, 2); the tests and the bench under it), then while time is left
-    # the dense split-KV tests)
+  unroll16)  # (session 36: the 16-warps-a-row combine, same start, FlashMLA beside: D the
+    # defaults (16 warps a row up to two waves of its CTAs, then 4); O the old choice (every
+    # combine at 16, TORCH_MLA_DEV_COMBINE_WPR=16: the old rule's choice at ROWS); U2 / U1 O
+    # with TORCH_MLA_DEV_COMBINE_UNROLL16=2 / 1 (59 / 57 registers: two CTAs an SM); the
+    # split's tests on U2 first, then the rows alternated twice, then the issue's bench on D,
+    # then (time left) D against O on dense rows and the dense split-KV tests on U2)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
-      --kernels step,sparse,sparse_producer,sparse_split,schedule --dtypes bf16 --jobs 15 \
-      > "$OUT/preD.log" 2>&1)
+    prebuild D
+    prebuild U2 TORCH_MLA_DEV_COMBINE_UNROLL16=2
+    prebuild U1 TORCH_MLA_DEV_COMBINE_UNROLL16=1
+    wait
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    U=(TORCH_MLA_DEV_COMBINE_UNROLL2=1 TORCH_MLA_CACHE_DIR=/tmp/cD)  # (the heuristic takes (16, 2))
-    run tests 200 env "${F[@]}" "${U[@]}" python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split or every_combine"
+    run tests 150 env "${F[@]}" TORCH_MLA_DEV_COMBINE_UNROLL16=2 TORCH_MLA_CACHE_DIR=/tmp/cU2 \
+      python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
     stop_if_hung tests
-    run bench 150 env "${U[@]}" python benchmarks/bench_decode.py --sparse
-    dk() { [[ $1 == U ]] && echo TORCH_MLA_DEV_COMBINE_UNROLL2=1; echo TORCH_MLA_CACHE_DIR=/tmp/cD; }
-    ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D U
-    DR=${DR:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64"}
-    run dense_D 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
-    run dense_U 60 env "${U[@]}" python benchmarks/bench_decode.py --no-check $DR
-    END=${END:-570}  # (the call's seconds: the dense tests stop 10 s before)
-    if (( SECONDS < END - 100 )); then  # (the dense split-KV tests, every variant's among them)
-      run tests_dense $((END - 10 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \
-        -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
+    uk() {  # the environment of variant $1
+      case $1 in
+        D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+        O) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+        U2) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_DEV_COMBINE_UNROLL16=2 \
+          TORCH_MLA_CACHE_DIR=/tmp/cU2 ;;
+        U1) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_DEV_COMBINE_UNROLL16=1 \
+          TORCH_MLA_CACHE_DIR=/tmp/cU1 ;;
+      esac
+    }
+    ab_rows uk uk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128 4,2,64}" D O U2 U1
+    run bench 240 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --sparse
+    if (( SECONDS < 450 )); then  # (dense rows where the rule moved 16 warps to 4)
+      DR="4,1,4096,128 8,1,4096,64 2,2,4096,128 1,1,4096,128"
+      run dense_D 80 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py $DR
+      run dense_O 60 env TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_CACHE_DIR=/tmp/cD python \
+        benchmarks/bench_decode.py $DR
+    fi
+    if (( SECONDS < 480 )); then  # (U2's dense split-KV tests, while time is left)
+      run tests_dense $((570 - SECONDS)) env TORCH_MLA_DEV_COMBINE_UNROLL16=2 \
+        TORCH_MLA_CACHE_DIR=/tmp/cU2 python -m pytest -m cuda -q -x -p no:cacheprovider \
+        tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
     else
       summary+=("tests_dense      skipped: too little time left")
     fi

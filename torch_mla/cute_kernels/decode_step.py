@@ -17,19 +17,19 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..constants import COMBINE_VARIANTS  # the variants, in the runtime index's order
+from ..constants import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
 from .combine import MLACombine
 
 
 class MLADecodeStep:
-    """decode, then combine (variant ``COMBINE_VARIANTS[combine_variant]``)."""
+    """decode, then combine (variant ``COMBINE_WARPS_PER_ROW[combine_variant]``)."""
 
     def __init__(self, decode, dtype, d_v: int = 512, use_pdl: bool = True):
         # use_pdl: the combine starts early as a programmatic dependent (sm_90 and later).
         self.decode = decode
         # A float8_e4m3fn-cache decode kernel (MLADecodeSm90(kv_fp8=True)) takes its scales.
         self.kv_fp8 = getattr(decode, "kv_fp8", False)
-        self.combines = [MLACombine(dtype, d_v, w, use_pdl, u) for w, u in COMBINE_VARIANTS]
+        self.combines = [MLACombine(dtype, d_v, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
 
     @cute.jit
     def __call__(
@@ -64,10 +64,8 @@ class MLADecodeStep:
             self.combines[0](*args)
         elif combine_variant == 1:
             self.combines[1](*args)
-        elif combine_variant == 2:
-            self.combines[2](*args)
         else:
-            self.combines[3](*args)
+            self.combines[2](*args)
 
 
 # --- compile entry (ops/registry.py: DecodeStepConfig) ----------------------------------------

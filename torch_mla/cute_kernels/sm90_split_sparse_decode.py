@@ -103,19 +103,16 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster, sts
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import (
-    ROWS_PER_LANE,
     TILE16,
-    gather_offsets,
     request_length,
     row_source,
-    warp_steps,
 )
 
 
@@ -237,21 +234,10 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # 66.9), the h_q 64 rows the same within 0.7% (the same code there); the split's GPU tests
 # (111) and memcheck at h_q 100 and 64 passed on it: the default since.
 LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
-# ROPE_REGS 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_REGS, its own cache directory; with
-# AHEAD / AHEAD_PAIR 0; the 656-byte rows): the producer loads half 1's rope tile (64 keys x 128
-# bytes of bf16: 4 x 16 bytes a thread, the four warps sharing its rows as rope_tile's copies
-# do) into registers with half 1's fp8 chunks (with load_block at the block's start), and
-# stores them into the tile (st.shared) once the half is free, where 0 gathers them by cp.async
-# only after that wait. Session 35's traces (L1 build, b 128 s_q 1): WG0's wait for half 1 ends
-# ~1.8 us after the producer's wait for that half ends, at h_q 64 (27 -> 1804 ns) and 128 (pair;
-# -1283 -> 535) alike, ~0.5 us (h_q 64) and ~1 us (128) after the producer's last arrival on
-# it. Likely the rope gather, issued at the free half, still landing (with the pair the peer's
-# st.async bytes complete that mbarrier too); an L2 prefetch of its lines moved the h_q 64 tail
-# in session 34 but not that block time, where the producer bounds, so the gain to look for is
-# at h_q 128. 16 more words a producer thread; ptxas (the DSL's, CUTE_DSL_COMPILER_OPT=
-# "remarks{ptx}", session 35): the same 168 registers and spill as without it (none with the
-# pair, 12 / 44 bytes of stores / loads without, as the default). Not yet run.
-ROPE_REGS = _dev_knob("ROPE_REGS", 0, (0, 1))
+# (ROPE_REGS, session 35: half 1's rope tile loaded into registers with its fp8 chunks and
+# stored once the half is free, in place of the cp.async gather issued then: session 36, H100,
+# slower with the pair, 128,1,128 233.0 / 231.1 us against 221.2 / 220.3, 32,1,128 85.4 against
+# 81.0, the h_q 64 rows the same; its tests and memcheck passed. Removed.)
 # CONVERT (developer knob TORCH_MLA_DEV_SPLIT_CONVERT, its own cache directory; a timing
 # experiment, never a default): the producer's e4m3 -> bf16 route over the 656-byte rows
 # (ptx._e4m3_asm's route). "exact" (the default: the product in fp32, rounded once to bf16, as
@@ -259,7 +245,10 @@ ROPE_REGS = _dev_knob("ROPE_REGS", 0, (0, 1))
 # value times the scale rounded to bf16, 5 a pair, rounded twice: inexact); "f16mul" (2 a
 # pair: f16 bits where the MMAs read bf16, so wrong results: an upper bound on what a 2-
 # instruction route with f16 MMAs could gain, docs/kernels/sparse.md session 35). Whether the
-# producer's conversion bounds the h_q 64 block. Not yet run.
+# producer's conversion bounds the h_q 64 block. Session 36 (H100, same start, exact / bf16mul
+# / f16mul, us): h_q 64 128,1,64 135.7 / 134.5 / 129.2, 128,2,64 253.2 / 252.9 / 240.4, 32,1,64
+# 60.2 / 60.3 / 58.2 (FlashMLA 129.8, 246.5, 58.3): it does, by ~5%; h_q 128 (the pair)
+# 128,1,128 221.1 / 225.8 / 239.8, 32,1,128 81.4 / 82.7 / 87.6: slower (not explained yet).
 CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
@@ -306,8 +295,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = not (pair and PFENCE == 0)  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
-        # (ROPE_REGS's comment: the lookahead paths keep cp.async)
-        self.rope_regs = ROPE_REGS == 1 and cache == "fp8_ds_mla" and self.lookahead == 0
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -385,15 +372,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
                         if const_expr(self.load_block):  # (both halves' loads first)
                             loaded = [self._load(rows, cur, h, warp) for h in range(2)]
-                            rope = self._load_rope(rows, cur, warp)
                             for h in cutlass.range_constexpr(2):
-                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h],
-                                           rope if h == 1 else None)
+                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
                         else:
                             for h in cutlass.range_constexpr(2):
                                 loaded = self._load(rows, cur, h, warp)
-                                rope = self._load_rope(rows, cur, warp) if h == 1 else None
-                                self._fill(rows, cur, s, h, barK, parity, warp, loaded, rope)
+                                self._fill(rows, cur, s, h, barK, parity, warp, loaded)
                     else:
                         # (the next block's entries arrived during this one's; the one after's
                         # load now, for the next step)
@@ -475,38 +459,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         return words, scales
 
     @cute.jit
-    def _load_rope(self, rows, slots, warp):
-        """With rope_regs, this thread's part of half 1's rope tile of the block whose slots
-        the lanes hold: 4 lists of 4 words (zeros, nothing read, for a -1 entry), the copies
-        rope_tile's cp.async would make (gather16's rows and chunks); else None."""
-        if const_expr(not self.rope_regs):
-            return None
-        lane = cute.arch.lane_idx()
-        out = []
-        for j, h in warp_steps(ROWS_PER_LANE, warp):
-            row, c, _ = gather_offsets(lane, j)
-            src, size = row_source(*rows, cute.arch.shuffle_sync(slots[h], row % 32))
-            out.append(ldg_or_zero(4, src + FP8_DS_MLA_ROPE_AT + c * 16, size, L1_EVICT))
-        return out
-
-    @cute.jit
-    def _store_rope(self, buf, rope, warp):
-        """_load_rope's words into the rope tile of the buffer at shared address buf, each
-        chunk where rope_tile's cp.async puts it."""
-        lane = cute.arch.lane_idx()
-        for i, (j, _) in enumerate(warp_steps(ROWS_PER_LANE, warp)):
-            sts(buf + (N_TILES - 1) * TILE16 + gather_offsets(lane, j)[2], rope[i])
-
-    @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
-              rope=None):
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
         """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
         (keys lane and lane + 32), once the consumers released it. The 656-byte rows: this
         thread's chunks and scales are already loaded (`loaded`: _load, issued before the
         wait); it stores each value times its scale, rounded to bf16 (ptx.e4m3_store16), to
         its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
-        (gather16, the four warps sharing its rows), or with `rope` (ROPE_REGS: _load_rope's
-        words) by st.shared. The 16-bit cache: the half's tiles by
+        (gather16, the four warps sharing its rows). The 16-bit cache: the half's tiles by
         cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
         then fences its writes for the async proxy (not with pair: PFENCE) and arrives on the
         half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
@@ -521,11 +480,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
-        rope_first = self.cache == "fp8_ds_mla" and h == 1 and (ROPE_FIRST == 1
-                                                                  or rope is not None)
-        if const_expr(rope is not None):  # (loaded with the half's chunks: ROPE_REGS)
-            self._store_rope(buf, rope, warp)
-        elif const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
+        rope_first = self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
+        if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
             self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
