@@ -167,11 +167,13 @@ def test_splits_and_long_rows(backend, b, topk):
     check_against_fp64(q, cache, idx, lens)
 
 
+@pytest.mark.parametrize("h_q", [16, 64])
 @pytest.mark.parametrize("warps", COMBINE_WARPS_PER_ROW)
-def test_every_combine_variant(backend, warps):
+def test_every_combine_variant(backend, warps, h_q):
     # Each combine variant, forced (devtools.combine_warps), merges the pieces of a few long
-    # rows: the heuristic's choice depends on the device's size and may leave one untried.
-    q, cache, idx, lens, _ = _case(64, 2, 4096, b=2, num_blocks=64)
+    # rows: the heuristic's choice depends on the device's size and may leave one untried
+    # (h_q 16: the keys-on-M step's combine).
+    q, cache, idx, lens, _ = _case(h_q, 2, 4096, b=2, num_blocks=64)
     with combine_warps(warps):
         check_against_fp64(q, cache, idx, lens)
 

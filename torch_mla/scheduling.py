@@ -69,13 +69,13 @@ class CombineConfig:
 
     # 16 warps a row are a CTA of 512 threads at 77-80 registers: one CTA an SM. Over more
     # than MAX_WAVES_16 waves of such CTAs (batch * rows of them) 4 warps a row (one wave)
-    # merge faster. H100, same start (session 36, us, 16 / 4 warps a row): sparse decode over
-    # the 656-byte rows, 128 rows (2,1,64) 21.5 / 23.8; 256 (2,1,128) 29.0 / 29.6, (2,2,64)
-    # 28.4 / 29.0; 512 (2,2,128) 36.0 / 31.0, (4,1,128) 36.1 / 31.2, (8,1,64) 37.4 / 31.8;
-    # dense (bench_decode.py) 4,1,4096,128 39.2 / 33.3, 8,1,4096,64 47.2 / 41.7, 2,2,4096,128
-    # 37.9 / 32.6. (16 warps at unroll 2, 59 registers and two CTAs an SM, is faster still at
-    # 256 rows, 26.8 at 2,1,128, but slower at 128, 24.4 against 22.4 at 1,1,4096,128:
-    # combine.UNROLL16, docs/kernel-notes.md.)
+    # merge faster. H100 (session 36, us, 16 / 4 warps a row, each pair from one start): sparse
+    # decode over the 656-byte rows, 128 rows (2,1,64) 21.8 / 23.8; 256 (2,1,128) 29.1 / 29.7,
+    # (2,2,64) 28.7 / 29.0; 512 (2,2,128) 36.0 / 31.2, (4,1,128) 36.0 / 31.2, (8,1,64) 37.4 /
+    # 31.8; dense (bench_decode.py) 4,1,4096,128 39.2 / 33.3, 8,1,4096,64 47.2 / 41.7,
+    # 2,2,4096,128 37.9 / 32.6. (16 warps at unroll 2, 59 registers and two CTAs an SM, is
+    # faster still at 256 rows, 26.8 against 29.0 at 2,1,128, but slower within one wave, 24.4
+    # against 22.4 at 1,1,4096,128: combine.UNROLL16, docs/kernel-notes.md.)
     MAX_WAVES_16 = 2
 
     @classmethod

@@ -20,6 +20,7 @@ API (stable, for the ops, tests and tools):
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
     device_arch(index)           the arch a CUDA device's kernels are compiled for
     combine_warps_per_row, combine_variant   the combine's choice for a step
+    device_num_sms(device)       a device's multiprocessor count (the combine's choice reads it)
     clear_caches()               forget cached devices, kernels, warnings and first-use checks
 """
 
@@ -463,9 +464,8 @@ def _q_rows(q, b, rows):
 
 
 # TORCH_MLA_DEV_COMBINE_WPR (a developer knob for an A/B, read at import: 1, 4 or 16): every
-# combine merges with that many warps a row, whatever CombineConfig would choose. Session 35's
-# reading (not yet measured): 16 warps a row is a CTA of 512 threads at 77-80 registers, one CTA
-# an SM, so the sparse small batches' 256-512 rows (b 2, s_q 1-2, h_q 64-128) take 2-4 waves.
+# combine merges with that many warps a row, whatever CombineConfig would choose (session 36's
+# A/B of CombineConfig's wave rule: docs/benchmarks-h100.md).
 _COMBINE_WPR = int(os.environ.get("TORCH_MLA_DEV_COMBINE_WPR") or 0)
 if _COMBINE_WPR not in (0, *COMBINE_WARPS_PER_ROW):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_WPR takes one of {COMBINE_WARPS_PER_ROW}, not "
@@ -621,5 +621,5 @@ def clear_caches() -> None:
     _warned.clear()
     _first_use_checked.clear()
     for f in (device_arch, _small_kernel_arch, _schedule, _append, _step,
-              combine_warps_per_row, combine_variant):
+              combine_warps_per_row, combine_variant, device_num_sms):
         f.cache_clear()
