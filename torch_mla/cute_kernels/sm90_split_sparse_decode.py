@@ -109,11 +109,7 @@ from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
-from .sm90_sparse_decode import (
-    TILE16,
-    request_length,
-    row_source,
-)
+from .sm90_sparse_decode import TILE16, request_length, row_source
 
 
 def _dev_knob(name: str, default, allowed: tuple):
@@ -376,8 +372,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                                 self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
                         else:
                             for h in cutlass.range_constexpr(2):
-                                loaded = self._load(rows, cur, h, warp)
-                                self._fill(rows, cur, s, h, barK, parity, warp, loaded)
+                                self._fill(rows, cur, s, h, barK, parity, warp,
+                                           self._load(rows, cur, h, warp))
                     else:
                         # (the next block's entries arrived during this one's; the one after's
                         # load now, for the next step)
