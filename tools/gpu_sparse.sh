@@ -100,6 +100,10 @@
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
 #             the h_q 64 block; run in session 36
+#   trace_fm  tools/trace_sparse.py at 128,1,128 (ROWS) under the exact conversion (EX) and the
+#             f16mul bound (FM, TORCH_MLA_DEV_SPLIT_CONVERT=f16mul: wrong values, timing only),
+#             each in its own cache directory: why the pair gets 8% slower when its
+#             producer's conversion gets shorter (session 36); then FlashMLA's times
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -498,6 +502,16 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       run "tf_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/t[rpf]_*.log | sort > "$OUT/t_all.txt"
+    finish; exit ;;
+  trace_fm)  # (the split's per-CTA timeline under the exact conversion and the f16mul bound,
+    # each build in its own cache directory; the raw stamps as .pt files in $OUT/ex and $OUT/fm)
+    preamble flashmla-sm90-sparse
+    R=${ROWS:-128,1,128}
+    run trace_ex 200 env TORCH_MLA_CACHE_DIR=/tmp/cex python -m tools.trace_sparse "$OUT/ex" $R
+    stop_if_hung trace_ex
+    run trace_fm 200 env TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cfm \
+      python -m tools.trace_sparse "$OUT/fm" $R
+    run fm 60 python -m tools.sparse_rows flashmla 656 $R
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)
