@@ -464,18 +464,16 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, d
     torch.testing.assert_close(lse, torch.full((2, 4, 2), 2.0))
 
 
-@pytest.mark.parametrize("unroll_2", [True, False])
 @pytest.mark.parametrize("num_sms", [132, 78, 64])
-def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms, unroll_2, monkeypatch):
+def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms):
     """With 16 warps a row in reach (16 x batch <= num_parts): unroll 4 while its 512-thread
-    CTAs (one an SM) fit one wave, unroll 2 (two an SM; without CombineConfig.UNROLL_2 unroll
-    4 again) while they fit one wave of those, then 4 warps a row; below that the choice does
+    CTAs (one an SM) fit one wave, unroll 2 (two an SM) while they fit one wave of those, then
+    4 warps a row; below that the choice does
     not depend on the device's size."""
     from torch_mla.scheduling import CombineConfig
 
     if dispatch._COMBINE_WPR:
         pytest.skip("TORCH_MLA_DEV_COMBINE_WPR overrides the choice")
-    monkeypatch.setattr(CombineConfig, "UNROLL_2", unroll_2)
 
     def pick(batch, parts, rows, sms=num_sms):
         c = CombineConfig.from_heuristic(batch, parts, rows, sms)
@@ -484,7 +482,7 @@ def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms, unroll_2, monkey
 
     for batch, rows in [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (2, 256), (4, 64)]:
         ctas = batch * rows
-        want = ((16, 4) if ctas <= num_sms else (16, 2 if unroll_2 else 4)
+        want = ((16, 4) if ctas <= num_sms else (16, 2)
                 if ctas <= 2 * num_sms else (4, 4))
         assert pick(batch, 16 * batch, rows) == want, (batch, rows)
         below = pick(batch, 16 * batch - 1, rows)
@@ -494,8 +492,7 @@ def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms, unroll_2, monkey
         f.cache_clear()
     try:
         assert dispatch.combine_variant(2, 66, 256, 132) == COMBINE_VARIANTS.index((4, 4))
-        assert dispatch.combine_variant(2, 66, 128, 132) == COMBINE_VARIANTS.index(
-            (16, 2 if unroll_2 else 4))
+        assert dispatch.combine_variant(2, 66, 128, 132) == COMBINE_VARIANTS.index((16, 2))
         assert dispatch.combine_variant(1, 66, 128, 132) == COMBINE_VARIANTS.index((16, 4))
     finally:
         for f in caches:  # (no choice made under the patch outlives it)

@@ -93,9 +93,8 @@
 #   combine4  session 36's four combine variants (constants.COMBINE_VARIANTS): the split's
 #             tests and each variant's on every sparse backend, the issue's bench, the
 #             small-batch rows with FlashMLA and dense rows with and without
-#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; not
-#             yet run (session 36's start failed); the A/Bs behind them ran as modes
-#             unroll16 (a351cec) and combine36 (790001e)
+#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; run in
+#             session 37 (the knob is gone since: (16, 2) is the default, D and U the same build)
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds

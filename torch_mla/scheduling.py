@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import os
 
 import torch
 
@@ -61,11 +60,6 @@ class DecodeSplitConfig:
         return cls(num_parts=max(1, num_sms // num_m_blocks(s_q, h_q // h_kv)))
 
 
-_UNROLL2 = os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL2") or "0"  # (CombineConfig.UNROLL_2)
-if _UNROLL2 not in ("0", "1"):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_UNROLL2 takes 0 or 1, not {_UNROLL2}")
-
-
 @dataclasses.dataclass(frozen=True)
 class CombineConfig:
     """How many warps of the combine kernel (cute_kernels/combine.py) merge one row (1, 4 or
@@ -86,14 +80,9 @@ class CombineConfig:
     # (1,1,4096,128) 22.4 / 24.4 / -, (2,1,4096,64) 25.5 / 27.8 / -; 256 (2,1,4096,128) 32.1 /
     # 30.2 / -, (4,1,4096,64) 33.2 / 30.9 / -, (1,2,4096,128) 24.9 / 23.1 / -; 512
     # (4,1,4096,128) 39.2 / - / 33.3, (8,1,4096,64) 47.2 / - / 41.7, (2,2,4096,128) 37.9 / - /
-    # 32.6.
+    # 32.6. The four variants in one step passed the split's GPU tests and every variant's
+    # (150), and the dense split-KV ones (132), on an H100 in session 37.
     CTAS_16_UNROLL_2 = 2  # 16-warp CTAs an SM at unroll 2
-    # Whether the heuristic takes (16, 2) (developer knob TORCH_MLA_DEV_COMBINE_UNROLL2, read at
-    # import, 0 or 1): its kernel passed the split's tests (114) and the dense split-KV ones
-    # (124) as the only 16-warp variant (session 36), but the step with all four variants has
-    # not run on a GPU yet (its device start failed): until it has, up to two waves of 16-warp
-    # CTAs at unroll 4, then 4 warps a row.
-    UNROLL_2 = _UNROLL2 == "1"
 
     @property
     def variant(self) -> int:
@@ -111,7 +100,7 @@ class CombineConfig:
             if batch * rows <= num_sms:
                 return cls(16)
             if batch * rows <= cls.CTAS_16_UNROLL_2 * num_sms:
-                return cls(16, 2) if cls.UNROLL_2 else cls(16)
+                return cls(16, 2)
             return cls(4)
         if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
             return cls(4)
