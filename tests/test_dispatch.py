@@ -13,6 +13,7 @@ from expecttest import assert_expected_inline
 
 import torch_mla
 from torch_mla import contract
+from torch_mla.constants import COMBINE_VARIANTS
 from torch_mla.contract import has_pdl
 from torch_mla.ops import dispatch, registry, selfcheck
 from torch_mla.reference import mla_decode_reference
@@ -464,24 +465,38 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, d
 
 
 @pytest.mark.parametrize("num_sms", [132, 78, 64])
-def test_combine_takes_4_warps_a_row_past_two_waves_of_16_warp_ctas(num_sms):
-    """16 warps a row while its 512-thread CTAs (one an SM) fit two waves (at 64 SMs 128
-    rows: just two), then 4; below 16 the choice does not depend on the device's size."""
+def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms):
+    """With 16 warps a row in reach (16 x batch <= num_parts): unroll 4 while its 512-thread
+    CTAs (one an SM) fit one wave, unroll 2 (two an SM) while they fit one wave of those, then
+    4 warps a row; below that the choice does
+    not depend on the device's size."""
     from torch_mla.scheduling import CombineConfig
 
     if dispatch._COMBINE_WPR:
         pytest.skip("TORCH_MLA_DEV_COMBINE_WPR overrides the choice")
 
-    def pick(batch, parts, rows):
-        return CombineConfig.from_heuristic(batch, parts, rows, num_sms).warps_per_row
+    def pick(batch, parts, rows, sms=num_sms):
+        c = CombineConfig.from_heuristic(batch, parts, rows, sms)
+        assert COMBINE_VARIANTS[c.variant] == (c.warps_per_row, c.unroll)
+        return c.warps_per_row, c.unroll
 
     for batch, rows in [(1, 64), (1, 128), (2, 64), (2, 128), (4, 128), (2, 256), (4, 64)]:
-        want = 16 if batch * rows <= 2 * num_sms else 4
+        ctas = batch * rows
+        want = ((16, 4) if ctas <= num_sms else (16, 2)
+                if ctas <= 2 * num_sms else (4, 4))
         assert pick(batch, 16 * batch, rows) == want, (batch, rows)
-        assert pick(batch, 16 * batch - 1, rows) == CombineConfig.from_heuristic(
-            batch, 16 * batch - 1, rows, 10 ** 6).warps_per_row != 16
-    assert dispatch.combine_warps_per_row(2, 66, 256, 132) == 4
-    assert dispatch.combine_warps_per_row(2, 66, 128, 132) == 16
+        below = pick(batch, 16 * batch - 1, rows)
+        assert below == pick(batch, 16 * batch - 1, rows, 10 ** 6) and below[0] != 16
+    caches = (dispatch.combine_config, dispatch.combine_variant)
+    for f in caches:
+        f.cache_clear()
+    try:
+        assert dispatch.combine_variant(2, 66, 256, 132) == COMBINE_VARIANTS.index((4, 4))
+        assert dispatch.combine_variant(2, 66, 128, 132) == COMBINE_VARIANTS.index((16, 2))
+        assert dispatch.combine_variant(1, 66, 128, 132) == COMBINE_VARIANTS.index((16, 4))
+    finally:
+        for f in caches:  # (no choice made under the patch outlives it)
+            f.cache_clear()
     assert dispatch.device_num_sms(torch.device("cpu")) == 132
 
 

@@ -20,7 +20,7 @@ import pytest
 from expecttest import assert_expected_inline
 
 from torch_mla import precompile
-from torch_mla.constants import COMBINE_WARPS_PER_ROW
+from torch_mla.constants import COMBINE_VARIANTS
 from torch_mla.ops import kernel_cache, registry
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -272,6 +272,7 @@ decode_sm90 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
+combine {'dtype': 'bf16', 'warps_per_row': 16, 'unroll': 2}
 step_sm90 {'dtype': 'fp16', 'causal': False}
 step_sm90 {'dtype': 'fp16', 'causal': True}
 step_sm90 {'dtype': 'fp16', 'causal': False, 'kv': 'e4m3'}
@@ -282,7 +283,8 @@ decode_sm90 {'dtype': 'fp16', 'causal': False}
 decode_sm90 {'dtype': 'fp16', 'causal': True}
 combine {'dtype': 'fp16', 'warps_per_row': 1}
 combine {'dtype': 'fp16', 'warps_per_row': 4}
-combine {'dtype': 'fp16', 'warps_per_row': 16}""")
+combine {'dtype': 'fp16', 'warps_per_row': 16}
+combine {'dtype': 'fp16', 'warps_per_row': 16, 'unroll': 2}""")
     got = [(v.name, v.key()) for v in registry.variants(["bf16"], (True,),
                                                         ["decode", "combine", "portable"],
                                                         "sm_90a")]
@@ -294,14 +296,15 @@ decode_sm90 {'dtype': 'bf16', 'causal': True}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
+combine {'dtype': 'bf16', 'warps_per_row': 16, 'unroll': 2}
 step_sm80 {'dtype': 'fp16', 'causal': False}
 decode_sm80 {'dtype': 'fp16', 'causal': False}""")
     from torch_mla.scheduling import CombineConfig
 
-    picked = {CombineConfig.from_heuristic(b, parts, rows).warps_per_row
+    picked = {COMBINE_VARIANTS[CombineConfig.from_heuristic(b, parts, rows).variant]
               for b in (1, 2, 8, 32, 128) for parts in (1, 16, 132, 264, 1000)
               for rows in (1, 16, 128, 512)}
-    assert picked == set(COMBINE_WARPS_PER_ROW)
+    assert picked == set(COMBINE_VARIANTS)
 
 
 def test_precompile_variants_of_the_small_kernels():
@@ -320,6 +323,7 @@ decode_sm80 {'dtype': 'bf16', 'causal': False}
 combine {'dtype': 'bf16', 'warps_per_row': 1}
 combine {'dtype': 'bf16', 'warps_per_row': 4}
 combine {'dtype': 'bf16', 'warps_per_row': 16}
+combine {'dtype': 'bf16', 'warps_per_row': 16, 'unroll': 2}
 append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'bf16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int32'}
@@ -327,11 +331,11 @@ append_kv {'cache': 'bf16', 'source': 'fp16', 'slot': 'int64'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
-        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 3 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4 + 6 \
+        == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 4 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4 + 6 \
         + 3 + 3 + 1  # schedule;
     # per dtype: sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90 and keys-on-M
     # (3 column counts) over the three cache formats, the 656-byte one bf16 only: - 5),
-    # decode, combine, append_kv, the
+    # decode, combine (4 variants), append_kv, the
     # keys-on-M steps (4 column counts x 2 cache formats x causal or not), its ping-pong steps
     # over e4m3 (4 column counts x causal or not) and their fast mode (3), the sparse
     # ping-pong steps ("sparse_rs", opt-in: e4m3, 4 column counts; + 4: the 656-byte rows,
@@ -385,7 +389,8 @@ def test_precompile_cli(cache, monkeypatch, capsys):
 built      combine      dtype=bf16 warps_per_row=1        T s  DIR/combine-dtype=bf16-warps_per_row=1-KEY.SHA.so
 built      combine      dtype=bf16 warps_per_row=4        T s  DIR/combine-dtype=bf16-warps_per_row=4-KEY.SHA.so
 built      combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype=bf16-warps_per_row=16-KEY.SHA.so
-3 variants in T s, 1 process: 3 built, 0 cached, 0 not stored
+built      combine      dtype=bf16 warps_per_row=16 unroll=2      T s  DIR/combine-dtype=bf16-warps_per_row=16-unroll=2-KEY.SHA.so
+4 variants in T s, 1 process: 4 built, 0 cached, 0 not stored
 cache: DIR
 """)  # noqa: E501
     kernel_cache._loaded.clear()  # a second run, in another process
@@ -393,10 +398,12 @@ cache: DIR
 cached     combine      dtype=bf16 warps_per_row=1        T s  DIR/combine-dtype=bf16-warps_per_row=1-KEY.SHA.so
 cached     combine      dtype=bf16 warps_per_row=4        T s  DIR/combine-dtype=bf16-warps_per_row=4-KEY.SHA.so
 cached     combine      dtype=bf16 warps_per_row=16       T s  DIR/combine-dtype=bf16-warps_per_row=16-KEY.SHA.so
+cached     combine      dtype=bf16 warps_per_row=16 unroll=2      T s  DIR/combine-dtype=bf16-warps_per_row=16-unroll=2-KEY.SHA.so
 built      combine      dtype=fp16 warps_per_row=1        T s  DIR/combine-dtype=fp16-warps_per_row=1-KEY.SHA.so
 built      combine      dtype=fp16 warps_per_row=4        T s  DIR/combine-dtype=fp16-warps_per_row=4-KEY.SHA.so
 built      combine      dtype=fp16 warps_per_row=16       T s  DIR/combine-dtype=fp16-warps_per_row=16-KEY.SHA.so
-6 variants in T s, 1 process: 3 built, 3 cached, 0 not stored
+built      combine      dtype=fp16 warps_per_row=16 unroll=2      T s  DIR/combine-dtype=fp16-warps_per_row=16-unroll=2-KEY.SHA.so
+8 variants in T s, 1 process: 4 built, 4 cached, 0 not stored
 cache: DIR
 """)  # noqa: E501
     assert kernel_cache.load("combine", {"dtype": "fp16", "warps_per_row": 16}, "sm_90a")(1) == 18
@@ -425,8 +432,8 @@ def test_precompile_in_parallel_processes(tmp_path):
     *lines, total, where, result = res.stdout.strip().splitlines()
     assert json.loads(result) == {"rc": 0, "dsl": []}
     todo = registry.variants(["bf16"], (False, True), ["schedule", "combine"], "sm_80")
-    assert len(todo) == 4 and len(lines) == 4, res.stdout
-    assert re.fullmatch(r"4 variants in \d+\.\d s, 2 processes: 4 built, 0 cached, 0 not stored",
+    assert len(todo) == 5 and len(lines) == 5, res.stdout
+    assert re.fullmatch(r"5 variants in \d+\.\d s, 2 processes: 5 built, 0 cached, 0 not stored",
                         total), total
     got = {}
     for line in lines:

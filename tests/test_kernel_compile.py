@@ -19,7 +19,7 @@ SCRIPT = r"""
 import glob, json, os, re, sys
 from torch_mla.ops import registry
 fast = sys.argv[3].startswith("fast")  # fast mode (compute="fp8"); "fastq8": an e4m3 q
-# What mla_decode runs: the decode kernel and the three combine variants behind one host call
+# What mla_decode runs: the decode kernel and the four combine variants behind one host call
 # ("fp8": over a float8_e4m3fn cache, exact mode; "fastdither": fast mode with P dithered).
 registry.build(registry.DecodeStepConfig(
     "sm90", sys.argv[1], sys.argv[2] == "causal", kv_fp8=sys.argv[3] != "same",
@@ -42,7 +42,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "cvt.rn.satfinite.e4m3x2.f32", "cp.async.bulk.prefetch", "%globaltimer",
                   "add.f32 d, d, 0fBFBFC000"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
-assert entries == {"decode": 1, "combine": 3}, entries
+assert entries == {"decode": 1, "combine": 4}, entries
 print(json.dumps(counts))
 """
 
@@ -110,9 +110,9 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
     assert comb["wgmma.mma_async"] == 0 and comb["ld.local"] == 0, comb
     # the input checks: a message (its arguments are the only local stores) and a trap, for the
     # length, for a page id and for a piece past its request's end (a schedule made for other
-    # lengths), in each of the 3 variants
+    # lengths), in each of the 4 variants
     printfs = comb[r"call.uni \(retval0\), vprintf"]
-    assert printfs == 3 * 3 and comb["trap;"] == printfs and comb["st.local"] == 9 * 3, comb
+    assert printfs == 3 * 4 and comb["trap;"] == printfs and comb["st.local"] == 9 * 4, comb
     assert comb["griddepcontrol.wait"] >= 2 and comb["ld.global.v4"] > 0, comb
     # partials are written by the decode kernel while this grid may already run (PDL): never
     # through the non-coherent read-only path
@@ -302,7 +302,7 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "cp.async.bulk.global", "griddepcontrol.launch_dependents", "ld.local",
                   "st.local", r"call.uni \(retval0\), vprintf", "trap;", "%globaltimer"]:
             counts[kind][k] = counts[kind].get(k, 0) + len(re.findall(k, ptx))
-assert entries == {"decode": 1, "combine": 3}, entries
+assert entries == {"decode": 1, "combine": 4}, entries
 print(json.dumps(counts))
 """
 
@@ -350,7 +350,7 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert dec[r"call.uni \(retval0\), vprintf"] == dec["trap;"] == 0, dec
     # the sparse combine (sm80_sparse_decode.MLASparseCombine): topk_length, a bad entry, a
     # schedule for other lengths, in each of the 3 variants
-    assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 3, comb
+    assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 4, comb
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
 
 
@@ -902,7 +902,7 @@ files = [open(f).read() for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUM
 counts = {"decode": {}, "combine": {}, "smem_bytes": kernel.smem_bytes,
           "targets": sum(f.count(".target sm_100a") for f in files)}
 ptxs = [p for f in files for p in f.split(".entry ")[1:]]  # one kernel each
-assert len(ptxs) == 4, len(ptxs)  # the decode kernel, three combine variants
+assert len(ptxs) == 5, len(ptxs)  # the decode kernel, four combine variants
 for ptx in ptxs:
     kind = "decode" if "MLADecodeSm100" in ptx.split("(", 1)[0] else "combine"
     for k in ["tcgen05.mma.cta_group::1.kind::f16", "tcgen05.alloc", "tcgen05.dealloc",
@@ -940,7 +940,7 @@ def test_sm100_kernel_compiles(tmp_path, dtype, causal):
     has the instructions of the design (docs/sm100-design.md)."""
     counts = _sm100_compile(tmp_path, dtype, causal)
     dec = counts["decode"]
-    assert counts["targets"] == 1, counts  # one module: the step's four kernels
+    assert counts["targets"] == 1, counts  # one module: the step's five kernels
     # One segment's code: 36 k-steps of QK^T (576 / 16), and P V at its two call sites (the
     # loop and the segment's last page), 4 k-steps x 2 halves of d_v each. No Hopper wgmma.
     assert dec["tcgen05.mma.cta_group::1.kind::f16"] == 36 + 2 * 4 * 2, dec
@@ -968,7 +968,7 @@ def test_sm100_kernel_compiles(tmp_path, dtype, causal):
     comb = counts["combine"]
     assert comb["tcgen05.mma.cta_group::1.kind::f16"] == 0, comb
     # the input checks' two messages per variant: printf's arguments are the only local stores
-    assert comb["ld.local"] == 0 and comb["st.local"] == 9 * 3 and comb["call.uni"] == 3 * 3, comb
+    assert comb["ld.local"] == 0 and comb["st.local"] == 9 * 4 and comb["call.uni"] == 3 * 4, comb
 
 
 def test_sm100_shared_memory_budget_is_checked_at_compile_time(tmp_path):

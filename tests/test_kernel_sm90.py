@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import torch_mla
-from torch_mla.constants import COMBINE_WARPS_PER_ROW
+from torch_mla.constants import COMBINE_VARIANTS
 from torch_mla.devtools import combine_warps
 from torch_mla.ops.dispatch import decode_backend, find_decode_kernel
 from torch_mla.reference import mla_decode_reference
@@ -66,11 +66,11 @@ def test_page_boundaries(L):
     run_and_check([L, L + 1, max(L - 1, 0)], 3, 32, True)
 
 
-@pytest.mark.parametrize("warps", COMBINE_WARPS_PER_ROW)
-def test_every_combine_variant(warps):
+@pytest.mark.parametrize("variant", COMBINE_VARIANTS)
+def test_every_combine_variant(variant):
     """Each combine variant, forced (devtools.combine_warps), merges long requests' pieces: the
     heuristic's choice depends on the device's size and may leave one untried."""
-    with combine_warps(warps):
+    with combine_warps(*variant):
         run_and_check([4096, 3000, 17], 2, 64, True)
 
 

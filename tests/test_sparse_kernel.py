@@ -24,7 +24,7 @@ from test_sparse import (
 )
 
 import torch_mla
-from torch_mla.constants import COMBINE_WARPS_PER_ROW
+from torch_mla.constants import COMBINE_VARIANTS
 from torch_mla.devtools import combine_warps
 from torch_mla.ops import sparse as sparse_ops
 from torch_mla.testing import DECODE_TOL, LSE_TOL
@@ -168,13 +168,13 @@ def test_splits_and_long_rows(backend, b, topk):
 
 
 @pytest.mark.parametrize("h_q", [16, 64])
-@pytest.mark.parametrize("warps", COMBINE_WARPS_PER_ROW)
-def test_every_combine_variant(backend, warps, h_q):
+@pytest.mark.parametrize("variant", COMBINE_VARIANTS)
+def test_every_combine_variant(backend, variant, h_q):
     # Each combine variant, forced (devtools.combine_warps), merges the pieces of a few long
     # rows: the heuristic's choice depends on the device's size and may leave one untried
     # (h_q 16: the keys-on-M step's combine).
     q, cache, idx, lens, _ = _case(h_q, 2, 4096, b=2, num_blocks=64)
-    with combine_warps(warps):
+    with combine_warps(*variant):
         check_against_fp64(q, cache, idx, lens)
 
 

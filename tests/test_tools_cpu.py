@@ -109,7 +109,7 @@ def test_compare_finds_one_flipped_bit_a_nan_pattern_and_a_missing_case(recordin
 
 def test_full_case_set_covers_the_issue_grid():
     """The GPU set (not run here): every decode variant, the lengths, heads, query tokens and
-    the three combine variants of the issue, keys unique."""
+    the three warps-per-row choices of the combine, keys unique."""
     cases = list(rec.decode_cases(False))
     keys = [c[0] for c in cases]
     assert len(set(keys)) == len(keys)

@@ -90,18 +90,19 @@
 #             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
 #             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
 #             of 2,1,128 and 2,2,64; run in session 36 (docs/benchmarks-h100.md)
-#   unroll16  session 36's combine candidates against the defaults (D: 16 warps a row while
-#             its CTAs fit two waves, then 4): O every combine at 16 (the old choice at the
-#             rows), U2 / U1 O with TORCH_MLA_DEV_COMBINE_UNROLL16 (two CTAs an SM); the
-#             split's tests on U2, the rows alternated twice with FlashMLA, the issue's bench
-#             on D, then (time left) D / O on dense rows and U2's dense split-KV tests; run in
-#             session 36 (then a mode combine36, at 790001e: UNROLL16 2 the default against 4
-#             on dense rows; docs/benchmarks-h100.md). The step with both unrolls as separate
-#             variants, and its GPU run (mode combine4), are on the branch combine4
+#   combine4  session 36's four combine variants (constants.COMBINE_VARIANTS): the split's
+#             tests and each variant's on every sparse backend, the issue's bench, the
+#             small-batch rows with FlashMLA and dense rows with and without
+#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; run in
+#             session 37 (the knob is gone since: (16, 2) is the default, D and U the same build)
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
 #             the h_q 64 block; run in session 36
+#   trace_fm  tools/trace_sparse.py at 128,1,128 (ROWS) under the exact conversion (EX) and the
+#             f16mul bound (FM, TORCH_MLA_DEV_SPLIT_CONVERT=f16mul: wrong values, timing only),
+#             each in its own cache directory: why the pair gets 8% slower when its
+#             producer's conversion gets shorter (session 36); then FlashMLA's times
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
@@ -432,45 +433,32 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         2,1,128 2,2,64
     fi
     finish; exit ;;
-  unroll16)  # (session 36: the 16-warps-a-row combine, same start, FlashMLA beside: D the
-    # defaults (16 warps a row up to two waves of its CTAs, then 4); O the old choice (every
-    # combine at 16, TORCH_MLA_DEV_COMBINE_WPR=16: the old rule's choice at ROWS); U2 / U1 O
-    # with TORCH_MLA_DEV_COMBINE_UNROLL16=2 / 1 (59 / 57 registers: two CTAs an SM); the
-    # split's tests on U2 first, then the rows alternated twice, then the issue's bench on D,
-    # then (time left) D against O on dense rows and the dense split-KV tests on U2)
+  combine4)  # (session 36's four combine variants, FlashMLA beside: the split's tests and
+    # every backend's test of each variant, the issue's bench, the small-batch rows alternated
+    # twice and dense rows (DR), the defaults (D) and with TORCH_MLA_DEV_COMBINE_UNROLL2=1 (U,
+    # the heuristic takes (16, 2); the tests and the bench under it), then while time is left
+    # the dense split-KV tests)
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
-    prebuild D
-    prebuild U2 TORCH_MLA_DEV_COMBINE_UNROLL16=2
-    prebuild U1 TORCH_MLA_DEV_COMBINE_UNROLL16=1
-    wait
+    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
+      --kernels step,sparse,sparse_producer,sparse_split,schedule --dtypes bf16 --jobs 15 \
+      > "$OUT/preD.log" 2>&1)
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    run tests 150 env "${F[@]}" TORCH_MLA_DEV_COMBINE_UNROLL16=2 TORCH_MLA_CACHE_DIR=/tmp/cU2 \
-      python -m pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
+    U=(TORCH_MLA_DEV_COMBINE_UNROLL2=1 TORCH_MLA_CACHE_DIR=/tmp/cD)  # (the heuristic takes (16, 2))
+    run tests 200 env "${F[@]}" "${U[@]}" python -m pytest -m cuda -q \
+      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split or every_combine"
     stop_if_hung tests
-    uk() {  # the environment of variant $1
-      case $1 in
-        D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
-        O) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
-        U2) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_DEV_COMBINE_UNROLL16=2 \
-          TORCH_MLA_CACHE_DIR=/tmp/cU2 ;;
-        U1) echo TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_DEV_COMBINE_UNROLL16=1 \
-          TORCH_MLA_CACHE_DIR=/tmp/cU1 ;;
-      esac
-    }
-    ab_rows uk uk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128 4,2,64}" D O U2 U1
-    run bench 240 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --sparse
-    if (( SECONDS < 450 )); then  # (dense rows where the rule moved 16 warps to 4)
-      DR="4,1,4096,128 8,1,4096,64 2,2,4096,128 1,1,4096,128"
-      run dense_D 80 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py $DR
-      run dense_O 60 env TORCH_MLA_DEV_COMBINE_WPR=16 TORCH_MLA_CACHE_DIR=/tmp/cD python \
-        benchmarks/bench_decode.py $DR
-    fi
-    if (( SECONDS < 480 )); then  # (U2's dense split-KV tests, while time is left)
-      run tests_dense $((570 - SECONDS)) env TORCH_MLA_DEV_COMBINE_UNROLL16=2 \
-        TORCH_MLA_CACHE_DIR=/tmp/cU2 python -m pytest -m cuda -q -x -p no:cacheprovider \
-        tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
+    run bench 150 env "${U[@]}" python benchmarks/bench_decode.py --sparse
+    dk() { [[ $1 == U ]] && echo TORCH_MLA_DEV_COMBINE_UNROLL2=1; echo TORCH_MLA_CACHE_DIR=/tmp/cD; }
+    ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D U
+    DR=${DR:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64"}
+    run dense_D 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
+    run dense_U 60 env "${U[@]}" python benchmarks/bench_decode.py --no-check $DR
+    END=${END:-570}  # (the call's seconds: the dense tests stop 10 s before)
+    if (( SECONDS < END - 100 )); then  # (the dense split-KV tests, every variant's among them)
+      run tests_dense $((END - 10 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \
+        -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
     else
       summary+=("tests_dense      skipped: too little time left")
     fi
@@ -513,6 +501,16 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       run "tf_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/t[rpf]_*.log | sort > "$OUT/t_all.txt"
+    finish; exit ;;
+  trace_fm)  # (the split's per-CTA timeline under the exact conversion and the f16mul bound,
+    # each build in its own cache directory; the raw stamps as .pt files in $OUT/ex and $OUT/fm)
+    preamble flashmla-sm90-sparse
+    R=${ROWS:-128,1,128}
+    run trace_ex 200 env TORCH_MLA_CACHE_DIR=/tmp/cex python -m tools.trace_sparse "$OUT/ex" $R
+    stop_if_hung trace_ex
+    run trace_fm 200 env TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cfm \
+      python -m tools.trace_sparse "$OUT/fm" $R
+    run fm 60 python -m tools.sparse_rows flashmla 656 $R
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)

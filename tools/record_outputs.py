@@ -19,9 +19,10 @@ the device. Cases, each a key in the file:
     decode   bf16 and fp16 (16-bit cache), causal and not; a float8_e4m3fn cache with kv_scale
              in exact and fast (compute="fp8") mode, q bf16, fp16 and e4m3 with q_scale; the
              portable kernel (bf16, fp16, causal and not): batches 1 to 32, lengths 0, 1, 63,
-             64, 65 and a few thousand, s_q 1-4, h_q 1, 16, 64, 128, h_kv 4, the three combine
-             variants, the schedule passed in, as a tuple, computed inside, for 17 SMs, and
-             another softmax scale. Recorded: out and lse.
+             64, 65 and a few thousand, s_q 1-4, h_q 1, 16, 64, 128, h_kv 4, the combine's
+             warps-per-row choices (1, 4, 16; its (16, 2) variant only where its knob makes
+             the heuristic take it), the schedule passed in, as a tuple, computed inside, for
+             17 SMs, and another softmax scale. Recorded: out and lse.
     schedule get_decode_schedule's metadata and num_splits for batches of 0 to 2000 requests.
     append_kv the cache's bytes after writing into bf16, fp16 and float8_e4m3fn caches from
              bf16, fp16 and fp32 sources with int32 and int64 slots (padding slots, a strided

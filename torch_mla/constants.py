@@ -46,9 +46,11 @@ METADATA_WIDTH = 8  # columns 5-7 reserved (0)
 # FlashMLA's metadata kernel charges 5 blocks per segment (a sequential greedy fill); the closed
 # form in scheduling.py charges them per request start (see there).
 OVERHEAD_BLOCKS = 5
-# The combine kernel's warps-per-row variants (scheduling.CombineConfig picks one of them; the
-# decode step compiles all of them and takes the index at run time).
-COMBINE_WARPS_PER_ROW = (1, 4, 16)
+# The combine kernel's variants, (warps that merge one row, pieces a warp loads at once):
+# scheduling.CombineConfig picks one of them; the decode step compiles all of them and takes the
+# index at run time. (16, 4) takes 80 registers a thread (one 512-thread CTA an SM), (16, 2) 59
+# (two an SM).
+COMBINE_VARIANTS = ((1, 4), (4, 4), (16, 4), (16, 2))
 
 LOG2_E = math.log2(math.e)
 LN_2 = math.log(2.0)

@@ -66,7 +66,7 @@ ARGS = {
     "oacc": Arg("f32", ("slots", "rows", D_V), ("row", D_V, 1)),
     "lseacc": Arg("f32", ("slots", "rows"), ("dyn", 1), 4),
     "scale_log2": Arg("f32"),
-    "combine_variant": Arg("i32"),  # an index into constants.COMBINE_WARPS_PER_ROW
+    "combine_variant": Arg("i32"),  # an index into constants.COMBINE_VARIANTS
     "kv_scale": Arg("f32", (1,), (1,), 4),
     "q_scale": Arg("f32", (1,), (1,), 4),
     "q_scaled": Arg("i32"),

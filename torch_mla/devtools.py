@@ -50,10 +50,10 @@ def breakdown_us(inp: DecodeInputs, sched: DecodeSchedule, causal: bool) -> tupl
     dt = registry.dtype_name(inp.q.dtype)
     decode = registry.compiled(registry.DecodeConfig("sm90", dt, causal and s_q > 1),
                                registry.SM90_ARCH)
-    combine = registry.compiled(registry.CombineKernelConfig(
-        dt, dispatch.combine_warps_per_row(b, sched.metadata.shape[0], s_q * h_q,
-                                        dispatch.device_num_sms(inp.q.device))),
-        registry.SM90_ARCH)
+    choice = dispatch.combine_config(b, sched.metadata.shape[0], s_q * h_q,
+                                     dispatch.device_num_sms(inp.q.device))
+    combine = registry.compiled(registry.CombineKernelConfig(dt, choice.warps_per_row,
+                                                             choice.unroll), registry.SM90_ARCH)
     args = kernel_args(inp, sched)
     num_splits, out3, lse, oacc, lseacc = args[5:10]
     # (The decode kernel alone takes its fp8 arguments too: None, None, None for a 16-bit cache.)
@@ -99,14 +99,15 @@ def portable_kernel(tiles: tuple[int, int, int] | None = None, on: bool = True):
 
 
 @contextlib.contextmanager
-def combine_warps(warps_per_row: int):
-    """Within it, mla_decode's combine merges each row with ``warps_per_row`` warps (one of
-    constants.COMBINE_WARPS_PER_ROW) whatever CombineConfig's heuristic would choose."""
-    from .constants import COMBINE_WARPS_PER_ROW
+def combine_warps(warps_per_row: int, unroll: int = 4):
+    """Within it, mla_decode's combine merges each row with ``warps_per_row`` warps, ``unroll``
+    pieces at once (one of constants.COMBINE_VARIANTS) whatever CombineConfig's heuristic would
+    choose."""
+    from .constants import COMBINE_VARIANTS
     from .ops import dispatch
 
     old = dispatch.combine_variant
-    index = COMBINE_WARPS_PER_ROW.index(warps_per_row)
+    index = COMBINE_VARIANTS.index((warps_per_row, unroll))
     dispatch.combine_variant = lambda batch, num_parts, rows, num_sms=132: index
     try:
         yield

@@ -29,7 +29,7 @@ import torch
 
 from .constants import (  # noqa: F401  (the names this module has always offered)
     BLOCK_M,
-    COMBINE_WARPS_PER_ROW,
+    COMBINE_VARIANTS,
     METADATA_WIDTH,
     OVERHEAD_BLOCKS,
     PAGE_SIZE,
@@ -63,20 +63,31 @@ class DecodeSplitConfig:
 @dataclasses.dataclass(frozen=True)
 class CombineConfig:
     """How many warps of the combine kernel (cute_kernels/combine.py) merge one row (1, 4 or
-    16). Here, not beside the kernel, so that choosing one imports no DSL."""
+    16), and how many pieces a warp loads at once (unroll): one of constants.COMBINE_VARIANTS.
+    Here, not beside the kernel, so that choosing one imports no DSL."""
 
     warps_per_row: int
+    unroll: int = 4
 
-    # 16 warps a row are a CTA of 512 threads at 77-80 registers: one CTA an SM. Over more
-    # than MAX_WAVES_16 waves of such CTAs (batch * rows of them) 4 warps a row (one wave)
-    # merge faster. H100 (session 36, us, 16 / 4 warps a row, each pair from one start): sparse
-    # decode over the 656-byte rows, 128 rows (2,1,64) 21.8 / 23.8; 256 (2,1,128) 29.1 / 29.7,
-    # (2,2,64) 28.7 / 29.0; 512 (2,2,128) 36.0 / 31.2, (4,1,128) 36.0 / 31.2, (8,1,64) 37.4 /
-    # 31.8; dense (bench_decode.py) 4,1,4096,128 39.2 / 33.3, 8,1,4096,64 47.2 / 41.7,
-    # 2,2,4096,128 37.9 / 32.6. (16 warps at unroll 2, 59 registers and two CTAs an SM, is
-    # faster still at 256 rows, 26.8 against 29.0 at 2,1,128, but slower within one wave, 24.4
-    # against 22.4 at 1,1,4096,128: combine.UNROLL16, docs/kernel-notes.md.)
-    MAX_WAVES_16 = 2
+    # 16 warps a row are a CTA of 512 threads: at unroll 4 (80 registers) one an SM, at 2 (59)
+    # two. Up to one wave of the first (batch * rows <= num_sms) unroll 4, up to one wave of
+    # the second unroll 2, past that 4 warps a row. H100 (session 36, us; 16 warps at unroll 4
+    # / 16 at 2 / 4 warps, one start; at 128-256 rows the 4-warp figure is another start's, its
+    # 16-warp one in brackets): sparse decode over the 656-byte rows, 128 rows (2,1,64) 21.5 /
+    # 21.7 / 23.8 (21.8); 256 (2,1,128) 29.0 / 26.8 / 29.7 (29.1), (2,2,64) 28.4 / 27.0 / 29.0
+    # (28.7); 512 (2,2,128) 36.0 / 32.0 / 31.0, (4,1,128) 36.1 / 32.0 / 31.2, (8,1,64) 37.4 /
+    # 33.6 / 31.8. Dense (bench_decode.py): 64 rows (1,1,4096,64) 21.4 / 23.4 / -; 128
+    # (1,1,4096,128) 22.4 / 24.4 / -, (2,1,4096,64) 25.5 / 27.8 / -; 256 (2,1,4096,128) 32.1 /
+    # 30.2 / -, (4,1,4096,64) 33.2 / 30.9 / -, (1,2,4096,128) 24.9 / 23.1 / -; 512
+    # (4,1,4096,128) 39.2 / - / 33.3, (8,1,4096,64) 47.2 / - / 41.7, (2,2,4096,128) 37.9 / - /
+    # 32.6. The four variants in one step passed the split's GPU tests and every variant's
+    # (150), and the dense split-KV ones (132), on an H100 in session 37.
+    CTAS_16_UNROLL_2 = 2  # 16-warp CTAs an SM at unroll 2
+
+    @property
+    def variant(self) -> int:
+        """The index of this choice in constants.COMBINE_VARIANTS (the step's runtime index)."""
+        return COMBINE_VARIANTS.index((self.warps_per_row, self.unroll))
 
     @classmethod
     def from_heuristic(cls, batch: int, num_parts: int, rows: int,
@@ -84,11 +95,13 @@ class CombineConfig:
         """rows: query rows per request (s_q * h_q). A request is cut into up to
         ~num_parts / batch + 1 pieces. H200, anchor workload, us for 1 / 4 / 16 warps per row
         (tools/sweep_schedule.py, docs/kernel-notes.md). num_sms: the device's
-        multiprocessors (the 16-warp rows' waves)."""
+        multiprocessors (the 16-warp CTAs' waves, above)."""
         if 16 * batch <= num_parts:  # b=1 h128 (~60 pieces a row): 46.2 / 29.5 / 25.5
-            if batch * rows > cls.MAX_WAVES_16 * num_sms:
-                return cls(4)
-            return cls(16)
+            if batch * rows <= num_sms:
+                return cls(16)
+            if batch * rows <= cls.CTAS_16_UNROLL_2 * num_sms:
+                return cls(16, 2)
+            return cls(4)
         if 4 * batch <= num_parts:  # b=8 h128 (~9 pieces): 46.6 / 44.1 / 50.5
             return cls(4)
         if batch * rows <= 1024:  # 64 x 2048 h16 (~3 pieces, few rows): 65.1-65.6 / 64.5-65.0

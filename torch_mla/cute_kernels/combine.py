@@ -65,34 +65,25 @@ if CHUNK not in (0, 4, 8):
 # "remarks{ptx}", session 35; `python -m tools.ptxas_figures`): 64 registers and 20 / 28 bytes
 # of spill stores / loads, against 80 and none without it (the sparse step's: 64 with 32 / 36,
 # against 77). Session 36 (H100, same start): 2,2,64 27.0 against 28.7 us, 2,1,64 22.7 against
-# 21.8: UNROLL16 2 reaches two CTAs an SM without the spill. Off.
+# 21.8: the (16, 2) variant (unroll 2) reaches two CTAs an SM without the spill. Off.
 MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
 if MIN_CTAS not in (0, 2):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")
-# UNROLL16 (developer knob TORCH_MLA_DEV_COMBINE_UNROLL16, read at import, 0, 1 or 2; its own
-# TORCH_MLA_CACHE_DIR): the 16-warps-a-row variant's unroll (0: UNROLL). There a warp takes
-# ~2 pieces of a row at b 2 (33 over 16 warps), so 4 in flight buy little, while their loads'
-# registers (80 a thread) keep the variant at one CTA an SM; at 2 it takes 59 (ptxas), two.
-# Session 36 (H100, same start, us at 0 / 2): faster where its CTAs fill one to two waves
-# (sparse 2,1,128 29.0 / 26.8, 2,2,64 28.4 / 27.0; dense 2,1,4096,128 32.1 / 30.2,
-# 4,1,4096,64 33.2 / 30.9), slower within one wave (dense 1,1,4096,128 22.4 / 24.4,
-# 2,1,4096,64 25.5 / 27.8): both belong in the step as separate variants (built on the branch
-# combine4, compiled, not yet run on a GPU). The split's tests (114) and the dense split-KV
-# tests (124) passed at 2.
-UNROLL16 = int(os.environ.get("TORCH_MLA_DEV_COMBINE_UNROLL16") or 0)
-if UNROLL16 not in (0, 1, 2):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_UNROLL16 takes 0, 1 or 2, not {UNROLL16}")
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
 class MLACombine:
-    """Split-KV combine; compiled per (dtype, d_v, warps_per_row); batch, s_q and h_q are
-    runtime values. warps_per_row: 1, 4 or 16 warps merge one row (see the module docstring);
-    use_pdl: launched as a programmatic dependent of the decode kernel (sm_90 and later)."""
+    """Split-KV combine; compiled per (dtype, d_v, warps_per_row, unroll); batch, s_q and h_q
+    are runtime values. warps_per_row: 1, 4 or 16 warps merge one row (see the module
+    docstring); unroll: a warp's pieces loaded at once (their registers: 16 warps a row at 4
+    take 80 a thread, one CTA an SM, at 2 59, two); use_pdl: launched as a programmatic
+    dependent of the decode kernel (sm_90 and later)."""
 
-    def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1, use_pdl: bool = True):
+    def __init__(self, dtype, d_v: int = 512, warps_per_row: int = 1, use_pdl: bool = True,
+                 unroll: int = UNROLL):
         assert d_v % 128 == 0, d_v
         assert warps_per_row in (1, 4, 16), warps_per_row
+        self.unroll = unroll
         self.dtype = dtype
         self.d_v = d_v
         self.n_vec = d_v // 128  # 16-byte vectors per lane
@@ -177,8 +168,7 @@ class MLACombine:
                     if const_expr(CHUNK):
                         self._merge_chunks(acc, w, mOacc, start + c, n, row, part, lane)
                     else:
-                        unroll = UNROLL16 if self.wpr == 16 and UNROLL16 else UNROLL
-                        for j in cutlass.range(part, n, self.wpr, unroll=unroll):
+                        for j in cutlass.range(part, n, self.wpr, unroll=self.unroll):
                             wj = cute.arch.shuffle_sync(w, j)
                             for k in cutlass.range_constexpr(self.n_vec):
                                 src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
@@ -305,10 +295,11 @@ def first_outside(row: cute.Tensor, n: Int32, low: Int32, high: Int32, lane: Int
 
 
 def compile_combine(config, arch: str):
-    """The combine alone (dtype, warps_per_row), compiled for arch."""
+    """The combine alone (dtype, warps_per_row, unroll), compiled for arch."""
     from ..constants import D_V
     from ..contract import compile_combine_kernel, dsl_dtype, has_pdl
 
     dtype = dsl_dtype(config.dtype)
     return compile_combine_kernel(MLACombine(dtype, D_V, config.warps_per_row,
-                                             use_pdl=has_pdl(arch)), dtype, arch)
+                                             use_pdl=has_pdl(arch), unroll=config.unroll),
+                                  dtype, arch)

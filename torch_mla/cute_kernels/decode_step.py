@@ -3,8 +3,9 @@
 Each call of a compiled CuTe DSL function through TVM-FFI costs microseconds of host time
 (argument conversion, the launcher); a decode step at small batch is bounded by host time, so the
 two launches of a step go through one compiled function. The combine is compiled in all of its
-warps-per-row variants (combine.CombineConfig) and the host code picks one by a runtime index:
-host-side control flow, no device cost, and one compile per (decode kernel, dtype, causal).
+variants (constants.COMBINE_VARIANTS; scheduling.CombineConfig) and the host code picks one by a
+runtime index: host-side control flow, no device cost, and one compile per (decode kernel,
+dtype, causal).
 
 Works with any decode kernel (decode_base.DecodeKernel): its ``__call__`` takes (q, kv,
 block_table, seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, stream, kv_scale,
@@ -17,19 +18,20 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Int32
 
-from ..constants import COMBINE_WARPS_PER_ROW  # the variants, in the runtime index's order
+from ..constants import COMBINE_VARIANTS  # the variants, in the runtime index's order
 from .combine import MLACombine
 
 
 class MLADecodeStep:
-    """decode, then combine (variant ``COMBINE_WARPS_PER_ROW[combine_variant]``)."""
+    """decode, then combine (variant ``COMBINE_VARIANTS[combine_variant]``)."""
 
     def __init__(self, decode, dtype, d_v: int = 512, use_pdl: bool = True):
         # use_pdl: the combine starts early as a programmatic dependent (sm_90 and later).
         self.decode = decode
         # A float8_e4m3fn-cache decode kernel (MLADecodeSm90(kv_fp8=True)) takes its scales.
         self.kv_fp8 = getattr(decode, "kv_fp8", False)
-        self.combines = [MLACombine(dtype, d_v, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
+        self.combines = [MLACombine(dtype, d_v, w, use_pdl, u) for w, u in COMBINE_VARIANTS]
+        assert len(self.combines) == 4, "combine() has a branch for each variant"
 
     @cute.jit
     def __call__(
@@ -64,8 +66,10 @@ class MLADecodeStep:
             self.combines[0](*args)
         elif combine_variant == 1:
             self.combines[1](*args)
-        else:
+        elif combine_variant == 2:
             self.combines[2](*args)
+        else:
+            self.combines[3](*args)
 
 
 # --- compile entry (ops/registry.py: DecodeStepConfig) ----------------------------------------

@@ -60,7 +60,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
 
 from ..constants import (
-    COMBINE_WARPS_PER_ROW,
+    COMBINE_VARIANTS,
     D_QK,
     D_V,
     FP8_DS_MLA_ROPE_AT,
@@ -281,7 +281,8 @@ class MLASparseDecodeStep(MLADecodeStep):
 
     def __init__(self, decode: MLASparseDecodeSm80, dtype, use_pdl: bool = True):
         super().__init__(decode, dtype, D_V, use_pdl)
-        self.combines = [MLASparseCombine(dtype, D_V, w, use_pdl) for w in COMBINE_WARPS_PER_ROW]
+        self.combines = [MLASparseCombine(dtype, D_V, w, use_pdl, u)
+                         for w, u in COMBINE_VARIANTS]
 
     @cute.jit
     def __call__(

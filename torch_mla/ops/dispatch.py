@@ -19,7 +19,7 @@ API (stable, for the ops, tests and tools):
                                  tests and tools swap entries to stand in for a kernel
     cuda_capability(device)      cached compute capability (tests patch it to pretend a GPU)
     device_arch(index)           the arch a CUDA device's kernels are compiled for
-    combine_warps_per_row, combine_variant   the combine's choice for a step
+    combine_config, combine_variant   the combine's choice for a step
     device_num_sms(device)       a device's multiprocessor count (the combine's choice reads it)
     clear_caches()               forget cached devices, kernels, warnings and first-use checks
 """
@@ -33,7 +33,7 @@ import warnings
 import torch
 
 from ..constants import (
-    COMBINE_WARPS_PER_ROW,
+    COMBINE_VARIANTS,
     D_QK,
     D_V,
     KEYSM_COLUMNS,
@@ -464,28 +464,29 @@ def _q_rows(q, b, rows):
 
 
 # TORCH_MLA_DEV_COMBINE_WPR (a developer knob for an A/B, read at import: 1, 4 or 16): every
-# combine merges with that many warps a row, whatever CombineConfig would choose (session 36's
-# A/B of CombineConfig's wave rule: docs/benchmarks-h100.md).
+# combine merges with that many warps a row (at unroll 4), whatever CombineConfig would choose
+# (session 36's A/B of CombineConfig's wave rule: docs/benchmarks-h100.md).
 _COMBINE_WPR = int(os.environ.get("TORCH_MLA_DEV_COMBINE_WPR") or 0)
-if _COMBINE_WPR not in (0, *COMBINE_WARPS_PER_ROW):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_WPR takes one of {COMBINE_WARPS_PER_ROW}, not "
-                     f"{_COMBINE_WPR}")
+if _COMBINE_WPR not in (0, *{w for w, _ in COMBINE_VARIANTS}):
+    raise ValueError(f"TORCH_MLA_DEV_COMBINE_WPR takes 1, 4 or 16, not {_COMBINE_WPR}")
 
 
 @functools.lru_cache(maxsize=None)
-def combine_warps_per_row(batch: int, num_parts: int, rows: int, num_sms: int = 132) -> int:
+def combine_config(batch: int, num_parts: int, rows: int, num_sms: int = 132):
     """CombineConfig's choice (or TORCH_MLA_DEV_COMBINE_WPR's), cached: it runs on every eager
     decode call."""
     from ..scheduling import CombineConfig
 
-    return _COMBINE_WPR or CombineConfig.from_heuristic(batch, num_parts, rows,
-                                                        num_sms).warps_per_row
+    if _COMBINE_WPR:
+        return CombineConfig(_COMBINE_WPR)
+    return CombineConfig.from_heuristic(batch, num_parts, rows, num_sms)
 
 
 @functools.lru_cache(maxsize=None)
 def combine_variant(batch: int, num_parts: int, rows: int, num_sms: int = 132) -> int:
-    """The index of that choice among the decode step's combine variants."""
-    return COMBINE_WARPS_PER_ROW.index(combine_warps_per_row(batch, num_parts, rows, num_sms))
+    """The index of that choice among the decode step's combine variants
+    (constants.COMBINE_VARIANTS)."""
+    return combine_config(batch, num_parts, rows, num_sms).variant
 
 
 @functools.lru_cache(maxsize=None)
@@ -621,5 +622,5 @@ def clear_caches() -> None:
     _warned.clear()
     _first_use_checked.clear()
     for f in (device_arch, _small_kernel_arch, _schedule, _append, _step,
-              combine_warps_per_row, combine_variant, device_num_sms):
+              combine_config, combine_variant, device_num_sms):
         f.cache_clear()

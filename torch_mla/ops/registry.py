@@ -25,7 +25,7 @@ import importlib
 from typing import Any, ClassVar, NamedTuple
 
 from ..constants import (
-    COMBINE_WARPS_PER_ROW,
+    COMBINE_VARIANTS,
     KEYSM_COLUMNS,
     KEYSM_DEFAULT_ROWS,
     KEYSM_FAST_COLUMNS,
@@ -277,14 +277,21 @@ class IndexerConfig(_Config):
 
 @dataclasses.dataclass(frozen=True)
 class CombineKernelConfig(_Config):
-    """The combine alone (cute_kernels/combine.py): out dtype, warps per output row (one of
-    constants.COMBINE_WARPS_PER_ROW)."""
+    """The combine alone (cute_kernels/combine.py): out dtype, warps per output row and pieces
+    a warp loads at once (one of constants.COMBINE_VARIANTS)."""
 
     dtype: str
     warps_per_row: int
+    unroll: int = 4
 
     name: ClassVar[str] = "combine"
     entry: ClassVar[str] = "combine:compile_combine"
+
+    def key(self) -> dict:
+        config = {"dtype": self.dtype, "warps_per_row": self.warps_per_row}
+        if self.unroll != 4:
+            config["unroll"] = self.unroll  # (unroll 4 entries keep their names)
+        return config
 
 
 @dataclasses.dataclass(frozen=True)
@@ -421,7 +428,7 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
         if "decode" in kernels:
             out += [DecodeConfig(native, dt, c) for c in causal]
         if "combine" in kernels:
-            out += [CombineKernelConfig(dt, w) for w in COMBINE_WARPS_PER_ROW]
+            out += [CombineKernelConfig(dt, w, u) for w, u in COMBINE_VARIANTS]
         if "append_kv" in kernels:
             out += _append_variants(dt)
     if "append_kv" in kernels and arch in FP8_APPEND_ARCHS:
