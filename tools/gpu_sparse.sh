@@ -46,10 +46,11 @@
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK, each in its own cache directory; missing fields the defaults
-#             0:0:cluster:0:0:late:0:1:1:1): the smoke cases of all but the first build, the
-#             rows over the 656-byte rows alternated twice with the first build without its
-#             pair and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
+#             LOAD_BLOCK:LOAD_PIN:CONVERT, each in its own cache directory; missing fields the
+#             defaults 0:0:cluster:0:0:late:0:1:1:1:0:exact): the smoke cases of all but the
+#             first build (not of CONVERT f16mul builds: wrong values), the rows over the
+#             656-byte rows (R64, R128) alternated twice with the first build without its pair
+#             (NOPAIR=0: not) and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
 #             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
 #             time is left. By default D alone (the defaults).
@@ -266,13 +267,14 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb lp cv
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb lp cv <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
+        TORCH_MLA_DEV_SPLIT_LOAD_PIN=${lp:-0} TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
@@ -303,21 +305,24 @@ case $kernel in
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
+      [[ $v == *:f16mul ]] && continue  # (CONVERT f16mul: wrong values by construction)
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
       stop_if_hung "smoke_${v%%:*}"
     done
-    R64=${R64-"2,1,64 32,1,64 128,1,64 128,2,64"}; R128="2,1,128 32,1,128 128,1,128 128,2,128"
+    R64=${R64-"2,1,64 32,1,64 128,1,64 128,2,64"}
+    R128=${R128-"2,1,128 32,1,128 128,1,128 128,2,128"}
     for round in 1 2; do
       for v in "${VS[@]}"; do n=${v%%:*}
         run "ab_${n}_$round" 60 env TAG="r$round $n" $(knobs "$v") \
           python -m tools.sparse_rows split 656 $R128 $R64
         stop_if_hung "ab_${n}_$round"
       done
-      # (the first build without its pair at h_q 128: one CTA an m-block)
-      run "ab_nopair_$round" 60 env TAG="r$round ${VS[0]%%:*} nopair" $(knobs "${VS[0]}") \
-        TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.sparse_rows split 656 $R128
-      stop_if_hung "ab_nopair_$round"
+      if [[ ${NOPAIR:-1} == 1 ]]; then  # (the first build without its pair at h_q 128)
+        run "ab_nopair_$round" 60 env TAG="r$round ${VS[0]%%:*} nopair" $(knobs "${VS[0]}") \
+          TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.sparse_rows split 656 $R128
+        stop_if_hung "ab_nopair_$round"
+      fi
       run "ab_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R128 $R64
     done
     grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"

@@ -164,7 +164,12 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # FlashMLA): b 128 s_q 1 h_q 128 243.9 / 244.3 us with PFENCE 0 against 256.1 / 256.3 with 1 at
 # cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
 # the one-CTA-lookahead build's 255.2 / 255.1 (the lookahead does not touch the pair).
-PFENCE = _dev_knob("PFENCE", 0, (0, 1))
+# PFENCE 2 (session 37, not yet run): without the pair too, the producer skips its fences and
+# WG0 fences half 0 after its tile wait (half_has_copies), as with the pair. The producer's
+# fence.proxy.async compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (nvdisasm of the h_q 64
+# build), and the MEMBAR waits for the thread's loads in flight: half 0's arrival then waits
+# for half 1's chunks (issued before it) to land.
+PFENCE = _dev_knob("PFENCE", 0, (0, 1, 2))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
@@ -246,6 +251,18 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # 60.2 / 60.3 / 58.2 (FlashMLA 129.8, 246.5, 58.3): it does, by ~5%; h_q 128 (the pair)
 # 128,1,128 221.1 / 225.8 / 239.8, 32,1,128 81.4 / 82.7 / 87.6: slower (not explained yet).
 CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
+# LOAD_PIN 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_PIN, its own cache directory; session 37,
+# not yet run): the producer's wait for a free half takes its parity xor a zero computed from
+# one word of every load the half's fill holds (with LOAD_BLOCK, the other half's too) and a
+# zero ptxas cannot prove (the cache's row stride >> 48), so ptxas cannot issue those loads
+# after the wait. The loads are ld.global.nc and the wait an acquire: ptxas may move them below
+# it, and does. nvdisasm of the builds (docs/kernels/sparse.md, session 37): at h_q 64 every
+# load of half 0 issues after the wait for the free half (and one key's loads of half 1 after
+# that half's wait); with the pair the exact route keeps all 8 before the first wait, but the
+# f16mul build issues 6 of them after it (likely its 8% with the pair). With the pin the wait
+# waits for the pinned loads' data (as the exact pair build's schedule does: it converts two
+# words before its wait).
+LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -289,7 +306,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.pair = pair
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
-        self.producer_fences = not (pair and PFENCE == 0)  # (PFENCE's comment)
+        self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
 
     def _init_barriers(self):
@@ -323,7 +340,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         arrives), half 1 also the rope tile's cp.async copies; with pair both halves hold the
         peer's st.async writes too (generic proxy, landing after its fence: the waiting
         warpgroup fences them)."""
-        return FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1 or self.pair
+        return (FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1 or self.pair
+                or not self.producer_fences)
 
     @staticmethod
     def fill_order(s: int) -> tuple:
@@ -369,7 +387,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         if const_expr(self.load_block):  # (both halves' loads first)
                             loaded = [self._load(rows, cur, h, warp) for h in range(2)]
                             for h in cutlass.range_constexpr(2):
-                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
+                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h],
+                                           loaded[1:] if h == 0 else [])
                         else:
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp,
@@ -455,7 +474,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         return words, scales
 
     @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
+              pinned=()):
         """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
         (keys lane and lane + 32), once the consumers released it. The 656-byte rows: this
         thread's chunks and scales are already loaded (`loaded`: _load, issued before the
@@ -471,7 +491,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
-        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        free_parity = (parity[0] >> bit) & 1
+        if const_expr(LOAD_PIN == 1 and self.cache == "fp8_ds_mla"):  # (LOAD_PIN's comment)
+            free_parity = free_parity ^ self._pin(rows, [loaded, *pinned])
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, free_parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
@@ -494,6 +517,17 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
                               rope_issued=rope_first)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
+
+    @staticmethod
+    def _pin(rows, halves) -> Int32:
+        """Zero, computed from the first word of each load of halves (_load's (words, scales))
+        and the cache's row stride >> 48 (zero for any real cache, unknown to ptxas): a value
+        that only exists once those loads are issued (LOAD_PIN's comment)."""
+        dep = Int32(0)
+        for words, scales in halves:
+            for w in [c[0] for c in words] + [p[0] for p in scales]:
+                dep = dep | w
+        return dep & Int32(rows[1] >> 48)
 
     def _rounds(self) -> int:
         """Rounds of 32 keys a producer thread converts a buffer half (token_of_lane's u): 2,
