@@ -50,7 +50,7 @@
 #             defaults 0:0:cluster:0:0:late:0:1:1:1:0:exact): the smoke cases of all but the
 #             first build (not of CONVERT f16mul builds: wrong values), the rows over the
 #             656-byte rows (R64, R128) alternated twice with the first build without its pair
-#             (NOPAIR=0: not) and with FlashMLA (tools/sparse_rows.py split / flashmla), then the split's
+#             (NOPAIR=0: not) and with FlashMLA (SMOKE=0: no smoke cases) (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
 #             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
 #             time is left. By default D alone (the defaults).
@@ -305,7 +305,7 @@ case $kernel in
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
-      [[ $v == *:f16mul ]] && continue  # (CONVERT f16mul: wrong values by construction)
+      [[ $v == *:f16mul || ${SMOKE:-1} == 0 ]] && continue  # (f16mul: wrong values; SMOKE=0)
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
       stop_if_hung "smoke_${v%%:*}"
