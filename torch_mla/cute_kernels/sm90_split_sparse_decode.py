@@ -261,7 +261,11 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # that half's wait); with the pair the exact route keeps all 8 before the first wait, but the
 # f16mul build issues 6 of them after it (likely its 8% with the pair). With the pin the wait
 # waits for the pinned loads' data (as the exact pair build's schedule does: it converts two
-# words before its wait).
+# words before its wait). Without the pair only: with it ptxas then copies half 0's loaded
+# words to other registers before it issues half 1's loads (a DRAM round trip between them).
+# With LOAD_BLOCK 2 (both halves' loads first) h = 0's pin takes both halves'. ptxas spills
+# (DSL remarks): 16 bytes with PFENCE 2, 50 with LOAD_BLOCK 2 as well; LOAD_BLOCK 2 with
+# PFENCE 2 alone none.
 LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
@@ -492,7 +496,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         free_parity = (parity[0] >> bit) & 1
-        if const_expr(LOAD_PIN == 1 and self.cache == "fp8_ds_mla"):  # (LOAD_PIN's comment)
+        if const_expr(LOAD_PIN == 1 and self.cache == "fp8_ds_mla" and not self.pair):
             free_parity = free_parity ^ self._pin(rows, [loaded, *pinned])
         self._wait_half(self.d_storage.barE.data_ptr() + bit, free_parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
