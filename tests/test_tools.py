@@ -113,6 +113,39 @@ def test_ptxas_figures_parses_the_dsl_remarks():
     assert [ptxas_figures.parse_value(v) for v in ("16", "true", "bf16")] == [16, True, "bf16"]
 
 
+def test_sass_loads_reads_nvdisasm_output():
+    """tools/sass_loads.py: the kernels of nvdisasm's output, and in the region around the fp8
+    conversion each load, wait and fence, and the first read of each load's registers (a load
+    issued after the wait shows as such; predicates stripped)."""
+    from tools import sass_loads
+
+    sass = """
+        .section .text.kernel_a,"ax",@progbits
+        /*0000*/                   MOV R1, c[0x0][0x28] ;
+        .section .text.kernel_Split_b,"ax",@progbits
+        /*0000*/                   LDG.E.EL.LTC256B.128.CONSTANT R40, desc[UR30][R24.64] ;
+        /*0010*/                   SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR17+0x38200], R9 ;
+        /*0020*/              @!P0 LDG.E.EL.64.CONSTANT R60, desc[UR30][R36.64+0x208] ;
+        /*0030*/                   IADD3 R5, R6, R7, RZ ;
+        /*0040*/                   F2FP.F16.E4M3.UNPACK_B R71, R41.reuse ;
+        /*0050*/                   MEMBAR.ALL.CTA ;
+        /*0060*/                   F2FP.F16.E4M3.UNPACK_B R72, R61 ;
+"""
+    found = sass_loads.kernels(sass)
+    assert list(found) == ["kernel_a", "kernel_Split_b"]
+    ins = sass_loads.instructions(found["kernel_Split_b"])
+    assert [op for _, op, _ in ins][:3] == ["LDG.E.EL.LTC256B.128.CONSTANT",
+                                            "SYNCS.PHASECHK.TRANS64.TRYWAIT",
+                                            "LDG.E.EL.64.CONSTANT"]
+    assert sass_loads.load_order(ins, before=4) == [
+        "     0  LDG.E.EL.LTC256B.128.CONSTANT R40, desc[UR30][R24.64]",
+        "     1  SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [UR17+0x38200], R9",
+        "     2  LDG.E.EL.64.CONSTANT R60, desc[UR30][R36.64+0x208]",
+        "     4    first use of the load at 0: F2FP.F16.E4M3.UNPACK_B",
+        "     5  MEMBAR.ALL.CTA",
+        "     6    first use of the load at 2: F2FP.F16.E4M3.UNPACK_B"]
+
+
 def test_ptxas_figures_on_a_build():
     """The tool on a real build (the combine at 16 warps a row, ~5 s): one line with figures."""
     res = subprocess.run([sys.executable, "-m", "tools.ptxas_figures", "CombineKernelConfig",
