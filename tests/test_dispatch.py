@@ -468,8 +468,7 @@ def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, d
 def test_combine_16_warps_a_row_by_waves_of_their_ctas(num_sms):
     """With 16 warps a row in reach (16 x batch <= num_parts): unroll 4 while its 512-thread
     CTAs (one an SM) fit one wave, unroll 2 (two an SM) while they fit one wave of those, then
-    4 warps a row; below that the choice does
-    not depend on the device's size."""
+    4 warps a row; below that the choice does not depend on the device's size."""
     from torch_mla.scheduling import CombineConfig
 
     if dispatch._COMBINE_WPR:

@@ -349,7 +349,7 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     assert dec["ld.local"] == dec["st.local"] == dec["%globaltimer"] == 0, dec
     assert dec[r"call.uni \(retval0\), vprintf"] == dec["trap;"] == 0, dec
     # the sparse combine (sm80_sparse_decode.MLASparseCombine): topk_length, a bad entry, a
-    # schedule for other lengths, in each of the 3 variants
+    # schedule for other lengths, in each of the 4 variants
     assert comb[r"call.uni \(retval0\), vprintf"] == comb["trap;"] == 3 * 4, comb
     assert comb["wgmma.mma_async"] == comb["ld.local"] == 0, comb
 

@@ -144,6 +144,23 @@ def test_sass_loads_reads_nvdisasm_output():
         "     4    first use of the load at 0: F2FP.F16.E4M3.UNPACK_B",
         "     5  MEMBAR.ALL.CTA",
         "     6    first use of the load at 2: F2FP.F16.E4M3.UNPACK_B"]
+    # a store reads every register it names; a leading predicate and the register after it are
+    # written; an LDG's address read is a use; a register written before it is read drops its
+    # load; an LDG.64 writes two registers
+    more = sass_loads.instructions("""
+        /*0000*/                   LDG.E.64 R10, desc[UR4][R2.64] ;
+        /*0010*/                   LDG.E R20, desc[UR4][R4.64] ;
+        /*0020*/                   SHFL.IDX PT, R30, R31, R32, 0x1f ;
+        /*0030*/                   STS [R11+0x10], R40 ;
+        /*0040*/                   MOV R20, R41 ;
+        /*0050*/                   LDG.E R50, desc[UR4][R10.64] ;
+        /*0060*/                   F2FP.F16.E4M3.UNPACK_B R60, R20 ;
+""")
+    assert sass_loads.load_order(more, before=6) == [
+        "     0  LDG.E.64 R10, desc[UR4][R2.64]",
+        "     1  LDG.E R20, desc[UR4][R4.64]",
+        "     3    first use of the load at 0: STS",
+        "     5  LDG.E R50, desc[UR4][R10.64]"]
 
 
 def test_ptxas_figures_on_a_build():

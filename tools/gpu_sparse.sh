@@ -48,9 +48,10 @@
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:LOAD_PIN:CONVERT, each in its own cache directory; missing fields the
 #             defaults 0:0:cluster:0:0:late:0:1:1:1:0:exact): the smoke cases of all but the
-#             first build (not of CONVERT f16mul builds: wrong values), the rows over the
-#             656-byte rows (R64, R128) alternated twice with the first build without its pair
-#             (NOPAIR=0: not) and with FlashMLA (SMOKE=0: no smoke cases) (tools/sparse_rows.py split / flashmla), then the split's
+#             first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong values), the
+#             rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0) alternated
+#             twice with the first build without its pair (NOPAIR=0: not) and with FlashMLA
+#             (tools/sparse_rows.py split / flashmla), then the split's
 #             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
 #             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
 #             time is left. By default D alone (the defaults).
@@ -515,6 +516,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     stop_if_hung trace_ex
     run trace_fm 200 env TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cfm \
       python -m tools.trace_sparse "$OUT/fm" $R
+    stop_if_hung trace_fm
     run fm 60 python -m tools.sparse_rows flashmla 656 $R
     finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;

@@ -20,8 +20,8 @@ the device. Cases, each a key in the file:
              in exact and fast (compute="fp8") mode, q bf16, fp16 and e4m3 with q_scale; the
              portable kernel (bf16, fp16, causal and not): batches 1 to 32, lengths 0, 1, 63,
              64, 65 and a few thousand, s_q 1-4, h_q 1, 16, 64, 128, h_kv 4, the combine's
-             warps-per-row choices (1, 4, 16; its (16, 2) variant only where its knob makes
-             the heuristic take it), the schedule passed in, as a tuple, computed inside, for
+             warps-per-row choices (1, 4, 16 at unroll 4, and 16 at unroll 2 where the
+             heuristic takes it), the schedule passed in, as a tuple, computed inside, for
              17 SMs, and another softmax scale. Recorded: out and lse.
     schedule get_decode_schedule's metadata and num_splits for batches of 0 to 2000 requests.
     append_kv the cache's bytes after writing into bf16, fp16 and float8_e4m3fn caches from

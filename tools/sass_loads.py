@@ -64,34 +64,54 @@ def _registers(operand: str) -> list[str]:
     return re.findall(r"\bR\d+\b", operand)
 
 
+# Opcodes with no register destination: every register they name is read.
+_NO_DEST = ("ST", "SYNCS.ARRIVE", "RED", "BRA", "BAR", "MEMBAR", "FENCE", "CCTL", "LDGSTS",
+            "ARRIVES", "EXIT", "RET", "WARPSYNC", "NOP", "ERRBAR", "BSYNC", "BSSY")
+
+
+def _operands(op: str, args: list[str]) -> tuple[list[str], list[str]]:
+    """(registers written, registers read) of one instruction: the leading predicate operands
+    and the register after them are its destinations (none for _NO_DEST's opcodes); a bracketed
+    address and every later operand are read. A destination's width (LDG.64 / .128, .WIDE)
+    is not counted here."""
+    if op.startswith(_NO_DEST):
+        return [], [r for a in args for r in _registers(a)]
+    i = 0
+    while i < len(args) and re.fullmatch(r"!?U?P[T0-9]+", args[i]):
+        i += 1
+    dest = []
+    if i < len(args) and not args[i].startswith("[") and _registers(args[i]):
+        dest = _registers(args[i])[:1]
+        i += 1
+    return dest, [r for a in args[i:] for r in _registers(a)]
+
+
 def load_order(ins: list[tuple[int, str, str]], after: str = "E4M3",
                before: int = 160) -> list[str]:
     """The lines the module docstring describes (load, wait, fence, first use), for ins."""
     hits = [i for i, (_, op, _) in enumerate(ins) if after in op]
     if not hits:
         return []
-    pending: dict[str, int] = {}  # register -> the load that writes it
+    pending: dict[str, int] = {}  # register -> the LDG that writes it, not yet read
     out = []
     for i in range(max(hits[0] - before, 0), hits[-1] + 1):
         _, op, text = ins[i]
         head, _, operands = text.partition(" ")
-        args = [a.strip() for a in operands.split(",")]
-        if op.startswith("LDG") and not op.startswith("LDGSTS") and args and args[0] != "RZ":
-            base = _registers(args[0])
-            if base:
-                n = 4 if ".128" in op else 2 if ".64" in op else 1
-                first = int(base[0][1:])
-                for k in range(n):
-                    pending[f"R{first + k}"] = i
-            out.append(f"{i:6d}  {text}")
-            continue
-        if op.startswith(_KEEP):
-            out.append(f"{i:6d}  {text}")
-        loads = sorted({pending[r] for a in args[1:] for r in _registers(a) if r in pending})
+        dest, read = _operands(op, [a.strip() for a in operands.split(",")])
+        loads = sorted({pending[r] for r in read if r in pending})
         if loads:  # (the first read of any register of each of these loads)
             out.append(f"{i:6d}    first use of the load{'s' * (len(loads) > 1)} at "
                        f"{', '.join(map(str, loads))}: {head}")
             pending = {r: k for r, k in pending.items() if k not in loads}
+        for r in dest:  # (a register written again before any read: its load is not waited on)
+            pending.pop(r, None)
+        if op.startswith("LDG") and not op.startswith("LDGSTS") and dest and dest[0] != "RZ":
+            n = 4 if ".128" in op else 2 if ".64" in op else 1
+            first = int(dest[0][1:])
+            for k in range(n):
+                pending[f"R{first + k}"] = i
+        if op.startswith(("LDG",) + _KEEP):
+            out.append(f"{i:6d}  {text}")
     return out
 
 

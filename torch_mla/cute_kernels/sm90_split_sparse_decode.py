@@ -257,9 +257,9 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # zero ptxas cannot prove (the cache's row stride >> 48), so ptxas cannot issue those loads
 # after the wait. The loads are ld.global.nc and the wait an acquire: ptxas may move them below
 # it, and does. nvdisasm of the builds (docs/kernels/sparse.md, session 37): at h_q 64 every
-# load of half 0 issues after the wait for the free half (and one key's loads of half 1 after
-# that half's wait); with the pair the exact route keeps all 8 before the first wait, but the
-# f16mul build issues 6 of them after it (likely its 8% with the pair). With the pin the wait
+# chunk load of half 0 issues after the wait for the free half (and one key's loads of half 1
+# after that half's wait); with the pair the exact route keeps all 8 before the first wait, but
+# the f16mul build issues 6 of them after it (likely its 8% with the pair). With the pin the wait
 # waits for the pinned loads' data (as the exact pair build's schedule does: it converts two
 # words before its wait). Without the pair only: with it ptxas then copies half 0's loaded
 # words to other registers before it issues half 1's loads (a DRAM round trip between them).
