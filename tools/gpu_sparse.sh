@@ -46,15 +46,15 @@
 #             100 on D
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:LOAD_PIN:CONVERT, each in its own cache directory; missing fields the
-#             defaults 0:0:cluster:0:0:late:0:1:1:1:0:exact): the smoke cases of all but the
-#             first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong values), the
-#             rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0) alternated
-#             twice with the first build without its pair (NOPAIR=0: not) and with FlashMLA
-#             (tools/sparse_rows.py split / flashmla), then the split's
-#             tests and memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME;
-#             TESTS_FIRST 1, the default: before the smoke cases and rows, 0: after them) while
-#             time is left. By default D alone (the defaults).
+#             LOAD_BLOCK:LOAD_PIN:CONVERT:LOAD_SEL, each in its own cache directory; missing
+#             fields the defaults 0:0:cluster:0:0:late:0:1:1:1:0:exact:0): the smoke cases of
+#             all but the first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong
+#             values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
+#             alternated twice with the first build without its pair (NOPAIR=0: not) and with
+#             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
+#             memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME; TESTS_FIRST
+#             1, the default: before the smoke cases and rows, 0: after them) while time is
+#             left. By default D alone (the defaults).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
 #             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
 #             small-batch rows' kernels one by one, ours and
@@ -268,14 +268,15 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb lp cv
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb lp cv <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb lp cv ls
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb lp cv ls <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-0} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
         TORCH_MLA_DEV_SPLIT_LOAD_PIN=${lp:-0} TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} \
+        TORCH_MLA_DEV_SPLIT_LOAD_SEL=${ls:-0} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
@@ -306,7 +307,7 @@ case $kernel in
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
-      [[ $v == *:f16mul || ${SMOKE:-1} == 0 ]] && continue  # (f16mul: wrong values; SMOKE=0)
+      [[ $v == *:f16mul* || ${SMOKE:-1} == 0 ]] && continue  # (f16mul: wrong values; SMOKE=0)
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
       stop_if_hung "smoke_${v%%:*}"

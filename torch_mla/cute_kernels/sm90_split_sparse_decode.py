@@ -266,7 +266,16 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # With LOAD_BLOCK 2 (both halves' loads first) h = 0's pin takes both halves'. ptxas spills
 # (DSL remarks): 16 bytes with PFENCE 2, 50 with LOAD_BLOCK 2 as well; LOAD_BLOCK 2 with
 # PFENCE 2 alone none.
-LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1))
+LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1, 2))
+# LOAD_SEL 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_SEL, its own cache directory; session 37,
+# compiled and SASS-checked, not yet run): the producer's chunk and scale loads carry no
+# predicate (a -1 entry reads the cache's first row, row_source's address for it) and the
+# zeros for -1 entries are selected where the words are converted. ldg_or_zero's `mov 0; @p
+# ld` became, in the pinned builds with the pair, loads into other registers and predicated
+# copies that wait for the data before half 1's loads issue (docs/kernels/sparse.md, session
+# 37, item 5). LOAD_PIN 2 pins with the pair too (with LOAD_SEL, for the A/B). Only without a
+# lookahead (AHEAD 0).
+LOAD_SEL = _dev_knob("LOAD_SEL", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -312,6 +321,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
+        assert not LOAD_SEL or self.lookahead == 0, "LOAD_SEL: without a lookahead only"
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -457,9 +467,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
         of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
         address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
-        empty over the 16-bit cache."""
+        empty over the 16-bit cache. With LOAD_SEL a third list, each round's entry validity
+        (the loads unpredicated, _fill selecting the zeros)."""
         lane = cute.arch.lane_idx()
-        words, scales = [], []
+        words, scales, oks = [], [], []
         if const_expr(self.cache == "fp8_ds_mla"):
             for i in cutlass.range_constexpr(self._rounds()):
                 u = self._round(i)
@@ -471,11 +482,15 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
                 if const_expr(more is not None):  # (no block to load ahead: no read)
                     ok = cutlass.select_(more, ok, Int32(0))
+                pred = ok
+                if const_expr(LOAD_SEL == 1):  # (LOAD_SEL's comment: row is readable)
+                    oks.append(ok)
+                    pred = Int32(1)
                 for d in cutlass.range_constexpr(4):
-                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
+                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, pred,
                                              L1_EVICT, L2_PREFETCH))
-                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
-        return words, scales
+                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, pred, L1_EVICT))
+        return (words, scales, oks) if LOAD_SEL == 1 else (words, scales)
 
     @cute.jit
     def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
@@ -491,12 +506,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
-        words, scales = loaded
+        words, scales = loaded[0], loaded[1]
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         free_parity = (parity[0] >> bit) & 1
-        if const_expr(LOAD_PIN == 1 and self.cache == "fp8_ds_mla" and not self.pair):
+        if const_expr(LOAD_PIN == 2 and self.cache == "fp8_ds_mla"
+                      or LOAD_PIN == 1 and self.cache == "fp8_ds_mla" and not self.pair):
             free_parity = free_parity ^ self._pin(rows, [loaded, *pinned])
         self._wait_half(self.d_storage.barE.data_ptr() + bit, free_parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
@@ -514,10 +530,17 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
             for i in cutlass.range_constexpr(self._rounds()):
                 key, q = token_of_lane(warp, lane, self._round(i))
+                sc = scales[i]
+                if const_expr(LOAD_SEL == 1):  # (a -1 entry's words: zeros, LOAD_SEL's comment)
+                    valid = loaded[2][i] != 0
+                    sc = [cutlass.select_(valid, w, Int32(0)) for w in sc]
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
-                    e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
-                                 scales[i][d // 2], early=True, peer=peer, route=CONVERT)
+                    chunk = words[4 * i + d]
+                    if const_expr(LOAD_SEL == 1):
+                        chunk = [cutlass.select_(valid, w, Int32(0)) for w in chunk]
+                    e4m3_store16(buf + d0, buf + d1, chunk, True,
+                                 sc[d // 2], early=True, peer=peer, route=CONVERT)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
                               rope_issued=rope_first)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
@@ -528,7 +551,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         and the cache's row stride >> 48 (zero for any real cache, unknown to ptxas): a value
         that only exists once those loads are issued (LOAD_PIN's comment)."""
         dep = Int32(0)
-        for words, scales in halves:
+        for half in halves:
+            words, scales = half[0], half[1]
             for w in [c[0] for c in words] + [p[0] for p in scales]:
                 dep = dep | w
         return dep & Int32(rows[1] >> 48)
