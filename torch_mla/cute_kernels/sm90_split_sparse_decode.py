@@ -274,7 +274,10 @@ LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1, 2))
 # ld` became, in the pinned builds with the pair, loads into other registers and predicated
 # copies that wait for the data before half 1's loads issue (docs/kernels/sparse.md, session
 # 37, item 5). LOAD_PIN 2 pins with the pair too (with LOAD_SEL, for the A/B). Only without a
-# lookahead (AHEAD 0).
+# lookahead (AHEAD 0). Not safe as it stands for a cache of zero blocks (every entry -1, the
+# op's result out 0, lse +inf): the unpredicated loads would read the empty cache's base. A
+# default would need a readable address that always exists (or the host to skip the kernel
+# there) first (session 37's review).
 LOAD_SEL = _dev_knob("LOAD_SEL", 0, (0, 1))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
