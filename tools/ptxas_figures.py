@@ -64,8 +64,9 @@ def short_name(entry: str) -> str:
     return f"{m.group(1)}.{m.group(2)}" if m else entry[:80]
 
 
-def _child(argv: list[str]) -> None:
-    """Compiles the variant argv names (registry.build: no kernel cache)."""
+def build_variant(argv: list[str]) -> None:
+    """Compiles the variant argv names (CONFIG FIELD=VALUE ... [--arch A]; registry.build: no
+    kernel cache). tools/sass_loads.py's child process builds with it too."""
     from torch_mla.ops import registry
 
     arch = "sm_90a"
@@ -82,7 +83,7 @@ def main(argv: list[str]) -> None:
     if not argv or argv[0].startswith("-"):
         raise SystemExit(__doc__)
     if os.environ.get(_CHILD):
-        _child(argv)
+        build_variant(argv)
         return
     arch = argv[argv.index("--arch") + 1] if "--arch" in argv else "sm_90a"
     with tempfile.TemporaryDirectory() as cache:

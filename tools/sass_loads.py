@@ -34,7 +34,7 @@ import subprocess
 import sys
 import tempfile
 
-from tools.ptxas_figures import parse_value
+from tools.ptxas_figures import build_variant
 
 _CHILD = "TORCH_MLA_SASS_LOADS_CHILD"
 _LINE = re.compile(r"\s+/\*([0-9a-f]+)\*/\s+(.*?)\s*;")
@@ -115,19 +115,6 @@ def load_order(ins: list[tuple[int, str, str]], after: str = "E4M3",
     return out
 
 
-def _child(argv: list[str]) -> None:
-    """Compiles the variant argv names (registry.build: no kernel cache)."""
-    from torch_mla.ops import registry
-
-    cls = getattr(registry, argv[0])
-    fields = dict(kv.split("=", 1) for kv in argv[1:])
-    registry.build(cls(**{k: parse_value(v) for k, v in fields.items()}), argv_arch())
-
-
-def argv_arch() -> str:
-    return os.environ.get("CUTE_DSL_ARCH", "sm_90a")
-
-
 def _option(argv: list[str], name: str, default):
     if name not in argv:
         return argv, default
@@ -137,7 +124,7 @@ def _option(argv: list[str], name: str, default):
 
 def main(argv: list[str]) -> None:
     if os.environ.get(_CHILD):
-        _child(argv)
+        build_variant(argv)
         return
     argv, arch = _option(argv, "--arch", "sm_90a")
     argv, name = _option(argv, "--kernel", None)
@@ -155,8 +142,8 @@ def main(argv: list[str]) -> None:
         os.makedirs(keep)
         env = dict(os.environ, TORCH_MLA_CACHE_DIR=cache, CUTE_DSL_KEEP="cubin",
                    CUTE_DSL_DUMP_DIR=keep, CUTE_DSL_ARCH=arch, **{_CHILD: "1"})
-        res = subprocess.run([sys.executable, "-m", "tools.sass_loads", *argv], env=env,
-                             capture_output=True, text=True, timeout=900)
+        res = subprocess.run([sys.executable, "-m", "tools.sass_loads", *argv, "--arch", arch],
+                             env=env, capture_output=True, text=True, timeout=900)
         if res.returncode != 0:
             raise SystemExit(f"the build failed:\n{res.stderr[-4000:]}")
         cubins = [os.path.join(keep, f) for f in os.listdir(keep) if f.endswith(".cubin")]

@@ -325,6 +325,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         assert not LOAD_SEL or self.lookahead == 0, "LOAD_SEL: without a lookahead only"
+        self.load_pin = cache == "fp8_ds_mla" and (LOAD_PIN == 2 or LOAD_PIN == 1 and not pair)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -514,8 +515,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         free_parity = (parity[0] >> bit) & 1
-        if const_expr(LOAD_PIN == 2 and self.cache == "fp8_ds_mla"
-                      or LOAD_PIN == 1 and self.cache == "fp8_ds_mla" and not self.pair):
+        if const_expr(self.load_pin):  # (LOAD_PIN's comment)
             free_parity = free_parity ^ self._pin(rows, [loaded, *pinned])
         self._wait_half(self.d_storage.barE.data_ptr() + bit, free_parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
