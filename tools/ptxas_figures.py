@@ -57,6 +57,23 @@ def figures(remarks: str) -> list[dict]:
     return out
 
 
+def kernel_figures(output: str, cls: str) -> dict:
+    """Registers, spill stores and whether ptxas serialised its wgmma, of the kernel whose
+    class name holds `cls`, from ptxas's -v output or the DSL's remarks holding it (a build's
+    output under CUTE_DSL_COMPILER_OPT="remarks{ptx}"); {} where the output has none (the DSL
+    prints ptxas's output with a remark: a kernel with a stack frame makes one)."""
+    text = re.sub(r"\s*\n\s*", " ", output)  # (the remarks wrap long lines)
+    rows = [r for r in figures(text) if cls in r["kernel"].rsplit(".", 1)[-1]]
+    if not rows:
+        return {}
+    # (C7512 a small register budget, C7518 a wgmma in flight across a divergent branch, ...:
+    # any of them serialises the entry's wgmma)
+    serialised = re.search(r"wgmma\.mma_async instructions are serialized [^']*'[^']*"
+                           + re.escape(cls), text)
+    return {"registers": rows[0]["registers"], "spill": rows[0]["spill_stores"],
+            "serialised": serialised is not None}
+
+
 def short_name(entry: str) -> str:
     """The kernel's module and class from the DSL's mangled entry name (the name itself where
     it does not have that shape)."""
