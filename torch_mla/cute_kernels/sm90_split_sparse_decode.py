@@ -53,7 +53,8 @@ store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the
 st.async writes are generic-proxy writes that land after the peer's fence, so the warpgroup
 waiting for a half fences for the async proxy before its MMAs read it (half_has_copies; with
 FENCE 0 too); that fence serves the producer's own stores as well, so with the pair the producer
-does not fence before it arrives (PFENCE 0, session 32: -5% at b 128 h_q 128). The waits that
+does not fence before it arrives (PFENCE 0, session 32: -5% at b 128 h_q 128; without the
+pair either since session 38, PFENCE 2: -1.6% at b 128 h_q 64). The waits that
 a peer's release completes (the producer's for a free half, WG0's for a filled one) acquire at
 cluster scope (ptx.mbarrier_wait_cluster), as the PTX memory model asks; CUTLASS's cluster
 pipelines and FlashMLA's pair wait at CTA scope (the DSL's mbarrier_wait), which session 30's
@@ -155,7 +156,7 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 # 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks
 # it for an A/B.
 SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
-# PFENCE 0 (the default since session 32; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
+# PFENCE 0 (the default in sessions 32-37; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
 # cache directory): with pair the producer skips its fence for the async proxy before it
 # arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
 # the tile wait, half_has_copies; WG1 before its P V, the fence of _pv), as it must for the
@@ -164,12 +165,18 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # FlashMLA): b 128 s_q 1 h_q 128 243.9 / 244.3 us with PFENCE 0 against 256.1 / 256.3 with 1 at
 # cluster scope (FlashMLA 183.7 / 184.9); at CTA scope, in another start, 240.2 / 241.6 against
 # the one-CTA-lookahead build's 255.2 / 255.1 (the lookahead does not touch the pair).
-# PFENCE 2 (session 37, not yet run): without the pair too, the producer skips its fences and
-# WG0 fences half 0 after its tile wait (half_has_copies), as with the pair. The producer's
-# fence.proxy.async compiles to MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (nvdisasm of the h_q 64
-# build), and the MEMBAR waits for the thread's loads in flight: half 0's arrival then waits
-# for half 1's chunks (issued before it) to land.
-PFENCE = _dev_knob("PFENCE", 0, (0, 1, 2))
+# PFENCE 2 (the default since session 38; 0: the producer fences without the pair only, 1:
+# always): without the pair too, the producer skips its fences and WG0 fences half 0 after its
+# tile wait (half_has_copies), as with the pair. The producer's fence.proxy.async compiles to
+# MEMBAR.ALL.CTA + FENCE.VIEW.ASYNC.S (nvdisasm of the h_q 64 build), and the MEMBAR waits for
+# the thread's loads in flight: half 0's arrival then waits for half 1's chunks (issued before
+# it) to land. Session 38 (H100, same start as FlashMLA, two rounds, us; PFENCE 0 / 2 /
+# FlashMLA): 128,1,64 134.9 / 132.8 / 130.0, 128,2,64 252.0 / 247.9 / 246.6, 32,1,64 61.0 /
+# 60.7 / 58.7; the pair's rows the same (128,1,128 219.8 / 220.3). The split's GPU tests (122)
+# and memcheck (h_q 100, 64) passed on PFENCE 2 with LOAD_PIN 1 (that knob, since removed,
+# changed only the free wait's parity operand: parity ^ 0); PFENCE 2 alone passed the A/B's 7
+# smoke cases (the fp8 grid at 64-1-2048 and 128 heads, the entry kinds at 100 heads).
+PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
@@ -251,34 +258,14 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # 60.2 / 60.3 / 58.2 (FlashMLA 129.8, 246.5, 58.3): it does, by ~5%; h_q 128 (the pair)
 # 128,1,128 221.1 / 225.8 / 239.8, 32,1,128 81.4 / 82.7 / 87.6: slower (not explained yet).
 CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
-# LOAD_PIN 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_PIN, its own cache directory; session 37,
-# not yet run): the producer's wait for a free half takes its parity xor a zero computed from
-# one word of every load the half's fill holds (with LOAD_BLOCK, the other half's too) and a
-# zero ptxas cannot prove (the cache's row stride >> 48), so ptxas cannot issue those loads
-# after the wait. The loads are ld.global.nc and the wait an acquire: ptxas may move them below
-# it, and does. nvdisasm of the builds (docs/kernels/sparse.md, session 37): at h_q 64 every
-# chunk load of half 0 issues after the wait for the free half (and one key's loads of half 1
-# after that half's wait); with the pair the exact route keeps all 8 before the first wait, but
-# the f16mul build issues 6 of them after it (likely its 8% with the pair). With the pin the wait
-# waits for the pinned loads' data (as the exact pair build's schedule does: it converts two
-# words before its wait). Without the pair only: with it ptxas then copies half 0's loaded
-# words to other registers before it issues half 1's loads (a DRAM round trip between them).
-# With LOAD_BLOCK 2 (both halves' loads first) h = 0's pin takes both halves'. ptxas spills
-# (DSL remarks): 16 bytes with PFENCE 2, 50 with LOAD_BLOCK 2 as well; LOAD_BLOCK 2 with
-# PFENCE 2 alone none.
-LOAD_PIN = _dev_knob("LOAD_PIN", 0, (0, 1, 2))
-# LOAD_SEL 1 (developer knob TORCH_MLA_DEV_SPLIT_LOAD_SEL, its own cache directory; session 37,
-# compiled and SASS-checked, not yet run): the producer's chunk and scale loads carry no
-# predicate (a -1 entry reads the cache's first row, row_source's address for it) and the
-# zeros for -1 entries are selected where the words are converted. ldg_or_zero's `mov 0; @p
-# ld` became, in the pinned builds with the pair, loads into other registers and predicated
-# copies that wait for the data before half 1's loads issue (docs/kernels/sparse.md, session
-# 37, item 5). LOAD_PIN 2 pins with the pair too (with LOAD_SEL, for the A/B). Only without a
-# lookahead (AHEAD 0). Not safe as it stands for a cache of zero blocks (every entry -1, the
-# op's result out 0, lse +inf): the unpredicated loads would read the empty cache's base. A
-# default would need a readable address that always exists (or the host to skip the kernel
-# there) first (session 37's review).
-LOAD_SEL = _dev_knob("LOAD_SEL", 0, (0, 1))
+# LOAD_PIN and LOAD_SEL (sessions 37-38, removed): the producer's chunk loads pinned before its
+# wait for a free half (the wait's parity xor a zero computed from loaded words; LOAD_SEL: the
+# loads unpredicated, -1 entries' zeros selected at conversion). nvdisasm had shown ptxas
+# issuing half 0's loads after that wait without the pair, and 6 of the pair's 8 after it in
+# the f16mul build (docs/kernels/sparse.md, session 37). Session 38 (H100, same start, us):
+# pinned, h_q 64 slower (128,1,64 142.4 with PFENCE 2 against 132.8 unpinned; 128,2,64 267.9
+# against 247.9); with the pair 224.5 against 219.8 at 128,1,128, and the pinned f16mul bound
+# 223.4 (the pin undoes f16mul's +8%, but a shorter conversion does not speed up the pair).
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
@@ -324,8 +311,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
-        assert not LOAD_SEL or self.lookahead == 0, "LOAD_SEL: without a lookahead only"
-        self.load_pin = cache == "fp8_ds_mla" and (LOAD_PIN == 2 or LOAD_PIN == 1 and not pair)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -405,8 +390,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         if const_expr(self.load_block):  # (both halves' loads first)
                             loaded = [self._load(rows, cur, h, warp) for h in range(2)]
                             for h in cutlass.range_constexpr(2):
-                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h],
-                                           loaded[1:] if h == 0 else [])
+                                self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
                         else:
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp,
@@ -471,10 +455,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
         of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
         address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
-        empty over the 16-bit cache. With LOAD_SEL a third list, each round's entry validity
-        (the loads unpredicated, _fill selecting the zeros)."""
+        empty over the 16-bit cache."""
         lane = cute.arch.lane_idx()
-        words, scales, oks = [], [], []
+        words, scales = [], []
         if const_expr(self.cache == "fp8_ds_mla"):
             for i in cutlass.range_constexpr(self._rounds()):
                 u = self._round(i)
@@ -486,19 +469,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 row, ok = row_source(*rows, cute.arch.shuffle_sync(src, key - 32 * u))
                 if const_expr(more is not None):  # (no block to load ahead: no read)
                     ok = cutlass.select_(more, ok, Int32(0))
-                pred = ok
-                if const_expr(LOAD_SEL == 1):  # (LOAD_SEL's comment: row is readable)
-                    oks.append(ok)
-                    pred = Int32(1)
                 for d in cutlass.range_constexpr(4):
-                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, pred,
+                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
-                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, pred, L1_EVICT))
-        return (words, scales, oks) if LOAD_SEL == 1 else (words, scales)
+                scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
+        return words, scales
 
     @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
-              pinned=()):
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
         """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
         (keys lane and lane + 32), once the consumers released it. The 656-byte rows: this
         thread's chunks and scales are already loaded (`loaded`: _load, issued before the
@@ -510,14 +488,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
-        words, scales = loaded[0], loaded[1]
+        words, scales = loaded
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
-        free_parity = (parity[0] >> bit) & 1
-        if const_expr(self.load_pin):  # (LOAD_PIN's comment)
-            free_parity = free_parity ^ self._pin(rows, [loaded, *pinned])
-        self._wait_half(self.d_storage.barE.data_ptr() + bit, free_parity)
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
@@ -533,32 +508,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
             for i in cutlass.range_constexpr(self._rounds()):
                 key, q = token_of_lane(warp, lane, self._round(i))
-                sc = scales[i]
-                if const_expr(LOAD_SEL == 1):  # (a -1 entry's words: zeros, LOAD_SEL's comment)
-                    valid = loaded[2][i] != 0
-                    sc = [cutlass.select_(valid, w, Int32(0)) for w in sc]
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
-                    chunk = words[4 * i + d]
-                    if const_expr(LOAD_SEL == 1):
-                        chunk = [cutlass.select_(valid, w, Int32(0)) for w in chunk]
-                    e4m3_store16(buf + d0, buf + d1, chunk, True,
-                                 sc[d // 2], early=True, peer=peer, route=CONVERT)
+                    e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
+                                 scales[i][d // 2], early=True, peer=peer, route=CONVERT)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
                               rope_issued=rope_first)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
-
-    @staticmethod
-    def _pin(rows, halves) -> Int32:
-        """Zero, computed from the first word of each load of halves (_load's (words, scales))
-        and the cache's row stride >> 48 (zero for any real cache, unknown to ptxas): a value
-        that only exists once those loads are issued (LOAD_PIN's comment)."""
-        dep = Int32(0)
-        for half in halves:
-            words, scales = half[0], half[1]
-            for w in [c[0] for c in words] + [p[0] for p in scales]:
-                dep = dep | w
-        return dep & Int32(rows[1] >> 48)
 
     def _rounds(self) -> int:
         """Rounds of 32 keys a producer thread converts a buffer half (token_of_lane's u): 2,
