@@ -93,11 +93,6 @@
 #             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
 #             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
 #             of 2,1,128 and 2,2,64; run in session 36 (docs/benchmarks-h100.md)
-#   combine4  session 36's four combine variants (constants.COMBINE_VARIANTS): the split's
-#             tests and each variant's on every sparse backend, the issue's bench, the
-#             small-batch rows with FlashMLA and dense rows with and without
-#             TORCH_MLA_DEV_COMBINE_UNROLL2=1, then (time left) the dense split-KV tests; run in
-#             session 37 (the knob is gone since: (16, 2) is the default, D and U the same build)
 #   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
 #             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
 #             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
@@ -438,36 +433,6 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     if (( SECONDS < 420 )); then  # (the small batches' per-CTA timeline, while time is left)
       run trace 120 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m tools.trace_sparse "$OUT/trace" \
         2,1,128 2,2,64
-    fi
-    finish; exit ;;
-  combine4)  # (session 36's four combine variants, FlashMLA beside: the split's tests and
-    # every backend's test of each variant, the issue's bench, the small-batch rows alternated
-    # twice and dense rows (DR), the defaults (D) and with TORCH_MLA_DEV_COMBINE_UNROLL2=1 (U,
-    # the heuristic takes (16, 2); the tests and the bench under it), then while time is left
-    # the dense split-KV tests)
-    SECONDS=${ELAPSED:-0}
-    preamble flashmla-sm90-sparse
-    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
-      --kernels step,sparse,sparse_producer,sparse_split,schedule --dtypes bf16 --jobs 15 \
-      > "$OUT/preD.log" 2>&1)
-    tail -n 2 "$OUT"/pre*.log
-    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    U=(TORCH_MLA_DEV_COMBINE_UNROLL2=1 TORCH_MLA_CACHE_DIR=/tmp/cD)  # (the heuristic takes (16, 2))
-    run tests 200 env "${F[@]}" "${U[@]}" python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split or every_combine"
-    stop_if_hung tests
-    run bench 150 env "${U[@]}" python benchmarks/bench_decode.py --sparse
-    dk() { [[ $1 == U ]] && echo TORCH_MLA_DEV_COMBINE_UNROLL2=1; echo TORCH_MLA_CACHE_DIR=/tmp/cD; }
-    ab_rows c4 dk "${ROWS:-2,1,64 2,2,64 4,1,64 8,1,64 2,1,128 2,2,128 4,1,128}" D U
-    DR=${DR:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,4096,64 2,1,4096,64 4,1,4096,64"}
-    run dense_D 60 env TORCH_MLA_CACHE_DIR=/tmp/cD python benchmarks/bench_decode.py --no-check $DR
-    run dense_U 60 env "${U[@]}" python benchmarks/bench_decode.py --no-check $DR
-    END=${END:-570}  # (the call's seconds: the dense tests stop 10 s before)
-    if (( SECONDS < END - 100 )); then  # (the dense split-KV tests, every variant's among them)
-      run tests_dense $((END - 10 - SECONDS)) env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest \
-        -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py tests/test_schedule_mismatch.py
-    else
-      summary+=("tests_dense      skipped: too little time left")
     fi
     finish; exit ;;
   convert)  # (the producer's conversion route, timing only: EX the default exact route, BM
