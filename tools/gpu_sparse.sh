@@ -44,6 +44,10 @@
 #             the 656-byte rows alternated twice with A without the pair (A0) and FlashMLA
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
+#   verify    the defaults as they ship, one call: the sparse steps precompiled (16 jobs), the
+#             split's GPU tests (tests/test_sparse_kernel.py -k sm90_split), memcheck over the
+#             656-byte rows at h_q 100 and 64, then the bench (bench_decode.py --sparse,
+#             FlashMLA beside); for a default changed without its full tests (session 38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT, each in its own cache directory; missing fields the defaults
@@ -258,6 +262,20 @@ case $kernel in
       tests/test_sparse.py tests/test_sparse_kernel.py -k "sm90_split or not (sm80 or sm90 or fp8)"
     MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
       --cache fp8_ds_mla --heads 100
+    finish; exit ;;
+  verify)
+    preamble flashmla-sm90-sparse
+    run precompile 200 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,sparse_split,schedule,append_kv --dtypes bf16 --jobs 16
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    run tests 150 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse_kernel.py -k sm90_split
+    stop_if_hung tests
+    for hq in 100 64; do
+      MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" python -m tools.sparse_memcheck \
+        --cache fp8_ds_mla --heads $hq
+    done
+    run bench 150 python benchmarks/bench_decode.py --sparse
     finish; exit ;;
   split_ab)  # (ELAPSED: seconds the device call ran before this script, for its budget)
     SECONDS=${ELAPSED:-0}
