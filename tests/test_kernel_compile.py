@@ -123,6 +123,8 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
 # installed ptxas's -v output read as the DSL's remarks are (tools.ptxas_figures.kernel_figures).
 PTXAS_FIGURES = r"""
 def ptxas_figures(f, entry):
+    import torch_mla  # (the tree's root on the path, whatever the working directory)
+    sys.path.insert(0, os.path.dirname(os.path.dirname(torch_mla.__file__)))
     from tools.ptxas_figures import kernel_figures
     res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
                          capture_output=True, text=True)
@@ -131,12 +133,13 @@ def ptxas_figures(f, entry):
 
 
 # The DSL assembles its PTX with its own ptxas, also here without a GPU, and under this option
-# prints that ptxas's output among its remarks (tools/ptxas_figures.py), so CI checks registers
-# and spills even where no ptxas binary is installed. The figures are an installed ptxas's where
-# there is one: the DSL's libraries for CUDA 12 (the CPU wheel) carry an older ptxas than the
-# CUDA 13 one the device's build uses, and its spills differ by a few bytes (session 38: 16
-# against 12 at keys-on-M ping-pong 64 columns, 136 against at most 132 in the producer's
-# sparse kernel over the 656-byte rows), so the bounds below are CUDA 13's.
+# prints that ptxas's output among its remarks (tools/ptxas_figures.py), so registers and spills
+# can be read even where no ptxas binary is installed. The figures are an installed ptxas's where
+# there is one (CI has CUDA 13's): the DSL's libraries for CUDA 12 (the CPU wheel) carry an older
+# ptxas than the CUDA 13 one the device's build uses, and its spills differ by a few bytes
+# (session 38: 16 against 12 at keys-on-M ping-pong 64 columns, 136 against at most 132 in the
+# producer's sparse kernel over the 656-byte rows). The bounds below are CUDA 13's, so without a
+# ptxas binary those two tests fail.
 REMARKS = {"CUTE_DSL_COMPILER_OPT": "remarks{ptx}"}
 
 

@@ -276,7 +276,8 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
         """The end of a half's fill (buffer at shared address buf, tile mbarrier bar): the
         half's cp.async copies (the 656-byte rows: the bf16 rope tile over half 1, unless
         rope_issued: the caller issued it already, rope_tile; the 16-bit cache: the half's
-        tiles), tracked by bar; then this thread's writes fenced for the async proxy and its
+        tiles), tracked by bar; then this thread's writes fenced for the async proxy (where
+        producer_fences) and its
         arrival on bar (tx: bytes a peer CTA's st.async completes on bar, which thread 0 of the
         warpgroup's arrival expects)."""
         if const_expr(self.cache == "fp8_ds_mla"):

@@ -73,11 +73,12 @@ against 256.7 us; FlashMLA 184.2); with every entry -1 the pair takes 227.6 us a
 for one CTA an m-block (FlashMLA 146.2), and ncu finds its cluster-scope acquires compiled to
 L1 invalidations (CCTL.IVALL): SCOPE's comment.
 Session 32 (H100, same start as FlashMLA): without the producer's fences (PFENCE 0, the default
-since) b 128 h_q 128 took 244.1 us against 256.2 (FlashMLA 184.3); CTA-scope waits (SCOPE cta)
-1% less again with random entries (241.2), 10% with nothing read (205.2 against 227.6), but the
-cluster scope stays: it is the memory model's letter, and 1% does not decide the gap. The
-split's GPU tests passed at CTA scope (110) and, at cluster scope (the default), its FP8 cases
-(29: every case the pair runs); memcheck (h_q 100 and 128) ran at CTA scope: clean.
+in sessions 32-37; PFENCE 2 since session 38) b 128 h_q 128 took 244.1 us against 256.2
+(FlashMLA 184.3); CTA-scope waits (SCOPE cta) 1% less again with random entries (241.2), 10%
+with nothing read (205.2 against 227.6), but the cluster scope stays: it is the memory model's
+letter, and 1% does not decide the gap. The split's GPU tests passed at CTA scope (110) and,
+at cluster scope (the default), its FP8 cases (29: every case the pair runs); memcheck (h_q 100
+and 128) ran at CTA scope: clean.
 Session 34 (H100): a per-block trace (tools/trace_sparse.py) found WG0 waiting 1.2-1.7 us a
 block for half 1, ending ~1 us after the producer's thread 256 had arrived (the rope gather was
 issued after the conversion): ROPE_FIRST (the default since) took b 128 h_q 128 from 242.0 to
@@ -139,7 +140,9 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 0, (0, 1, 2))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
-# 656-byte rows (half 0 is written and fenced by the producer itself; P V reads half 0).
+# 656-byte rows (half 0 is written and fenced by the producer itself; P V reads half 0): only
+# where the producer fences (PFENCE 0 without the pair, or 1); with PFENCE 2, the default, WG0
+# fences half 0 after its wait.
 # The defaults (L2 256, evict_last, FENCE 0) measured fastest (session 30's A/B: b 128 s_q 1
 # h_q 64 145.5 us against 162.1 with none of them; L2 256 and FENCE 0 alone 164.1).
 L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "256"))
@@ -174,8 +177,9 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # FlashMLA): 128,1,64 134.9 / 132.8 / 130.0, 128,2,64 252.0 / 247.9 / 246.6, 32,1,64 61.0 /
 # 60.7 / 58.7; the pair's rows the same (128,1,128 219.8 / 220.3). The split's GPU tests (122)
 # and memcheck (h_q 100, 64) passed on PFENCE 2 with LOAD_PIN 1 (that knob, since removed,
-# changed only the free wait's parity operand: parity ^ 0); PFENCE 2 alone passed the A/B's 7
-# smoke cases (the fp8 grid at 64-1-2048 and 128 heads, the entry kinds at 100 heads).
+# changed only the free wait's parity operand: parity ^ 0, and only over the 656-byte rows, so
+# that run's 16-bit-cache cases are this build's); PFENCE 2 alone passed the A/B's 7 smoke cases,
+# 2 of them without the pair (the fp8 grid at 64-1-2048, the entry kinds at 100 heads).
 PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
@@ -340,9 +344,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def half_has_copies(self, h: int) -> bool:
         """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
-        arrives), half 1 also the rope tile's cp.async copies; with pair both halves hold the
-        peer's st.async writes too (generic proxy, landing after its fence: the waiting
-        warpgroup fences them)."""
+        arrives where producer_fences: PFENCE 1, or 0 without the pair; else the waiting
+        warpgroup fences them), half 1 also the rope tile's cp.async copies; with pair both
+        halves hold the peer's st.async writes too (generic proxy, landing after its fence: the
+        waiting warpgroup fences them)."""
         return (FENCE == 1 or self.cache != "fp8_ds_mla" or h == 1 or self.pair
                 or not self.producer_fences)
 
@@ -484,8 +489,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
         (gather16, the four warps sharing its rows). The 16-bit cache: the half's tiles by
         cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
-        then fences its writes for the async proxy (not with pair: PFENCE) and arrives on the
-        half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        then fences its writes for the async proxy (where producer_fences: PFENCE) and arrives
+        on the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
