@@ -614,6 +614,9 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
 
 PORTABLE_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
+import torch_mla  # (the tree's root on the path, for tools, whatever the working directory)
+sys.path.insert(0, os.path.dirname(os.path.dirname(torch_mla.__file__)))
+from tools.ptxas_figures import kernel_figures
 from torch_mla.ops import registry
 from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
 dtype, cache = sys.argv[1], sys.argv[2]
@@ -635,9 +638,8 @@ for arch in sys.argv[3].split(","):
         res = subprocess.run(["ptxas", f"-arch={arch}", "-v", f, "-o", os.devnull],
                              capture_output=True, text=True)
         assert res.returncode == 0, res.stderr[-2000:]
-        info = res.stderr.split("MLASparseDecodeSm80", 2)[2]
-        c["registers"] = int(re.search(r"Used (\d+) registers", info).group(1))
-        c["spill"] = int(re.search(r"(\d+) bytes spill stores", info).group(1))
+        p = kernel_figures(res.stderr, "MLASparseDecodeSm80")
+        c["registers"], c["spill"] = p["registers"], p["spill"]
     for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*")):
         os.remove(g)
     out[arch] = c
