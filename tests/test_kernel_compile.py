@@ -122,12 +122,13 @@ def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
 # ptxas's figures for one entry of a PTX file, in the scripts below (run with python -c): the
 # installed ptxas's -v output read as the DSL's remarks are (tools.ptxas_figures.kernel_figures).
 PTXAS_FIGURES = r"""
-def ptxas_figures(f, entry):
+def ptxas_figures(f, entry, arch="sm_90a"):
     import torch_mla  # (the tree's root on the path, whatever the working directory)
     sys.path.insert(0, os.path.dirname(os.path.dirname(torch_mla.__file__)))
     from tools.ptxas_figures import kernel_figures
-    res = subprocess.run(["ptxas", "-arch=sm_90a", "-v", f, "-o", os.devnull],
+    res = subprocess.run(["ptxas", f"-arch={arch}", "-v", f, "-o", os.devnull],
                          capture_output=True, text=True)
+    assert res.returncode == 0, res.stderr[-2000:]
     return kernel_figures(res.stderr, entry)
 """
 
@@ -614,10 +615,8 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
 
 PORTABLE_SPARSE_SCRIPT = r"""
 import glob, json, os, re, shutil, subprocess, sys
-import torch_mla  # (the tree's root on the path, for tools, whatever the working directory)
-sys.path.insert(0, os.path.dirname(os.path.dirname(torch_mla.__file__)))
-from tools.ptxas_figures import kernel_figures
 from torch_mla.ops import registry
+""" + PTXAS_FIGURES + r"""
 from torch_mla.cute_kernels.sm80_decode import Sm80DecodeConfig
 dtype, cache = sys.argv[1], sys.argv[2]
 out = {}
@@ -635,10 +634,7 @@ for arch in sys.argv[3].split(","):
                   "mma.sync.aligned.m16n8k16.row.col.f32", "ld.local", "st.local", "call.uni"]:
             c[k] = len(re.findall(re.escape(k), ptx))
     if shutil.which("ptxas"):
-        res = subprocess.run(["ptxas", f"-arch={arch}", "-v", f, "-o", os.devnull],
-                             capture_output=True, text=True)
-        assert res.returncode == 0, res.stderr[-2000:]
-        p = kernel_figures(res.stderr, "MLASparseDecodeSm80")
+        p = ptxas_figures(f, "MLASparseDecodeSm80", arch)
         c["registers"], c["spill"] = p["registers"], p["spill"]
     for g in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*")):
         os.remove(g)
