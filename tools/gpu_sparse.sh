@@ -72,6 +72,8 @@
 #             pair only) and D, then ER (ENTRY_RAW 1, the next block's entries checked when
 #             it begins: no change, removed) and D; session 36 RR (ROPE_REGS 1, the rope tile
 #             through registers: slower with the pair, removed) and D
+#   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
+#             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -481,6 +483,24 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       esac
     }
     ab_rows cv cvk "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" EX BM FM
+    finish; exit ;;
+  plain)  # (the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
+    # portable kernel over the bf16 rows (tools/sparse_rows.py sm90 / split / portable bf16),
+    # alternated twice, one start; the split runs over that cache only when asked for, session 39)
+    preamble flashmla-sm90-sparse
+    run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,sparse_split,schedule --dtypes bf16 --jobs 16
+    stop_if_hung precompile
+    R=${ROWS:-"2,1,64 2,2,64 8,1,64 32,1,64 32,2,64 128,1,64 128,2,64 2,1,128 2,2,128 8,1,128
+      32,1,128 32,2,128 128,1,128 128,2,128 32,1,100 128,1,100"}
+    for round in 1 2; do
+      for m in sm90 split portable; do
+        run "p${m}_$round" 60 env TAG="r$round" python -m tools.sparse_rows $m bf16 $R
+        stop_if_hung "p${m}_$round"
+      done
+    done
+    grep -h " us" "$OUT"/p*_[12].log | sort -t' ' -k4,4 -k1,1 > "$OUT/p_all.txt"
+    cat "$OUT/p_all.txt"
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
