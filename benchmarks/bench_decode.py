@@ -212,8 +212,8 @@ def main_sparse_kernels(flash_mla, heads=None, batches=None) -> None:
     heads, batches: only these h_q, b. With TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32) the keys-on-M
     column runs its ping-pong variant where that takes the shape (the FP8 caches, every h_q);
     with TORCH_MLA_SPARSE_PRODUCER=1 the SM90 column runs its producer-warpgroup variant, with
-    =split its split variant; over the 656-byte rows at 64-128 heads the split by default (the
-    dispatch's choice there; =0: the SM90 kernel itself)."""
+    =split its split variant; at 64-128 heads over the 16-bit cache and the 656-byte rows the
+    split by default (the dispatch's choice there; =0: the SM90 kernel itself)."""
     print("| b | s_q | h_q | default kernel (bf16, fp8) | bf16 SM90 us | bf16 portable us | "
           "bf16 keys-on-M us | e4m3 SM90 us | e4m3 portable us | e4m3 keys-on-M us | "
           "656 B SM90 us | 656 B portable us | 656 B keys-on-M us | default bf16: % copy, "

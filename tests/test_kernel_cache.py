@@ -346,12 +346,14 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     # SM90 sparse steps with a producer warpgroup ("sparse_producer", opt-in: the 16-bit cache
     # and, bf16 only, the 656-byte rows: + 3), and with its warpgroup split ("sparse_split":
     # the same, + 3, and its cluster pair over the 656-byte rows, bf16 only: + 1)
-    # The SM90 sparse steps only for sm_90a (run where ops.sparse.sm90_sparse_pays).
+    # The SM90 sparse steps only for sm_90a (run where ops.sparse.sm90_sparse_pays; its split
+    # variant over the 16-bit cache at 64-128 heads).
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
         ("sparse_step_sm80", {"dtype": "fp16"}),
         ("sparse_step_sm80", {"dtype": "fp16", "kv": "e4m3"}),
         ("sparse_step_sm90", {"dtype": "fp16"}),
-        ("sparse_step_sm90", {"dtype": "fp16", "kv": "e4m3"})] + [
+        ("sparse_step_sm90", {"dtype": "fp16", "kv": "e4m3"}),
+        ("sparse_step_sm90_split", {"dtype": "fp16"})] + [
         ("sparse_step_sm90_keysm", dict(dtype="fp16", **kv, columns=n))
         for kv in ({}, {"kv": "e4m3"}) for n in (8, 16, 32)]
     for bad in [("sm90", "fp16", "fp8_ds_mla"), ("sm80", "fp16", "fp8_ds_mla"),

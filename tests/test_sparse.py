@@ -344,10 +344,11 @@ def test_flashmla_piece_rule_knob(monkeypatch):
 
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86", "sm_100a"])
 def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
-    # The SM90 sparse kernel runs on sm_90a only, by default over a 16-bit cache where
-    # h_q >= 64 and the launch has at least 64 CTAs of 64 heads (b * s_q * ceil(h_q / 64));
-    # TORCH_MLA_SPARSE_SM90=1 takes it for every shape, =0 never (the arch lookup stubbed: no
-    # GPU needed).
+    # The SM90 sparse kernel runs on sm_90a only, over a 16-bit cache where h_q >= 64 and the
+    # launch has at least 64 CTAs of 64 heads (b * s_q * ceil(h_q / 64)); at 64-128 heads its
+    # split variant in its place, also from 2 query tokens (split_sparse_pays);
+    # TORCH_MLA_SPARSE_PRODUCER=0 keeps the SM90 kernel itself. TORCH_MLA_SPARSE_SM90=1 takes
+    # it for every shape, =0 never (the arch lookup stubbed: no GPU needed).
     from torch_mla.ops import dispatch
 
     monkeypatch.setattr(dispatch, "_small_kernel_arch", lambda device: arch)
@@ -359,6 +360,7 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
               (64, 2, 96): native, (32, 1, 128): native, (64, 1, 64): native,
               (2, 2, 128): "sm80", (63, 1, 64): "sm80", (32, 1, 64): "sm80",
               (128, 2, 32): "sm80", (1024, 1, 16): "sm80"}
+    split = "sm90_split" if arch == "sm_90a" else "sm80"
     for flag, want_default in ((None, None), ("1", native), ("0", "sm80")):
         if flag is None:
             monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
@@ -366,8 +368,20 @@ def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
             monkeypatch.setenv("TORCH_MLA_SPARSE_SM90", flag)
         for (b, s_q, h_q), want in shapes.items():
             q = torch.empty(b, s_q, h_q, 576, dtype=torch.bfloat16)
+            monkeypatch.setenv("TORCH_MLA_SPARSE_PRODUCER", "0")
             assert sparse_ops.sparse_backend(q, cache, 512) == (want_default or want, ""), (
                 flag, b, s_q, h_q)
+            monkeypatch.delenv("TORCH_MLA_SPARSE_PRODUCER")
+            # (by default the split at 64-128 heads where the SM90 kernel would run, and from
+            # 2 query tokens where the portable kernel would)
+            by_default = want_default or want
+            if flag != "0" and 64 <= h_q <= 128 and b * s_q >= 2:
+                by_default = split
+            assert sparse_ops.sparse_backend(q, cache, 512) == (by_default, ""), (
+                flag, b, s_q, h_q)
+    q = torch.empty(1, 1, 128, 576, dtype=torch.bfloat16)  # (one token: the portable kernel)
+    monkeypatch.delenv("TORCH_MLA_SPARSE_SM90", raising=False)
+    assert sparse_ops.sparse_backend(q, cache, 512) == ("sm80", "")
     assert sparse_ops.sm90_sparse_pays(64, 1, 64) and not sparse_ops.sm90_sparse_pays(63, 1, 64)
     assert sparse_ops.sm90_sparse_pays(32, 1, 128) and not sparse_ops.sm90_sparse_pays(128, 2, 32)
     # over an FP8 cache: from 32 CTAs at h_q >= 64, from 128 below
@@ -400,9 +414,9 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 q = torch.empty(2, 1, h_q, 576, dtype=torch.bfloat16)
                 keysm = arch == "sm_90a" and cols > 0 and flag != "0"
                 want = "sm90_keysm" if keysm else "sm90" if arch == "sm_90a" else "sm80"
-                # (over the 656-byte rows at 64-128 heads the split kernel in the SM90 kernel's
-                # place, unless TORCH_MLA_SPARSE_PRODUCER=0)
-                default = ("sm90_split" if want == "sm90" and fmt == "fp8_ds_mla"
+                # (over the 16-bit cache and the 656-byte rows at 64-128 heads the split kernel
+                # in the SM90 kernel's place, unless TORCH_MLA_SPARSE_PRODUCER=0)
+                default = ("sm90_split" if want == "sm90" and fmt != "fp8"
                            and 64 <= h_q <= 128 else want)
                 assert sparse_ops.sparse_backend(q, cache, 512) == (default, ""), (
                     flag, fmt, h_q)
@@ -425,12 +439,12 @@ def test_keysm_sparse_kernel_by_default(monkeypatch, arch):
                 monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "1")
                 rs = arch == "sm_90a" and fmt != "plain"
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
-                    "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
+                    "sm90_keysm_rs" if rs else default, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_rs_sparse_columns(h_q) == (cols or 64)
                 # =32: the same kernel, at most 32 columns a CTA
                 monkeypatch.setenv("TORCH_MLA_SPARSE_KEYSM_RS", "32")
                 assert sparse_ops.sparse_backend(q, cache, 512) == (
-                    "sm90_keysm_rs" if rs else want, ""), (flag, fmt, h_q)
+                    "sm90_keysm_rs" if rs else default, ""), (flag, fmt, h_q)
                 assert sparse_ops.keysm_rs_sparse_columns(h_q) == (cols or 32)
                 # (and the schedule is sized for its CTAs: one wave of ceil(h_q / 32) a part)
                 sched = sparse_ops.get_sparse_decode_schedule(

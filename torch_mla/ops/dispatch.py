@@ -80,8 +80,9 @@ _force_reference = _env_flag("TORCH_MLA_FORCE_REFERENCE")
 _sm100_enabled = _env_flag("TORCH_MLA_SM100")
 # The sparse kernels on sm_90a (ops.sparse.sparse_backend): the keys-on-M one for h_q <= 32
 # (TORCH_MLA_SPARSE_KEYSM=0: never), else the SM90 one where ops.sparse.sm90_sparse_pays
-# (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never), over the 656-byte rows at 64-128
-# heads its split variant (ops.sparse.split_sparse_pays; TORCH_MLA_SPARSE_PRODUCER below).
+# (TORCH_MLA_SPARSE_SM90=1: every such shape, =0: never), over the 16-bit cache and the
+# 656-byte rows at 64-128 heads its split variant (ops.sparse.split_sparse_pays;
+# TORCH_MLA_SPARSE_PRODUCER below).
 sparse_sm90_always = _env_flag("TORCH_MLA_SPARSE_SM90")
 sparse_sm90_off = _env_flag("TORCH_MLA_SPARSE_SM90", "0")
 sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
@@ -90,9 +91,10 @@ sparse_keysm_off = _env_flag("TORCH_MLA_SPARSE_KEYSM", "0")
 # the 16-bit cache and the 656-byte rows).
 sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # =split: its variant with FlashMLA's split of the consumer warpgroups
-# (cute_kernels/sm90_split_sparse_decode.py) over the 16-bit cache too; over the 656-byte rows
-# the split is the default (faster than the SM90 kernel on every row measured on an H100,
-# docs/kernels/sparse.md, session 30); =0: the SM90 kernel itself there.
+# (cute_kernels/sm90_split_sparse_decode.py) wherever the SM90 kernel would run; at 64-128
+# heads over the 16-bit cache and the 656-byte rows the split is the default anyway (faster
+# than the SM90 kernel on every row measured on an H100: docs/kernels/sparse.md, sessions 30
+# and 39); =0: the SM90 kernel itself there.
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 sparse_heads_on_m = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "0")
 # Where the split kernel runs over the 656-byte rows at h_q 65-128, its cluster pair

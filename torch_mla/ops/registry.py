@@ -209,8 +209,9 @@ class SparseStepConfig(_Config):
     TORCH_MLA_SPARSE_KEYSM_RS=1), "sm90_producer" (the SM90 one with a producer warpgroup that
     gathers and dequantizes, the 16-bit cache and the 656-byte rows; opt-in,
     TORCH_MLA_SPARSE_PRODUCER=1), "sm90_split" (the same with FlashMLA's split of the consumer
-    warpgroups: the default over the 656-byte rows at 64-128 heads, opt-in over the 16-bit
-    cache, TORCH_MLA_SPARSE_PRODUCER=split; ``columns`` 128 over the 656-byte rows: a token's
+    warpgroups: the default over the 16-bit cache and the 656-byte rows at 64-128 heads,
+    TORCH_MLA_SPARSE_PRODUCER=split: wherever the SM90 kernel runs; ``columns`` 128 over the
+    656-byte rows: a token's
     two m-blocks as a cluster pair sharing the conversion, where the split runs there),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
@@ -408,11 +409,13 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
         if "sparse" in kernels:
             out += [SparseStepConfig("sm80", dt, c) for c in sparse_caches(dt)]
             if native == "sm90":  # (the dispatch's choice by shape: ops.sparse.sparse_backend;
-                # over the 656-byte rows the split kernel in the SM90 one's place)
+                # over the 16-bit cache and the 656-byte rows the split kernel in the SM90
+                # one's place at 64-128 heads)
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
-                if "fp8_ds_mla" in sparse_caches(dt) and "sparse_split" not in kernels:
-                    out += [SparseStepConfig("sm90_split", dt, "fp8_ds_mla", n)
-                            for n in (0, SPARSE_SPLIT_PAIR)]
+                if "sparse_split" not in kernels:
+                    out += [SparseStepConfig("sm90_split", dt, c, n) for c in sparse_caches(dt)
+                            for n in ((0, SPARSE_SPLIT_PAIR) if c == "fp8_ds_mla" else (0,))
+                            if c != "e4m3"]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:

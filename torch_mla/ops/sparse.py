@@ -72,13 +72,19 @@ def sm90_sparse_pays(b: int, s_q: int, h_q: int, fp8: bool = False) -> bool:
 # problem and CUDA-graph timing), FlashMLA 23.8 (the split in the session's other starts
 # 21.5-22.5). So it runs from 2 one-token requests (b s_q) since, where it ran from 4 CTAs
 # (b s_q ceil(h_q / 64)): the same at 65-128 heads, 2 and 3 tokens of 64 heads added; a single
-# token stays on the portable kernel (not measured).
+# token stays on the portable kernel (not measured). Over the 16-bit cache it ran only when asked
+# for until session 39, whose A/B (H100, one start, tools/gpu_sparse.sh plain: the SM90 kernel,
+# the split and the portable kernel over the bf16 rows, alternated twice; docs/benchmarks-h100.md)
+# had the split fastest on all 16 rows at 64, 100 and 128 heads, b 2-128, s_q 1-2: 128,1,128
+# 158.6 us against 214.0 (SM90) and 306.5 (portable); 32,1,64 58.3 against 71.8 (portable);
+# 2,1,64 20.5 against 21.0 (portable). So the same rule holds over both formats it takes.
 SPLIT_MAX_HEADS = 128
 SPLIT_MIN_TOKENS = 2
 
 
 def split_sparse_pays(b: int, s_q: int, h_q: int, sm90_pays: bool = False) -> bool:
-    """Whether the split kernel runs over the 656-byte rows by default: SM90_MIN_HEADS <= h_q
+    """Whether the split kernel runs by default (over the 16-bit cache and the 656-byte rows;
+    not over e4m3, which it does not take): SM90_MIN_HEADS <= h_q
     <= SPLIT_MAX_HEADS, and where the SM90 kernel pays (sm90_pays) or from SPLIT_MIN_TOKENS
     one-token requests (b * s_q)."""
     return SM90_MIN_HEADS <= h_q <= SPLIT_MAX_HEADS and (sm90_pays or b * s_q >= SPLIT_MIN_TOKENS)
@@ -138,9 +144,10 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
       - the SM90 kernel where sm90_sparse_pays (TORCH_MLA_SPARSE_SM90=1: every shape the
         keys-on-M kernel does not take, =0: never): "sm90_producer" with
         TORCH_MLA_SPARSE_PRODUCER=1 and "sm90_split" with =split (the 16-bit cache and the
-        656-byte rows); over the 656-byte rows at 64-128 heads "sm90_split" by default, also
-        from fewer CTAs (split_sparse_pays; faster than the SM90 kernel on every row measured,
-        session 30), unless TORCH_MLA_SPARSE_PRODUCER=0 or 1; else "sm90";
+        656-byte rows); over those two formats at 64-128 heads "sm90_split" by default, also
+        from fewer CTAs (split_sparse_pays; faster than the SM90 kernel on every row measured:
+        the 656-byte rows in session 30, the bf16 cache in session 39), unless
+        TORCH_MLA_SPARSE_PRODUCER=0 or 1; else "sm90";
       - else "sm80", the portable kernel (also on other GPUs from SM80).
     Every kernel takes every cache format (the FP8 ones dequantized in the kernel) but the
     producer variants, which do not take e4m3; the 656-byte rows with bf16 q only (their RoPE
@@ -176,7 +183,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
                 return "sm90_producer", ""
             if dispatch.sparse_split():
                 return "sm90_split", ""
-        if (fmt == "fp8_ds_mla" and not dispatch.sparse_heads_on_m()
+        if (fmt != "fp8" and not dispatch.sparse_heads_on_m()
                 and not dispatch.sparse_producer() and split_sparse_pays(*q.shape[:3], pays)):
             return "sm90_split", ""
         if pays:
@@ -189,9 +196,9 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
     On a GPU the kernel sparse_backend names: on sm_90a the keys-on-M kernel
     (cute_kernels/sm90_keysm_sparse_decode.py) for h_q <= 32, else the SM90 kernel
-    (cute_kernels/sm90_sparse_decode.py) where sm90_sparse_pays (over the 656-byte rows at
-    64-128 heads its split variant, sm90_split_sparse_decode.py, there and from fewer CTAs:
-    split_sparse_pays), else the portable kernel
+    (cute_kernels/sm90_sparse_decode.py) where sm90_sparse_pays (over the 16-bit cache and the
+    656-byte rows at 64-128 heads its split variant, sm90_split_sparse_decode.py, there and from
+    fewer CTAs: split_sparse_pays), else the portable kernel
     (cute_kernels/sm80_sparse_decode.py), each over every cache format (the FP8 ones
     dequantized in the kernel); inputs no kernel takes run the
     reference, which warns once per reason (it gathers every key in float32 and is far slower
@@ -462,10 +469,10 @@ def mla_decode_sparse(
 
     On a GPU a sparse kernel runs, over every cache format (docs/kernels/sparse.md): on
     H100/H200 the keys-on-M kernel for h_q <= 32, the SM90 kernel where it pays (64+ heads and
-    enough CTAs; over the 656-byte rows at 64-128 heads its split variant, from 4 CTAs), else
-    the portable kernel, which also runs on other GPUs from SM80; elsewhere,
-    and where no kernel takes the inputs, the fp32 reference (torch_mla.reference_sparse), on a
-    GPU with a warning once per reason.
+    enough CTAs; over the 16-bit cache and the 656-byte rows at 64-128 heads its split
+    variant, from 2 query tokens), else the portable kernel, which also runs on other GPUs
+    from SM80; elsewhere, and where no kernel takes the inputs, the fp32 reference
+    (torch_mla.reference_sparse), on a GPU with a warning once per reason.
     """
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
     if schedule is None:
