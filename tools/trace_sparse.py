@@ -10,7 +10,8 @@ sparse decode step, as the dispatch builds it over the 656-byte rows (the cluste
 65-128: ops.sparse.split_pair_rows), runs it on tools/sparse_rows.py's problem (topk 2048 random
 distinct slots of s_k 32768 tokens a request, bench_decode's _sparse_problem and _sparse_cache)
 with the schedule of torch_mla.get_sparse_decode_schedule, prints where the time goes and saves
-the raw stamps with the schedule to OUT_DIR/trace_sparse_B_SQ_HQ.pt. Also times the op itself
+the raw stamps with the schedule to OUT_DIR/trace_sparse_B_SQ_HQ.pt. NONE=1 (environment): every
+entry -1, so nothing is read (the block chain without memory latency). Also times the op itself
 (mla_decode_sparse, CUDA graph) and the traced step the same way. The split's developer knobs
 (TORCH_MLA_DEV_SPLIT_*, read at import) apply to the trace build as to the op's kernel (give
 such a run its own TORCH_MLA_CACHE_DIR, as their comments say).
@@ -368,6 +369,8 @@ def trace_row(spec: str, out_dir: str) -> None:
     tokens, idx, q, sched = bd._sparse_problem(b, s_q, h_q, TOPK, S_K)
     cache = bd._sparse_cache(b * S_K, torch.uint8, 656, tokens)
     del tokens
+    if os.environ.get("NONE") == "1":  # (every entry -1: nothing read, as tools/sparse_rows.py)
+        idx.fill_(-1)
     taken = sparse_backend(q, cache, 512)[0]
     pair = split_pair_rows(h_q, "fp8_ds_mla", b * s_q) > 0
     parts = sched.metadata.shape[0]
