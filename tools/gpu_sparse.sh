@@ -50,8 +50,8 @@
 #             FlashMLA beside); for a default changed without its full tests (session 38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:CONVERT, each in its own cache directory; missing fields the defaults
-#             0:0:cluster:2:0:late:0:1:1:1:exact; sessions 37-38's LOAD_PIN and LOAD_SEL
+#             LOAD_BLOCK:CONVERT:PAIR_FREE, each in its own cache directory; missing fields the
+#             defaults 0:0:cluster:2:0:late:0:1:1:1:exact:half; sessions 37-38's LOAD_PIN and LOAD_SEL
 #             fields, between LOAD_BLOCK and CONVERT and after it, are gone): the smoke cases of
 #             all but the first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong
 #             values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
@@ -294,14 +294,14 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv pfr
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv pfr <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
-        TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} \
+        TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_PAIR_FREE=${pfr:-half} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do

@@ -181,6 +181,16 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # that run's 16-bit-cache cases are this build's); PFENCE 2 alone passed the A/B's 7 smoke cases,
 # 2 of them without the pair (the fp8 grid at 64-1-2048, the entry kinds at 100 heads).
 PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
+# How the pair's buffers go back to the producers: "half" (the default: each half of a buffer
+# on its own "empty" mbarrier, two arrivals, this CTA's consumers' and the peer's; WG0 frees half
+# 0 after its P V, WG1 half 1 after its own, and the producer waits once a half) or "buffer"
+# (FlashMLA's pair: one mbarrier a buffer, four arrivals, each warpgroup of each CTA, and one
+# producer wait a block, before half 0). Session 39 (H100): with nothing read (every entry -1)
+# the pair takes 215.9 us at b 128 s_q 1 h_q 128, one CTA an m-block 182.0, FlashMLA's pair
+# 147.4. So the pair's own synchronisation sets its time, and this is one of the ways
+# FlashMLA's differs (docs/kernels/sparse.md, session 39). TORCH_MLA_DEV_SPLIT_PAIR_FREE
+# (developer knob, its own TORCH_MLA_CACHE_DIR); compiled, not yet run.
+PAIR_FREE = _dev_knob("PAIR_FREE", "half", ("half", "buffer"))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
@@ -315,17 +325,22 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
+        self.free_buffer = pair and PAIR_FREE == "buffer"  # (PAIR_FREE's comment)
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
-        consumers' and the peer's: the producers write into both CTAs' buffers)."""
+        consumers' and the peer's: the producers write into both CTAs' buffers); with
+        free_buffer barE[2 s] takes both halves' releases of both CTAs (four)."""
         bar = self.d_storage.barE.data_ptr()
         for i in range(4):
-            cute.arch.mbarrier_init(bar + i, 2 if self.pair else 1)
+            cute.arch.mbarrier_init(bar + i, (4 if self.free_buffer else 2) if self.pair else 1)
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
-        peer's (a release at SCOPE: the peer's producer then overwrites the half here)."""
+        peer's (a release at SCOPE: the peer's producer then overwrites the half here); with
+        free_buffer on the buffer's one mbarrier, barE[2 (i // 2)]."""
+        if const_expr(self.free_buffer):
+            i = 2 * (i // 2)
         bar = self.d_storage.barE.data_ptr() + i
         cute.arch.mbarrier_arrive(bar)
         if const_expr(self.pair):
@@ -496,10 +511,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         words, scales = loaded
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
-        # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
-        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE; with
+        # free_buffer one wait a block, before half 0, for the whole buffer)
+        if const_expr(not (self.free_buffer and h == 1)):
+            self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+            parity[0] = parity[0] ^ (1 << bit)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
-        parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
         rope_first = self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
