@@ -148,6 +148,21 @@ def test_formats_and_sink(backend, fmt, sink):
     check_against_fp64(q, cache, idx, lens, attn_sink)
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp16"])
+@pytest.mark.parametrize("h_q,s_q", [(64, 1), (100, 2), (128, 1)])
+def test_default_kernel_over_the_16bit_cache(monkeypatch, fmt, h_q, s_q):
+    # With no flag set, the dispatch's own choice over a 16-bit cache: on H100/H200 the split
+    # kernel at 64-128 heads from 2 query tokens (since session 39), else the portable kernel.
+    for name in ("TORCH_MLA_SPARSE_SM90", "TORCH_MLA_SPARSE_KEYSM", "TORCH_MLA_SPARSE_KEYSM_RS",
+                 "TORCH_MLA_SPARSE_PRODUCER", "TORCH_MLA_SPARSE_SPLIT_PAIR",
+                 "TORCH_MLA_FORCE_REFERENCE"):
+        monkeypatch.delenv(name, raising=False)
+    q, cache, idx, lens, attn_sink = _case(h_q, s_q, 512, fmt, b=2, sink=True)
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    assert sparse_ops.sparse_backend(q, cache, 512)[0] == ("sm90_split" if sm90 else "sm80")
+    check_against_fp64(q, cache, idx, lens, attn_sink)
+
+
 def test_strided_cache(backend):
     # Rows 640 wide (576 used, NaN after) and one spare page between pages: the kernels
     # address each row through the cache's strides, and read no byte past its 576 values.

@@ -74,6 +74,9 @@
 #             through registers: slower with the pair, removed) and D
 #   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
+#   pair_free the default dispatch's GPU tests, then the pair's whole-buffer release (PAIR_FREE
+#             buffer) against the defaults and FlashMLA, random entries and nothing read, then
+#             its tests (session 39, a short device budget)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -501,6 +504,40 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/p*_[12].log | sort -t' ' -k4,4 -k1,1 > "$OUT/p_all.txt"
     cat "$OUT/p_all.txt"
+    finish; exit ;;
+  pair_free)  # (session 39, for a short device budget, most needed first: the default
+    # dispatch's GPU tests (the split over the 16-bit cache at 64-128 heads is the default since
+    # session 39), then the pair's whole-buffer release (B: TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer)
+    # against the defaults (D) and FlashMLA over the h_q 128 rows, random entries, alternated
+    # twice, then the same with nothing read (NONE=1), then the split's tests on B)
+    preamble flashmla-sm90-sparse
+    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse,sparse_split,schedule --dtypes bf16,fp16 --jobs 11 > "$OUT/preD.log" 2>&1) &
+    prebuild B TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    run default 150 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
+      -p no:cacheprovider tests/test_sparse.py tests/test_sparse_kernel.py \
+      -k "not (sm80 or sm90 or fp8)"
+    stop_if_hung default
+    R=${ROWS:-"32,1,128 128,1,128 128,2,128"}
+    for none in 0 1; do
+      for round in 1 2; do
+        for v in D B; do
+          run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
+            TORCH_MLA_CACHE_DIR=/tmp/c$v $([[ $v == B ]] && echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer) \
+            python -m tools.sparse_rows split 656 $R
+        done
+        run "pf_fm_${none}_$round" 40 env NONE=$none TAG="r$round none=$none" \
+          python -m tools.sparse_rows flashmla 656 $R
+      done
+    done
+    grep -h " us" "$OUT"/pf_*.log | sort > "$OUT/pf_all.txt"
+    cat "$OUT/pf_all.txt"
+    run tests 120 env TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 \
+      TORCH_MLA_SPARSE_PRODUCER=split TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer \
+      TORCH_MLA_CACHE_DIR=/tmp/cB python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse_kernel.py -k "sm90_split and fp8"
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
