@@ -76,7 +76,8 @@
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
 #   pair_free the default dispatch's GPU tests, then the pair's whole-buffer release (PAIR_FREE
 #             buffer) against the defaults and FlashMLA, random entries and nothing read, then
-#             its tests (session 39, a short device budget)
+#             its tests (session 39, a short device budget; NONES=0: random entries only,
+#             BTESTS=0: no tests of the knob)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -521,7 +522,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       -k "not (sm80 or sm90 or fp8)"
     stop_if_hung default
     R=${ROWS:-"32,1,128 128,1,128 128,2,128"}
-    for none in 0 1; do
+    for none in ${NONES:-0 1}; do  # (NONES=0: random entries only)
       for round in 1 2; do
         for v in D B; do
           run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
@@ -534,7 +535,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/pf_*.log | sort > "$OUT/pf_all.txt"
     cat "$OUT/pf_all.txt"
-    run tests 120 env TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 \
+    [[ ${BTESTS:-1} == 0 ]] || run tests 120 env TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 \
       TORCH_MLA_SPARSE_PRODUCER=split TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer \
       TORCH_MLA_CACHE_DIR=/tmp/cB python -m pytest -m cuda -q -p no:cacheprovider \
       tests/test_sparse_kernel.py -k "sm90_split and fp8"
