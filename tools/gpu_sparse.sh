@@ -50,8 +50,8 @@
 #             FlashMLA beside); for a default changed without its full tests (session 38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:CONVERT:PAIR_FREE, each in its own cache directory; missing fields the
-#             defaults 0:0:cluster:2:0:late:0:1:1:1:exact:half; sessions 37-38's LOAD_PIN and LOAD_SEL
+#             LOAD_BLOCK:CONVERT:PAIR_FREE:ROPE_PAIR, each in its own cache directory; missing
+#             fields the defaults 0:0:cluster:2:0:late:0:1:1:1:exact:half:0; sessions 37-38's LOAD_PIN and LOAD_SEL
 #             fields, between LOAD_BLOCK and CONVERT and after it, are gone): the smoke cases of
 #             all but the first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong
 #             values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
@@ -74,10 +74,11 @@
 #             through registers: slower with the pair, removed) and D
 #   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
-#   pair_free the default dispatch's GPU tests, then the pair's whole-buffer release (PAIR_FREE
-#             buffer) against the defaults and FlashMLA, random entries and nothing read, then
-#             its tests (session 39, a short device budget; NONES=0: random entries only,
-#             BTESTS=0: no tests of the knob)
+#   pair_free the default dispatch's GPU tests, then the pair's whole-buffer release (B:
+#             PAIR_FREE buffer) and its rope exchange (R: ROPE_PAIR 1) against the defaults and
+#             FlashMLA, smoke cases first, random entries and nothing read, then their tests
+#             (session 39, a short device budget; NONES=0: random entries only, BTESTS=0: no
+#             tests of the knobs)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -298,14 +299,15 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv pfr
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv pfr <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv pfr rp
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv pfr rp <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
         TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_PAIR_FREE=${pfr:-half} \
+        TORCH_MLA_DEV_SPLIT_ROPE_PAIR=${rp:-0} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
@@ -508,26 +510,41 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     finish; exit ;;
   pair_free)  # (session 39, for a short device budget, most needed first: the default
     # dispatch's GPU tests (the split over the 16-bit cache at 64-128 heads is the default since
-    # session 39), then the pair's whole-buffer release (B: TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer)
-    # against the defaults (D) and FlashMLA over the h_q 128 rows, random entries, alternated
-    # twice, then the same with nothing read (NONE=1), then the split's tests on B)
+    # session 39), then two of the ways FlashMLA's pair differs, as builds against the defaults
+    # (D): B, the whole-buffer release (TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer), and R, the rope
+    # rows exchanged (TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1); each one's smoke cases (the pair's fp8
+    # grid at 128 heads), then the h_q 128 rows with FlashMLA, random entries, alternated twice,
+    # then the same with nothing read (NONE=1), then the split's fp8 tests on B and R)
     preamble flashmla-sm90-sparse
+    pfk() {  # the knobs of build $1
+      case $1 in
+        B) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer ;;
+        R) echo TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 ;;
+      esac
+    }
     (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
-      --kernels sparse,sparse_split,schedule --dtypes bf16,fp16 --jobs 11 > "$OUT/preD.log" 2>&1) &
-    prebuild B TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer
+      --kernels sparse,sparse_split,schedule --dtypes bf16,fp16 --jobs 8 > "$OUT/preD.log" 2>&1) &
+    prebuild B $(pfk B)
+    prebuild R $(pfk R)
     wait
     tail -n 2 "$OUT"/pre*.log
     run default 150 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
       -p no:cacheprovider tests/test_sparse.py tests/test_sparse_kernel.py \
       -k "not (sm80 or sm90 or fp8)"
     stop_if_hung default
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    for v in B R; do
+      run "smoke_$v" 90 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m pytest \
+        -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
+        -k "sm90_split and fp8_grid and fp8_ds_mla and 128"
+      stop_if_hung "smoke_$v"
+    done
     R=${ROWS:-"32,1,128 128,1,128 128,2,128"}
     for none in ${NONES:-0 1}; do  # (NONES=0: random entries only)
       for round in 1 2; do
-        for v in D B; do
+        for v in D B R; do
           run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
-            TORCH_MLA_CACHE_DIR=/tmp/c$v $([[ $v == B ]] && echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer) \
-            python -m tools.sparse_rows split 656 $R
+            TORCH_MLA_CACHE_DIR=/tmp/c$v $(pfk $v) python -m tools.sparse_rows split 656 $R
         done
         run "pf_fm_${none}_$round" 40 env NONE=$none TAG="r$round none=$none" \
           python -m tools.sparse_rows flashmla 656 $R
@@ -535,10 +552,12 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/pf_*.log | sort > "$OUT/pf_all.txt"
     cat "$OUT/pf_all.txt"
-    [[ ${BTESTS:-1} == 0 ]] || run tests 120 env TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 \
-      TORCH_MLA_SPARSE_PRODUCER=split TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer \
-      TORCH_MLA_CACHE_DIR=/tmp/cB python -m pytest -m cuda -q -p no:cacheprovider \
-      tests/test_sparse_kernel.py -k "sm90_split and fp8"
+    if [[ ${BTESTS:-1} != 0 ]]; then  # (BTESTS=0: no tests of the knobs)
+      for v in B R; do
+        run "tests_$v" 120 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m \
+          pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
+      done
+    fi
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under

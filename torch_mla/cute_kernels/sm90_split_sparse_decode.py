@@ -105,9 +105,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster, sts_peer
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
@@ -191,6 +191,15 @@ PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # FlashMLA's differs (docs/kernels/sparse.md, session 39). TORCH_MLA_DEV_SPLIT_PAIR_FREE
 # (developer knob, its own TORCH_MLA_CACHE_DIR); compiled, not yet run.
 PAIR_FREE = _dev_knob("PAIR_FREE", "half", ("half", "buffer"))
+# The pair's rope tile: 0 (the default) each CTA's producer gathers all 64 keys' bf16 rope rows
+# into its own buffer by cp.async once half 1 is free (ROPE_FIRST); 1 (FlashMLA's pair) each
+# loads its own 32 keys' rows into registers with the block's chunks (LOAD_BLOCK) and stores
+# them into both CTAs' buffers once half 1 is free (st.shared and st.async, 4 KB more on the
+# peer's half-1 mbarrier). Another of the ways FlashMLA's pair differs from ours (session 39,
+# PAIR_FREE's comment); session 36's ROPE_REGS (all 64 rows a CTA through registers, no
+# exchange) was 5% slower with the pair. TORCH_MLA_DEV_SPLIT_ROPE_PAIR (developer knob, its own
+# TORCH_MLA_CACHE_DIR; the pair only, without AHEAD_PAIR); compiled, not yet run.
+ROPE_PAIR = _dev_knob("ROPE_PAIR", 0, (0, 1))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
@@ -283,6 +292,7 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
+ROPE_PEER_BYTES = 32 * 128  # (with ROPE_PAIR: the peer's 32 rope rows of 64 bf16 values)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -326,6 +336,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.free_buffer = pair and PAIR_FREE == "buffer"  # (PAIR_FREE's comment)
+        self.rope_pair = pair and ROPE_PAIR == 1  # (ROPE_PAIR's comment)
+        assert not (self.rope_pair and self.lookahead), "ROPE_PAIR takes AHEAD_PAIR 0"
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
@@ -477,7 +489,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
         empty over the 16-bit cache."""
         lane = cute.arch.lane_idx()
-        words, scales = [], []
+        words, scales, rope = [], [], []
         if const_expr(self.cache == "fp8_ds_mla"):
             for i in cutlass.range_constexpr(self._rounds()):
                 u = self._round(i)
@@ -493,6 +505,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
                 scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
+                if const_expr(self.rope_pair and h == 1):  # (its rope chunks q and q + 4)
+                    for k in cutlass.range_constexpr(2):
+                        rope.append(ldg_or_zero(4, row + FP8_DS_MLA_ROPE_AT + 16 * (q + 4 * k),
+                                                ok, L1_EVICT))
+        if const_expr(self.rope_pair):
+            return words, scales, rope
         return words, scales
 
     @cute.jit
@@ -508,7 +526,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         on the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
-        words, scales = loaded
+        words, scales = loaded[0], loaded[1]
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE; with
@@ -519,7 +537,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
-        rope_first = self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
+        rope_pair = self.rope_pair and h == 1
+        rope_first = (self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
+                      and not rope_pair)
         if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
             self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
@@ -528,14 +548,21 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             if const_expr(self.pair):  # (the same places in the peer CTA, its tile mbarrier)
                 other = 1 - cute.arch.block_idx_in_cluster()
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
+            if const_expr(rope_pair):  # (this thread's two rope chunks, both CTAs: ROPE_PAIR)
+                key, q = token_of_lane(warp, lane, self._round(0))
+                for k in cutlass.range_constexpr(2):
+                    dst = (buf + (N_TILES - 1) * TILE16 + key * 128
+                           + (((q + 4 * k) ^ (key % 8)) << 4))
+                    sts_peer(dst, loaded[2][k], peer[0], peer[1])
             for i in cutlass.range_constexpr(self._rounds()):
                 key, q = token_of_lane(warp, lane, self._round(i))
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer, route=CONVERT)
-        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
-                              rope_issued=rope_first)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp,
+                              (PEER_BYTES + (ROPE_PEER_BYTES if rope_pair else 0)
+                               if self.pair else 0), rope_issued=rope_first or rope_pair)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
     def _rounds(self) -> int:
