@@ -10,7 +10,8 @@
 #             kernel, memcheck on the default kernel (keys-on-M at h_q 16 on an H200)
 #   sm90      the SM90 (wgmma) kernel (TORCH_MLA_SPARSE_SM90=1, TORCH_MLA_SPARSE_KEYSM=0,
 #             TORCH_MLA_SPARSE_PRODUCER=0: every shape; by default the dispatch takes it where
-#             ops.sparse.sm90_sparse_pays, but the split over the 656-byte rows at 64-128 heads)
+#             ops.sparse.sm90_sparse_pays, but the split at 64-128 heads over the 16-bit cache
+#             and the 656-byte rows)
 #   keysm     the keys-on-M sparse kernel (h_q <= 32, every cache format; memcheck over the
 #             656-byte rows; the tests' other shapes skip)
 #   keysm_rs  its ping-pong variant (TORCH_MLA_SPARSE_KEYSM_RS=1: the FP8 caches, every h_q;
@@ -544,6 +545,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         for v in D B R; do
           run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
             TORCH_MLA_CACHE_DIR=/tmp/c$v $(pfk $v) python -m tools.sparse_rows split 656 $R
+          stop_if_hung "pf_${v}_${none}_$round"
         done
         run "pf_fm_${none}_$round" 40 env NONE=$none TAG="r$round none=$none" \
           python -m tools.sparse_rows flashmla 656 $R
@@ -555,6 +557,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       for v in B R; do
         run "tests_$v" 120 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m \
           pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
+        stop_if_hung "tests_$v"
       done
     fi
     finish; exit ;;

@@ -9,7 +9,7 @@ MODE picks the kernel through the dispatch's environment flags:
     rs32      the same with at most 32 columns a CTA (TORCH_MLA_SPARSE_KEYSM_RS=32: h_q 64 as
               two CTAs of 32 columns, each a ping-pong, instead of one of two 32-column halves)
     sm90      the heads-on-M SM90 kernel (TORCH_MLA_SPARSE_KEYSM=0, TORCH_MLA_SPARSE_SM90=1,
-              TORCH_MLA_SPARSE_PRODUCER=0: over the 656-byte rows the split is the default)
+              TORCH_MLA_SPARSE_PRODUCER=0: at 64-128 heads the split is the default)
     producer  its variant with a producer warpgroup (the same and TORCH_MLA_SPARSE_PRODUCER=1)
     split     the same with FlashMLA's warpgroup split (TORCH_MLA_SPARSE_PRODUCER=split)
     portable  the portable kernel (both 0)

@@ -89,9 +89,10 @@ Session 35 (H100): ENTRY_LEN 1 passed the GPU tests and memcheck (the default si
 pair, both halves' loads of a block issued before the wait for half 0 (LOAD_BLOCK 1, the default
 since) took b 128 h_q 128 from 228.5 to 219.6 us (FlashMLA 184.5); without the pair they were
 slower (h_q 64), so only the pair does it.
-The dispatch takes it in the SM90 sparse kernel's place over the 656-byte rows at 64-128 heads
-(TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel itself), over the 16-bit cache with
-TORCH_MLA_SPARSE_PRODUCER=split; the pair at h_q 65-128 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
+The dispatch takes it in the SM90 sparse kernel's place at 64-128 heads over the 656-byte rows
+and, since session 39, over the 16-bit cache (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel
+itself; =split: wherever the SM90 kernel runs); the pair at h_q 65-128 over the 656-byte rows
+unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
 """
 
 from __future__ import annotations
@@ -186,9 +187,9 @@ PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # 0 after its P V, WG1 half 1 after its own, and the producer waits once a half) or "buffer"
 # (FlashMLA's pair: one mbarrier a buffer, four arrivals, each warpgroup of each CTA, and one
 # producer wait a block, before half 0). Session 39 (H100): with nothing read (every entry -1)
-# the pair takes 215.9 us at b 128 s_q 1 h_q 128, one CTA an m-block 182.0, FlashMLA's pair
-# 147.4. So the pair's own synchronisation sets its time, and this is one of the ways
-# FlashMLA's differs (docs/kernels/sparse.md, session 39). TORCH_MLA_DEV_SPLIT_PAIR_FREE
+# the pair takes 215.8 us at b 128 s_q 1 h_q 128, one CTA an m-block 182.0, FlashMLA's pair
+# 147.4 (two rounds' means). So the pair's own synchronisation sets its time, and this is one
+# of the ways FlashMLA's differs (docs/kernels/sparse.md, session 39). TORCH_MLA_DEV_SPLIT_PAIR_FREE
 # (developer knob, its own TORCH_MLA_CACHE_DIR); compiled, not yet run.
 PAIR_FREE = _dev_knob("PAIR_FREE", "half", ("half", "buffer"))
 # The pair's rope tile: 0 (the default) each CTA's producer gathers all 64 keys' bf16 rope rows

@@ -211,8 +211,8 @@ class SparseStepConfig(_Config):
     TORCH_MLA_SPARSE_PRODUCER=1), "sm90_split" (the same with FlashMLA's split of the consumer
     warpgroups: the default over the 16-bit cache and the 656-byte rows at 64-128 heads,
     TORCH_MLA_SPARSE_PRODUCER=split: wherever the SM90 kernel runs; ``columns`` 128 over the
-    656-byte rows: a token's
-    two m-blocks as a cluster pair sharing the conversion, where the split runs there),
+    656-byte rows: a token's two m-blocks as a cluster pair sharing the conversion, where the
+    split runs there),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
     bf16 only)."""
