@@ -488,7 +488,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
         of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
         address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
-        empty over the 16-bit cache."""
+        empty over the 16-bit cache. With ROPE_PAIR also rope (the third item): over half 1 the
+        key's rope chunks q and q + 4, 2 lists of 4 words, else empty."""
         lane = cute.arch.lane_idx()
         words, scales, rope = [], [], []
         if const_expr(self.cache == "fp8_ds_mla"):
@@ -521,7 +522,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         thread's chunks and scales are already loaded (`loaded`: _load, issued before the
         wait); it stores each value times its scale, rounded to bf16 (ptx.e4m3_store16), to
         its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
-        (gather16, the four warps sharing its rows). The 16-bit cache: the half's tiles by
+        (gather16, the four warps sharing its rows), or with ROPE_PAIR this thread's two rope
+        chunks from `loaded`, into both CTAs (ptx.sts_peer). The 16-bit cache: the half's tiles by
         cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
         then fences its writes for the async proxy (where producer_fences: PFENCE) and arrives
         on the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
