@@ -75,11 +75,11 @@
 #             through registers: slower with the pair, removed) and D
 #   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
-#   pair_free the default dispatch's GPU tests, then the pair's whole-buffer release (B:
-#             PAIR_FREE buffer) and its rope exchange (R: ROPE_PAIR 1) against the defaults and
-#             FlashMLA, smoke cases first, random entries and nothing read, then their tests
-#             (session 39, a short device budget; NONES=0: random entries only, BTESTS=0: no
-#             tests of the knobs)
+#   pair_free the new default's GPU test, then the pair's whole-buffer release (B: PAIR_FREE
+#             buffer), its rope exchange (R: ROPE_PAIR 1), both (BR) and both at CTA scope (F:
+#             FlashMLA's pair as a whole; PF picks builds) against the defaults and FlashMLA,
+#             smoke cases first, random entries and nothing read, then the tests of BTESTS
+#             (default "B R"; NONES=0: random entries only; session 39)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -509,31 +509,36 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     grep -h " us" "$OUT"/p*_[12].log | sort -t' ' -k4,4 -k1,1 > "$OUT/p_all.txt"
     cat "$OUT/p_all.txt"
     finish; exit ;;
-  pair_free)  # (session 39, for a short device budget, most needed first: the default
-    # dispatch's GPU tests (the split over the 16-bit cache at 64-128 heads is the default since
-    # session 39), then two of the ways FlashMLA's pair differs, as builds against the defaults
-    # (D): B, the whole-buffer release (TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer), and R, the rope
-    # rows exchanged (TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1); each one's smoke cases (the pair's fp8
-    # grid at 128 heads), then the h_q 128 rows with FlashMLA, random entries, alternated twice,
-    # then the same with nothing read (NONE=1), then the split's fp8 tests on B and R)
+  pair_free)  # (session 39, most needed first: the default dispatch's GPU test (the split over
+    # the 16-bit cache at 64-128 heads is the default since session 39), then the ways FlashMLA's
+    # pair differs, as builds against the defaults (D): B, the whole-buffer release
+    # (TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer); R, the rope rows exchanged
+    # (TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1); BR, both; F, both at CTA scope
+    # (TORCH_MLA_DEV_SPLIT_SCOPE=cta: FlashMLA's pair as a whole). PF (default "B R BR F") picks
+    # them. Each one's smoke cases (the pair's fp8 grid at 128 heads), then the h_q 128 rows with
+    # FlashMLA, random entries, alternated twice, then the same with nothing read (NONE=1), then
+    # the split's fp8 tests on the builds of BTESTS (default "B R"; 0: none))
     preamble flashmla-sm90-sparse
     pfk() {  # the knobs of build $1
       case $1 in
         B) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer ;;
         R) echo TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 ;;
+        BR) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 ;;
+        F) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 \
+             TORCH_MLA_DEV_SPLIT_SCOPE=cta ;;
       esac
     }
+    PF=${PF:-"B R BR F"}
     (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
-      --kernels sparse_split,schedule --dtypes bf16,fp16 --jobs 6 > "$OUT/preD.log" 2>&1) &
-    prebuild B $(pfk B)
-    prebuild R $(pfk R)
+      --kernels sparse_split,schedule --dtypes bf16,fp16 --jobs 4 > "$OUT/preD.log" 2>&1) &
+    for v in $PF; do prebuild $v $(pfk $v); done
     wait
     tail -n 2 "$OUT"/pre*.log
     run default 150 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
       -p no:cacheprovider tests/test_sparse_kernel.py -k "default_kernel_over_the_16bit_cache"
     stop_if_hung default
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    for v in B R; do
+    for v in $PF; do
       run "smoke_$v" 90 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m pytest \
         -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
         -k "sm90_split and fp8_grid and fp8_ds_mla and 128"
@@ -542,7 +547,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     R=${ROWS:-"32,1,128 128,1,128 128,2,128"}
     for none in ${NONES:-0 1}; do  # (NONES=0: random entries only)
       for round in 1 2; do
-        for v in D B R; do
+        for v in D $PF; do
           run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
             TORCH_MLA_CACHE_DIR=/tmp/c$v $(pfk $v) python -m tools.sparse_rows split 656 $R
           stop_if_hung "pf_${v}_${none}_$round"
@@ -553,13 +558,13 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/pf_*.log | sort > "$OUT/pf_all.txt"
     cat "$OUT/pf_all.txt"
-    if [[ ${BTESTS:-1} != 0 ]]; then  # (BTESTS=0: no tests of the knobs)
-      for v in B R; do
-        run "tests_$v" 120 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m \
-          pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
-        stop_if_hung "tests_$v"
-      done
-    fi
+    BT=${BTESTS:-"B R"}
+    [[ $BT == 0 ]] && BT=""
+    for v in $BT; do
+      run "tests_$v" 120 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m \
+        pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
+      stop_if_hung "tests_$v"
+    done
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
