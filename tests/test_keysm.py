@@ -193,18 +193,29 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=F
             q_empty.arrive()
         assert cnt == len(pages)
 
+    def land(item):
+        buf, value = item
+        assert not readers.get(buf), f"a load landed in {buf} while it is read"
+        if buf == "q":
+            q_data[0] = value
+            q_full.arrive()
+        else:
+            data[buf] = value
+            full[buf].arrive()
+
     actors = [producer(p) for p in range(producers)] + [warp(w) for w in range(4 * wgs)]
+    interleave(actors, in_flight, land, rng)
+
+
+def interleave(actors, in_flight, land, rng, limit=1000):
+    """Runs the generator `actors` (each yields True while blocked on a barrier, False when it
+    made progress) and lands the items of the list `in_flight` (land(item)) in a random order
+    until every actor has finished and nothing is in flight; asserts that no `limit` actor steps
+    in a row, with nothing in flight, all wait (a deadlock)."""
     blocked = 0  # actor steps in a row that made no progress, with nothing in flight
     while actors or in_flight:
         if in_flight and rng.random() < 0.3 or not actors:
-            buf, value = in_flight.pop(rng.randrange(len(in_flight)))
-            assert not readers.get(buf), f"a load landed in {buf} while it is read"
-            if buf == "q":
-                q_data[0] = value
-                q_full.arrive()
-            else:
-                data[buf] = value
-                full[buf].arrive()
+            land(in_flight.pop(rng.randrange(len(in_flight))))
             blocked = 0
             continue
         a = rng.choice(actors)
@@ -214,7 +225,7 @@ def run_protocol(segments, n_stages, consumers, seed, slot=ring_slot, pingpong=F
             actors.remove(a)
             waiting = False
         blocked = blocked + 1 if waiting and not in_flight else 0
-        assert blocked < 1000, "deadlock"
+        assert blocked < limit, "deadlock"
 
 
 @pytest.mark.parametrize("n_stages,consumers", [(2, 1), (3, 1), (2, 2)])

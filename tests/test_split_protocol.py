@@ -19,7 +19,7 @@ lands in a half while a warpgroup reads it, and nothing deadlocks."""
 import random
 
 import pytest
-from test_keysm import MBarrier
+from test_keysm import MBarrier, interleave
 
 
 def run_pair(segments, free="half", seed=0, empty_count=None):
@@ -112,29 +112,18 @@ def run_pair(segments, free="half", seed=0, empty_count=None):
                     release(c, s, 1)
                 progress[(c, 1)] = done
 
-    actors = [f(c) for c in range(2) for f in (producer, wg0, wg1)]
-    blocked = 0
-    while actors or in_flight:
-        if in_flight and rng.random() < 0.3 or not actors:
-            item = in_flight.pop(rng.randrange(len(in_flight)))
-            if item[0] == "data":
-                _, c, s, h, part, blk = item
-                assert not readers.get((c, s, h)), f"the peer's bytes land in CTA {c} ({s}, {h}) " \
-                                                   "while it is read"
-                data[c][s][h][part] = blk
-                tile[c][s][h].arrive()
-            else:
-                empty[item[1]][item[2]].arrive()
-            blocked = 0
-            continue
-        a = rng.choice(actors)
-        try:
-            waiting = next(a)
-        except StopIteration:
-            actors.remove(a)
-            waiting = False
-        blocked = blocked + 1 if waiting and not in_flight else 0
-        assert blocked < 2000, "deadlock"
+    def land(item):  # (the peer's bytes, or its free)
+        if item[0] == "data":
+            _, c, s, h, part, blk = item
+            assert not readers.get((c, s, h)), f"the peer's bytes land in CTA {c} ({s}, {h}) " \
+                                               "while it is read"
+            data[c][s][h][part] = blk
+            tile[c][s][h].arrive()
+        else:
+            empty[item[1]][item[2]].arrive()
+
+    interleave([f(c) for c in range(2) for f in (producer, wg0, wg1)], in_flight, land, rng,
+               limit=2000)
     assert all(progress.get((c, w), 0) == len(blocks) for c in range(2) for w in range(2))
 
 
