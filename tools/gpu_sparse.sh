@@ -141,11 +141,13 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memch
 
 # prebuild NAME KNOB=VALUE...: the split's steps and the schedule built in the background into
 # their own cache directory /tmp/cNAME under the developer knobs given (the cache key does not
-# include them); its log $OUT/preNAME.log. `wait` for it.
+# include them), for the dtypes PREBUILD_DTYPES (default bf16); its log $OUT/preNAME.log. `wait`
+# for it.
 prebuild() {
   local n=$1; shift
   (env "$@" TORCH_MLA_CACHE_DIR="/tmp/c$n" timeout 240 python -m torch_mla.precompile \
-    --arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 5 > "$OUT/pre$n.log" 2>&1) &
+    --arch sm_90a --kernels sparse_split,schedule --dtypes "${PREBUILD_DTYPES:-bf16}" --jobs 5 \
+    > "$OUT/pre$n.log" 2>&1) &
 }
 
 # ab_rows PREFIX KNOBS ROWS VARIANT...: two rounds over the 656-byte rows (ROWS: b,s_q,h_q ...),
@@ -529,8 +531,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       esac
     }
     PF=${PF:-"B R BR F"}
-    (TORCH_MLA_CACHE_DIR=/tmp/cD timeout 200 python -m torch_mla.precompile --arch sm_90a \
-      --kernels sparse_split,schedule --dtypes bf16,fp16 --jobs 4 > "$OUT/preD.log" 2>&1) &
+    PREBUILD_DTYPES=bf16,fp16 prebuild D  # (the new default's test: bf16 and fp16 caches)
     for v in $PF; do prebuild $v $(pfk $v); done
     wait
     tail -n 2 "$OUT"/pre*.log
