@@ -117,6 +117,9 @@
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
 #             FlashMLA's piece rule, alternated twice with FlashMLA
+#   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY) with and without
+#             SCOPE cta against the defaults, smoke, the rows alternated twice with FlashMLA,
+#             then the split's fp8 tests on two of the builds (ETESTS)
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with SCOPE cta, and FlashMLA's times of the rows
@@ -510,6 +513,40 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/p*_[12].log | sort -t' ' -k4,4 -k1,1 > "$OUT/p_all.txt"
     cat "$OUT/p_all.txt"
+    finish; exit ;;
+  rope_early)  # (session 40: the rope tile's own release, TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1, with
+    # and without CTA scope: D the defaults, C SCOPE cta, E ROPE_EARLY, CE both; each build's
+    # smoke cases at 64 and 128 heads, the rows (ROWS) alternated twice with FlashMLA, then the
+    # split's fp8 tests on the builds of ETESTS (default "CE E"))
+    preamble flashmla-sm90-sparse
+    rek() {  # the environment of build $1
+      case $1 in
+        D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
+        C) echo TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_CACHE_DIR=/tmp/cC ;;
+        E) echo TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1 TORCH_MLA_CACHE_DIR=/tmp/cE ;;
+        CE) echo TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1 \
+              TORCH_MLA_CACHE_DIR=/tmp/cCE ;;
+      esac
+    }
+    prebuild D
+    prebuild C TORCH_MLA_DEV_SPLIT_SCOPE=cta
+    prebuild E TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1
+    prebuild CE TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1
+    wait
+    tail -n 2 "$OUT"/pre*.log
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    for v in E CE; do
+      run "smoke_$v" 90 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q -x \
+        -p no:cacheprovider tests/test_sparse_kernel.py \
+        -k "sm90_split and fp8_grid and fp8_ds_mla and (128 or 64)"
+      stop_if_hung "smoke_$v"
+    done
+    ab_rows re rek "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" D C E CE
+    for v in ${ETESTS:-CE E}; do
+      run "tests_$v" 120 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q \
+        -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
+      stop_if_hung "tests_$v"
+    done
     finish; exit ;;
   pair_free)  # (session 39, most needed first: the default dispatch's GPU test (the split over
     # the 16-bit cache at 64-128 heads is the default since session 39), then the ways FlashMLA's

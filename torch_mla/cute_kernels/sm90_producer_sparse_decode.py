@@ -151,6 +151,12 @@ class MLASparseDecodeSm90Producer(MLASparseDecodeSm90):
             for h in cutlass.range_constexpr(2):
                 if const_expr(t_begin <= 4 * h and 4 * h < t_end):
                     self._free(2 * s + h)
+            if const_expr(t_begin == 0):
+                self._release_rope(s)
+
+    def _release_rope(self, s):
+        """A subclass's release of buffer s's rope tile apart from its halves (the split's
+        ROPE_EARLY); none here."""
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 to the producer (one lane: its "empty" mbarrier)."""

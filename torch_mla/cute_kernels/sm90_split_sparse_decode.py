@@ -201,6 +201,15 @@ PAIR_FREE = _dev_knob("PAIR_FREE", "half", ("half", "buffer"))
 # exchange) was 5% slower with the pair. TORCH_MLA_DEV_SPLIT_ROPE_PAIR (developer knob, its own
 # TORCH_MLA_CACHE_DIR; the pair only, without AHEAD_PAIR); compiled, not yet run.
 ROPE_PAIR = _dev_knob("ROPE_PAIR", 0, (0, 1))
+# ROPE_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_EARLY, its own TORCH_MLA_CACHE_DIR; the
+# 656-byte rows, without ROPE_PAIR): the rope tile gets its own "empty" mbarrier a buffer
+# (barE[4 + s], one local arrival: each CTA writes its own rope tile, the pair too), released by
+# WG0 once its S of the buffer's block landed (only S reads the rope tile), so the producer issues
+# a block's rope gather at the block's start, before half 0's wait, not once half 1 is free
+# (ROPE_FIRST). Session 40's trace (H100, b 128 h_q 128, random entries, SCOPE cta) ended WG0's
+# wait for half 1 ~700 ns after the producer's own arrival there, the gather issued ~1.5 us
+# before; without the pair (h_q 64) half 1 landed 1.2 us into WG0's block. Compiled, not yet run.
+ROPE_EARLY = _dev_knob("ROPE_EARLY", 0, (0, 1))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
@@ -338,15 +347,41 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.free_buffer = pair and PAIR_FREE == "buffer"  # (PAIR_FREE's comment)
         self.rope_pair = pair and ROPE_PAIR == 1  # (ROPE_PAIR's comment)
+        self.rope_early = (ROPE_EARLY == 1 and cache == "fp8_ds_mla"
+                           and not self.rope_pair)  # (ROPE_EARLY's comment)
         assert not (self.rope_pair and self.lookahead), "ROPE_PAIR takes AHEAD_PAIR 0"
+        assert not (self.rope_early and self.lookahead), "ROPE_EARLY takes AHEAD 0"
+
+    def _extra_storage(self) -> dict:
+        """barE: an "empty" mbarrier a buffer half, and with rope_early one a rope tile."""
+        return {"barE": cute.struct.MemRange[cutlass.Int64, 6 if self.rope_early else 4]}
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
         consumers' and the peer's: the producers write into both CTAs' buffers); with
-        free_buffer barE[2 s] takes both halves' releases of both CTAs (four)."""
+        free_buffer barE[2 s] takes both halves' releases of both CTAs (four); with rope_early
+        barE[4 + s], buffer s's rope tile is free (WG0's one local release)."""
         bar = self.d_storage.barE.data_ptr()
         for i in range(4):
             cute.arch.mbarrier_init(bar + i, (4 if self.free_buffer else 2) if self.pair else 1)
+        if const_expr(self.rope_early):
+            for i in range(4, 6):
+                cute.arch.mbarrier_init(bar + i, 1)
+
+    def _release_rope(self, s):
+        """With rope_early, buffer s's rope tile to this CTA's producer (the calling lane)."""
+        if const_expr(self.rope_early):
+            cute.arch.mbarrier_arrive(self.d_storage.barE.data_ptr() + 4 + s)
+
+    @cute.jit
+    def _rope_early(self, rows, slots, s, parity, warp):
+        """With rope_early, at the producer's block start: once buffer s's rope tile is free,
+        its gather (rope_tile; half 1's cp_async_mbarrier_arrive tracks it)."""
+        if const_expr(self.rope_early):
+            bit = 4 + s
+            cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+            parity[0] = parity[0] ^ (1 << bit)
+            self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
@@ -421,10 +456,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     if const_expr(self.lookahead == 0):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 1, hi - 1), length)
                         if const_expr(self.load_block):  # (both halves' loads first)
+                            self._rope_early(rows, cur, s, parity, warp)
                             loaded = [self._load(rows, cur, h, warp) for h in range(2)]
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp, loaded[h])
                         else:
+                            self._rope_early(rows, cur, s, parity, warp)
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp,
                                            self._load(rows, cur, h, warp))
@@ -542,7 +579,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             self._half0_bias(s, slots, warp)
         rope_pair = self.rope_pair and h == 1
         rope_first = (self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
-                      and not rope_pair)
+                      and not rope_pair and not self.rope_early)
         if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
             self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
@@ -565,7 +602,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                                  scales[i][d // 2], early=True, peer=peer, route=CONVERT)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp,
                               (PEER_BYTES + (ROPE_PEER_BYTES if rope_pair else 0)
-                               if self.pair else 0), rope_issued=rope_first or rope_pair)
+                               if self.pair else 0), rope_issued=rope_first or rope_pair
+                              or self.rope_early)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
     def _rounds(self) -> int:
@@ -599,6 +637,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         if const_expr(not waited):
             warpgroup.wait_group(0)
         self._stamp("d_s", 0, b - lo)  # (trace: S landed)
+        if const_expr(self.rope_early):  # (only S reads the rope tile: ROPE_EARLY)
+            if b + 2 < hi:
+                if wtid < 32:
+                    with cute.arch.elect_one():
+                        self._release_rope(s)
         fence_operand(acc_S)
         self._mask(acc_S, b, border, min_border, c0, s)
         m_new, m_use, scale = self._softmax_stats(acc_S, sM, r0, scale_log2)
