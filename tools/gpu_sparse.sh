@@ -517,7 +517,8 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
   rope_early)  # (session 40: the rope tile's own release, TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1, with
     # and without CTA scope: D the defaults, C SCOPE cta, E ROPE_EARLY, CE both; each build's
     # smoke cases at 64 and 128 heads, the rows (ROWS) alternated twice with FlashMLA, then the
-    # split's fp8 tests on the builds of ETESTS (default "CE E"))
+    # split's fp8 tests on the builds of ETESTS (default "CE E"); RE picks the builds, default
+    # "D C E CE")
     preamble flashmla-sm90-sparse
     rek() {  # the environment of build $1
       case $1 in
@@ -528,20 +529,19 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
               TORCH_MLA_CACHE_DIR=/tmp/cCE ;;
       esac
     }
-    prebuild D
-    prebuild C TORCH_MLA_DEV_SPLIT_SCOPE=cta
-    prebuild E TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1
-    prebuild CE TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1
+    RE=${RE:-"D C E CE"}  # (the builds to run)
+    for v in $RE; do prebuild $v $(rek $v | sed 's/ *TORCH_MLA_CACHE_DIR=[^ ]*//'); done
     wait
     tail -n 2 "$OUT"/pre*.log
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    for v in E CE; do
+    for v in $RE; do
+      [[ $v == *E ]] || continue  # (the ROPE_EARLY builds)
       run "smoke_$v" 90 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py \
         -k "sm90_split and fp8_grid and fp8_ds_mla and (128 or 64)"
       stop_if_hung "smoke_$v"
     done
-    ab_rows re rek "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" D C E CE
+    ab_rows re rek "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" $RE
     for v in ${ETESTS:-CE E}; do
       run "tests_$v" 120 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
