@@ -9,25 +9,24 @@ bytes. WG0 waits for both halves' tiles, reads them (S), hands P to WG1 (NB_P), 
 again (its P V) and frees half 0; WG1 reads half 1 (its P V) and frees half 1 (NB_FREE back to
 WG0). A free reaches this CTA's "empty" mbarrier and, later, the peer's. A segment starts with
 WG0 freeing the halves of its first two blocks (the prologue's _load_tiles hook), after both
-warpgroups finished the previous segment (_sync_consumers). With PAIR_FREE "half" each half has
-its own empty mbarrier of 2 arrivals and the producer waits before each half; with "buffer" one
-mbarrier a buffer takes 4 and the producer waits once a block, before half 0.
+warpgroups finished the previous segment (_sync_consumers). Each half has its own empty
+mbarrier of 2 arrivals (this CTA's release and the peer's), and the producer waits before each
+half. (Session 39's whole-buffer mode, one mbarrier of 4 arrivals a buffer, was modelled here too;
+it measured slower and left the kernel in session 40.)
 
 Checks: every read sees both key halves of the block it expects, no write (local or the peer's)
 lands in a half while a warpgroup reads it, and nothing deadlocks."""
 
 import random
 
-import pytest
 from test_keysm import MBarrier, interleave
 
 
-def run_pair(segments, free="half", seed=0, empty_count=None):
-    """One random interleaving of the pair over `segments` (blocks per segment); free: the
-    PAIR_FREE mode; empty_count: the empty mbarriers' arrival count (default: the mode's)."""
+def run_pair(segments, seed=0, empty_count=2):
+    """One random interleaving of the pair over `segments` (blocks per segment); empty_count:
+    the empty mbarriers' arrival count (the kernel's: 2)."""
     rng = random.Random(seed)
-    per = 2 if free == "half" else 4
-    count = empty_count or per
+    count = empty_count
     tile = [[[MBarrier(2) for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]
     empty = [[MBarrier(count) for _ in range(4)] for _ in range(2)]  # [c][2 s + h]
     data = [[[{} for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]: {part: blk}
@@ -36,11 +35,8 @@ def run_pair(segments, free="half", seed=0, empty_count=None):
     progress = {}  # (c, wg) -> blocks that warpgroup finished, over all segments
     blocks = [(k, b) for k, n in enumerate(segments) for b in range(n)]
 
-    def empty_index(s, h):
-        return 2 * s + (h if free == "half" else 0)
-
     def release(c, s, h):
-        i = empty_index(s, h)
+        i = 2 * s + h
         empty[c][i].arrive()
         in_flight.append(("free", 1 - c, i))
 
@@ -55,11 +51,10 @@ def run_pair(segments, free="half", seed=0, empty_count=None):
             for b in range(n):
                 s = b % 2
                 for h in range(2):
-                    if free == "half" or h == 0:
-                        i = empty_index(s, h)
-                        while not empty[c][i].passed(waits[i] % 2):
-                            yield True
-                        waits[i] += 1
+                    i = 2 * s + h
+                    while not empty[c][i].passed(waits[i] % 2):
+                        yield True
+                    waits[i] += 1
                     assert not readers.get((c, s, h)), f"CTA {c} writes ({s}, {h}) while read"
                     data[c][s][h][c] = (k, b)
                     in_flight.append(("data", 1 - c, s, h, c, (k, b)))
@@ -130,19 +125,18 @@ def run_pair(segments, free="half", seed=0, empty_count=None):
 SEGMENTS = [[5, 0, 1, 3, 0, 0, 7], [1], [0, 2, 2], [9, 9], [2, 1, 4]]
 
 
-@pytest.mark.parametrize("free", ["half", "buffer"])
-def test_pair_protocol(free):
+def test_pair_protocol():
     for seed in range(60):
-        run_pair(SEGMENTS[seed % len(SEGMENTS)], free, seed)
+        run_pair(SEGMENTS[seed % len(SEGMENTS)], seed)
 
 
 def test_pair_protocol_model_catches_a_wrong_count():
-    # "buffer" with the half mode's count of 2: the producer may overwrite a half that the other
-    # warpgroup (or the peer) still reads; the model sees it in some interleaving.
+    # A count of 1 (the peer's release not awaited): a producer may overwrite a half that the
+    # peer's warpgroups still read; the model sees it in some interleaving.
     failed = 0
     for seed in range(200):
         try:
-            run_pair([9, 9], "buffer", seed, empty_count=2)
+            run_pair([9, 9], seed, empty_count=1)
         except AssertionError:
             failed += 1
     assert failed > 0

@@ -51,9 +51,10 @@
 #             FlashMLA beside); for a default changed without its full tests (session 38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:CONVERT:PAIR_FREE:ROPE_PAIR, each in its own cache directory; missing
-#             fields the defaults 0:0:cluster:2:0:late:0:1:1:1:exact:half:0; sessions 37-38's LOAD_PIN and LOAD_SEL
-#             fields, between LOAD_BLOCK and CONVERT and after it, are gone): the smoke cases of
+#             LOAD_BLOCK:CONVERT:ROPE_EARLY, each in its own cache directory; missing fields the
+#             defaults 0:0:cluster:2:0:late:0:1:1:1:exact:0; sessions 37-38's LOAD_PIN and
+#             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
+#             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
 #             all but the first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong
 #             values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
 #             alternated twice with the first build without its pair (NOPAIR=0: not) and with
@@ -75,11 +76,8 @@
 #             through registers: slower with the pair, removed) and D
 #   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
-#   pair_free the new default's GPU test, then the pair's whole-buffer release (B: PAIR_FREE
-#             buffer), its rope exchange (R: ROPE_PAIR 1), both (BR) and both at CTA scope (F:
-#             FlashMLA's pair as a whole; PF picks builds) against the defaults and FlashMLA,
-#             smoke cases first, random entries and nothing read, then the tests of BTESTS
-#             (default "B R"; NONES=0: random entries only; session 39)
+#   (pair_free, session 39's mode for session 40's run of PAIR_FREE and ROPE_PAIR, left with
+#             those knobs: docs/benchmarks-h100.md, session 40)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
 #             longer pieces and fewer CTAs) and under FlashMLA's piece rule
@@ -305,15 +303,14 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv pfr rp
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv pfr rp <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv re
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
-        TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_PAIR_FREE=${pfr:-half} \
-        TORCH_MLA_DEV_SPLIT_ROPE_PAIR=${rp:-0} \
+        TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_ROPE_EARLY=${re:-0} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
@@ -545,62 +542,6 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     for v in ${ETESTS:-CE E}; do
       run "tests_$v" 120 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
-      stop_if_hung "tests_$v"
-    done
-    finish; exit ;;
-  pair_free)  # (session 39, most needed first: the default dispatch's GPU test (the split over
-    # the 16-bit cache at 64-128 heads is the default since session 39), then the ways FlashMLA's
-    # pair differs, as builds against the defaults (D): B, the whole-buffer release
-    # (TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer); R, the rope rows exchanged
-    # (TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1); BR, both; F, both at CTA scope
-    # (TORCH_MLA_DEV_SPLIT_SCOPE=cta: FlashMLA's pair as a whole). PF (default "B R BR F") picks
-    # them. Each one's smoke cases (the pair's fp8 grid at 128 heads), then the h_q 128 rows with
-    # FlashMLA, random entries, alternated twice, then the same with nothing read (NONE=1), then
-    # the split's fp8 tests on the builds of BTESTS (default "B R"; 0: none))
-    preamble flashmla-sm90-sparse
-    pfk() {  # the knobs of build $1
-      case $1 in
-        B) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer ;;
-        R) echo TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 ;;
-        BR) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 ;;
-        F) echo TORCH_MLA_DEV_SPLIT_PAIR_FREE=buffer TORCH_MLA_DEV_SPLIT_ROPE_PAIR=1 \
-             TORCH_MLA_DEV_SPLIT_SCOPE=cta ;;
-      esac
-    }
-    PF=${PF:-"B R BR F"}
-    PREBUILD_DTYPES=bf16,fp16 prebuild D  # (the new default's test: bf16 and fp16 caches)
-    for v in $PF; do prebuild $v $(pfk $v); done
-    wait
-    tail -n 2 "$OUT"/pre*.log
-    run default 150 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "default_kernel_over_the_16bit_cache"
-    stop_if_hung default
-    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    for v in $PF; do
-      run "smoke_$v" 90 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m pytest \
-        -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
-        -k "sm90_split and fp8_grid and fp8_ds_mla and 128"
-      stop_if_hung "smoke_$v"
-    done
-    R=${ROWS:-"32,1,128 128,1,128 128,2,128"}
-    for none in ${NONES:-0 1}; do  # (NONES=0: random entries only)
-      for round in 1 2; do
-        for v in D $PF; do
-          run "pf_${v}_${none}_$round" 40 env NONE=$none TAG="r$round none=$none $v" \
-            TORCH_MLA_CACHE_DIR=/tmp/c$v $(pfk $v) python -m tools.sparse_rows split 656 $R
-          stop_if_hung "pf_${v}_${none}_$round"
-        done
-        run "pf_fm_${none}_$round" 40 env NONE=$none TAG="r$round none=$none" \
-          python -m tools.sparse_rows flashmla 656 $R
-      done
-    done
-    grep -h " us" "$OUT"/pf_*.log | sort > "$OUT/pf_all.txt"
-    cat "$OUT/pf_all.txt"
-    BT=${BTESTS:-"B R"}
-    [[ $BT == 0 ]] && BT=""
-    for v in $BT; do
-      run "tests_$v" 120 env "${F[@]}" $(pfk $v) TORCH_MLA_CACHE_DIR=/tmp/c$v python -m \
-        pytest -m cuda -q -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
       stop_if_hung "tests_$v"
     done
     finish; exit ;;

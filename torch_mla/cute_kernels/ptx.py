@@ -303,21 +303,6 @@ def sts(addr: Int32, words, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def sts_peer(addr: Int32, words, delta: Int32, peer_bar: Int32, *, loc=None, ip=None) -> None:
-    """Four 32-bit words to shared::cta address addr (st.shared.v4) and to the same place in a
-    peer CTA (addr + delta, a shared::cluster address: st.async, completing 16 bytes on the
-    peer's mbarrier at shared::cluster address peer_bar), as e4m3_store16's peer stores do."""
-    args = [Int32(x).ir_value(loc=loc, ip=ip) for x in (addr, *words, delta, peer_bar)]
-    llvm.inline_asm(
-        None, args,
-        "{ .reg .b32 pa; st.shared.v4.b32 [$0], {$1, $2, $3, $4}; add.u32 pa, $0, $5; "
-        "st.async.shared::cluster.mbarrier::complete_tx::bytes.v4.b32 [pa], {$1, $2, $3, $4}, "
-        "[$6]; }",
-        ",".join(["r"] * 7), has_side_effects=True, is_align_stack=False,
-        asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
-
-
-@dsl_user_op
 def ldg128(addr, *, loc=None, ip=None):
     """Four 32-bit words from global address addr (16-byte aligned), read-only path."""
     return _load_words(4, cutlass.Int64(addr), "ld.global.nc.v4.b32 {$0, $1, $2, $3}, [$4];",

@@ -106,9 +106,9 @@ from cutlass import Float32, Int32, const_expr
 from cutlass._mlir.dialects import nvvm
 from cutlass.cute.nvgpu import warpgroup
 
-from ..constants import D_QK, FP8_DS_MLA_ROPE_AT, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
+from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster, sts_peer
+from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
@@ -182,33 +182,18 @@ SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
 # that run's 16-bit-cache cases are this build's); PFENCE 2 alone passed the A/B's 7 smoke cases,
 # 2 of them without the pair (the fp8 grid at 64-1-2048, the entry kinds at 100 heads).
 PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
-# How the pair's buffers go back to the producers: "half" (the default: each half of a buffer
-# on its own "empty" mbarrier, two arrivals, this CTA's consumers' and the peer's; WG0 frees half
-# 0 after its P V, WG1 half 1 after its own, and the producer waits once a half) or "buffer"
-# (FlashMLA's pair: one mbarrier a buffer, four arrivals, each warpgroup of each CTA, and one
-# producer wait a block, before half 0). Session 39 (H100): with nothing read (every entry -1)
-# the pair takes 215.8 us at b 128 s_q 1 h_q 128, one CTA an m-block 182.0, FlashMLA's pair
-# 147.4 (two rounds' means). So the pair's own synchronisation sets its time, and this is one
-# of the ways FlashMLA's differs (docs/kernels/sparse.md, session 39). TORCH_MLA_DEV_SPLIT_PAIR_FREE
-# (developer knob, its own TORCH_MLA_CACHE_DIR); compiled, not yet run.
-PAIR_FREE = _dev_knob("PAIR_FREE", "half", ("half", "buffer"))
-# The pair's rope tile: 0 (the default) each CTA's producer gathers all 64 keys' bf16 rope rows
-# into its own buffer by cp.async once half 1 is free (ROPE_FIRST); 1 (FlashMLA's pair) each
-# loads its own 32 keys' rows into registers with the block's chunks (LOAD_BLOCK) and stores
-# them into both CTAs' buffers once half 1 is free (st.shared and st.async, 4 KB more on the
-# peer's half-1 mbarrier). Another of the ways FlashMLA's pair differs from ours (session 39,
-# PAIR_FREE's comment); session 36's ROPE_REGS (all 64 rows a CTA through registers, no
-# exchange) was 5% slower with the pair. TORCH_MLA_DEV_SPLIT_ROPE_PAIR (developer knob, its own
-# TORCH_MLA_CACHE_DIR; the pair only, without AHEAD_PAIR); compiled, not yet run.
-ROPE_PAIR = _dev_knob("ROPE_PAIR", 0, (0, 1))
+# (Session 39's PAIR_FREE "buffer", FlashMLA's one release a buffer with one producer wait a
+# block, and ROPE_PAIR 1, the rope rows exchanged between the pair through st.async, measured
+# 2-5% slower with random entries in session 40 (H100; with CTA scope together, F, within 1% of
+# the defaults) and are gone: docs/kernel-notes.md, session 40.)
 # ROPE_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_EARLY, its own TORCH_MLA_CACHE_DIR; the
-# 656-byte rows, without ROPE_PAIR): the rope tile gets its own "empty" mbarrier a buffer
-# (barE[4 + s], one local arrival: each CTA writes its own rope tile, the pair too), released by
-# WG0 once its S of the buffer's block landed (only S reads the rope tile), so the producer issues
-# a block's rope gather at the block's start, before half 0's wait, not once half 1 is free
-# (ROPE_FIRST). Session 40's trace (H100, b 128 h_q 128, random entries, SCOPE cta) ended WG0's
-# wait for half 1 ~700 ns after the producer's own arrival there, the gather issued ~1.5 us
-# before; without the pair (h_q 64) half 1 landed 1.2 us into WG0's block. Compiled, not yet run.
+# 656-byte rows without the pair): the rope tile gets its own "empty" mbarrier a buffer
+# (barE[4 + s], one arrival), released by WG0 once its S of the buffer's block landed (only S
+# reads the rope tile), so the producer issues a block's rope gather at the block's start, before
+# half 0's wait, not once half 1 is free (ROPE_FIRST). Session 40 (H100, same start, two rounds):
+# 128,1,64 131.2 us against 132.2, 128,2,64 245.9 against 248.2 (FlashMLA 129.6, 245.7); with the
+# pair (the build took it then) +7.6% at cluster scope and +0.2% at CTA scope, hence without the
+# pair only. The split's fp8 tests passed on it (32); memcheck not yet run, so not the default.
 ROPE_EARLY = _dev_knob("ROPE_EARLY", 0, (0, 1))
 # PVFENCE 0 (the default since session 33; developer knob TORCH_MLA_DEV_SPLIT_PVFENCE, its own
 # cache directory): with pair WG0 skips its fence for the async proxy before its P V, which
@@ -302,7 +287,6 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
-ROPE_PEER_BYTES = 32 * 128  # (with ROPE_PAIR: the peer's 32 rope rows of 64 bf16 values)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -345,11 +329,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
-        self.free_buffer = pair and PAIR_FREE == "buffer"  # (PAIR_FREE's comment)
-        self.rope_pair = pair and ROPE_PAIR == 1  # (ROPE_PAIR's comment)
-        self.rope_early = (ROPE_EARLY == 1 and cache == "fp8_ds_mla"
-                           and not self.rope_pair)  # (ROPE_EARLY's comment)
-        assert not (self.rope_pair and self.lookahead), "ROPE_PAIR takes AHEAD_PAIR 0"
+        self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
         assert not (self.rope_early and self.lookahead), "ROPE_EARLY takes AHEAD 0"
 
     def _extra_storage(self) -> dict:
@@ -358,12 +338,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _init_barriers(self):
         """barE[2 s + h]: half h of buffer s is free: one release, or with pair two (this CTA's
-        consumers' and the peer's: the producers write into both CTAs' buffers); with
-        free_buffer barE[2 s] takes both halves' releases of both CTAs (four); with rope_early
-        barE[4 + s], buffer s's rope tile is free (WG0's one local release)."""
+        consumers' and the peer's: the producers write into both CTAs' buffers); with rope_early
+        barE[4 + s], buffer s's rope tile is free (WG0's one release)."""
         bar = self.d_storage.barE.data_ptr()
         for i in range(4):
-            cute.arch.mbarrier_init(bar + i, (4 if self.free_buffer else 2) if self.pair else 1)
+            cute.arch.mbarrier_init(bar + i, 2 if self.pair else 1)
         if const_expr(self.rope_early):
             for i in range(4, 6):
                 cute.arch.mbarrier_init(bar + i, 1)
@@ -385,10 +364,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
-        peer's (a release at SCOPE: the peer's producer then overwrites the half here); with
-        free_buffer on the buffer's one mbarrier, barE[2 (i // 2)]."""
-        if const_expr(self.free_buffer):
-            i = 2 * (i // 2)
+        peer's (a release at SCOPE: the peer's producer then overwrites the half here)."""
         bar = self.d_storage.barE.data_ptr() + i
         cute.arch.mbarrier_arrive(bar)
         if const_expr(self.pair):
@@ -525,10 +501,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
         of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
         address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
-        empty over the 16-bit cache. With ROPE_PAIR also rope (the third item): over half 1 the
-        key's rope chunks q and q + 4, 2 lists of 4 words, else empty."""
+        empty over the 16-bit cache."""
         lane = cute.arch.lane_idx()
-        words, scales, rope = [], [], []
+        words, scales = [], []
         if const_expr(self.cache == "fp8_ds_mla"):
             for i in cutlass.range_constexpr(self._rounds()):
                 u = self._round(i)
@@ -544,12 +519,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                              L1_EVICT, L2_PREFETCH))
                 scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
-                if const_expr(self.rope_pair and h == 1):  # (its rope chunks q and q + 4)
-                    for k in cutlass.range_constexpr(2):
-                        rope.append(ldg_or_zero(4, row + FP8_DS_MLA_ROPE_AT + 16 * (q + 4 * k),
-                                                ok, L1_EVICT))
-        if const_expr(self.rope_pair):
-            return words, scales, rope
         return words, scales
 
     @cute.jit
@@ -559,27 +528,24 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         thread's chunks and scales are already loaded (`loaded`: _load, issued before the
         wait); it stores each value times its scale, rounded to bf16 (ptx.e4m3_store16), to
         its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
-        (gather16, the four warps sharing its rows), or with ROPE_PAIR this thread's two rope
-        chunks from `loaded`, into both CTAs (ptx.sts_peer). The 16-bit cache: the half's tiles by
-        cp.async once released. Warp 0 writes buffer s's bias row with half 0. Every thread
-        then fences its writes for the async proxy (where producer_fences: PFENCE) and arrives
-        on the half's tile mbarrier (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        (gather16, the four warps sharing its rows; with rope_early issued already, at the
+        block's start). The 16-bit cache: the half's tiles by cp.async once released. Warp 0
+        writes buffer s's bias row with half 0. Every thread then fences its writes for the
+        async proxy (where producer_fences: PFENCE) and arrives on the half's tile mbarrier
+        (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
-        words, scales = loaded[0], loaded[1]
+        words, scales = loaded
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
-        # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE; with
-        # free_buffer one wait a block, before half 0, for the whole buffer)
-        if const_expr(not (self.free_buffer and h == 1)):
-            self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
-            parity[0] = parity[0] ^ (1 << bit)
+        # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
+        parity[0] = parity[0] ^ (1 << bit)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
-        rope_pair = self.rope_pair and h == 1
         rope_first = (self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
-                      and not rope_pair and not self.rope_early)
+                      and not self.rope_early)
         if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
             self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
@@ -588,22 +554,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             if const_expr(self.pair):  # (the same places in the peer CTA, its tile mbarrier)
                 other = 1 - cute.arch.block_idx_in_cluster()
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
-            if const_expr(rope_pair):  # (this thread's two rope chunks, both CTAs: ROPE_PAIR)
-                key, q = token_of_lane(warp, lane, self._round(0))
-                for k in cutlass.range_constexpr(2):
-                    dst = (buf + (N_TILES - 1) * TILE16 + key * 128
-                           + (((q + 4 * k) ^ (key % 8)) << 4))
-                    sts_peer(dst, loaded[2][k], peer[0], peer[1])
             for i in cutlass.range_constexpr(self._rounds()):
                 key, q = token_of_lane(warp, lane, self._round(i))
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer, route=CONVERT)
-        self._copy_and_arrive(rows, slots, buf, h, bar, warp,
-                              (PEER_BYTES + (ROPE_PEER_BYTES if rope_pair else 0)
-                               if self.pair else 0), rope_issued=rope_first or rope_pair
-                              or self.rope_early)
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
+                              rope_issued=rope_first or self.rope_early)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
     def _rounds(self) -> int:
