@@ -15,10 +15,12 @@ half. (Session 39's whole-buffer mode, one mbarrier of 4 arrivals a buffer, was 
 it measured slower and left the kernel in session 40.)
 
 Checks: every read sees both key halves of the block it expects, no write (local or the peer's)
-lands in a half while a warpgroup reads it, and nothing deadlocks."""
+lands in a half while a warpgroup reads it, and nothing deadlocks. run_rope_early models one CTA
+without the pair under the developer knob ROPE_EARLY (the rope tile's own release) the same way."""
 
 import random
 
+import pytest
 from test_keysm import MBarrier, interleave
 
 
@@ -132,11 +134,152 @@ def test_pair_protocol():
 
 def test_pair_protocol_model_catches_a_wrong_count():
     # A count of 1 (the peer's release not awaited): a producer may overwrite a half that the
-    # peer's warpgroups still read; the model sees it in some interleaving.
-    failed = 0
+    # peer's warpgroups still read; the model sees it (a wrong read or a write under a reader,
+    # not only a deadlock) in some interleaving.
+    failures = []
     for seed in range(200):
         try:
             run_pair([9, 9], seed, empty_count=1)
-        except AssertionError:
-            failed += 1
-    assert failed > 0
+        except AssertionError as e:
+            failures.append(str(e))
+    assert any(f != "deadlock" for f in failures), failures[:3]
+
+
+def run_rope_early(segments, seed=0, release=lambda b, n: b + 2 < n, prologue=True):
+    """One random interleaving of one CTA of the split without the pair under ROPE_EARLY: per
+    buffer s the halves' "empty" mbarriers and the rope tile's (barE[4 + s], one arrival),
+    released by WG0 once S landed for blocks b with release(b, n) and, at a segment's start,
+    with its halves (prologue). The producer waits for the rope tile at its block's start and
+    issues the rope copies (cp.async, landing later), then fills half 0 and half 1; half 1's
+    tile phase completes only once the block's rope copies landed (cp.async.mbarrier.arrive).
+    WG0 reads both halves and the rope tile (S), then half 0 (its P V); WG1 reads half 1."""
+    rng = random.Random(seed)
+    tile = [[MBarrier(1) for _ in range(2)] for _ in range(2)]  # [s][h]
+    empty = [MBarrier(1) for _ in range(4)]  # [2 s + h]
+    rope_free = [MBarrier(1) for _ in range(2)]  # [s]
+    data = [[None] * 3 for _ in range(2)]  # [s][half 0, half 1, rope]: the block held
+    readers = {}  # (s, part) -> the warpgroups reading it
+    in_flight = []  # ("rope", s, blk): a rope copy, landing in any order
+    ropes_pending = [0, 0]  # [s]: rope copies not yet landed
+    deferred = []  # buffers whose half-1 arrival waits for its rope copies
+    progress = {}  # wg -> blocks finished
+    nb = [0, 0]  # blocks WG0 handed to WG1 (NB_P), blocks WG1 finished (NB_FREE)
+
+    def read(s, part, who, blk):
+        assert data[s][part] == blk, f"{who} read {data[s][part]} in ({s}, {part}), wants {blk}"
+        readers.setdefault((s, part), set()).add(who)
+
+    def write(s, part, blk):
+        assert not readers.get((s, part)), f"write ({s}, {part}) while read"
+        data[s][part] = blk
+
+    def producer():
+        waits, rope_waits = [0] * 4, [0, 0]
+        for k, n in enumerate(segments):
+            for b in range(n):
+                s = b % 2
+                while not rope_free[s].passed(rope_waits[s] % 2):
+                    yield True
+                rope_waits[s] += 1
+                ropes_pending[s] += 1
+                in_flight.append(("rope", s, (k, b)))
+                yield False
+                for h in range(2):
+                    while not empty[2 * s + h].passed(waits[2 * s + h] % 2):
+                        yield True
+                    waits[2 * s + h] += 1
+                    write(s, h, (k, b))
+                    if h == 0:
+                        tile[s][0].arrive()
+                    else:  # (cp.async.mbarrier.arrive: once the block's rope landed)
+                        deferred.append(s)
+                        arrive_landed()
+                    yield False
+
+    def wg0():
+        waits, done = [[0, 0], [0, 0]], 0
+        for k, n in enumerate(segments):
+            while progress.get(1, 0) < done:  # (_sync_consumers)
+                yield True
+            for s in range(min(n, 2)):  # (_load_tiles: the halves and, with them, the rope)
+                for h in range(2):
+                    empty[2 * s + h].arrive()
+                if prologue:
+                    rope_free[s].arrive()
+            for b in range(n):
+                s = b % 2
+                for h in range(2):
+                    while not tile[s][h].passed(waits[s][h] % 2):
+                        yield True
+                    waits[s][h] += 1
+                for part in range(3):
+                    read(s, part, "WG0", (k, b))
+                yield False  # (S)
+                readers[(s, 1)].discard("WG0")
+                readers[(s, 2)].discard("WG0")
+                if release(b, n):
+                    rope_free[s].arrive()
+                while nb[1] < done:  # (NB_FREE)
+                    yield True
+                nb[0] += 1
+                yield False  # (P V over half 0)
+                readers[(s, 0)].discard("WG0")
+                if b + 2 < n:
+                    empty[2 * s].arrive()
+                done += 1
+                progress[0] = done
+
+    def wg1():
+        done = 0
+        for k, n in enumerate(segments):
+            for b in range(n):
+                s = b % 2
+                while nb[0] <= done:  # (NB_P)
+                    yield True
+                read(s, 1, "WG1", (k, b))
+                yield False  # (P V over half 1)
+                readers[(s, 1)].discard("WG1")
+                done += 1
+                nb[1] = done
+                if b + 2 < n:
+                    empty[2 * s + 1].arrive()
+                progress[1] = done
+
+    def arrive_landed():  # (the deferred half-1 arrivals whose rope copies landed)
+        for s in list(deferred):
+            if ropes_pending[s] == 0:
+                deferred.remove(s)
+                tile[s][1].arrive()
+
+    def land(item):
+        _, s, blk = item
+        write(s, 2, blk)
+        ropes_pending[s] -= 1
+        arrive_landed()
+
+    interleave([producer(), wg0(), wg1()], in_flight, land, rng, limit=3000)
+    assert not deferred
+    assert progress.get(0, 0) == progress.get(1, 0) == sum(segments), progress
+
+
+ROPE_SEGMENTS = SEGMENTS + [[1, 1, 1], [2, 2, 0, 3], [4, 0, 5]]
+
+
+def test_rope_early_protocol():
+    for seed in range(80):
+        run_rope_early(ROPE_SEGMENTS[seed % len(ROPE_SEGMENTS)], seed)
+
+
+@pytest.mark.parametrize("mutant", [
+    dict(release=lambda b, n: True),  # (released for the segment's last two blocks too)
+    dict(release=lambda b, n: b + 1 < n),
+    dict(prologue=False),  # (no release at a segment's start: a deadlock)
+])
+def test_rope_early_model_catches_a_wrong_release(mutant):
+    failures = []
+    for seed in range(120):
+        try:
+            run_rope_early(ROPE_SEGMENTS[seed % len(ROPE_SEGMENTS)], seed, **mutant)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert failures

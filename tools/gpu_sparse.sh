@@ -115,9 +115,9 @@
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule and
 #             FlashMLA's piece rule, alternated twice with FlashMLA
-#   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY) with and without
-#             SCOPE cta against the defaults, smoke, the rows alternated twice with FlashMLA,
-#             then the split's fp8 tests on two of the builds (ETESTS)
+#   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY; RE: builds among
+#             D, C (SCOPE cta), E, CE, default "D E") against the defaults, smoke, the rows
+#             alternated twice with FlashMLA, then the split's fp8 tests (ETESTS, default E)
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with SCOPE cta, and FlashMLA's times of the rows
@@ -512,10 +512,11 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     cat "$OUT/p_all.txt"
     finish; exit ;;
   rope_early)  # (session 40: the rope tile's own release, TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1, with
-    # and without CTA scope: D the defaults, C SCOPE cta, E ROPE_EARLY, CE both; each build's
-    # smoke cases at 64 and 128 heads, the rows (ROWS) alternated twice with FlashMLA, then the
-    # split's fp8 tests on the builds of ETESTS (default "CE E"); RE picks the builds, default
-    # "D C E CE")
+    # and without CTA scope: D the defaults, C SCOPE cta, E ROPE_EARLY, CE both; RE picks the
+    # builds (default "D E": since session 40 ROPE_EARLY leaves the pair alone, so CE is C at 128
+    # heads and E at 64); each ROPE_EARLY build's smoke cases at 64 and 128 heads, the rows (ROWS)
+    # alternated twice with FlashMLA, then the split's fp8 tests on the builds of ETESTS (default
+    # "E"; 0: none))
     preamble flashmla-sm90-sparse
     rek() {  # the environment of build $1
       case $1 in
@@ -524,9 +525,11 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
         E) echo TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1 TORCH_MLA_CACHE_DIR=/tmp/cE ;;
         CE) echo TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_DEV_SPLIT_ROPE_EARLY=1 \
               TORCH_MLA_CACHE_DIR=/tmp/cCE ;;
+        *) echo "rope_early: unknown build $1" >&2; exit 2 ;;
       esac
     }
-    RE=${RE:-"D C E CE"}  # (the builds to run)
+    RE=${RE:-"D E"}  # (the builds to run)
+    for v in $RE; do rek $v > /dev/null || exit 2; done
     for v in $RE; do prebuild $v $(rek $v | sed 's/ *TORCH_MLA_CACHE_DIR=[^ ]*//'); done
     wait
     tail -n 2 "$OUT"/pre*.log
@@ -539,7 +542,10 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       stop_if_hung "smoke_$v"
     done
     ab_rows re rek "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" $RE
-    for v in ${ETESTS:-CE E}; do
+    ET=${ETESTS-E}
+    [[ $ET == 0 ]] && ET=""
+    for v in $ET; do
+      [[ " $RE " == *" $v "* ]] || continue  # (only builds prebuilt above)
       run "tests_$v" 120 env "${F[@]}" $(rek $v) python -m pytest -m cuda -q \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split and fp8"
       stop_if_hung "tests_$v"
