@@ -185,7 +185,7 @@ PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # (Session 39's PAIR_FREE "buffer", FlashMLA's one release a buffer with one producer wait a
 # block, and ROPE_PAIR 1, the rope rows exchanged between the pair through st.async, measured
 # 2-5% slower with random entries in session 40 (H100; with CTA scope together, F, within 1% of
-# the defaults) and are gone: docs/kernel-notes.md, session 40.)
+# the defaults at b 128, 2.5% slower at b 32) and are gone: docs/kernel-notes.md, session 40.)
 # ROPE_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_EARLY, its own TORCH_MLA_CACHE_DIR; the
 # 656-byte rows without the pair): the rope tile gets its own "empty" mbarrier a buffer
 # (barE[4 + s], one arrival), released by WG0 once its S of the buffer's block landed (only S
