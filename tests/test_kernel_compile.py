@@ -428,9 +428,10 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
     the default at 64-128 heads over the 16-bit cache and the 656-byte rows). Its producer
     fills one block a loop step, the buffer a runtime index: two inlined fills (one a half).
-    Over the 656-byte rows each loads its 8 chunks of 16 fp8 bytes (two keys, four chunks each) and 2 x 2 scale words by ld.global.nc before the release, none
-    prefetched into L2, converts 8 cvt a chunk with 16 multiplies, and copies the rope tile
-    over half 1 (4 copies a thread); over the 16-bit cache 4 copies a tile and thread. WG0's
+    Over the 656-byte rows each loads its 8 chunks of 16 fp8 bytes (two keys, four chunks
+    each) and 2 x 2 scale words by ld.global.nc before the release, none prefetched into L2,
+    converts 8 cvt a chunk with 16 multiplies, and copies the rope tile over half 1 (4 copies
+    a thread); over the 16-bit cache 4 copies a tile and thread. WG0's
     Q K^T of 36 k-steps all from shared memory and its P V, WG1's P V, in the two inlined
     block sites (two blocks a loop step, the second where it exists): 2 x (36 + 4 + 4) wgmma;
     the body traced once a warpgroup (each copy only its warpgroup's code: one setmaxnreg

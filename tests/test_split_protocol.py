@@ -28,9 +28,8 @@ def run_pair(segments, seed=0, empty_count=2):
     """One random interleaving of the pair over `segments` (blocks per segment); empty_count:
     the empty mbarriers' arrival count (the kernel's: 2)."""
     rng = random.Random(seed)
-    count = empty_count
     tile = [[[MBarrier(2) for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]
-    empty = [[MBarrier(count) for _ in range(4)] for _ in range(2)]  # [c][2 s + h]
+    empty = [[MBarrier(empty_count) for _ in range(4)] for _ in range(2)]  # [c][2 s + h]
     data = [[[{} for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]: {part: blk}
     readers = {}  # (c, s, h) -> the warpgroups reading it
     in_flight = []  # ("data", c, s, h, part, blk) or ("free", c, index)
