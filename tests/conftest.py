@@ -1,5 +1,6 @@
 import zlib
 
+import compile_runs
 import pytest
 import torch
 
@@ -11,6 +12,16 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+def pytest_collection_finish(session):
+    # the kernel builds of the selected compile tests start now, beside the other tests
+    if not session.config.option.collectonly:
+        compile_runs.start(session.items)
+
+
+def pytest_sessionfinish(session):
+    compile_runs.stop()
 
 
 @pytest.fixture(autouse=True)

@@ -10,6 +10,7 @@ import subprocess
 import sys
 
 import pytest
+from compile_runs import ahead, python, result
 from expecttest import assert_expected_inline
 
 from tools.ptxas_figures import kernel_figures
@@ -47,17 +48,20 @@ print(json.dumps(counts))
 """
 
 
+def sm90_run(dtype, causal, cache):
+    return python("-c", SCRIPT, dtype, causal, cache,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx"})
+
+
+@ahead(sm90_run)
 @pytest.mark.parametrize("dtype,causal,cache", [("bf16", "causal", "same"),
                                                 ("fp16", "plain", "same"),
                                                 ("bf16", "causal", "fp8"),
                                                 ("bf16", "causal", "fast"),
                                                 ("fp16", "plain", "fastq8"),
                                                 ("bf16", "plain", "fastdither")])
-def test_sm90_kernels_compile(tmp_path, dtype, causal, cache):
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", SCRIPT, dtype, causal, cache], env=env,
-                         capture_output=True, text=True, timeout=600)
+def test_sm90_kernels_compile(dtype, causal, cache):
+    res = result(sm90_run(dtype, causal, cache))
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     dec = counts["decode"]
@@ -171,14 +175,15 @@ print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
 
-def keysm_ptx(tmp_path, dtype, causal, cache, columns, backend="sm90_keysm", compute="exact"):
+def keysm_run(dtype, causal, cache, columns, backend="sm90_keysm", compute="exact"):
+    return python("-c", KEYSM_SCRIPT, dtype, causal, cache, columns, backend, compute,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", **REMARKS})
+
+
+def keysm_ptx(dtype, causal, cache, columns, backend="sm90_keysm", compute="exact"):
     """KEYSM_SCRIPT's counts of one keys-on-M step build's PTX, and ptxas's figures (empty
     where ptxas is not installed)."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), **REMARKS)
-    res = subprocess.run([sys.executable, "-c", KEYSM_SCRIPT, dtype, causal, cache, str(columns),
-                          backend, compute], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = result(keysm_run(dtype, causal, cache, columns, backend, compute))
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return got["counts"], got["ptxas"] or kernel_figures(res.stdout + res.stderr,
@@ -192,12 +197,13 @@ def assert_ptxas_clean(p):
         assert p["spill"] == 0, p
 
 
+@ahead(keysm_run)
 @pytest.mark.parametrize("dtype,causal,cache,columns", [("bf16", "causal", "same", 16),
                                                         ("fp16", "plain", "same", 8),
                                                         ("bf16", "causal", "fp8", 32),
                                                         ("bf16", "plain", "fp8", 64),
                                                         ("bf16", "causal", "same", 64)])
-def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
+def test_sm90_keysm_kernel_compiles(dtype, causal, cache, columns):
     """The keys-on-M kernel (sm90_keysm_decode.py, opt-in): per page 36 wgmma m64nNk16 of S^T
     and 32 of O^T with N the warpgroup's columns (at most 32: 64 columns are two consumer
     warpgroups, which take the producer warpgroup's registers by setmaxnreg), 9 TMA tile loads
@@ -205,7 +211,7 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     128 consumer threads), no local memory in the PTX, no call. ptxas (where installed):
     registers printed, no spill and no serialised wgmma (at 64 columns with the setmaxnreg split
     of REGS)."""
-    c, p = keysm_ptx(tmp_path, dtype, causal, cache, columns)
+    c, p = keysm_ptx(dtype, causal, cache, columns)
     consumers, n_wg = (2, 32) if columns == 64 else (1, columns)
     assert c["wgmma.mma_async"] == 36 + 32, c
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
@@ -221,9 +227,10 @@ def test_sm90_keysm_kernel_compiles(tmp_path, dtype, causal, cache, columns):
     assert_ptxas_clean(p)
 
 
+@ahead(lambda dtype, causal, columns: keysm_run(dtype, causal, "fp8", columns, "sm90_keysm_rs"))
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8),
                                                   ("bf16", "plain", 32), ("bf16", "plain", 64)])
-def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
+def test_sm90_keysm_rs_kernel_compiles(dtype, causal, columns):
     """The ping-pong keys-on-M kernel (sm90_keysm_rs_decode.py): per page 36 + 32
     wgmma m64nNk16 f16 with A from registers, S^T's 144 and O^T's 128 conversions a thread (the
     page converted once for each MMA) and O^T's 64 byte pairings (prmt), one TMA box a page and
@@ -233,7 +240,7 @@ def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
     warpgroups take 32 columns each (N = 32; Q's 9 tiles for each), and ptxas spills 12 bytes
     (the epilogue's: none without it; tried in session 24: one epilogue copy a warpgroup took it
     from 104 to 12, the lse stores first and four O^T groups did not help)."""
-    c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_rs")
+    c, p = keysm_ptx(dtype, causal, "fp8", columns, "sm90_keysm_rs")
     mma = r"wgmma.mma_async.sync.aligned.(m64n\d+k16.f32.\w+.\w+)"
     n_wg, sets = min(columns, 32), max(columns // 32, 1)
     assert c["wgmma.mma_async"] == 36 + 32, c
@@ -250,14 +257,16 @@ def test_sm90_keysm_rs_kernel_compiles(tmp_path, dtype, causal, columns):
         assert_ptxas_clean(p)
 
 
+@ahead(lambda dtype, causal, columns: keysm_run(dtype, causal, "fp8", columns, "sm90_keysm_fast",
+                                               "fp8"))
 @pytest.mark.parametrize("dtype,causal,columns", [("bf16", "causal", 16), ("fp16", "plain", 8),
                                                   ("bf16", "plain", 32)])
-def test_sm90_keysm_fast_kernel_compiles(tmp_path, dtype, causal, columns):
+def test_sm90_keysm_fast_kernel_compiles(dtype, causal, columns):
     """Fast mode of the ping-pong variant (sm90_keysm_fast_decode.py): per page one TMA box,
     18 e4m3 wgmma m64nNk32 for S^T and O^T's 32 f16 ones, both with A from registers (O^T's:
     128 conversions, 64 prmt a thread), Q quantized by 32 cvt.rn.satfinite.e4m3x2 a thread a
     segment (twice at 32 columns), no local memory; ptxas (where installed): no spill, no serialised wgmma."""
-    c, p = keysm_ptx(tmp_path, dtype, causal, "fp8", columns, "sm90_keysm_fast", "fp8")
+    c, p = keysm_ptx(dtype, causal, "fp8", columns, "sm90_keysm_fast", "fp8")
     assert c["wgmma.mma_async"] == 18 + 32, c
     assert c[r"wgmma.mma_async.sync.aligned.(m64n\d+k\d+.f32.\w+.\w+)"] == [
         f"m64n{columns}k16.f32.f16.f16", f"m64n{columns}k32.f32.e4m3.e4m3"], c
@@ -295,9 +304,15 @@ print(json.dumps(counts))
 """
 
 
+def sparse_run(dtype, cache):
+    return python("-c", SPARSE_SCRIPT, dtype, cache,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx"})
+
+
+@ahead(sparse_run)
 @pytest.mark.parametrize("dtype,cache", [("bf16", "plain"), ("fp16", "plain"), ("bf16", "e4m3"),
                                          ("bf16", "fp8_ds_mla")])
-def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
+def test_sm90_sparse_kernel_compiles(dtype, cache):
     """The SM90 sparse decode step (cute_kernels/sm90_sparse_decode.py): the dense SM90
     kernel's 16-bit MMAs, its cache tiles gathered by 16-byte cp.async copies completing on
     the tile's mbarrier through cp.async.mbarrier.arrive.noinc (with one plain arrival after
@@ -307,10 +322,7 @@ def test_sm90_sparse_kernel_compiles(tmp_path, dtype, cache):
     656-byte rows the multiply by each group's scale, gathered 8 bytes a row by cp.async.ca);
     fenced for the MMAs' proxy; the sparse combine's checks; no local memory, no call in the
     decode kernel."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", SPARSE_SCRIPT, dtype, cache], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = result(sparse_run(dtype, cache))
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
     dec, comb = counts["decode"], counts["combine"]
@@ -359,7 +371,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "ld.global.nc.L1::no_allocate.v4", "ld.global.nc.L1::no_allocate.v2",
                   "setmaxnreg", "cp.async.bulk.tensor",
                   "st.async", "barrier.cluster.arrive", "barrier.cluster.wait",
-                  "mbarrier.arrive.release.cluster", "mbarrier.arrive.expect_tx",
+                  "mbarrier.arrive.release.cluster", "mbarrier.arrive.shared::cluster.b64",
+                  "mbarrier.arrive.expect_tx",
                   "try_wait.parity.acquire.cluster",
                   "ld.local", "st.local", "vprintf", "trap;", "%globaltimer", "%clock64"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
@@ -374,20 +387,27 @@ print(json.dumps({"counts": counts, "ptxas": ptxas}))
 """
 
 
-def _producer_counts(tmp_path, dtype, cache, backend, cls, columns=0):
+def producer_run(dtype, cache, backend="sm90_producer", cls="MLASparseDecodeSm90Producer",
+                 columns=0):
+    return python("-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend, cls, columns,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", **REMARKS})
+
+
+def split_run(dtype, cache, columns):
+    return producer_run(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns)
+
+
+def _producer_counts(dtype, cache, backend, cls, columns=0):
     """PRODUCER_SPARSE_SCRIPT on one producer-kernel variant: (PTX counts, ptxas figures)."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), **REMARKS)
-    res = subprocess.run([sys.executable, "-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend,
-                          cls, str(columns)], env=env, capture_output=True, text=True,
-                         timeout=600)
+    res = result(producer_run(dtype, cache, backend, cls, columns))
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return got["counts"], got["ptxas"] or kernel_figures(res.stdout + res.stderr, cls)
 
 
+@ahead(producer_run)
 @pytest.mark.parametrize("dtype,cache", [("bf16", "fp8_ds_mla"), ("fp16", "plain")])
-def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
+def test_sm90_producer_sparse_kernel_compiles(dtype, cache):
     """The SM90 sparse kernel with a producer warpgroup (sm90_producer_sparse_decode.py; opt-in):
     the consumers' MMAs as the SM90 sparse kernel's (196 wgmma); four inlined fills a pair of
     blocks (two halves in each buffer). Over the 656-byte rows each fill loads a thread's 8
@@ -401,8 +421,7 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
     placed: no disassembler here)."""
     from torch_mla.cute_kernels.sm90_producer_sparse_decode import AHEAD
 
-    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_producer",
-                            "MLASparseDecodeSm90Producer")
+    c, p = _producer_counts(dtype, cache, "sm90_producer", "MLASparseDecodeSm90Producer")
     assert c["wgmma.mma_async"] == 196, c
     ds = cache == "fp8_ds_mla"
     assert c["cp.async.cg.shared.global"] == (2 * 4 if ds else 2 * 4 * (4 + 5)), c
@@ -422,9 +441,10 @@ def test_sm90_producer_sparse_kernel_compiles(tmp_path, dtype, cache):
 
 
 
+@ahead(split_run)
 @pytest.mark.parametrize("dtype,cache,columns", [("bf16", "fp8_ds_mla", 0), ("fp16", "plain", 0),
                                                  ("bf16", "fp8_ds_mla", 128)])
-def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
+def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
     the default at 64-128 heads over the 16-bit cache and the 656-byte rows). Its producer
     fills one block a loop step, the buffer a runtime index: two inlined fills (one a half).
@@ -444,33 +464,46 @@ def test_sm90_split_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     columns 128, the cluster pair (the 656-byte rows at h_q 65-128): each producer converts one
     round of 32 keys a half (half the loads, cvt and multiplies) and stores every chunk here
     and by st.async into the peer (16 a fill); thread 0's arrival expects the peer's bytes
-    (one expect_tx a fill beyond the Q loads' three); releases go to both CTAs (cluster-scoped
-    remote arrivals), and the waits they complete acquire at cluster scope; each traced copy
-    syncs the cluster after the barriers' set-up and at the end."""
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import PIPE, REGS
+    (one expect_tx a fill beyond the Q loads' three); releases go to both CTAs (8 remote
+    arrivals, mbarrier.arrive.shared::cluster: PTX's default .release.cta, as CUTLASS's
+    cluster pipelines release; at SCOPE "cluster" release.cluster ones, and the waits they
+    complete acquiring at cluster scope); each traced copy syncs the cluster after the
+    barriers' set-up and at the end. Its producer loads the next block's chunks before
+    converting this block's (AHEAD_PAIR 2): the chunk and scale loads at two sites, the
+    segment's first block and the loop's next."""
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import (
+        AHEAD,
+        AHEAD_PAIR,
+        PIPE,
+        REGS,
+        SCOPE,
+    )
 
     assert sum(REGS) == 3 * 168, REGS
-    c, p = _producer_counts(tmp_path, dtype, cache, "sm90_split", "MLASparseDecodeSm90Split",
-                            columns)
+    c, p = _producer_counts(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns)
     # (PIPE, a developer knob: WG0's a segment's first S before the loop, the loop's two block
     # sites each issuing the next block's, then the last one or two blocks: 36 + 2 x 40 + 44 + 4;
     # WG1's two sites 2 x 4)
     assert c["wgmma.mma_async"] == (164 + 8 if PIPE else 2 * (36 + 4 + 4)), c
     ds = cache == "fp8_ds_mla"
     rounds = 1 if columns else 2
+    sites = {0: 1, 2: 2}[AHEAD_PAIR if columns else AHEAD]  # (the load sites: the docstring)
     assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
-    assert c["ldnc.v4"] == (2 * 4 * rounds if ds else 0), c
-    assert c["ldnc.v2"] == (2 * rounds if ds else 0), c
+    assert c["ldnc.v4"] == (2 * 4 * rounds * sites if ds else 0), c
+    assert c["ldnc.v2"] == (2 * rounds * sites if ds else 0), c
     assert c["prefetch.global.L2"] == 0, c
     assert c["cvt.rn.f16x2.e4m3x2"] == (2 * 4 * rounds * 8 if ds else 0), c
     assert c["mul.rn.f32"] == (2 * 4 * rounds * 16 if ds else 0), c
     assert c["st.async"] == (2 * 4 * 2 if columns else 0), c
     assert c["barrier.cluster.arrive"] == c["barrier.cluster.wait"] == (6 if columns else 0), c
-    assert (c["mbarrier.arrive.release.cluster"] > 0) == bool(columns), c
-    # (the waits a peer's release completes, cluster-scoped: WG0's for each half at its two
-    # block sites, the producer's for a free half at its two fills)
-    # (PIPE: WG0's at the first S and the three sites issuing a next one)
-    assert c["try_wait.parity.acquire.cluster"] == (2 * 2 + 2 + 2 * 2 * PIPE if columns else 0), c
+    # (the releases to the peer: 2 halves x 2 warpgroups at the two block sites)
+    cluster = bool(columns) and SCOPE == "cluster"
+    assert c["mbarrier.arrive.release.cluster"] == (8 if cluster else 0), c
+    assert c["mbarrier.arrive.shared::cluster.b64"] == (8 if columns and not cluster else 0), c
+    # (at SCOPE "cluster", the waits a peer's release completes: WG0's for each half at its
+    # two block sites, the producer's for a free half at its two fills; PIPE: WG0's at the
+    # first S and the three sites issuing a next one)
+    assert c["try_wait.parity.acquire.cluster"] == (2 * 2 + 2 + 2 * 2 * PIPE if cluster else 0), c
     assert c["mbarrier.arrive.expect_tx"] == 3 + (2 if columns else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
     # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first
@@ -503,18 +536,21 @@ print(json.dumps(counts))
 """
 
 
+def keysm_sparse_run(dtype, cache, columns):
+    return python("-c", KEYSM_SPARSE_SCRIPT, dtype, cache, columns,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx"})
+
+
+@ahead(keysm_sparse_run)
 @pytest.mark.parametrize("dtype,cache,columns", [("bf16", "plain", 16), ("fp16", "e4m3", 32),
                                                  ("bf16", "fp8_ds_mla", 16)])
-def test_keysm_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
+def test_keysm_sparse_kernel_compiles(dtype, cache, columns):
     """The keys-on-M sparse decode step (cute_kernels/sm90_keysm_sparse_decode.py): the
     keys-on-M kernel's MMAs (36 S^T + 32 O^T wgmma); its producer warp's gather, 16 16-byte
     cp.async copies a lane and 16-bit tile (8 a fp8 tile) over the page's 9 tiles, completing
     on the stage's full mbarrier through one cp.async.mbarrier.arrive.noinc; Q's 9 TMA boxes
     the only TMA loads; a proxy fence before the MMAs read a 16-bit stage; no local memory."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path))
-    res = subprocess.run([sys.executable, "-c", KEYSM_SPARSE_SCRIPT, dtype, cache, str(columns)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = result(keysm_sparse_run(dtype, cache, columns))
     assert res.returncode == 0, res.stderr[-4000:]
     c = json.loads(res.stdout.strip().splitlines()[-1])
     assert c["wgmma.mma_async"] == 36 + 32, c
@@ -553,12 +589,18 @@ print(json.dumps(counts))
 """
 
 
+def keysm_rs_sparse_run(dtype, cache, columns):
+    return python("-c", KEYSM_RS_SPARSE_SCRIPT, dtype, columns, cache,
+                  env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", **REMARKS})
+
+
+@ahead(keysm_rs_sparse_run)
 @pytest.mark.parametrize("dtype,cache,columns", [("bf16", "e4m3", 16), ("fp16", "e4m3", 8),
                                                   ("bf16", "fp8_ds_mla", 16),
                                                   ("bf16", "fp8_ds_mla", 8), ("bf16", "e4m3", 32),
                                                   ("bf16", "fp8_ds_mla", 32), ("bf16", "e4m3", 64),
                                                   ("bf16", "fp8_ds_mla", 64)])
-def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
+def test_keysm_rs_sparse_kernel_compiles(dtype, cache, columns):
     """The sparse ping-pong step (cute_kernels/sm90_keysm_rs_sparse_decode.py; not yet checked
     on a GPU): the ping-pong's MMAs (36 + 32 wgmma a page) and e4m3 conversions (144 + 128 a
     thread over e4m3; 128 + 128 over the 656-byte rows, whose 4 rope k-steps are bf16 MMAs on
@@ -575,10 +617,7 @@ def test_keysm_rs_sparse_kernel_compiles(tmp_path, dtype, cache, columns):
     656-byte rows takes 21 rounds of 7 floats (scalar loads: 144 a thread; ptxas spills 20
     bytes there). At 64 (two warpgroups of their own columns, one epilogue copy each, Q's
     boxes for both) ptxas spills up to 20 bytes outside the page loop."""
-    env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
-               CUTE_DSL_DUMP_DIR=str(tmp_path), **REMARKS)
-    res = subprocess.run([sys.executable, "-c", KEYSM_RS_SPARSE_SCRIPT, dtype, str(columns),
-                          cache], env=env, capture_output=True, text=True, timeout=600)
+    res = result(keysm_rs_sparse_run(dtype, cache, columns))
     assert res.returncode == 0, res.stderr[-4000:]
     c = json.loads(res.stdout.strip().splitlines()[-1])
     if "spill" not in c:  # (no ptxas binary: the DSL's own ptxas's remarks)
@@ -646,11 +685,17 @@ print(json.dumps(out))
 
 # The portable sparse step over each cache format: sm_90a (64x64x2 tiles, the e4m3 cvt) and
 # sm_86 (32x16x3, no e4m3 cvt before SM89: the integer path); ~5 s a compile.
+def portable_sparse_run(dtype, cache, archs):
+    return python("-c", PORTABLE_SPARSE_SCRIPT, dtype, cache, ",".join(archs),
+                  env={"CUTE_DSL_ARCH": None, "CUTE_DSL_KEEP": "ptx"}, timeout=900)
+
+
+@ahead(portable_sparse_run)
 @pytest.mark.parametrize("dtype,cache,archs", [("bf16", "fp8_ds_mla", ["sm_90a", "sm_86"]),
                                                ("bf16", "e4m3", ["sm_90a"]),
                                                ("fp16", "e4m3", ["sm_86", "sm_90a"]),
                                                ("bf16", "plain", ["sm_90a"])])
-def test_portable_sparse_kernel_compiles(tmp_path, dtype, cache, archs):
+def test_portable_sparse_kernel_compiles(dtype, cache, archs):
     """The portable sparse decode step (cute_kernels/sm80_sparse_decode.py) over its cache
     formats: the 16-bit MMAs of the portable kernel; over an FP8 cache the gather's 16-byte
     global loads (latent units: 4 a row and load site; a 656-byte row's scales, one load; an
@@ -658,10 +703,7 @@ def test_portable_sparse_kernel_compiles(tmp_path, dtype, cache, archs):
     integer ops before SM89) and two 16-byte shared stores, the 656-byte rows' scale multiply
     (f32) and bf16 rope by cp.async; no local memory; ptxas (where installed): registers,
     spill (sm_90a's 255-register build spills 8 bytes, as the dense portable kernel does)."""
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)
-    res = subprocess.run([sys.executable, "-c", PORTABLE_SPARSE_SCRIPT, dtype, cache,
-                          ",".join(archs)], env=env, capture_output=True, text=True, timeout=900)
+    res = result(portable_sparse_run(dtype, cache, archs))
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     for arch, c in got.items():
@@ -710,15 +752,18 @@ for cache in ("plain", "e4m3", "fp8_ds_mla"):
 """
 
 
-def test_loaded_sparse_steps_take_kv_scale_explicitly(tmp_path):
+def signature_run():
+    return python("-c", SPARSE_SIGNATURE_SCRIPT, env={"CUTE_DSL_ARCH": None},
+                  fresh=("TORCH_MLA_CACHE_DIR",))
+
+
+@ahead(signature_run)
+def test_loaded_sparse_steps_take_kv_scale_explicitly():
     """A step loaded from the disk cache takes every defaulted argument of its __call__
     (TVM-FFI): the sparse steps' last, kv_scale, is a tensor for an e4m3 cache and None
     otherwise, and run_sparse_step passes it either way (the dense steps' fp8 arguments
     failed on the H200 for want of this)."""
-    env = dict(os.environ, TORCH_MLA_CACHE_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)
-    res = subprocess.run([sys.executable, "-c", SPARSE_SIGNATURE_SCRIPT], env=env,
-                         capture_output=True, text=True, timeout=600)
+    res = result(signature_run())
     assert res.returncode == 0, res.stderr[-4000:]
     lines = [x for x in res.stdout.splitlines() if x.split(" ")[0] in ("plain", "e4m3",
                                                                         "fp8_ds_mla")]
@@ -754,15 +799,18 @@ INDEXER_CONFIGS = [("bf16", 128, 64, 2), ("e4m3", 128, 64, 1), ("bf16", 64, 8, 1
                    ("e4m3", 64, 16, 2)]
 
 
-def test_sm90_indexer_compiles(tmp_path):
+def indexer_run():
+    return python("-c", INDEXER_SCRIPT, json.dumps(INDEXER_CONFIGS),
+                  env={"CUTE_DSL_ARCH": None, "CUTE_DSL_KEEP": "ptx"})
+
+
+@ahead(indexer_run)
+def test_sm90_indexer_compiles():
     """The DSA indexer kernel (cute_kernels/sm90_indexer.py) for V3.2's shapes (H 64, D 128,
     s_q 1-2) and small-model ones: one wgmma chain a page, m64 x (s_q * H) over D (k16 steps in
     bf16, k32 on e4m3 operands), TMA loads with an L2 hint (the pages' evict_first), mbarrier
     waits, two CTAs an SM, and no local memory, printf or trap."""
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)
-    res = subprocess.run([sys.executable, "-c", INDEXER_SCRIPT, json.dumps(INDEXER_CONFIGS)],
-                         env=env, capture_output=True, text=True, timeout=600)
+    res = result(indexer_run())
     assert res.returncode == 0, res.stderr[-4000:]
     for c in json.loads(res.stdout.strip().splitlines()[-1]):
         dtype, d, heads, s_q = c["config"]
@@ -840,14 +888,16 @@ print(json.dumps(out))
 """
 
 
-def test_small_kernels_compile_for_sm80_and_sm90(tmp_path):
+def small_run():
+    return python("-c", SMALL_SCRIPT, env={"CUTE_DSL_ARCH": None, "CUTE_DSL_KEEP": "ptx"})
+
+
+@ahead(small_run)
+def test_small_kernels_compile_for_sm80_and_sm90():
     """The one-launch schedule (sm_90a and sm_80) and append_kv (over an e4m3 cache too, sm_90a
     and sm_89): no local memory but printf's argument buffer, the value checks' printf + trap,
     16-byte cache stores (8-byte ones of e4m3: x / kv_scale by div.rn, then a saturating cvt)."""
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)
-    res = subprocess.run([sys.executable, "-c", SMALL_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=600)
+    res = result(small_run())
     assert res.returncode == 0, res.stderr[-4000:]
     ptx = json.loads(res.stdout.strip().splitlines()[-1])
     assert sorted((p["kernel"], p["target"]) for p in ptx) == [
@@ -902,29 +952,35 @@ print(json.dumps(counts))
 """
 
 
-def _sm100_compile(tmp_path, *argv):
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)  # the arch is a compile option: none is needed here
-    res = subprocess.run([sys.executable, "-c", SM100_SCRIPT, *argv], env=env,
-                         capture_output=True, text=True, timeout=600)
+def sm100_run(dtype, causal, stages=None):
+    # (the arch is a compile option: no CUTE_DSL_ARCH is needed)
+    return python("-c", SM100_SCRIPT, dtype, causal, *([stages] if stages else []),
+                  env={"CUTE_DSL_ARCH": None, "CUTE_DSL_KEEP": "ptx"})
+
+
+def _sm100_compile(*argv):
+    res = result(sm100_run(*argv))
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def compile_portable(tmp_path, dtype, causal, archs):
-    env = dict(os.environ, CUTE_DSL_KEEP="ptx", CUTE_DSL_DUMP_DIR=str(tmp_path))
-    env.pop("CUTE_DSL_ARCH", None)
-    res = subprocess.run([sys.executable, "-c", PORTABLE_SCRIPT, dtype, causal, ",".join(archs)],
-                         env=env, capture_output=True, text=True, timeout=1200)
+def portable_run(dtype, causal, archs):
+    return python("-c", PORTABLE_SCRIPT, dtype, causal, ",".join(archs),
+                  env={"CUTE_DSL_ARCH": None, "CUTE_DSL_KEEP": "ptx"}, timeout=1200)
+
+
+def compile_portable(dtype, causal, archs):
+    res = result(portable_run(dtype, causal, archs))
     assert res.returncode == 0, res.stderr[-4000:]
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+@ahead(sm100_run)
 @pytest.mark.parametrize("dtype,causal", [("bf16", "causal"), ("fp16", "plain")])
-def test_sm100_kernel_compiles(tmp_path, dtype, causal):
+def test_sm100_kernel_compiles(dtype, causal):
     """The SM100 kernel (never run on hardware) compiles for sm_100a on the CPU, and its PTX
     has the instructions of the design (docs/sm100-design.md)."""
-    counts = _sm100_compile(tmp_path, dtype, causal)
+    counts = _sm100_compile(dtype, causal)
     dec = counts["decode"]
     assert counts["targets"] == 1, counts  # one module: the step's five kernels
     # One segment's code: 36 k-steps of QK^T (576 / 16), and P V at its two call sites (the
@@ -957,9 +1013,10 @@ def test_sm100_kernel_compiles(tmp_path, dtype, causal):
     assert comb["ld.local"] == 0 and comb["st.local"] == 9 * 4 and comb["call.uni"] == 3 * 4, comb
 
 
-def test_sm100_shared_memory_budget_is_checked_at_compile_time(tmp_path):
+@ahead(lambda: sm100_run("bf16", "plain", "3"))
+def test_sm100_shared_memory_budget_is_checked_at_compile_time():
     """A third page buffer (72 KB more) does not fit: the compile stops with the numbers."""
-    counts = _sm100_compile(tmp_path, "bf16", "plain", "3")
+    counts = _sm100_compile("bf16", "plain", "3")
     assert re.fullmatch(r"\((\d+), 232448\)", counts["assert"]), counts
     assert int(counts["assert"][1:].split(",")[0]) > 232448
 
@@ -1017,12 +1074,13 @@ def test_sm100_v_operand_aliases_the_k_page(tmp_path):
 # bf16 for every arch family the portable kernel serves (each tile configuration at least once:
 # sm_80 64x32x2, sm_86/89/120a 32x16x3, sm_100a 64x64x2); fp16 and causal masking once (the
 # rest of the source is shared). About 10-20 s per compile on a CPU.
+@ahead(portable_run)
 @pytest.mark.parametrize("dtype,causal,archs", [
     ("bf16", "plain", ["sm_80", "sm_86", "sm_89", "sm_100a", "sm_120a"]),
     ("fp16", "causal", ["sm_86"]),
 ])
-def test_portable_kernel_compiles(tmp_path, dtype, causal, archs):
-    counts = compile_portable(tmp_path, dtype, causal, archs)
+def test_portable_kernel_compiles(dtype, causal, archs):
+    counts = compile_portable(dtype, causal, archs)
     assert sorted(counts) == sorted(archs)
     for arch, kinds in counts.items():
         dec, comb = kinds["decode"], kinds["combine"]

@@ -52,7 +52,8 @@
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY, each in its own cache directory; missing fields the
-#             defaults 0:0:cluster:2:0:late:0:1:1:1:exact:0; sessions 37-38's LOAD_PIN and
+#             defaults 0:2:cta:2:0:late:0:1:1:1:exact:0, 0:0:cluster:... before session 41's
+#             new defaults for the pair; sessions 37-38's LOAD_PIN and
 #             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
 #             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
 #             all but the first build (SMOKE=0: none; never of CONVERT f16mul builds: wrong
@@ -117,10 +118,13 @@
 #             FlashMLA's piece rule, alternated twice with FlashMLA
 #   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY; RE: builds among
 #             D, C (SCOPE cta), E, CE, default "D E") against the defaults, smoke, the rows
-#             alternated twice with FlashMLA, then the split's fp8 tests (ETESTS, default E)
+#             alternated twice with FlashMLA, then the split's fp8 tests (ETESTS, default E);
+#             since session 41 the pair's default is CTA scope (with AHEAD_PAIR 2), so C is
+#             that default with SCOPE set again
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
-#             the pair and with SCOPE cta, and FlashMLA's times of the rows
+#             the pair and with the pair under session 40's defaults (cluster scope, no
+#             lookahead), and FlashMLA's times of the rows
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT
@@ -305,8 +309,8 @@ case $kernel in
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
       local n a ap sc pf pv pa pp rf el lb cv re
       IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re <<< "$1"
-      echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-0} \
-        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cluster} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
+      echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-2} \
+        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cta} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
         TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
         TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
@@ -586,11 +590,12 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     # the raw stamps as .pt files in $OUT)
     preamble flashmla-sm90-sparse
     run trace 240 python -m tools.trace_sparse "$OUT" ${ROWS:-}
-    # (h_q 128 without the pair, and the pair at CTA scope: where the pair's chain goes)
+    # (h_q 128 without the pair, and the pair under session 40's defaults: cluster scope, no
+    # lookahead)
     run trace_nopair 90 env TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.trace_sparse \
       "$OUT/nopair" 128,1,128
-    run trace_cta 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cta TORCH_MLA_CACHE_DIR=/tmp/ccta \
-      python -m tools.trace_sparse "$OUT/cta" 128,1,128
+    run trace_cluster 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cluster TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=0 \
+      TORCH_MLA_CACHE_DIR=/tmp/ccluster python -m tools.trace_sparse "$OUT/cluster" 128,1,128
     run fm 60 python -m tools.sparse_rows flashmla 656 ${ROWS:-2,1,128 2,1,64 128,1,128 128,1,64}
     finish; exit ;;
   sms)

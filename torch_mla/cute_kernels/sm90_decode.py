@@ -283,7 +283,7 @@ class MLADecodeSm90(DecodeKernel):
     def _wait_half(self, bar, parity):
         """A wait on a buffer half's mbarrier: its tiles' before its MMAs (and a producer
         subclass's wait for its release; a subclass whose halves a peer CTA fills and frees
-        waits with cluster-scope acquire)."""
+        picks the wait's scope: the split's SCOPE)."""
         cute.arch.mbarrier_wait(bar, parity)
 
     def half_has_copies(self, h: int) -> bool:

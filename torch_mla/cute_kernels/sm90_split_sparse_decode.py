@@ -47,18 +47,18 @@ launch as a cluster of two CTAs walking the same blocks. Each producer converts 
 both here and, by st.async, at the same place in the peer, completing bytes on the peer's tile
 mbarrier (thread 0's arrival expects PEER_BYTES); the rope tile and the bias row each CTA
 writes itself, for all 64 keys. A half is free when both CTAs' consumers released it ("empty"
-mbarriers of count 2; each release also arrives, cluster-scoped, on the peer's); the cluster
+mbarriers of count 2; each release also arrives on the peer's); the cluster
 syncs after the mbarriers' set-up and at the end, so no CTA exits while its peer may still
 store into it. FlashMLA's h_q 128 kernel shares its conversion across a pair the same way.
 st.async writes are generic-proxy writes that land after the peer's fence, so the warpgroup
 waiting for a half fences for the async proxy before its MMAs read it (half_has_copies; with
 FENCE 0 too); that fence serves the producer's own stores as well, so with the pair the producer
 does not fence before it arrives (PFENCE 0, session 32: -5% at b 128 h_q 128; without the
-pair either since session 38, PFENCE 2: -1.6% at b 128 h_q 64). The waits that
-a peer's release completes (the producer's for a free half, WG0's for a filled one) acquire at
-cluster scope (ptx.mbarrier_wait_cluster), as the PTX memory model asks; CUTLASS's cluster
-pipelines and FlashMLA's pair wait at CTA scope (the DSL's mbarrier_wait), which session 30's
-review noted as a formal gap (SCOPE: the A/B knob).
+pair either since session 38, PFENCE 2: -1.6% at b 128 h_q 64). The releases to the peer and
+the waits they complete (the producer's for a free half, WG0's for a filled one) are at CTA
+scope since session 41, as CUTLASS's cluster pipelines and FlashMLA's pair have them; until
+then they were cluster-scoped (ptx.mbarrier_wait_cluster), the PTX memory model's letter, which
+session 30's review had asked for (SCOPE: the knob, and why CTA scope holds).
 
 Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
@@ -93,6 +93,10 @@ The dispatch takes it in the SM90 sparse kernel's place at 64-128 heads over the
 and, since session 39, over the 16-bit cache (TORCH_MLA_SPARSE_PRODUCER=0: the SM90 kernel
 itself; =split: wherever the SM90 kernel runs); the pair at h_q 65-128 over the 656-byte rows
 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
+Session 41 (H200): at CTA scope the pair's producer loads the next block's chunks before it
+converts this block's (AHEAD_PAIR 2): b 128 h_q 128 197.2-197.5 us against 215.6-216.0 with
+the old defaults (FlashMLA 179.5-179.7), -6 to -8% at b 32 and 128, +1-2% at b 2; the
+defaults since (AHEAD_PAIR's comment).
 """
 
 from __future__ import annotations
@@ -136,8 +140,18 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # TORCH_MLA_DEV_SPLIT_AHEAD (one CTA an m-block) and TORCH_MLA_DEV_SPLIT_AHEAD_PAIR (the cluster
 # pair) set it at import, developer knobs for the A/B (a build with another value needs its own
 # TORCH_MLA_CACHE_DIR: the cache key does not include them).
+# AHEAD_PAIR 2 is the default since session 41, with SCOPE "cta" (below): at cluster scope the
+# pair's release chain bound the block and no load ahead could show (session 31: +0.7%); at CTA
+# scope the pair's producers bind (session 40's trace: ~1.2 us a block waiting for half 0's
+# chunks). Session 41 (H200, same start, two rounds, us; D the old defaults, C SCOPE cta alone,
+# CA1 / CA2 C with AHEAD_PAIR 1 / 2; FlashMLA): 128,1,128 215.6 / 216.0, 212.8 / 212.4, 240.7 /
+# 240.5, 197.5 / 197.2, FlashMLA 179.5 / 179.7; 128,2,128 417.2 / 417.8, 409.1 / 408.3, 467.8 /
+# 467.9, 384.0 / 385.1, FlashMLA 352.7 / 353.6; 32,1,128 77.5 / 77.5, 78.1 / 78.2, 86.3 / 86.1,
+# 72.9 / 72.6, FlashMLA 64.5 / 64.6. At b 2 CA2 is 1-2% slower (2,1,128 25.2 against 24.7). The
+# split's GPU tests (122), memcheck at h_q 100 and 64, and FlashMLA's own sparse-decode cases
+# through torch_mla.compat (246) passed on CA2.
 AHEAD = _dev_knob("AHEAD", 0, (0, 1, 2))
-AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 0, (0, 1, 2))
+AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -149,17 +163,21 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 0, (0, 1, 2))
 L2_PREFETCH = int(os.environ.get("TORCH_MLA_DEV_SPLIT_L2", "256"))
 L1_EVICT = os.environ.get("TORCH_MLA_DEV_SPLIT_L1", "evict_last")
 FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
-# The scope of the pair's cross-CTA synchronisation: "cluster" (the default: the PTX memory
-# model's letter; the waits a peer's release completes acquire at cluster scope, the releases to
-# the peer are cluster-scoped) or "cta" (CUTLASS's cluster pipelines and FlashMLA's pair wait and
-# release at CTA scope). Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope
+# The scope of the pair's cross-CTA synchronisation: "cta" (the default since session 41, with
+# AHEAD_PAIR 2: the releases to the peer and the waits they complete at CTA scope, as CUTLASS's
+# cluster pipelines do, whose remote mbarrier.arrive.shared::cluster takes PTX's default
+# .release.cta, and as FlashMLA's pair does) or "cluster" (the default until session 40: the PTX
+# memory model's letter, the releases cluster-scoped and the waits they complete acquiring at
+# cluster scope). What a release to the peer orders is this CTA's reads of a buffer half (its
+# wgmma's, complete at the wait_group before the release) before the peer's st.async into it.
+# Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope
 # acquire becomes a CCTL.IVALL (the whole L1 invalidated, the evict_last lines with it), the
 # releases ERRBAR; 9.2% and ~2.4% of the warp samples. Session 32 (H100, same start, PFENCE 1):
 # with every entry -1 228.2 us at cluster scope, 207.7 at cta (FlashMLA 147.3); random entries
 # 257.7 / 256.8 against 253.4 / 256.2; with PFENCE 0 (another start) 243.9 / 244.3 against
 # 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks
 # it for an A/B.
-SCOPE = _dev_knob("SCOPE", "cluster", ("cluster", "cta"))
+SCOPE = _dev_knob("SCOPE", "cta", ("cluster", "cta"))
 # PFENCE 0 (the default in sessions 32-37; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
 # cache directory): with pair the producer skips its fence for the async proxy before it
 # arrives on a tile mbarrier. Every reader of a half fences after its own wait there (WG0 after
@@ -364,7 +382,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
-        peer's (a release at SCOPE: the peer's producer then overwrites the half here)."""
+        peer's (a release at SCOPE, CTA by default: the peer's producer then overwrites the
+        half here)."""
         bar = self.d_storage.barE.data_ptr() + i
         cute.arch.mbarrier_arrive(bar)
         if const_expr(self.pair):
@@ -373,8 +392,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     def _wait_half(self, bar, parity):
         """With pair the peer also fills a half (st.async) and frees it (its consumers'
-        release): a cluster-scope acquire, as the PTX memory model asks (SCOPE "cta": the CTA
-        scope CUTLASS's cluster pipelines wait at)."""
+        release): an acquire at CTA scope, where CUTLASS's cluster pipelines wait (SCOPE
+        "cluster": a cluster-scope acquire, the PTX memory model's letter)."""
         if const_expr(self.pair and SCOPE == "cluster"):
             mbarrier_wait_cluster(bar.toint(), parity)
         else:
