@@ -254,7 +254,9 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
       - "first": per point of a CTA's first segment (and the kernel's start "start", end "end",
         WG0's start of block 1 "block1"), the median over the CTAs that have it;
       - "slowest": the same points of the CTA that ends last;
-      - "phases": medians over segments (k < TRACE_SEGS) of q_wait (Q landed after the segment's
+      - "phases": medians over segments (k < TRACE_SEGS), a CTA's first segments apart from its
+        later ones ("phases_later": a first segment starts with the kernel, a later one after
+        the previous epilogue), of q_wait (Q landed after the segment's
         start), tiles (block 0 arrived after it), filled0 (the producer's first block after
         it), wg0_loop (WG0's loop after block 0 arrived), wg1_after (WG1's loop end after
         WG0's), p_ahead (WG0's loop end after the producer's), epilogue (both loops' end to
@@ -263,7 +265,8 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
         segment's first and last two blocks left out: median, count), and "block_by_time" the
         same by when the block starts (trace_decode.pair_times over single blocks);
       - span, end_min / end_med / end_max, start_skew (the last CTA's start)."""
-    st = (stamps.double() - stamps[:, 0][stamps[:, 0] > 0].min().double()) / 1e3
+    # (the difference in int64 first: %globaltimer's ~1.8e18 ns in a double are 256 ns apart)
+    st = (stamps - stamps[:, 0][stamps[:, 0] > 0].min()).double() / 1e3
     st[stamps == 0] = math.nan
 
     def at(c: int, k: int, p: str) -> float:
@@ -284,11 +287,13 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
     last = int(torch.nan_to_num(ends, nan=-1.0).argmax())
     slowest = {p: per_cta[last].get(p, math.nan) for p in names}
 
-    phases = {k: [] for k in ("q_wait", "tiles", "filled0", "wg0_loop", "wg1_after", "p_ahead",
-                              "epilogue", "gap_next")}
+    names_phase = ("q_wait", "tiles", "filled0", "wg0_loop", "wg1_after", "p_ahead",
+                   "epilogue", "gap_next")
+    by_first = [{k: [] for k in names_phase} for _ in range(2)]  # (later segments, first)
     steady = []
     for c, ss in enumerate(segs):
         for k in range(min(len(ss), TRACE_SEGS)):
+            phases = by_first[k == 0]
             v = {p: at(c, k, p) for p in POINTS}
             loop_end, epi_end = max(v["wg0_loop"], v["wg1_loop"]), max(v["epi"], v["wg1_epi"])
             phases["q_wait"].append(v["q"] - v["seg"])
@@ -316,7 +321,8 @@ def summarize(stamps: torch.Tensor, segs: list[list[tuple[int, bool]]]) -> dict:
                 end_min=ends.nan_to_num(nan=math.inf).min().item(),
                 end_med=_median(ends.tolist()), end_max=ends.nan_to_num(nan=0.0).max().item(),
                 first=first, slowest=slowest, slowest_cta=last,
-                phases={k: _median(v) for k, v in phases.items()},
+                phases={k: _median(v) for k, v in by_first[1].items()},
+                phases_later={k: _median(v) for k, v in by_first[0].items()},
                 block=(_median(steady), len(steady)), block_by_time=by_time)
 
 
@@ -333,7 +339,9 @@ def detail_summary(stamps: torch.Tensor) -> dict:
     ghz = []
     for c in range(d.shape[0]):
         if full[c, 0] and full[c, -1] and g[c, 0] > 0 and g[c, -1] > g[c, 0]:
-            ghz.append(((d[c, -1, 0] - d[c, 0, 0]) / (g[c, -1] - g[c, 0])).item())
+            span = (stamps[c, TRACE_BLOCK0 + DETAIL_FIRST + DETAIL_BLOCKS - 1]
+                    - stamps[c, TRACE_BLOCK0 + DETAIL_FIRST]).item()  # (int64: exact)
+            ghz.append(((d[c, -1, 0] - d[c, 0, 0]) / span).item())
     clk = _median(ghz)
     if math.isnan(clk):
         return {}
@@ -423,7 +431,8 @@ def trace_row(spec: str, out_dir: str) -> None:
     print("   first segment, median over CTAs (us from the first CTA's start): "
           + _fmt(summ["first"]))
     print(f"   slowest CTA ({summ['slowest_cta']}): " + _fmt(summ["slowest"]))
-    print("   phases (median over segments, us): " + _fmt(summ["phases"]))
+    print("   phases (median over first segments, us): " + _fmt(summ["phases"]))
+    print("   phases (median over later segments, us): " + _fmt(summ["phases_later"]))
     det = detail_summary(host)
     if det:
         print(f"   inside blocks {DETAIL_FIRST}-{DETAIL_FIRST + DETAIL_BLOCKS - 1} (n {det['n']}, "
