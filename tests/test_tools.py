@@ -172,3 +172,26 @@ def test_ptxas_figures_on_a_build():
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("combine.MLACombine: ")]
     assert len(lines) == 1 and " registers, " in lines[0] and "spill stores" in lines[0], res.stdout
     assert int(lines[0].split(": ")[1].split(" ")[0]) > 0
+
+
+def test_sparse_trace_summary_keeps_nanoseconds_of_globaltimer_stamps():
+    """tools/trace_sparse.py's summary of one CTA with two 8-block segments whose %globaltimer
+    stamps sit near 1.8e18 ns, as on the GPU: the phases come out to the nanosecond (a double
+    holds such a stamp only to 256 ns, so the difference is taken in int64 first), and the
+    first segment's phases apart from the later one's."""
+    from tools import trace_sparse as ts
+
+    base = 1_800_000_000_000_000_123
+    stamps = torch.zeros(1, ts.TRACE_SLOTS, dtype=torch.int64)
+    stamps[0, 0], stamps[0, ts.TRACE_END] = base, base + 90_001
+    for k, t0 in enumerate((base + 1_001, base + 40_003)):  # the segments' start stamps
+        for i, p in enumerate(ts.POINTS):
+            stamps[0, ts.segment_slot(k, p)] = t0 + 1_000 * i + 7 * (k + 1) * (i > 0)
+        blocks = ts.TRACE_BLOCK0 + ts.TRACE_BLOCKS * k
+        stamps[0, blocks:blocks + 8] = t0 + 3_000 + 2_901 * torch.arange(8)
+    s = ts.summarize(stamps, [[(8, False), (8, False)]])
+    q = ts.POINTS.index("q")
+    assert s["phases"]["q_wait"] == pytest.approx((1_000 * q + 7) / 1e3, abs=1e-9)
+    assert s["phases_later"]["q_wait"] == pytest.approx((1_000 * q + 14) / 1e3, abs=1e-9)
+    assert s["block"] == (pytest.approx(2.901, abs=1e-9), 2 * 4)  # (blocks 2-6 of each)
+    assert s["span"] == pytest.approx(90.001, abs=1e-9)
