@@ -124,7 +124,8 @@
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
 #             the pair and with the pair under session 40's defaults (cluster scope, no
-#             lookahead), and FlashMLA's times of the rows
+#             lookahead), and FlashMLA's times of the rows (DETAIL_FIRST=0: the detail
+#             points on a segment's blocks 0-3, its ramp, instead of 8-11)
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
 #             (tools/ncu_sass.py), the CSVs gzipped into $OUT

@@ -68,8 +68,11 @@ TRACE_SLOTS, TRACE_PER_SEG, TRACE_SEGS, TRACE_JUNK, TRACE_END = 288, 14, 4, 62, 
 TRACE_BLOCK0, TRACE_BLOCKS, TRACE_BLOCK_SEGS = 64, 64, 2
 # Inside blocks DETAIL_FIRST .. + DETAIL_BLOCKS - 1 of a CTA's first segment, every point of
 # DETAIL as %clock64 (SM cycles: the three warpgroups share the SM's clock) at DETAIL0 +
-# len(DETAIL) (block - DETAIL_FIRST) + the point's index.
-DETAIL0, DETAIL_FIRST, DETAIL_BLOCKS = 192, 8, 4
+# len(DETAIL) (block - DETAIL_FIRST) + the point's index. DETAIL_FIRST (environment, default 8,
+# steady state): e.g. 0 for the segment's ramp (the trace build compiles in each run, so no
+# cache holds another value's build).
+DETAIL0, DETAIL_BLOCKS = 192, 4
+DETAIL_FIRST = int(os.environ.get("DETAIL_FIRST", "8"))
 DETAIL = (
     "d_start",  # WG0 starts the block
     "d_tiles0",  # WG0's wait for half 0's tiles done
