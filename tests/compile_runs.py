@@ -6,10 +6,14 @@ process with `@ahead(plan)`, plan mapping some of its parameters to a Run. When 
 tests are collected (conftest.py), each selected test's Run starts in a pool of WORKERS threads
 beside the tests that run meanwhile; the test calls `result(run)` with the same Run and gets
 that process's result, waiting if it is still going (or starting it if nothing did). What runs
-and what each test asserts stay as they were: only when a process runs moves.
+and what each test asserts stay as they were: only when a process runs moves. Tests marked
+skip are left out (a skipif condition is not evaluated: its Run would still start).
 
-A Run's environment is the session's at collection, not the one a test may have patched by the
-time its process starts; each Run gets fresh empty directories for the variables in `fresh`.
+A Run's environment is the one this module saw when conftest.py imported it, not one a test
+may have patched by the time its process starts; each Run gets fresh empty directories for the
+variables in `fresh`, removed at the session's end unless the process failed (a failing
+build's PTX stays for a look). At the session's end (pytest's -x, an interrupt) the processes
+still running are killed and those not started are dropped.
 """
 
 import concurrent.futures
@@ -20,18 +24,22 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 
 # (TORCH_MLA_TEST_WORKERS=1: one process at a time, in the order the tests were collected)
 WORKERS = int(os.environ.get("TORCH_MLA_TEST_WORKERS", "0")) or min(os.cpu_count() or 1, 4)
 _BASE_ENV = dict(os.environ)
 _pool = None
 _runs: dict = {}
-_dirs: list = []
+_lock = threading.Lock()
+_live: set = set()  # the processes running now
+_dirs: list = []  # (directory, whether its process succeeded)
+_stopping = False
 
 
 @dataclasses.dataclass(frozen=True)
 class Run:
-    """`python *args`: env is (name, value) pairs over the session's environment (value None:
+    """`python *args`: env is (name, value) pairs over the base environment (value None:
     unset); each name in fresh is set to a new empty directory."""
 
     args: tuple
@@ -55,11 +63,31 @@ def _execute(run: Run) -> subprocess.CompletedProcess:
             env.pop(name, None)
         else:
             env[name] = value
-    for name in run.fresh:
-        _dirs.append(tempfile.mkdtemp(prefix="torch_mla_test_"))
-        env[name] = _dirs[-1]
-    return subprocess.run([sys.executable, *run.args], env=env, cwd=run.cwd,
-                          capture_output=True, text=True, timeout=run.timeout)
+    made = [tempfile.mkdtemp(prefix="torch_mla_test_") for _ in run.fresh]
+    env.update(zip(run.fresh, made))
+    argv = [sys.executable, *run.args]
+    with _lock:
+        if _stopping:
+            for d in made:
+                os.rmdir(d)
+            raise RuntimeError("the session ended before this process started")
+        proc = subprocess.Popen(argv, env=env, cwd=run.cwd, stdout=subprocess.PIPE,
+                                stderr=subprocess.PIPE, text=True)
+        _live.add(proc)
+    ok = False
+    try:
+        try:
+            out, err = proc.communicate(timeout=run.timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+            raise subprocess.TimeoutExpired(argv, run.timeout, out, err) from None
+        ok = proc.returncode == 0
+        return subprocess.CompletedProcess(argv, proc.returncode, out, err)
+    finally:
+        with _lock:
+            _live.discard(proc)
+            _dirs.extend((d, ok) for d in made)
 
 
 def _submit(run: Run) -> concurrent.futures.Future:
@@ -96,8 +124,15 @@ def start(items) -> None:
 
 
 def stop() -> None:
-    """Drops the Runs not yet started, waits for the running ones, removes their directories."""
+    """Drops the Runs not yet started, kills the running ones, removes the directories of the
+    processes that succeeded."""
+    global _stopping
+    with _lock:
+        _stopping = True
+        for proc in _live:
+            proc.kill()
     if _pool is not None:
         _pool.shutdown(wait=True, cancel_futures=True)
-    for d in _dirs:
-        shutil.rmtree(d, ignore_errors=True)
+    for d, ok in _dirs:
+        if ok:
+            shutil.rmtree(d, ignore_errors=True)

@@ -15,8 +15,10 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_collection_finish(session):
-    # the kernel builds of the selected compile tests start now, beside the other tests
-    if not session.config.option.collectonly:
+    # the kernel builds of the selected compile tests start now, beside the other tests (not
+    # where nothing runs: --collect-only, --fixtures)
+    option = session.config.option
+    if not (option.collectonly or getattr(option, "showfixtures", False)):
         compile_runs.start(session.items)
 
 

@@ -90,6 +90,8 @@ def test_cache_dir(monkeypatch, tmp_path):
 
 
 def test_entry_key(monkeypatch):
+    for name in [k for k in os.environ if k.startswith("TORCH_MLA_DEV_")]:
+        monkeypatch.delenv(name)
     key = kernel_cache.entry_key("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")
     assert key == {"kernel": "combine", "config": {"dtype": "bf16", "warps_per_row": 4},
                    "arch": "sm_90a", "torch_mla": kernel_cache.versions()["torch_mla"],
@@ -113,7 +115,12 @@ def test_entry_key(monkeypatch):
     monkeypatch.setattr(kernel_cache, "versions", lambda: {
         "torch_mla": "0", "nvidia-cutlass-dsl": "0", "apache-tvm-ffi": "0"})
     stems.add(kernel_cache._names("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")[1])
-    assert len(stems) == 7
+    # a kernel's developer knob set (any TORCH_MLA_DEV_* value) is part of the key
+    monkeypatch.setenv("TORCH_MLA_DEV_SPLIT_SCOPE", "cluster")
+    stems.add(kernel_cache._names("combine", {"dtype": "bf16", "warps_per_row": 4}, "sm_90a")[1])
+    assert kernel_cache.entry_key("combine", {}, "sm_90a")["dev"] == {
+        "TORCH_MLA_DEV_SPLIT_SCOPE": "cluster"}
+    assert len(stems) == 8
 
 
 @needs_cc

@@ -487,7 +487,9 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     assert c["wgmma.mma_async"] == (164 + 8 if PIPE else 2 * (36 + 4 + 4)), c
     ds = cache == "fp8_ds_mla"
     rounds = 1 if columns else 2
-    sites = {0: 1, 2: 2}[AHEAD_PAIR if columns else AHEAD]  # (the load sites: the docstring)
+    ahead = AHEAD_PAIR if columns else AHEAD
+    sites = {0: 1, 2: 2}.get(ahead)  # (the load sites: the docstring)
+    assert sites, f"no load-site count written for a lookahead of {ahead}"
     assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
     assert c["ldnc.v4"] == (2 * 4 * rounds * sites if ds else 0), c
     assert c["ldnc.v2"] == (2 * rounds * sites if ds else 0), c
@@ -496,7 +498,8 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     assert c["mul.rn.f32"] == (2 * 4 * rounds * 16 if ds else 0), c
     assert c["st.async"] == (2 * 4 * 2 if columns else 0), c
     assert c["barrier.cluster.arrive"] == c["barrier.cluster.wait"] == (6 if columns else 0), c
-    # (the releases to the peer: 2 halves x 2 warpgroups at the two block sites)
+    # (the releases to the peer: WG0's four at a segment's start, both buffers' halves, and
+    # the block sites')
     cluster = bool(columns) and SCOPE == "cluster"
     assert c["mbarrier.arrive.release.cluster"] == (8 if cluster else 0), c
     assert c["mbarrier.arrive.shared::cluster.b64"] == (8 if columns and not cluster else 0), c

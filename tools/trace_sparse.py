@@ -20,9 +20,10 @@ such a run its own TORCH_MLA_CACHE_DIR, as their comments say).
 PTX kept in a fresh temporary CUTE_DSL_DUMP_DIR): builds the traced step with and without the
 pair and counts the %globaltimer and %clock64 reads in its PTX (both required).
 
-DETAIL's labels assume the defaults of the split's PIPE and lookahead knobs: with PIPE 1 a
-block's tile waits happen inside the previous block's steps, and with AHEAD, AHEAD_PAIR or
-LOAD_BLOCK the producer's d_wait points no longer follow that half's own loads.
+DETAIL's labels assume PIPE 0 and no lookahead: with PIPE 1 a block's tile waits happen
+inside the previous block's steps, and with AHEAD, AHEAD_PAIR (2, the pair's default since
+session 41) or LOAD_BLOCK the producer's d_wait points no longer follow that half's own loads
+(its d_filled points, the arrivals, still mark when a half is filled).
 """
 
 from __future__ import annotations

@@ -58,7 +58,8 @@ pair either since session 38, PFENCE 2: -1.6% at b 128 h_q 64). The releases to 
 the waits they complete (the producer's for a free half, WG0's for a filled one) are at CTA
 scope since session 41, as CUTLASS's cluster pipelines and FlashMLA's pair have them; until
 then they were cluster-scoped (ptx.mbarrier_wait_cluster), the PTX memory model's letter, which
-session 30's review had asked for (SCOPE: the knob, and why CTA scope holds).
+session 30's review had asked for. CTA scope relies on what CUTLASS's and FlashMLA's pairs rely
+on, not on that letter (SCOPE: the knob and what it orders).
 
 Status: run on an H100 (sessions 28-30): the GPU tests of the kernel pass (114 in session
 30), memcheck clean at h_q 16 and 100 over the 656-byte rows. Session 30 (c7ee36a, the
@@ -149,7 +150,8 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # 467.9, 384.0 / 385.1, FlashMLA 352.7 / 353.6; 32,1,128 77.5 / 77.5, 78.1 / 78.2, 86.3 / 86.1,
 # 72.9 / 72.6, FlashMLA 64.5 / 64.6. At b 2 CA2 is 1-2% slower (2,1,128 25.2 against 24.7). The
 # split's GPU tests (122), memcheck at h_q 100 and 64, and FlashMLA's own sparse-decode cases
-# through torch_mla.compat (246) passed on CA2.
+# through torch_mla.compat passed on CA2 (246; the 38 at page size 64 ran this kernel, 21 of
+# them the pair; the others, pages of 2-576 tokens, the reference).
 AHEAD = _dev_knob("AHEAD", 0, (0, 1, 2))
 AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
@@ -166,10 +168,16 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 # The scope of the pair's cross-CTA synchronisation: "cta" (the default since session 41, with
 # AHEAD_PAIR 2: the releases to the peer and the waits they complete at CTA scope, as CUTLASS's
 # cluster pipelines do, whose remote mbarrier.arrive.shared::cluster takes PTX's default
-# .release.cta, and as FlashMLA's pair does) or "cluster" (the default until session 40: the PTX
-# memory model's letter, the releases cluster-scoped and the waits they complete acquiring at
-# cluster scope). What a release to the peer orders is this CTA's reads of a buffer half (its
-# wgmma's, complete at the wait_group before the release) before the peer's st.async into it.
+# .release.cta and whose waits acquire at CTA scope, and as FlashMLA's pair does) or "cluster"
+# (the default until session 40: the PTX memory model's letter, the releases cluster-scoped and
+# the waits they complete acquiring at cluster scope). Two hand-offs cross the CTAs: a release
+# to the peer (after this CTA's wgmma reads of a half completed at their wait_group, or at a
+# segment's start after the epilogue's bulk copies read the staged O) before the peer's
+# st.async into the half; and the peer's st.async bytes, whose complete_tx on this CTA's
+# mbarrier the PTX manual makes a cluster-scope release, before WG0's CTA-scope acquire. CTA
+# scope relies on what CUTLASS's and FlashMLA's pairs rely on for both (TMA multicast lands the
+# same way under CUTLASS's CTA-scope waits), not on the memory model's letter; tests, memcheck
+# and bit-identical repeats cannot prove an ordering, only fail to find a race.
 # Session 31's ncu of the pair (b 128 h_q 128): each cluster-scope
 # acquire becomes a CCTL.IVALL (the whole L1 invalidated, the evict_last lines with it), the
 # releases ERRBAR; 9.2% and ~2.4% of the warp samples. Session 32 (H100, same start, PFENCE 1):

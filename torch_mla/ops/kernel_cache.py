@@ -104,9 +104,13 @@ def cache_dir(arch: str) -> Path | None:
 
 
 def entry_key(kernel: str, config: dict, arch: str) -> dict:
-    """Everything the compiled artefact depends on; config values are str, int or bool."""
+    """Everything the compiled artefact depends on; config values are str, int or bool. The
+    kernels' developer knobs (TORCH_MLA_DEV_* variables, read when a kernel module is
+    imported) are part of it where any is set, so a build under other knob values never loads
+    the defaults' entry, nor the defaults another's."""
+    dev = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCH_MLA_DEV_") and v}
     return {"kernel": kernel, "config": dict(config), "arch": arch, **versions(),
-            "sources": sources_hash()}
+            "sources": sources_hash(), **({"dev": dev} if dev else {})}
 
 
 def _names(kernel: str, config: dict, arch: str) -> tuple[dict, str, str]:
