@@ -154,6 +154,13 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # them the pair; the others, pages of 2-576 tokens, the reference).
 AHEAD = _dev_knob("AHEAD", 0, (0, 1, 2))
 AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
+# FIRST_LATE 1 (developer knob TORCH_MLA_DEV_SPLIT_FIRST_LATE; the pair at AHEAD_PAIR 2): in the
+# CTA's first segment the producer converts block 0 before it issues block 1's loads, so block
+# 0's chunks do not share the kernel's cold start with block 1's. Session 41's trace (H200,
+# 128,1,128): block 0 reached WG0 ~2.3 us later than without the lookahead, in the first segment
+# only (later ones wait for the epilogue anyway); 132 CTAs loading two blocks' 21 KB each is ~1.4
+# us of DRAM time at 4 TB/s against ~0.7 for one. Compiled only, not yet run.
+FIRST_LATE = _dev_knob("FIRST_LATE", 0, (0, 1))
 # Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -353,6 +360,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.pair = pair
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
+        self.first_late = FIRST_LATE == 1 and self.lookahead == 2  # (FIRST_LATE's comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
@@ -436,6 +444,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         parity.fill(0)
         slots = cute.make_rmem_tensor(4, Int32)  # this lane's entries: this block's, the next's
         carry = cute.make_rmem_tensor(max(self.lookahead, 1) * self._half_words(), Int32)
+        started = cute.make_rmem_tensor(1, Int32)  # (FIRST_LATE: a segment of this CTA began)
+        started.fill(0)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
@@ -475,7 +485,19 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 2, hi - 1), length)
                         more = blk + 1 < hi
                         held = [self._unstash(carry, h) for h in range(self.lookahead)]
-                        if const_expr(self.lookahead == 2):
+                        if const_expr(self.lookahead == 2 and self.first_late):
+                            # (the CTA's first block: converted before the next one's loads)
+                            late = (started[0] == 0) & (blk == lo)
+                            early = (started[0] != 0) | (blk != lo)
+                            if early:
+                                for h in cutlass.range_constexpr(2):
+                                    self._stash(carry, h, self._load(rows, nx, h, warp, more))
+                            for h in cutlass.range_constexpr(2):
+                                self._fill(rows, cur, s, h, barK, parity, warp, held[h])
+                            if late:
+                                for h in cutlass.range_constexpr(2):
+                                    self._stash(carry, h, self._load(rows, nx, h, warp, more))
+                        elif const_expr(self.lookahead == 2):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
                             for h in cutlass.range_constexpr(2):
@@ -490,6 +512,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     slots[2 * (self.lookahead > 0)] = nxt[0]
                     slots[2 * (self.lookahead > 0) + 1] = nxt[1]
                     self._stamp("filled", 256, blk - lo)
+                started[0] = 1
                 self._stamp("produced", 256)
 
     def _block_entries(self, mIdx, r, blk, length):
