@@ -11,9 +11,10 @@ skip are left out (a skipif condition is not evaluated: its Run would still star
 
 A Run's environment is the one this module saw when conftest.py imported it, not one a test
 may have patched by the time its process starts; each Run gets fresh empty directories for the
-variables in `fresh`, removed at the session's end unless the process failed (a failing
-build's PTX stays for a look). At the session's end (pytest's -x, an interrupt) the processes
-still running are killed and those not started are dropped.
+variables in `fresh`, removed at the session's end unless the process failed on its own (a
+failing build's PTX stays for a look; the kept directories are printed). At the session's end
+(pytest's -x, an interrupt) the processes still running are killed with their children (each
+runs in its own process group) and those not started are dropped.
 """
 
 import concurrent.futures
@@ -21,6 +22,7 @@ import dataclasses
 import inspect
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -71,15 +73,20 @@ def _execute(run: Run) -> subprocess.CompletedProcess:
             for d in made:
                 os.rmdir(d)
             raise RuntimeError("the session ended before this process started")
-        proc = subprocess.Popen(argv, env=env, cwd=run.cwd, stdout=subprocess.PIPE,
-                                stderr=subprocess.PIPE, text=True)
+        try:
+            proc = subprocess.Popen(argv, env=env, cwd=run.cwd, stdout=subprocess.PIPE,
+                                    stderr=subprocess.PIPE, text=True, start_new_session=True)
+        except OSError:
+            for d in made:
+                os.rmdir(d)
+            raise
         _live.add(proc)
     ok = False
     try:
         try:
             out, err = proc.communicate(timeout=run.timeout)
         except subprocess.TimeoutExpired:
-            proc.kill()
+            _kill(proc)
             out, err = proc.communicate()
             raise subprocess.TimeoutExpired(argv, run.timeout, out, err) from None
         ok = proc.returncode == 0
@@ -87,7 +94,15 @@ def _execute(run: Run) -> subprocess.CompletedProcess:
     finally:
         with _lock:
             _live.discard(proc)
-            _dirs.extend((d, ok) for d in made)
+            _dirs.extend((d, ok or _stopping) for d in made)  # (killed at the end: removed)
+
+
+def _kill(proc) -> None:
+    """proc and its children (its process group: ptxas, cc)."""
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _submit(run: Run) -> concurrent.futures.Future:
@@ -130,9 +145,11 @@ def stop() -> None:
     with _lock:
         _stopping = True
         for proc in _live:
-            proc.kill()
+            _kill(proc)
     if _pool is not None:
         _pool.shutdown(wait=True, cancel_futures=True)
     for d, ok in _dirs:
         if ok:
             shutil.rmtree(d, ignore_errors=True)
+        else:
+            sys.stderr.write(f"compile_runs: kept {d} (its process failed)\n")

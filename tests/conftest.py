@@ -16,9 +16,11 @@ def pytest_collection_modifyitems(config, items):
 
 def pytest_collection_finish(session):
     # the kernel builds of the selected compile tests start now, beside the other tests (not
-    # where nothing runs: --collect-only, --fixtures)
+    # where nothing runs: --collect-only, --fixtures, --fixtures-per-test, --setup-plan)
     option = session.config.option
-    if not (option.collectonly or getattr(option, "showfixtures", False)):
+    if not (option.collectonly or getattr(option, "showfixtures", False)
+            or getattr(option, "show_fixtures_per_test", False)
+            or getattr(option, "setupplan", False)):
         compile_runs.start(session.items)
 
 

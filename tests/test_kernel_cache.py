@@ -121,6 +121,26 @@ def test_entry_key(monkeypatch):
     assert kernel_cache.entry_key("combine", {}, "sm_90a")["dev"] == {
         "TORCH_MLA_DEV_SPLIT_SCOPE": "cluster"}
     assert len(stems) == 8
+    # the dispatch's knobs change no build: not in the key
+    for name in kernel_cache.HOST_KNOBS:
+        monkeypatch.setenv(name, "1")
+    assert kernel_cache.entry_key("combine", {}, "sm_90a")["dev"] == {
+        "TORCH_MLA_DEV_SPLIT_SCOPE": "cluster"}
+
+
+def test_host_knobs_are_the_dispatchs():
+    """kernel_cache.HOST_KNOBS (out of the cache key) are the TORCH_MLA_DEV_* names that
+    torch_mla/ops reads, and no kernel module reads one."""
+    import torch_mla
+
+    root = Path(torch_mla.__file__).parent
+    names = lambda files: {m for f in files  # noqa: E731
+                           for m in re.findall(r"TORCH_MLA_DEV_[A-Z0-9_]*[A-Z0-9]",
+                                               f.read_text())}
+    ops = names(f for f in (root / "ops").glob("*.py") if f.name != "kernel_cache.py")
+    kernels = names((root / "cute_kernels").glob("*.py"))
+    assert ops == set(kernel_cache.HOST_KNOBS), ops
+    assert not ops & kernels, ops & kernels
 
 
 @needs_cc

@@ -341,19 +341,23 @@ def test_fp8_grid_matches_fp64(fp8_kernel, fmt, dtype, h_q, s_q, topk):
 
 
 def test_fp8_repeats_are_bit_identical(fp8_kernel):
-    """The same call 30 times over the 656-byte rows at h_q 128, b 64 (the split's cluster
-    pair, whose CTAs hand buffer halves to each other at CTA scope): every output and lse
-    bit-identical to the first call's. A result that moves between identical runs is a race
-    (an ordering a test against fp64 may not catch)."""
-    q, cache, idx, lens, _, kv_scale = _case(128, 1, 2048, "fp8_ds_mla", b=64, scale=True)
+    """The same call 30 times over the 656-byte rows at h_q 128, b 64 (for sm90_split its
+    cluster pair, whose CTAs hand buffer halves to each other at CTA scope), from a cache of
+    2048 pages (86 MB, more than the L2): every output and lse bit-identical to the first
+    call's. A result that moves between identical runs is a race (an ordering a test against
+    fp64 may not catch)."""
+    q, cache, idx, lens, _, kv_scale = _case(128, 1, 2048, "fp8_ds_mla", b=64, scale=True,
+                                             num_blocks=2048)
     taken = sparse_ops.sparse_backend(q, cache, 512)[0]
     if taken != fp8_kernel:
         pytest.skip(f"the {fp8_kernel} sparse kernel does not take this shape ({taken} would "
                     "run)")
+    if fp8_kernel == "sm90_split":
+        assert sparse_ops.split_pair_rows(128, "fp8_ds_mla", 64) == 128
     runs = [torch_mla.mla_decode_sparse(q, cache, idx, topk_length=lens, kv_scale=kv_scale)
             for _ in range(30)]
     first_out, first_lse = runs[0]
-    assert torch.isfinite(first_out).all()
+    assert torch.isfinite(first_out).all() and not first_lse.isnan().any()
     moved = [i for i, (out, lse) in enumerate(runs)
              if not (torch.equal(out, first_out) and torch.equal(lse, first_lse))]
     assert not moved, f"calls {moved} differ from the first"

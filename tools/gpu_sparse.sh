@@ -146,8 +146,8 @@
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
 
 # prebuild NAME KNOB=VALUE...: the split's steps and the schedule built in the background into
-# their own cache directory /tmp/cNAME under the developer knobs given (the cache key does not
-# include them), for the dtypes PREBUILD_DTYPES (default bf16); its log $OUT/preNAME.log. `wait`
+# their own cache directory /tmp/cNAME under the developer knobs given (the cache key holds the
+# kernels' knobs that are set since session 41, so one directory would do), for the dtypes PREBUILD_DTYPES (default bf16); its log $OUT/preNAME.log. `wait`
 # for it.
 prebuild() {
   local n=$1; shift

@@ -40,9 +40,8 @@ expansion by 64 threads bound it. This version (registers, no in-place pass) ran
 producer's 56 registers are the limit, and the consumers need their 224 (at 216 they spill).
 FlashMLA's producer has 152, beside consumers of 192 and 160 (one computes S and the softmax);
 see docs/kernel-notes.md. Kept opt-in as the base of that split. TORCH_MLA_DEV_AHEAD sets
-AHEAD at import, a developer knob for the A/B (tools/gpu_sparse.sh producer_ahead): a build
-with another value must use its own TORCH_MLA_CACHE_DIR, since the cache key does not include
-it.
+AHEAD at import, a developer knob for the A/B (tools/gpu_sparse.sh producer_ahead; since
+session 41 the cache key holds the developer knobs that are set, ops/kernel_cache.py).
 
 Limits: as sm90_sparse_decode.py (h_q any, as 64-row m-blocks; s_q any; topk any), over the
 bf16/fp16 cache or the 656-byte rows (bf16 q); the e4m3 cache takes the heads-on-M kernel.

@@ -139,8 +139,8 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # ~144 words against the producer's 128 registers: ptxas spills 760 bytes). Session 29's EARLY 2
 # (both halves of a block loaded at its start) was 2-5% slower than 0 and is gone.
 # TORCH_MLA_DEV_SPLIT_AHEAD (one CTA an m-block) and TORCH_MLA_DEV_SPLIT_AHEAD_PAIR (the cluster
-# pair) set it at import, developer knobs for the A/B (a build with another value needs its own
-# TORCH_MLA_CACHE_DIR: the cache key does not include them).
+# pair) set it at import, developer knobs for the A/B (the cache key holds the knobs that are
+# set since session 41; before, each build needed its own TORCH_MLA_CACHE_DIR).
 # AHEAD_PAIR 2 is the default since session 41, with SCOPE "cta" (below): at cluster scope the
 # pair's release chain bound the block and no load ahead could show (session 31: +0.7%); at CTA
 # scope the pair's producers bind (session 40's trace: ~1.2 us a block waiting for half 0's
@@ -148,7 +148,8 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # CA1 / CA2 C with AHEAD_PAIR 1 / 2; FlashMLA): 128,1,128 215.6 / 216.0, 212.8 / 212.4, 240.7 /
 # 240.5, 197.5 / 197.2, FlashMLA 179.5 / 179.7; 128,2,128 417.2 / 417.8, 409.1 / 408.3, 467.8 /
 # 467.9, 384.0 / 385.1, FlashMLA 352.7 / 353.6; 32,1,128 77.5 / 77.5, 78.1 / 78.2, 86.3 / 86.1,
-# 72.9 / 72.6, FlashMLA 64.5 / 64.6. At b 2 CA2 is 1-2% slower (2,1,128 25.2 against 24.7). The
+# 72.9 / 72.6, FlashMLA 64.5 / 64.6. At b 2 CA2 is 1-2.4% slower (2,1,128 25.2 / 25.2 against
+# 24.5 / 24.7; weak evidence: at 2,2,64, one kernel in both builds, they differed by 1.5%). The
 # split's GPU tests (122), memcheck at h_q 100 and 64, and FlashMLA's own sparse-decode cases
 # through torch_mla.compat passed on CA2 (246; the 38 at page size 64 ran this kernel, 21 of
 # them the pair; the others, pages of 2-576 tokens, the reference).
@@ -360,7 +361,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.pair = pair
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
-        self.first_late = FIRST_LATE == 1 and self.lookahead == 2  # (FIRST_LATE's comment)
+        self.first_late = FIRST_LATE == 1 and pair and self.lookahead == 2  # (its comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)

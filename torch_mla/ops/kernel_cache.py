@@ -21,7 +21,10 @@ An entry is a sidecar ``<kernel>-<config>-<key hash>.json`` that names its artef
 the versions of torch_mla, nvidia-cutlass-dsl and apache-tvm-ffi, the arch, the kernel's
 configuration and a hash of the kernel sources (``cute_kernels/``, ``constants.py``,
 ``contract.py`` and ``ops/registry.py``: a development checkout keeps its version number while
-the kernels change). Anything that does not
+the kernels change), and the kernels' developer knobs where any is set (the TORCH_MLA_DEV_*
+variables the kernel modules read at import; HOST_KNOBS, read by the dispatch, are not part
+of it). The knobs are read from the environment when the key is made, so a process must not
+change them after importing the kernels. Anything that does not
 match (an unreadable sidecar, another key, a wrong size or checksum, a library that does not
 load) is a miss: the kernel is compiled again and the entry rewritten, never trusted.
 
@@ -103,12 +106,19 @@ def cache_dir(arch: str) -> Path | None:
     return Path(root).expanduser() / v["torch_mla"] / v["nvidia-cutlass-dsl"] / arch
 
 
+# Developer knobs the dispatch reads (ops/), not the kernels: they change no build, so they stay
+# out of the key (tests/test_kernel_cache.py checks this list against ops/).
+HOST_KNOBS = ("TORCH_MLA_DEV_SPARSE_PIECES", "TORCH_MLA_DEV_COMBINE_WPR",
+              "TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS")
+
+
 def entry_key(kernel: str, config: dict, arch: str) -> dict:
     """Everything the compiled artefact depends on; config values are str, int or bool. The
-    kernels' developer knobs (TORCH_MLA_DEV_* variables, read when a kernel module is
-    imported) are part of it where any is set, so a build under other knob values never loads
-    the defaults' entry, nor the defaults another's."""
-    dev = {k: v for k, v in sorted(os.environ.items()) if k.startswith("TORCH_MLA_DEV_") and v}
+    kernels' developer knobs (TORCH_MLA_DEV_* variables but HOST_KNOBS, read when a kernel
+    module is imported) are part of it where any is set, so a build under other knob values
+    never loads the defaults' entry, nor the defaults another's."""
+    dev = {k: v for k, v in sorted(os.environ.items())
+           if k.startswith("TORCH_MLA_DEV_") and v and k not in HOST_KNOBS}
     return {"kernel": kernel, "config": dict(config), "arch": arch, **versions(),
             "sources": sources_hash(), **({"dev": dev} if dev else {})}
 
