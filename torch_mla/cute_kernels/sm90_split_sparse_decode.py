@@ -96,7 +96,7 @@ itself; =split: wherever the SM90 kernel runs); the pair at h_q 65-128 over the 
 unless TORCH_MLA_SPARSE_SPLIT_PAIR=0.
 Session 41 (H200): at CTA scope the pair's producer loads the next block's chunks before it
 converts this block's (AHEAD_PAIR 2): b 128 h_q 128 197.2-197.5 us against 215.6-216.0 with
-the old defaults (FlashMLA 179.5-179.7), -6 to -8% at b 32 and 128, +1-2% at b 2; the
+the old defaults (FlashMLA 179.5-179.7), -6 to -8.5% at b 32 and 128, +1-2.4% at b 2; the
 defaults since (AHEAD_PAIR's comment).
 """
 
@@ -159,10 +159,11 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # CTA's first segment the producer converts block 0 before it issues block 1's loads, so block
 # 0's chunks do not share the kernel's cold start with block 1's. Session 41's trace (H200,
 # 128,1,128): block 0 reached WG0 ~2.3 us later than without the lookahead, in the first segment
-# only (later ones wait for the epilogue anyway); 132 CTAs loading two blocks' 21 KB each is ~1.4
-# us of DRAM time at 4 TB/s against ~0.7 for one. Compiled only, not yet run.
+# only (later ones wait for the epilogue anyway); 132 CTAs loading two blocks' 21 KB each would
+# take ~1.4 us of DRAM time at 4 TB/s against ~0.7 for one (an estimate, not measured).
+# Compiled only, not yet run.
 FIRST_LATE = _dev_knob("FIRST_LATE", 0, (0, 1))
-# Developer knobs of the session-30 A/B (same caveat: each build its own cache directory):
+# Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
 # 656-byte rows (half 0 is written and fenced by the producer itself; P V reads half 0): only
