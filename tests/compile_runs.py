@@ -65,14 +65,12 @@ def _execute(run: Run) -> subprocess.CompletedProcess:
             env.pop(name, None)
         else:
             env[name] = value
-    made = [tempfile.mkdtemp(prefix="torch_mla_test_") for _ in run.fresh]
-    env.update(zip(run.fresh, made))
     argv = [sys.executable, *run.args]
     with _lock:
         if _stopping:
-            for d in made:
-                os.rmdir(d)
             raise RuntimeError("the session ended before this process started")
+        made = [tempfile.mkdtemp(prefix="torch_mla_test_") for _ in run.fresh]
+        env.update(zip(run.fresh, made))
         try:
             proc = subprocess.Popen(argv, env=env, cwd=run.cwd, stdout=subprocess.PIPE,
                                     stderr=subprocess.PIPE, text=True, start_new_session=True)
