@@ -24,9 +24,15 @@ import pytest
 from test_keysm import MBarrier, interleave
 
 
-def run_pair(segments, seed=0, empty_count=2):
+def run_pair(segments, seed=0, empty_count=2, direct=False, prologue=None, first_parity=None):
     """One random interleaving of the pair over `segments` (blocks per segment); empty_count:
-    the empty mbarriers' arrival count (the kernel's: 2)."""
+    the empty mbarriers' arrival count (the kernel's: 2). direct: the developer knob O_DIRECT
+    (the epilogue does not stage O in the buffers): every block releases its halves, a
+    segment's last two too; no segment start releases anything (prologue, default: not
+    direct); the producer's first wait on each half is for parity 1, which a fresh mbarrier
+    has passed (first_parity, default: 1 with direct, else 0)."""
+    prologue = not direct if prologue is None else prologue
+    first_parity = int(direct) if first_parity is None else first_parity
     rng = random.Random(seed)
     tile = [[[MBarrier(2) for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]
     empty = [[MBarrier(empty_count) for _ in range(4)] for _ in range(2)]  # [c][2 s + h]
@@ -47,7 +53,7 @@ def run_pair(segments, seed=0, empty_count=2):
         readers.setdefault((c, s, h), set()).add(who)
 
     def producer(c):
-        waits = [0] * 4
+        waits = [first_parity] * 4
         for k, n in enumerate(segments):
             for b in range(n):
                 s = b % 2
@@ -70,7 +76,7 @@ def run_pair(segments, seed=0, empty_count=2):
         for k, n in enumerate(segments):
             while progress.get((c, 1), 0) < done:  # (_sync_consumers: WG1 done too)
                 yield True
-            for s in range(min(n, 2)):  # (the prologue frees the first two blocks' halves)
+            for s in range(min(n, 2) if prologue else 0):  # (frees the first two blocks')
                 for h in range(2):
                     release(c, s, h)
             for b in range(n):
@@ -87,7 +93,7 @@ def run_pair(segments, seed=0, empty_count=2):
                 nb_p[c][0] += 1
                 yield False  # (P V over half 0)
                 readers[(c, s, 0)].discard("WG0")
-                if b + 2 < n:
+                if direct or b + 2 < n:
                     release(c, s, 0)
                 done += 1
                 progress[(c, 0)] = done
@@ -104,7 +110,7 @@ def run_pair(segments, seed=0, empty_count=2):
                 readers[(c, s, 1)].discard("WG1")
                 done += 1
                 nb_p[c][1] = done
-                if b + 2 < n:
+                if direct or b + 2 < n:
                     release(c, s, 1)
                 progress[(c, 1)] = done
 
@@ -129,6 +135,25 @@ SEGMENTS = [[5, 0, 1, 3, 0, 0, 7], [1], [0, 2, 2], [9, 9], [2, 1, 4]]
 def test_pair_protocol():
     for seed in range(60):
         run_pair(SEGMENTS[seed % len(SEGMENTS)], seed)
+
+
+def test_pair_protocol_o_direct():
+    for seed in range(60):
+        run_pair(SEGMENTS[seed % len(SEGMENTS)], seed, direct=True)
+
+
+@pytest.mark.parametrize("mutant", [
+    dict(prologue=True),  # (the segment starts' releases kept too: a half freed twice)
+    dict(first_parity=0),  # (the producer's first waits for a release: a deadlock)
+])
+def test_pair_protocol_o_direct_model_catches_a_wrong_release(mutant):
+    failures = []
+    for seed in range(120):
+        try:
+            run_pair(SEGMENTS[seed % len(SEGMENTS)], seed, direct=True, **mutant)
+        except AssertionError as e:
+            failures.append(str(e))
+    assert failures
 
 
 def test_pair_protocol_model_catches_a_wrong_count():

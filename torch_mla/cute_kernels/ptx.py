@@ -274,7 +274,35 @@ def hmul2(a: Int32, b: Int32, *, loc=None, ip=None) -> Int32:
 @dsl_user_op
 def f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Int32:
     """Two float32 values rounded to f16, packed (lo in the low half): cvt.rn.f16x2.f32."""
-    return _asm2("cvt.rn.f16x2.f32 $0, $1, $2;", Float32(hi), Float32(lo), "=r,f,f", loc, ip)
+    return pack16x2(lo, hi, False, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def pack16x2(lo: Float32, hi: Float32, bf16: bool, *, loc=None, ip=None) -> Int32:
+    """Two float32 values rounded to bf16 (bf16) or f16, packed (lo in the low half)."""
+    op = "cvt.rn.bf16x2.f32" if bf16 else "cvt.rn.f16x2.f32"
+    return _asm2(f"{op} $0, $1, $2;", Float32(hi), Float32(lo), "=r,f,f", loc, ip)
+
+
+def _store_global(addr, args: list, asm: str, constraints: str, loc, ip) -> None:
+    """An inline-asm st.global to 64-bit address addr ($0) of args ($1 ..)."""
+    llvm.inline_asm(None, [cutlass.Int64(addr).ir_value(loc=loc, ip=ip)]
+                    + [a.ir_value(loc=loc, ip=ip) for a in args], asm, constraints,
+                    has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
+
+
+@dsl_user_op
+def stg_f32x2(addr, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """Two float32 values to global address addr (8-byte aligned): st.global.v2.f32."""
+    _store_global(addr, [Float32(a), Float32(b)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
+                  loc, ip)
+
+
+@dsl_user_op
+def stg_b32(addr, word: Int32, *, loc=None, ip=None) -> None:
+    """One 32-bit word to global address addr (4-byte aligned): st.global.b32."""
+    _store_global(addr, [Int32(word)], "st.global.b32 [$0], $1;", "l,r", loc, ip)
 
 
 @dsl_user_op

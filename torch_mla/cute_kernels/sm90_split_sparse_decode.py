@@ -113,9 +113,17 @@ from cutlass.cute.nvgpu import warpgroup
 
 from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
-from .ptx import e4m3_store16, ldg_or_zero, mapa_shared, mbarrier_wait_cluster
+from .ptx import (
+    e4m3_store16,
+    ldg_or_zero,
+    mapa_shared,
+    mbarrier_wait_cluster,
+    pack16x2,
+    stg_b32,
+    stg_f32x2,
+)
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_decode import N_TILES, NB_P0, NB_SCALE1, fence_operand
+from .sm90_decode import BLOCK_M, HALF_V, N_TILES, NB_P0, NB_SCALE1, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import TILE16, request_length, row_source
 
@@ -155,14 +163,18 @@ REGS = (128, 216, 160)  # (producer, WG0, WG1) registers a thread after setmaxnr
 # them the pair; the others, pages of 2-576 tokens, the reference).
 AHEAD = _dev_knob("AHEAD", 0, (0, 1, 2))
 AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
-# FIRST_LATE 1 (developer knob TORCH_MLA_DEV_SPLIT_FIRST_LATE; the pair at AHEAD_PAIR 2): in the
-# CTA's first segment the producer converts block 0 before it issues block 1's loads, so block
-# 0's chunks do not share the kernel's cold start with block 1's. Session 41's trace (H200,
-# 128,1,128): block 0 reached WG0 ~2.3 us later than without the lookahead, in the first segment
-# only (later ones wait for the epilogue anyway); 132 CTAs loading two blocks' 21 KB each would
-# take ~1.4 us of DRAM time at 4 TB/s against ~0.7 for one (an estimate, not measured).
-# Compiled only, not yet run.
-FIRST_LATE = _dev_knob("FIRST_LATE", 0, (0, 1))
+# O_DIRECT 1 (developer knob TORCH_MLA_DEV_SPLIT_O_DIRECT): the epilogue writes O from the
+# accumulators straight to global memory (st.global, 8 bytes a lane over the fp32 partials, 4
+# over the output) instead of staging it in the page buffers for bulk copies, so the buffers are
+# the producer's across a segment's end: every block releases its halves once read (a
+# segment's last two too), the producer's first wait on each half passes at once (its parity
+# starts at 1, the phase before a fresh mbarrier's first), and no segment start releases
+# anything. The producer then fills the next segment's first two blocks during the epilogue.
+# Session 42's trace (H100, 128,1,128): a later segment's first block is filled 1.9 us after
+# the segment starts and the epilogue takes 3.1 us; an estimate, not measured: ~2 us a segment
+# boundary. (Session 41's FIRST_LATE, the first block converted before the next one's loads,
+# measured 8% slower at every row on an H100, session 42, and is gone.)
+O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -362,11 +374,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.pair = pair
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
-        self.first_late = FIRST_LATE == 1 and pair and self.lookahead == 2  # (its comment)
+        self.o_direct = O_DIRECT == 1  # (its comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
         assert not (self.rope_early and self.lookahead), "ROPE_EARLY takes AHEAD 0"
+        assert not (self.rope_early and self.o_direct), "ROPE_EARLY takes O_DIRECT 0"
 
     def _extra_storage(self) -> dict:
         """barE: an "empty" mbarrier a buffer half, and with rope_early one a rope tile."""
@@ -443,11 +456,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         the wait for half 0 (LOAD_BLOCK)."""
         warp, mIdx, mLens, mNumSplits, width, rows = self._walk_inputs(mKV)
         parity = cute.make_rmem_tensor(1, Int32)  # bit 2 s + h: half h of buffer s's "empty"
-        parity.fill(0)
+        parity.fill(15 if self.o_direct else 0)  # (O_DIRECT: the first waits pass at once)
         slots = cute.make_rmem_tensor(4, Int32)  # this lane's entries: this block's, the next's
         carry = cute.make_rmem_tensor(max(self.lookahead, 1) * self._half_words(), Int32)
-        started = cute.make_rmem_tensor(1, Int32)  # (FIRST_LATE: a segment of this CTA began)
-        started.fill(0)
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
@@ -487,19 +498,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 2, hi - 1), length)
                         more = blk + 1 < hi
                         held = [self._unstash(carry, h) for h in range(self.lookahead)]
-                        if const_expr(self.lookahead == 2 and self.first_late):
-                            # (the CTA's first block: converted before the next one's loads)
-                            late = (started[0] == 0) & (blk == lo)
-                            early = (started[0] != 0) | (blk != lo)
-                            if early:
-                                for h in cutlass.range_constexpr(2):
-                                    self._stash(carry, h, self._load(rows, nx, h, warp, more))
-                            for h in cutlass.range_constexpr(2):
-                                self._fill(rows, cur, s, h, barK, parity, warp, held[h])
-                            if late:
-                                for h in cutlass.range_constexpr(2):
-                                    self._stash(carry, h, self._load(rows, nx, h, warp, more))
-                        elif const_expr(self.lookahead == 2):
+                        if const_expr(self.lookahead == 2):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
                             for h in cutlass.range_constexpr(2):
@@ -514,7 +513,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     slots[2 * (self.lookahead > 0)] = nxt[0]
                     slots[2 * (self.lookahead > 0) + 1] = nxt[1]
                     self._stamp("filled", 256, blk - lo)
-                started[0] = 1
                 self._stamp("produced", 256)
 
     def _block_entries(self, mIdx, r, blk, length):
@@ -633,6 +631,56 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 self._free(2 * s + h)
 
     @cute.jit
+    def _release_read(self, b, hi, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int], wtid):
+        """Half h of buffer s, read by block b of the segment [lo, hi), back to the producer:
+        with o_direct always; else unless b is one of the segment's last two blocks, whose
+        buffers the epilogue stages O in (the next segment's start releases them: the base
+        class's _load_tiles)."""
+        if const_expr(self.o_direct):
+            self._release(s, h, wtid)
+        else:
+            if b + 2 < hi:
+                self._release(s, h, wtid)
+
+    @cute.jit
+    def _load_tiles(self, tma_k, mKV, tKsK, barK, page, s: cutlass.Constexpr[int],
+                    t_begin: cutlass.Constexpr[int], t_end: cutlass.Constexpr[int]):
+        """A segment's start: its first two blocks' buffers to the producer (the base class),
+        but with o_direct nothing (the producer's first waits pass; each block releases its
+        buffer itself)."""
+        if const_expr(not self.o_direct):
+            MLASparseDecodeSm90Producer._load_tiles(self, tma_k, mKV, tKsK, barK, page, s,
+                                                    t_begin, t_end)
+
+    @cute.jit
+    def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
+                         m_block, valid_rows, r0, c0, wg, wtid):
+        """The dense kernel's epilogue store (O staged in the page buffers, bulk copies), or
+        with o_direct this thread's values of O * inv straight from the accumulators to rows
+        [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:]: columns 8 j + c0 + {0, 1} of rows
+        r0 and r0 + 8, one st.global of 8 bytes (fp32) or 4 (16-bit) a pair; a quad's four
+        lanes write 32 or 16 contiguous bytes."""
+        if const_expr(not self.o_direct):
+            MLASparseDecodeSm90Producer._stage_and_store(
+                self, acc_O, inv, k_base, out_dtype, gOut, m_block, valid_rows, r0, c0, wg,
+                wtid)
+        else:
+            nbytes = out_dtype.width // 8
+            for h in cutlass.range_constexpr(2):
+                if r0 + 8 * h < valid_rows:
+                    row = m_block * BLOCK_M + r0 + 8 * h
+                    dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V + c0), gOut.layout)
+                    addr = dst.toint()
+                    for j in cutlass.range_constexpr(HALF_V // 8):
+                        lo = acc_O[2 * h + 4 * j] * inv[h]
+                        hi = acc_O[1 + 2 * h + 4 * j] * inv[h]
+                        if const_expr(nbytes == 4):
+                            stg_f32x2(addr + 8 * j * nbytes, lo, hi)
+                        else:
+                            stg_b32(addr + 8 * j * nbytes,
+                                    pack16x2(lo, hi, out_dtype == cutlass.BFloat16))
+
+    @cute.jit
     def _wg0_block(self, b, lo, hi, s: cutlass.Constexpr[int], border, min_border, acc_S,
                    acc_O, rP, row_sum, tSrQ, tSrK, tOrV, st_P, sP0, sM, sScale0, barK, phase,
                    r0, c0, wtid, scale_log2, nxt: cutlass.Constexpr[bool] = False,
@@ -688,15 +736,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                      last=False)
             warpgroup.wait_group(1)
             fence_operand(acc_O)
-            if b + 2 < hi:
-                self._release(s, 0, wtid)
+            self._release_read(b, hi, s, 0, wtid)
             self._qk(acc_S, tSrQ, tSrK, None, None, barK, phase, 1 - s, (4, 5, 6, 7, 8),
                      fresh=False)
         else:
             warpgroup.wait_group(0)
             fence_operand(acc_O)
-            if b + 2 < hi:
-                self._release(s, 0, wtid)
+            self._release_read(b, hi, s, 0, wtid)
         self._stamp("d_done", 0, b - lo)  # (trace: P V landed, half 0 released)
 
     @cute.jit
@@ -714,8 +760,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp("d_w1_landed", 128, b - lo)  # (trace: P V landed)
         if b + 1 < hi:
             cute.arch.barrier_arrive(barrier_id=NB_FREE, number_of_threads=256)
-        if b + 2 < hi:
-            self._release(s, 1, wtid)
+        self._release_read(b, hi, s, 1, wtid)
         self._stamp("d_w1_done", 128, b - lo)  # (trace: half 1 released)
 
     @cute.jit
