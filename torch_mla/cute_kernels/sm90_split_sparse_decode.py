@@ -170,10 +170,15 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # segment's last two too), the producer's first wait on each half passes at once (its parity
 # starts at 1, the phase before a fresh mbarrier's first), and no segment start releases
 # anything. The producer then fills the next segment's first two blocks during the epilogue.
-# Session 42's trace (H100, 128,1,128): a later segment's first block is filled 1.9 us after
-# the segment starts and the epilogue takes 3.1 us; an estimate, not measured: ~2 us a segment
-# boundary. (Session 41's FIRST_LATE, the first block converted before the next one's loads,
-# measured 8% slower at every row on an H100, session 42, and is gone.)
+# Session 42 (H100, same start, two rounds, us, D the defaults / O_DIRECT 1 / FlashMLA):
+# 128,1,128 201.2, 200.8 / 208.9, 208.9 / 183.2, 183.0; 32,1,128 75.7, 75.9 / 74.8, 75.0; 2,1,128
+# 26.7, 26.7 / 27.2, 27.2; 128,1,64 131.9, 131.8 / 136.1, 137.0; 2,1,64 22.6, 22.6 / 21.9, 22.2.
+# Predicted -1 to -2% at b 128: +3.5 to +4% instead. Its trace: a later segment's block 0 is
+# filled 0.45 us before the segment starts (1.89 after it with staging), but the epilogue takes
+# 5.7 us (3.1 staged) and the first segment's 7.6 (3.7): 64 st.global a thread, each a warp's
+# 8 rows of 32 bytes, cost more than the refill saves. Its GPU tests (123) and memcheck passed.
+# Not the default. (Session 41's FIRST_LATE, the first block converted before the next one's
+# loads, measured 3-9% slower on every row on an H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
@@ -334,6 +339,12 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 # Bytes of a buffer half the peer's producer stores into this CTA with pair: 32 keys x 256
 # values x 2 bytes (the rope tile each CTA gathers itself).
 PEER_BYTES = 32 * 256 * 2
+# PEER 0 (developer knob TORCH_MLA_DEV_SPLIT_PEER; timing only, wrong values by construction):
+# the pair's producers store nothing into the peer (no st.async; the tile mbarriers expect no
+# peer bytes), so each CTA reads half of every block's keys stale. Whether the exchange bounds
+# the pair's block: session 42's trace (H100, 128,1,128, blocks 8-11) has WG0's wait for half 1
+# ending ~800 ns after its own producer's arrival there, which only the peer's bytes can hold.
+PEER = _dev_knob("PEER", 1, (0, 1))
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -601,7 +612,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             peer = None
-            if const_expr(self.pair):  # (the same places in the peer CTA, its tile mbarrier)
+            if const_expr(self.pair and PEER == 1):  # (the peer CTA's places, its mbarrier)
                 other = 1 - cute.arch.block_idx_in_cluster()
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
             for i in cutlass.range_constexpr(self._rounds()):
@@ -610,7 +621,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer, route=CONVERT)
-        self._copy_and_arrive(rows, slots, buf, h, bar, warp, PEER_BYTES if self.pair else 0,
+        self._copy_and_arrive(rows, slots, buf, h, bar, warp,
+                              PEER_BYTES if self.pair and PEER == 1 else 0,
                               rope_issued=rope_first or self.rope_early)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
 
