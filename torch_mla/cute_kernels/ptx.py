@@ -72,6 +72,18 @@ def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
     )
 
 
+@dsl_user_op
+def bulk_s2cluster(dst, src, nbytes: int, mbar, *, loc=None, ip=None) -> None:
+    """cp.async.bulk shared::cluster <- shared::cta of nbytes (16-byte aligned): dst and mbar
+    are another CTA's shared::cluster addresses (mapa_shared); the copy completes nbytes on
+    that CTA's mbarrier at mbar."""
+    cute.arch.inline_ptx(
+        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
+        " [{$r0}], [{$r1}], {$r2}, [{$r3}];",
+        read_only_args=[Int32(dst), Int32(src), Int32(nbytes), Int32(mbar)], loc=loc, ip=ip,
+    )
+
+
 def _cp_async(dst: Int32, src, src_size: Int32, nbytes: int, op: str, loc, ip) -> None:
     """cp.async.<op>.shared.global of nbytes from global address src to shared::cta address
     dst, of which the first src_size are read and the rest zero-filled."""

@@ -114,6 +114,7 @@ from cutlass.cute.nvgpu import warpgroup
 from ..constants import D_QK, FP8_DS_MLA_SCALES_AT, PAGE_SIZE
 from . import softmax, splitkv
 from .ptx import (
+    bulk_s2cluster,
     e4m3_store16,
     ldg_or_zero,
     mapa_shared,
@@ -345,6 +346,16 @@ PEER_BYTES = 32 * 256 * 2
 # the pair's block: session 42's trace (H100, 128,1,128, blocks 8-11) has WG0's wait for half 1
 # ending ~800 ns after its own producer's arrival there, which only the peer's bytes can hold.
 PEER = _dev_knob("PEER", 1, (0, 1))
+# XBULK 1 (developer knob TORCH_MLA_DEV_SPLIT_XBULK; the pair): the exchange as four bulk copies
+# a half in place of 16 st.async a producer thread. A CTA's 32 converted keys of a 64-row tile
+# are rows 32 rank .. + 31, 4 KB of contiguous shared memory; once every producer thread has
+# stored and fenced its chunks for the async proxy (a named barrier of the producer warpgroup,
+# NB_PRODUCER), one thread copies the four tiles' rows to the same places in the peer,
+# completing the same PEER_BYTES on the peer's tile mbarrier. The peer's release of the half
+# follows its wait for those bytes, so the copies have read this CTA's rows before the
+# producer may overwrite them. Built in session 42 beside PEER, not yet run.
+XBULK = _dev_knob("XBULK", 0, (0, 1))
+NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
 
@@ -386,6 +397,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.cluster_m = 2 if pair else 1
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.o_direct = O_DIRECT == 1  # (its comment)
+        self.xbulk = XBULK == 1 and pair and PEER == 1  # (its comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
@@ -612,7 +624,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             peer = None
-            if const_expr(self.pair and PEER == 1):  # (the peer CTA's places, its mbarrier)
+            if const_expr(self.pair and PEER == 1 and not self.xbulk):  # (the peer's places)
                 other = 1 - cute.arch.block_idx_in_cluster()
                 peer = (mapa_shared(buf, other) - buf, mapa_shared(bar.toint(), other))
             for i in cutlass.range_constexpr(self._rounds()):
@@ -621,10 +633,29 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     d0, d1 = token_store_offsets(h, d, key, q)
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
                                  scales[i][d // 2], early=True, peer=peer, route=CONVERT)
+            if const_expr(self.xbulk):
+                self._send_half(buf, bar, h, warp)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp,
                               PEER_BYTES if self.pair and PEER == 1 else 0,
                               rope_issued=rope_first or self.rope_early)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
+
+    @cute.jit
+    def _send_half(self, buf, bar, h: cutlass.Constexpr[int], warp):
+        """XBULK: this CTA's converted keys of half h of the buffer at buf (rows 32 rank .. + 31
+        of tiles 4 h .. 4 h + 3) to the same places in the peer by four 4 KB bulk copies,
+        completing PEER_BYTES on the peer's tile mbarrier (bar's place there), once every
+        producer thread's stores are fenced for the async proxy and the warpgroup synced."""
+        cute.arch.fence_view_async_shared()
+        cute.arch.barrier(barrier_id=NB_PRODUCER, number_of_threads=128)
+        if warp == 0:
+            if cute.arch.lane_idx() == 0:
+                rank = cute.arch.block_idx_in_cluster()
+                other = 1 - rank
+                peer_bar = mapa_shared(bar.toint(), other)
+                for d in cutlass.range_constexpr(4):
+                    src = buf + (4 * h + d) * TILE16 + rank * (32 * 128)
+                    bulk_s2cluster(mapa_shared(src, other), src, PEER_BYTES // 4, peer_bar)
 
     def _rounds(self) -> int:
         """Rounds of 32 keys a producer thread converts a buffer half (token_of_lane's u): 2,
