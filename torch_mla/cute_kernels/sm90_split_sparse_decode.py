@@ -295,6 +295,14 @@ ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
 # 140.9. The default since session 35, whose run passed the split's GPU tests (111) and memcheck
 # at h_q 100 and 64 on it.
 ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
+# ENTRY_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_EARLY): the producer loads a segment's
+# first block of entries before it reads the request's length and split count, at addresses
+# clamped into the request's row (loads that cannot wait on the length), and applies the length
+# afterwards. A segment's first block then needs one dependent DRAM round trip less before its
+# rows can load (meta row -> length and entries at once -> rows); the later blocks' entries
+# already load a block ahead. Built in session 42, not yet run: ~0.5-1 us a segment, so a few %
+# at b 2 (one block a CTA) and under 1% at b 128.
+ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half
@@ -485,11 +493,18 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
+            early = None
+            if const_expr(ENTRY_EARLY == 1):  # (segment()'s lo, which needs no length)
+                early = self._raw_entries(mIdx, rr, cutlass.select_(
+                    r == walk.begin_req, walk.begin_blk, Int32(0)))
             lo, hi = splitkv.segment(walk, r, mLens[rr], width,
                                      mNumSplits[rr + 1] - mNumSplits[rr])
             length = request_length(mIdx, mLens, rr)
             if lo < hi:
-                first = self._block_entries(mIdx, r, lo, length)
+                if const_expr(ENTRY_EARLY == 1):
+                    first = self._entries_of(early, mIdx, lo, length)
+                else:
+                    first = self._block_entries(mIdx, r, lo, length)
                 slots[0] = first[0]
                 slots[1] = first[1]
                 if const_expr(self.lookahead > 0):
@@ -542,6 +557,33 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """This lane's two entries of block blk of request r (_entries), with the request's
         length read once a segment (ENTRY_LEN 1) or with every block (0)."""
         return self._entries(self._page(mIdx, r, blk), length if ENTRY_LEN == 1 else None)
+
+    @cute.jit
+    def _raw_entries(self, mIdx, r, blk):
+        """ENTRY_EARLY: this lane's two entries (keys lane and lane + 32) of block blk of
+        one-token request r as stored, loaded whatever the request's length (the key clamped
+        into the row: nothing is read outside mIdx, and block_entries' checks follow in
+        _entries_of), by loads the compiler cannot move past the length's."""
+        n = mIdx.shape[1]
+        out = []
+        for h in cutlass.range_constexpr(2):
+            key = cutlass.min(cutlass.max(blk, 0) * PAGE_SIZE + cute.arch.lane_idx() + 32 * h,
+                              n - 1)
+            addr = (mIdx.iterator + cute.crd2idx((r, key), mIdx.layout)).toint()
+            out.append(ldg_or_zero(1, addr, Int32(1), "evict_normal")[0])
+        return out
+
+    @cute.jit
+    def _entries_of(self, raw, mIdx, blk, length):
+        """_raw_entries' words as block_entries returns them for block blk: -1 at or past
+        length, or where the entry names no slot of the cache."""
+        lane = cute.arch.lane_idx()
+        slots = []
+        for h in cutlass.range_constexpr(2):
+            ok = (blk * PAGE_SIZE + lane + 32 * h < length) & (raw[h] >= 0) & (
+                raw[h] < self.d_num_slots)
+            slots.append(cutlass.select_(ok, raw[h], Int32(-1)))
+        return slots
 
     def _half_words(self) -> int:
         """32-bit words of one buffer half's loaded chunks and scales a producer thread holds
