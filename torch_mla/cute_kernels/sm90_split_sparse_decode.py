@@ -177,9 +177,10 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # Predicted -1 to -2% at b 128: +3.5 to +4% instead. Its trace: a later segment's block 0 is
 # filled 0.45 us before the segment starts (1.89 after it with staging), but the epilogue takes
 # 5.7 us (3.1 staged) and the first segment's 7.6 (3.7): 64 st.global a thread, each a warp's
-# 8 rows of 32 bytes, cost more than the refill saves. Its GPU tests (123) and memcheck passed.
-# Not the default. (Session 41's FIRST_LATE, the first block converted before the next one's
-# loads, measured 3-9% slower on every row on an H100, session 42, and is gone.)
+# 8 rows of 32 bytes (fp32 partials; 16 over the output), cost more than the refill saves.
+# Its GPU tests (123) and memcheck passed. Not the default. (Session 41's FIRST_LATE, the
+# first block converted before the next one's loads, measured 3-9% slower on every row on an
+# H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
@@ -350,12 +351,17 @@ CONVERT = _dev_knob("CONVERT", "exact", ("exact", "bf16mul", "f16mul"))
 PEER_BYTES = 32 * 256 * 2
 # PEER 0 (developer knob TORCH_MLA_DEV_SPLIT_PEER; timing only, wrong values by construction):
 # the pair's producers store nothing into the peer (no st.async; the tile mbarriers expect no
-# peer bytes), so each CTA reads half of every block's keys stale. Whether the exchange bounds
-# the pair's block: session 42's trace (H100, 128,1,128, blocks 8-11) has WG0's wait for half 1
-# ending ~800 ns after its own producer's arrival there, which only the peer's bytes can hold.
+# peer bytes; the releases still cross), so each CTA reads half of every block's keys stale.
+# ROPE 0 (TORCH_MLA_DEV_SPLIT_ROPE, the same kind): no rope gather (the rope tile stale; half
+# 1's cp.async arrival still made). Session 42's trace (H100, 128,1,128, blocks 8-11) has WG0's
+# wait for half 1 ending ~800 ns after its own producer's arrival there. Half 1's phase also
+# waits for the peer's bytes and for this CTA's rope gather, issued right after the producer's
+# wait for the free half (ROPE_FIRST), ~1.55 us before WG0's wait ends in every build traced,
+# the pair-less one included: the two knobs tell the two apart.
 PEER = _dev_knob("PEER", 1, (0, 1))
+ROPE = _dev_knob("ROPE", 1, (0, 1))
 # XBULK 1 (developer knob TORCH_MLA_DEV_SPLIT_XBULK; the pair): the exchange as four bulk copies
-# a half in place of 16 st.async a producer thread. A CTA's 32 converted keys of a 64-row tile
+# a half in place of 8 st.async a producer thread. A CTA's 32 converted keys of a 64-row tile
 # are rows 32 rank .. + 31, 4 KB of contiguous shared memory; once every producer thread has
 # stored and fenced its chunks for the async proxy (a named barrier of the producer warpgroup,
 # NB_PRODUCER), one thread copies the four tiles' rows to the same places in the peer,
@@ -502,7 +508,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             length = request_length(mIdx, mLens, rr)
             if lo < hi:
                 if const_expr(ENTRY_EARLY == 1):
-                    first = self._entries_of(early, mIdx, lo, length)
+                    first = self._entries_of(early, lo, length)
                 else:
                     first = self._block_entries(mIdx, r, lo, length)
                 slots[0] = first[0]
@@ -568,13 +574,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         out = []
         for h in cutlass.range_constexpr(2):
             key = cutlass.min(cutlass.max(blk, 0) * PAGE_SIZE + cute.arch.lane_idx() + 32 * h,
-                              n - 1)
+                              cutlass.max(n - 1, 0))
             addr = (mIdx.iterator + cute.crd2idx((r, key), mIdx.layout)).toint()
-            out.append(ldg_or_zero(1, addr, Int32(1), "evict_normal")[0])
+            # (topk 0: no entry to read, none read)
+            out.append(ldg_or_zero(1, addr, Int32(n > 0), "evict_normal")[0])
         return out
 
     @cute.jit
-    def _entries_of(self, raw, mIdx, blk, length):
+    def _entries_of(self, raw, blk, length):
         """_raw_entries' words as block_entries returns them for block blk: -1 at or past
         length, or where the entry names no slot of the cache."""
         lane = cute.arch.lane_idx()
@@ -681,6 +688,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                               PEER_BYTES if self.pair and PEER == 1 else 0,
                               rope_issued=rope_first or self.rope_early)
         self._stamp(f"d_filled{h}", 256)  # (trace: half h stored, arrived on)
+
+    @cute.jit
+    def rope_tile(self, rows, slots, buf, warp):
+        """The base class's rope gather, or with ROPE 0 none (timing only: the tile stale)."""
+        if const_expr(ROPE == 1):
+            MLASparseDecodeSm90Producer.rope_tile(self, rows, slots, buf, warp)
 
     @cute.jit
     def _send_half(self, buf, bar, h: cutlass.Constexpr[int], warp):
@@ -853,8 +866,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                       tSrQ, tSrK, tOrV, tOrP0s, st_P, sP0, sM, sScale0, barK, phase, r0, c0,
                       wtid, scale_log2):
         """A segment's blocks [lo, hi) (n of them, the first two already released to the
-        producer), two a loop step so that each block's buffer is a compile-time index; the
-        second only where it exists (two inlined block sites, not three: less code to fetch)."""
+        producer: at the segment's start, or with o_direct by the blocks before them and the
+        producer's initial parity), two a loop step so that each block's buffer is a
+        compile-time index; the second only where it exists (two inlined block sites, not
+        three: less code to fetch)."""
         if const_expr(wg == 0):  # (wg: this copy's constant, MLADecodeSm90.body)
             block = partial(self._wg0_block, lo=lo, hi=hi, border=border,
                             min_border=min_border, acc_S=acc_S, acc_O=acc_O, rP=rP,
