@@ -13,8 +13,8 @@ with the schedule of torch_mla.get_sparse_decode_schedule, prints where the time
 the raw stamps with the schedule to OUT_DIR/trace_sparse_B_SQ_HQ.pt. NONE=1 (environment): every
 entry -1, so nothing is read (the block chain without memory latency). Also times the op itself
 (mla_decode_sparse, CUDA graph) and the traced step the same way. The split's developer knobs
-(TORCH_MLA_DEV_SPLIT_*, read at import) apply to the trace build as to the op's kernel (give
-such a run its own TORCH_MLA_CACHE_DIR, as their comments say).
+(TORCH_MLA_DEV_SPLIT_*, read at import) apply to the trace build as to the op's kernel (the
+kernel cache's key holds the knobs that are set).
 
 --compile-only (no GPU; CUTE_DSL_ARCH=sm_90a unless set, and unless CUTE_DSL_KEEP is set the
 PTX kept in a fresh temporary CUTE_DSL_DUMP_DIR): builds the traced step with and without the

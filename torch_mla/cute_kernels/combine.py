@@ -42,8 +42,8 @@ from ..constants import LN_2, PAGE_SIZE
 from .device_error import fail
 
 UNROLL = 4
-# CHUNK (developer knob TORCH_MLA_DEV_COMBINE_CHUNK, read at import, 0, 4 or 8; a build with
-# another value needs its own TORCH_MLA_CACHE_DIR): 0, the loop over a warp's pieces unrolled
+# CHUNK (developer knob TORCH_MLA_DEV_COMBINE_CHUNK, read at import, 0, 4 or 8; in the kernel
+# cache's key when set): 0, the loop over a warp's pieces unrolled
 # UNROLL times, whose remainder (up to UNROLL - 1 pieces, taken first) runs one piece a branch:
 # each piece's loads wait for the previous piece's FMAs, one round trip a piece (the PTX of
 # session 34: at b 2 h_q 128, 28 pieces over 16 warps a row, two serial round trips for a warp

@@ -211,7 +211,7 @@ FENCE = int(os.environ.get("TORCH_MLA_DEV_SPLIT_FENCE", "0"))
 # releases ERRBAR; 9.2% and ~2.4% of the warp samples. Session 32 (H100, same start, PFENCE 1):
 # with every entry -1 228.2 us at cluster scope, 207.7 at cta (FlashMLA 147.3); random entries
 # 257.7 / 256.8 against 253.4 / 256.2; with PFENCE 0 (another start) 243.9 / 244.3 against
-# 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob, its own TORCH_MLA_CACHE_DIR) picks
+# 241.4 / 241.0. TORCH_MLA_DEV_SPLIT_SCOPE (developer knob) picks
 # it for an A/B.
 SCOPE = _dev_knob("SCOPE", "cta", ("cluster", "cta"))
 # PFENCE 0 (the default in sessions 32-37; developer knob TORCH_MLA_DEV_SPLIT_PFENCE, its own
@@ -240,7 +240,7 @@ PFENCE = _dev_knob("PFENCE", 2, (0, 1, 2))
 # block, and ROPE_PAIR 1, the rope rows exchanged between the pair through st.async, measured
 # 2-5% slower with random entries in session 40 (H100; with CTA scope together, F, within 1% of
 # the defaults at b 128, 2.5% slower at b 32) and are gone: docs/kernel-notes.md, session 40.)
-# ROPE_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_EARLY, its own TORCH_MLA_CACHE_DIR; the
+# ROPE_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_EARLY; the
 # 656-byte rows without the pair): the rope tile gets its own "empty" mbarrier a buffer
 # (barE[4 + s], one arrival), released by WG0 once its S of the buffer's block landed (only S
 # reads the rope tile), so the producer issues a block's rope gather at the block's start, before
@@ -254,7 +254,7 @@ ROPE_EARLY = _dev_knob("ROPE_EARLY", 0, (0, 1))
 # reads only half 0: WG0 fenced that half after its own wait for it (half_has_copies), as
 # FENCE 0 reasons without the pair.
 PVFENCE = _dev_knob("PVFENCE", 0, (0, 1))
-# PARRIVE (developer knob TORCH_MLA_DEV_SPLIT_PARRIVE, its own cache directory; default "late"
+# PARRIVE (developer knob TORCH_MLA_DEV_SPLIT_PARRIVE; default "late"
 # since session 33): when WG0 tells WG1 that P and its scale are in shared memory (NB_P).
 # "early": before WG0 issues its own P V; "late": right after it, as FlashMLA's WG0 does, so
 # WG0's P V reaches the tensor pipe before WG1's. Session 33 (H100, same start, two rounds):
@@ -262,7 +262,7 @@ PVFENCE = _dev_knob("PVFENCE", 0, (0, 1))
 # 468.0 against 470.2 / 469.7 at s_q 2; the h_q 64 rows (no pair: PVFENCE does not apply)
 # unchanged within 0.6%.
 PARRIVE = _dev_knob("PARRIVE", "late", ("early", "late"))
-# PIPE 1 (developer knob TORCH_MLA_DEV_SPLIT_PIPE, its own cache directory; default 0): WG0
+# PIPE 1 (developer knob TORCH_MLA_DEV_SPLIT_PIPE; default 0): WG0
 # queues block b + 1's Q K^T right behind its own P V of block b (its buffer half 0's tiles,
 # then, once that P V is done and block b's half 0 released, the other half's), as the dense
 # kernel's seesaw does; FlashMLA's sparse WG0 does not. Session 33 (same start as above):
@@ -271,7 +271,7 @@ PARRIVE = _dev_knob("PARRIVE", "late", ("early", "late"))
 # measured): the next S enters the tensor pipe ahead of WG1's P V of the same block, which
 # WG0's next NB_FREE then waits for. Correct (the split's GPU tests and memcheck passed with it).
 PIPE = _dev_knob("PIPE", 0, (0, 1))
-# ROPE_FIRST 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_FIRST, its own cache directory): over
+# ROPE_FIRST 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_FIRST): over
 # the 656-byte rows the producer issues half 1's rope tile gather (cp.async) right after its
 # wait for the free half, before it converts the half's fp8 values, so the gather's DRAM
 # latency runs under the conversion; 0 issues it after the conversion (sessions 29-33). Session
@@ -284,7 +284,7 @@ PIPE = _dev_knob("PIPE", 0, (0, 1))
 # rope lines with half 0's loads on top of it changed nothing (238.8 / 238.5 against 239.4 /
 # 239.2) and is not kept.
 ROPE_FIRST = _dev_knob("ROPE_FIRST", 1, (0, 1))
-# ENTRY_LEN 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_LEN, its own cache directory): the
+# ENTRY_LEN 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_LEN): the
 # producer reads its request's topk_length once a segment, where block_entries reads it with
 # every block, a load whose result a branch needs before the block's entries load: a round trip
 # at the start of each of the producer's blocks (at both head counts; the pair's cluster-scope
@@ -304,7 +304,7 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # already load a block ahead. Built in session 42, not yet run: ~0.5-1 us a segment, so a few %
 # at b 2 (one block a CTA) and under 1% at b 128.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
-# LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK, its own cache directory; with
+# LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half
 # 0's conversion (FlashMLA's producer loads a whole block at once), holding 36 words a thread
@@ -326,7 +326,7 @@ LOAD_BLOCK = _dev_knob("LOAD_BLOCK", 1, (0, 1, 2))
 # stored once the half is free, in place of the cp.async gather issued then: session 36, H100,
 # slower with the pair, 128,1,128 233.0 / 231.1 us against 221.2 / 220.3, 32,1,128 85.4 against
 # 81.0, the h_q 64 rows the same; its tests and memcheck passed. Removed.)
-# CONVERT (developer knob TORCH_MLA_DEV_SPLIT_CONVERT, its own cache directory; a timing
+# CONVERT (developer knob TORCH_MLA_DEV_SPLIT_CONVERT; a timing
 # experiment, never a default): the producer's e4m3 -> bf16 route over the 656-byte rows
 # (ptx._e4m3_asm's route). "exact" (the default: the product in fp32, rounded once to bf16, as
 # the reference dequantizes; 6 instructions a pair of values); "bf16mul" (FlashMLA's: the bf16
