@@ -470,6 +470,7 @@ class MLADecodeSm90(DecodeKernel):
                     cute.arch.mbarrier_init(barK + i, self.k_arrivals)
                 cute.arch.mbarrier_init(barQ, 1)
                 self._init_barriers()
+        self._clear_stale(k_base, tidx)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if const_expr(self.cluster_m > 1):
@@ -776,6 +777,10 @@ class MLADecodeSm90(DecodeKernel):
 
     def _init_barriers(self):
         """Thread 0, after the page tiles' and Q's mbarriers: a producer subclass's own."""
+
+    def _clear_stale(self, k_base, tidx):
+        """Every thread, before the first barrier: a subclass's timing-only builds zero the
+        page buffers they never fill (the split's PEER 0 and ROPE 0)."""
 
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup's walk (a producer subclass defines it)."""

@@ -122,6 +122,7 @@ from .ptx import (
     pack16x2,
     stg_b32,
     stg_f32x2,
+    sts,
 )
 from .sm80_sparse_decode import MLASparseDecodeStep
 from .sm90_decode import BLOCK_M, HALF_V, N_TILES, NB_P0, NB_SCALE1, fence_operand
@@ -369,6 +370,14 @@ ROPE = _dev_knob("ROPE", 1, (0, 1))
 # follows its wait for those bytes, so the copies have read this CTA's rows before the
 # producer may overwrite them. Built in session 42 beside PEER, not yet run.
 XBULK = _dev_knob("XBULK", 0, (0, 1))
+# PLAYOUT 1 (developer knob TORCH_MLA_DEV_SPLIT_PLAYOUT; timing only, wrong values by
+# construction: run it with nothing read, NONE=1): the st.async stores into the peer go to
+# addresses that run on across a warp's lanes (each instruction 512 contiguous bytes, as
+# FlashMLA's exchange writes whole 128-byte lines) in place of the swizzled places, where one
+# instruction writes half of each of 32 sectors over eight rows. Session 43's traces
+# with nothing read: the exchange costs the pair's chain ~40 us at 128,1,128 (PEER 0 152.4 us
+# against 192.4; FlashMLA with its exchange 147.3). Whether the stores' layout is that cost.
+PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
@@ -432,6 +441,18 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         if const_expr(self.rope_early):
             for i in range(4, 6):
                 cute.arch.mbarrier_init(bar + i, 1)
+
+    @cute.jit
+    def _clear_stale(self, k_base, tidx):
+        """PEER 0, ROPE 0 and PLAYOUT 1 (timing only) leave parts of the page buffers unwritten
+        or written out of place: zeroed here once, so that the scores stay finite and the
+        combine's checks (an lse of +inf stops the launch) pass in their timing runs. With the
+        defaults: nothing."""
+        if const_expr(PEER == 0 or ROPE == 0 or PLAYOUT == 1):
+            base = k_base.toint()
+            for i in cutlass.range(tidx * 16, 2 * PAGE_SIZE * D_QK * 2, self.num_threads * 16,
+                                   unroll=1):
+                sts(base + i, [Int32(0)] * 4)
 
     def _release_rope(self, s):
         """With rope_early, buffer s's rope tile to this CTA's producer (the calling lane)."""
@@ -680,8 +701,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 key, q = token_of_lane(warp, lane, self._round(i))
                 for d in cutlass.range_constexpr(4):
                     d0, d1 = token_store_offsets(h, d, key, q)
+                    to_peer = peer
+                    if const_expr(PLAYOUT == 1 and peer is not None):  # (its comment)
+                        lin = (4 * h * TILE16 + cute.arch.block_idx_in_cluster() * 8192
+                               + d * 2048 + (warp * 32 + lane) * 16 + 16)
+                        to_peer = (peer[0] + lin - d0, peer[1])
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
-                                 scales[i][d // 2], early=True, peer=peer, route=CONVERT)
+                                 scales[i][d // 2], early=True, peer=to_peer, route=CONVERT)
             if const_expr(self.xbulk):
                 self._send_half(buf, bar, h, warp)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp,
