@@ -62,7 +62,7 @@
 #             alternated twice with the first build without its pair (NOPAIR=0: not) and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
 #             memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME; TESTS_FIRST
-#             1, the default: before the smoke cases and rows, 0: after them; TESTS=0: none)
+#             1, the default: before the smoke cases and rows, 0: after them; TESTS=0: neither)
 #             while time is left. By default D alone (the defaults).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
 #             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
@@ -347,7 +347,7 @@ case $kernel in
         fi
       done
     }
-    [[ ${TESTS:-1} == 0 ]] && split_tests() { summary+=("tests            skipped: TESTS=0"); }
+    [[ ${TESTS:-1} == 0 ]] && split_tests() { summary+=("tests, memcheck  skipped: TESTS=0"); }
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)

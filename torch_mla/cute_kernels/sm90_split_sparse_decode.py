@@ -368,15 +368,17 @@ ROPE = _dev_knob("ROPE", 1, (0, 1))
 # NB_PRODUCER), one thread copies the four tiles' rows to the same places in the peer,
 # completing the same PEER_BYTES on the peer's tile mbarrier. The peer's release of the half
 # follows its wait for those bytes, so the copies have read this CTA's rows before the
-# producer may overwrite them. Built in session 42 beside PEER, not yet run.
+# producer may overwrite them. Built in session 42 beside PEER.
 XBULK = _dev_knob("XBULK", 0, (0, 1))
 # PLAYOUT 1 (developer knob TORCH_MLA_DEV_SPLIT_PLAYOUT; timing only, wrong values by
 # construction: run it with nothing read, NONE=1): the st.async stores into the peer go to
-# addresses that run on across a warp's lanes (each instruction 512 contiguous bytes, as
-# FlashMLA's exchange writes whole 128-byte lines) in place of the swizzled places, where one
-# instruction writes half of each of 32 sectors over eight rows. Session 43's traces
-# with nothing read: the exchange costs the pair's chain ~40 us at 128,1,128 (PEER 0 152.4 us
-# against 192.4; FlashMLA with its exchange 147.3). Whether the stores' layout is that cost.
+# addresses that run on across a warp's lanes (each instruction ~512 contiguous bytes, as
+# FlashMLA's exchange writes whole 128-byte lines; a rough probe: the runs start 16 bytes into a
+# line and a warp's two store instructions cover the same bytes) in place of the swizzled
+# places, where one instruction writes half of each of 32 sectors over eight rows. Session 43's
+# traces with nothing read: the exchange costs the pair's chain ~40 us at 128,1,128 (PEER 0
+# 152.4 us against 192.4; FlashMLA with its exchange 147.3); PLAYOUT 167.9 (kernel-notes).
+# XBULK 1 measured 14% slower at b 32 and 128 (session 43); it stays a knob, off.
 PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
@@ -453,6 +455,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             for i in cutlass.range(tidx * 16, 2 * PAGE_SIZE * D_QK * 2, self.num_threads * 16,
                                    unroll=1):
                 sts(base + i, [Int32(0)] * 4)
+            cute.arch.fence_view_async_shared()  # (the zeros seen by the wgmmas' async proxy)
 
     def _release_rope(self, s):
         """With rope_early, buffer s's rope tile to this CTA's producer (the calling lane)."""
