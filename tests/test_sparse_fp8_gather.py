@@ -240,3 +240,37 @@ def test_split_producer_lanes_cover_each_chunk_once_without_bank_conflicts():
                             groups = {token_store_offsets(h, d, *token_of_lane(warp, x, u))[half]
                                       % 128 // 16 for x in range(8 * phase, 8 * phase + 8)}
                             assert len(groups) == 8, (h, warp, u, d, half, phase)
+
+
+def test_split_sector_lanes_write_whole_sectors():
+    """The split's SECTORS layout (sector_store_offsets; the pair: round u is the CTA's rank):
+    each thread's two chunks (values 64 d + 8 q and 64 d + 32 + 8 q of its key) land where
+    fp8_store_offsets puts those values; over both ranks every (key, 8-value chunk) of a half
+    is named once; each store instruction's 32 lanes write whole 32-byte sectors (each sector
+    twice, its two halves), and each phase of 8 lanes touches 8 distinct 16-byte bank groups."""
+    from torch_mla.cute_kernels.sm90_producer_sparse_decode import fp8_store_offsets
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import sector_store_offsets, token_of_lane
+
+    for h in range(2):
+        named = []
+        for u in range(2):
+            for warp in range(4):
+                for lane in range(32):
+                    key, q = token_of_lane(warp, lane, u)
+                    for d in range(4):
+                        first, second = sector_store_offsets(h, d, key, q)
+                        named += [(key, 8 * d + q), (key, 8 * d + 4 + q)]
+                        assert first == fp8_store_offsets(h, key, 4 * d + q // 2)[q % 2]
+                        assert second == fp8_store_offsets(h, key, 4 * d + 2 + q // 2)[q % 2]
+            for warp in range(4):
+                for d in range(4):
+                    for half in range(2):  # (one store instruction each)
+                        places = [sector_store_offsets(h, d, *token_of_lane(warp, x, u))[half]
+                                  for x in range(32)]
+                        sectors = [p // 32 for p in places]
+                        assert all(sectors.count(c) == 2 for c in sectors), (h, u, warp, d)
+                        assert len(set(places)) == 32
+                        for phase in range(4):
+                            groups = {p % 128 // 16 for p in places[8 * phase:8 * phase + 8]}
+                            assert len(groups) == 8, (h, u, warp, d, half, phase)
+        assert sorted(named) == [(k, c) for k in range(64) for c in range(32)]

@@ -380,6 +380,15 @@ XBULK = _dev_knob("XBULK", 0, (0, 1))
 # 152.4 us against 192.4; FlashMLA with its exchange 147.3); PLAYOUT 167.9 (kernel-notes).
 # XBULK 1 measured 14% slower at b 32 and 128 (session 43); it stays a knob, off.
 PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
+# SECTORS 1 (developer knob TORCH_MLA_DEV_SPLIT_SECTORS; the pair): each producer thread loads
+# a key's values 64 d + 8 q .. + 7 and 64 d + 32 + 8 q .. + 7 (two 8-byte loads) in place of
+# 64 d + 16 q .. + 15 (one 16-byte load), so that its two converted 16-byte chunks are chunks q
+# and q + 4 of the 64-column tile (sector_store_offsets): the four lanes of a key then write
+# chunks 0-3 in one store instruction and 4-7 in the next, whole 32-byte sectors, where
+# token_store_offsets' chunks 2 q and 2 q + 1 share a sector written half by each instruction.
+# Same values, same places in the MMAs' layout; the local stores stay conflict-free. Session 43:
+# the exchange's half-sector st.async stores slow the pair's chain (PLAYOUT's comment).
+SECTORS = _dev_knob("SECTORS", 0, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
@@ -404,6 +413,16 @@ def token_store_offsets(h: int, d: int, key, q) -> tuple:
     return tile + (((2 * q) ^ (key % 8)) << 4), tile + (((2 * q + 1) ^ (key % 8)) << 4)
 
 
+def sector_store_offsets(h: int, d: int, key, q) -> tuple:
+    """SECTORS 1: byte offsets, from a page buffer's start, of the two 16-byte chunks that key
+    `key`'s values 256 h + 64 d + 8 q .. + 7 and 256 h + 64 d + 32 + 8 q .. + 7 become:
+    16-bit tile 4 h + d, chunks q and q + 4 of the row in the 128-byte swizzle (chunk c of row
+    R at c ^ (R % 8)), the places fp8_store_offsets gives those values. key, q: ints (tests)
+    or the DSL's Int32."""
+    tile = (4 * h + d) * TILE16 + key * 128
+    return tile + ((q ^ (key % 8)) << 4), tile + (((q + 4) ^ (key % 8)) << 4)
+
+
 class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     """The SM90 sparse kernel with FlashMLA's split of the warpgroups; see the module
     docstring."""
@@ -423,6 +442,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.lookahead = AHEAD_PAIR if pair else AHEAD  # (halves loaded ahead: AHEAD's comment)
         self.o_direct = O_DIRECT == 1  # (its comment)
         self.xbulk = XBULK == 1 and pair and PEER == 1  # (its comment)
+        self.sectors = SECTORS == 1 and pair  # (its comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
@@ -662,8 +682,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 if const_expr(more is not None):  # (no block to load ahead: no read)
                     ok = cutlass.select_(more, ok, Int32(0))
                 for d in cutlass.range_constexpr(4):
-                    words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
-                                             L1_EVICT, L2_PREFETCH))
+                    if const_expr(self.sectors):  # (SECTORS: values 8 q and 32 + 8 q of 64)
+                        at = row + 256 * h + 64 * d + 8 * q
+                        words.append(ldg_or_zero(2, at, ok, L1_EVICT, L2_PREFETCH)
+                                     + ldg_or_zero(2, at + 32, ok, L1_EVICT, L2_PREFETCH))
+                    else:
+                        words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
+                                                 L1_EVICT, L2_PREFETCH))
                 scales.append(ldg_or_zero(2, row + FP8_DS_MLA_SCALES_AT + 8 * h, ok, L1_EVICT))
         return words, scales
 
@@ -703,7 +728,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             for i in cutlass.range_constexpr(self._rounds()):
                 key, q = token_of_lane(warp, lane, self._round(i))
                 for d in cutlass.range_constexpr(4):
-                    d0, d1 = token_store_offsets(h, d, key, q)
+                    places = sector_store_offsets if self.sectors else token_store_offsets
+                    d0, d1 = places(h, d, key, q)
                     to_peer = peer
                     if const_expr(PLAYOUT == 1 and peer is not None):  # (its comment)
                         lin = (4 * h * TILE16 + cute.arch.block_idx_in_cluster() * 8192
