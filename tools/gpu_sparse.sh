@@ -53,7 +53,7 @@
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS, each in
 #             its own cache directory; missing fields the defaults
-#             0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:0, 0:0:cluster:... before session 41's
+#             0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1, 0:0:cluster:... before session 41's
 #             new defaults for the pair; sessions 37-38's LOAD_PIN and
 #             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
 #             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
@@ -319,7 +319,7 @@ case $kernel in
         TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_ROPE_EARLY=${re:-0} \
         TORCH_MLA_DEV_SPLIT_O_DIRECT=${od:-0} TORCH_MLA_DEV_SPLIT_PEER=${pe:-1} \
         TORCH_MLA_DEV_SPLIT_XBULK=${xb:-0} TORCH_MLA_DEV_SPLIT_ENTRY_EARLY=${ee:-0} \
-        TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-0} \
+        TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-1} \
         TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do

@@ -387,8 +387,11 @@ PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
 # chunks 0-3 in one store instruction and 4-7 in the next, whole 32-byte sectors, where
 # token_store_offsets' chunks 2 q and 2 q + 1 share a sector written half by each instruction.
 # Same values, same places in the MMAs' layout; the local stores stay conflict-free. Session 43:
-# the exchange's half-sector st.async stores slow the pair's chain (PLAYOUT's comment).
-SECTORS = _dev_knob("SECTORS", 0, (0, 1))
+# the exchange's half-sector st.async stores slow the pair's chain (PLAYOUT's comment). SECTORS
+# 1 measured (H100, same start): 188.0 against 201.5 us at 128,1,128 (-6.7%; FlashMLA 183.6),
+# 359.8 against 388.9 at 128,2,128, 71.7 against 75.9 at 32,1,128; its GPU tests and memcheck
+# passed. The default since session 43 (0: the old layout).
+SECTORS = _dev_knob("SECTORS", 1, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
