@@ -33,8 +33,9 @@ The producer (its own _produce and _fill, session 29): one block a loop step, th
 runtime index, so each half's fill is inlined once (the base class inlines four fills a pair
 of blocks: 64 KB of code, whose instruction fetch was its largest stall with nothing to read).
 Over the 656-byte rows a thread converts 4 of a half's 16 chunks of 16 fp8 bytes of each of 2
-keys (token_of_lane: FlashMLA's producer's map, four lanes a key), with one row address and
-one load of the half's two group scales a key; all of them load before the release.
+keys (token_of_lane: FlashMLA's producer's map, four lanes a key; with the pair each chunk is
+two 8-byte pieces, SECTORS), with one row address and one load of the half's two group scales
+a key; all of them load before the release.
 
 The row sums live in WG0 only (WG1's stay zero: the epilogue adds both warpgroups'); the
 running max in sM as before. The epilogue, the segments and the split-KV writes are the dense
@@ -98,6 +99,12 @@ Session 41 (H200): at CTA scope the pair's producer loads the next block's chunk
 converts this block's (AHEAD_PAIR 2): b 128 h_q 128 197.2-197.5 us against 215.6-216.0 with
 the old defaults (FlashMLA 179.5-179.7), -6 to -8.5% at b 32 and 128, +1-2.4% at b 2; the
 defaults since (AHEAD_PAIR's comment).
+Session 43 (H100): with nothing read the pair's exchange cost its chain ~40 us at b 128 h_q 128
+(192 against 152 without it; FlashMLA 147), mostly its stores' layout: each st.async wrote half
+of 32 sectors. With the pair each thread now loads a key's values 8 q and 32 + 8 q of each 64
+(SECTORS, the default since), so a store instruction writes whole sectors: 188.0 against 201.5
+us at b 128 h_q 128 (FlashMLA 183.6), 359.8 against 388.9 at s_q 2; its GPU tests (123),
+memcheck and FlashMLA's 246 sparse-decode cases through compat passed.
 """
 
 from __future__ import annotations
