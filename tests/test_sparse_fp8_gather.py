@@ -249,7 +249,11 @@ def test_split_sector_lanes_write_whole_sectors():
     is named once; each store instruction's 32 lanes write whole 32-byte sectors (each sector
     twice, its two halves), and each phase of 8 lanes touches 8 distinct 16-byte bank groups."""
     from torch_mla.cute_kernels.sm90_producer_sparse_decode import fp8_store_offsets
-    from torch_mla.cute_kernels.sm90_split_sparse_decode import sector_store_offsets, token_of_lane
+    from torch_mla.cute_kernels.sm90_split_sparse_decode import (
+        sector_load_offsets,
+        sector_store_offsets,
+        token_of_lane,
+    )
 
     for h in range(2):
         named = []
@@ -258,10 +262,14 @@ def test_split_sector_lanes_write_whole_sectors():
                 for lane in range(32):
                     key, q = token_of_lane(warp, lane, u)
                     for d in range(4):
-                        first, second = sector_store_offsets(h, d, key, q)
-                        named += [(key, 8 * d + q), (key, 8 * d + 4 + q)]
-                        assert first == fp8_store_offsets(h, key, 4 * d + q // 2)[q % 2]
-                        assert second == fp8_store_offsets(h, key, 4 * d + 2 + q // 2)[q % 2]
+                        # (each 8-byte piece's values: their 16-value chunk and its half)
+                        for at, place in zip(sector_load_offsets(h, d, q),
+                                             sector_store_offsets(h, d, key, q)):
+                            assert at % 8 == 0 and 256 * h <= at < 256 * h + 256
+                            assert at // 128 == 2 * h + d // 2  # (the scale scales[d // 2])
+                            named.append((key, at // 8))
+                            assert place == fp8_store_offsets(h, key, at // 16 - 16 * h)[
+                                at // 8 % 2], (h, d, q, at)
             for warp in range(4):
                 for d in range(4):
                     for half in range(2):  # (one store instruction each)
@@ -273,4 +281,4 @@ def test_split_sector_lanes_write_whole_sectors():
                         for phase in range(4):
                             groups = {p % 128 // 16 for p in places[8 * phase:8 * phase + 8]}
                             assert len(groups) == 8, (h, u, warp, d, half, phase)
-        assert sorted(named) == [(k, c) for k in range(64) for c in range(32)]
+        assert sorted(named) == [(k, c) for k in range(64) for c in range(32 * h, 32 * h + 32)]

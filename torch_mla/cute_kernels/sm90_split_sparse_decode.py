@@ -384,7 +384,9 @@ XBULK = _dev_knob("XBULK", 0, (0, 1))
 # line and a warp's two store instructions cover the same bytes) in place of the swizzled
 # places, where one instruction writes half of each of 32 sectors over eight rows. Session 43's
 # traces with nothing read: the exchange costs the pair's chain ~40 us at 128,1,128 (PEER 0
-# 152.4 us against 192.4; FlashMLA with its exchange 147.3); PLAYOUT 167.9 (kernel-notes).
+# 152.4 us against 192.4; FlashMLA with its exchange 147.3); PLAYOUT 167.9 (kernel-notes),
+# measured before SECTORS: with SECTORS 1 a lane's second chunk sits 64 bytes from its first,
+# not 16, so the probe's stores differ; run it with SECTORS=0 to compare with that figure.
 # XBULK 1 measured 14% slower at b 32 and 128 (session 43); it stays a knob, off.
 PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
 # SECTORS 1 (developer knob TORCH_MLA_DEV_SPLIT_SECTORS; the pair): each producer thread loads
@@ -408,7 +410,8 @@ def token_of_lane(warp: int, lane: int, u: int) -> tuple:
     """(key, q) of producer thread (warp, lane) in round u (0 or 1) of a buffer half's fill over
     the 656-byte rows: key 8 warp + lane % 8 + 32 u of the block; q = lane // 8, its chunks
     256 h + 64 d + 16 q of the row (d = 0..3: 4 of a half's 16 chunks of 16 bytes, values of
-    group scales 2 h and 2 h + 1). Four lanes share a key, eight keys a warp and round."""
+    group scales 2 h and 2 h + 1), or with SECTORS (the pair) the two 8-byte pieces
+    sector_load_offsets names. Four lanes share a key, eight keys a warp and round."""
     return 8 * warp + lane % 8 + 32 * u, lane // 8
 
 
@@ -423,9 +426,18 @@ def token_store_offsets(h: int, d: int, key, q) -> tuple:
     return tile + (((2 * q) ^ (key % 8)) << 4), tile + (((2 * q + 1) ^ (key % 8)) << 4)
 
 
+def sector_load_offsets(h: int, d: int, q, row=0) -> tuple:
+    """SECTORS 1: the addresses (row: the key's 656-byte row's; 0: offsets in the row) of the
+    two 8-byte pieces of fp8 values producer lane q loads for tile 4 h + d: values
+    256 h + 64 d + 8 q .. + 7 and 256 h + 64 d + 32 + 8 q .. + 7 (both of group scale
+    2 h + d // 2). q, row: ints (tests) or the DSL's values."""
+    at = row + 256 * h + 64 * d + 8 * q
+    return at, at + 32
+
+
 def sector_store_offsets(h: int, d: int, key, q) -> tuple:
     """SECTORS 1: byte offsets, from a page buffer's start, of the two 16-byte chunks that key
-    `key`'s values 256 h + 64 d + 8 q .. + 7 and 256 h + 64 d + 32 + 8 q .. + 7 become:
+    `key`'s values at sector_load_offsets(h, d, q) become:
     16-bit tile 4 h + d, chunks q and q + 4 of the row in the 128-byte swizzle (chunk c of row
     R at c ^ (R % 8)), the places fp8_store_offsets gives those values. key, q: ints (tests)
     or the DSL's Int32."""
@@ -675,8 +687,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     def _load(self, rows, slots, h: cutlass.Constexpr[int], warp, more=None):
         """Over the 656-byte rows, this thread's part of half h of the block whose slots the
         lanes hold (keys lane and lane + 32) into registers: 4 chunks of 16 fp8 bytes of each
-        of its 2 keys (token_of_lane) and each key's 2 group scales of the half, one row
-        address a key (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
+        of its 2 keys (token_of_lane; with SECTORS each chunk two 8-byte pieces,
+        sector_load_offsets) and each key's 2 group scales of the half, one row address a key
+        (no shuffle a chunk). (words, scales): 8 lists of 4 words, 2 of 2; both
         empty over the 16-bit cache."""
         lane = cute.arch.lane_idx()
         words, scales = [], []
@@ -693,9 +706,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     ok = cutlass.select_(more, ok, Int32(0))
                 for d in cutlass.range_constexpr(4):
                     if const_expr(self.sectors):  # (SECTORS: values 8 q and 32 + 8 q of 64)
-                        at = row + 256 * h + 64 * d + 8 * q
-                        words.append(ldg_or_zero(2, at, ok, L1_EVICT, L2_PREFETCH)
-                                     + ldg_or_zero(2, at + 32, ok, L1_EVICT, L2_PREFETCH))
+                        words.append([w for at in sector_load_offsets(h, d, q, row)
+                                      for w in ldg_or_zero(2, at, ok, L1_EVICT, L2_PREFETCH)])
                     else:
                         words.append(ldg_or_zero(4, row + 256 * h + 64 * d + 16 * q, ok,
                                                  L1_EVICT, L2_PREFETCH))
@@ -704,14 +716,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     @cute.jit
     def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
-        """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold
-        (keys lane and lane + 32), once the consumers released it. The 656-byte rows: this
-        thread's chunks and scales are already loaded (`loaded`: _load, issued before the
-        wait); it stores each value times its scale, rounded to bf16 (ptx.e4m3_store16), to
-        its swizzled place (token_store_offsets). Over half 1 the bf16 rope tile by cp.async
-        (gather16, the four warps sharing its rows; with rope_early issued already, at the
-        block's start). The 16-bit cache: the half's tiles by cp.async once released. Warp 0
-        writes buffer s's bias row with half 0. Every thread then fences its writes for the
+        """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold (keys
+        lane and lane + 32), once the consumers released it. The 656-byte rows: this thread's
+        chunks and scales are already loaded (`loaded`: _load, issued before the wait); it stores
+        each value times its scale, rounded to bf16 (ptx.e4m3_store16), to its swizzled place
+        (token_store_offsets; with SECTORS sector_store_offsets). Over half 1 the bf16 rope tile
+        by cp.async (gather16, the four warps sharing its rows; with rope_early issued already,
+        at the block's start). The 16-bit cache: the half's tiles by cp.async once released. Warp
+        0 writes buffer s's bias row with half 0. Every thread then fences its writes for the
         async proxy (where producer_fences: PFENCE) and arrives on the half's tile mbarrier
         (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
