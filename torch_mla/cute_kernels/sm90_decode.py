@@ -780,7 +780,7 @@ class MLADecodeSm90(DecodeKernel):
 
     def _clear_stale(self, k_base, tidx):
         """Every thread, before the first barrier: a subclass's timing-only builds zero the
-        page buffers they never fill (the split's PEER 0, ROPE 0 and PLAYOUT 1)."""
+        page buffers they never fill (the split's PEER 0 and ROPE 0)."""
 
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup's walk (a producer subclass defines it)."""

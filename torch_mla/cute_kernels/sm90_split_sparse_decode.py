@@ -377,18 +377,10 @@ ROPE = _dev_knob("ROPE", 1, (0, 1))
 # follows its wait for those bytes, so the copies have read this CTA's rows before the
 # producer may overwrite them. Built in session 42 beside PEER.
 XBULK = _dev_knob("XBULK", 0, (0, 1))
-# PLAYOUT 1 (developer knob TORCH_MLA_DEV_SPLIT_PLAYOUT; timing only, wrong values by
-# construction: run it with nothing read, NONE=1): the st.async stores into the peer go to
-# addresses that run on across a warp's lanes (each instruction ~512 contiguous bytes, as
-# FlashMLA's exchange writes whole 128-byte lines; a rough probe: the runs start 16 bytes into a
-# line and a warp's two store instructions cover the same bytes) in place of the swizzled
-# places, where one instruction writes half of each of 32 sectors over eight rows. Session 43's
-# traces with nothing read: the exchange costs the pair's chain ~40 us at 128,1,128 (PEER 0
-# 152.4 us against 192.4; FlashMLA with its exchange 147.3); PLAYOUT 167.9 (kernel-notes),
-# measured before SECTORS: with SECTORS 1 a lane's second chunk sits 64 bytes from its first,
-# not 16, so the probe's stores differ; run it with SECTORS=0 to compare with that figure.
 # XBULK 1 measured 14% slower at b 32 and 128 (session 43); it stays a knob, off.
-PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
+# (PLAYOUT, session 43, removed: a timing-only probe that sent the exchange's st.async stores to
+# lane-contiguous addresses; with nothing read it took b 128 h_q 128 from 192 to 168 us, which
+# led to SECTORS; kernel-notes, session 43.)
 # SECTORS 1 (developer knob TORCH_MLA_DEV_SPLIT_SECTORS; the pair): each producer thread loads
 # a key's values 64 d + 8 q .. + 7 and 64 d + 32 + 8 q .. + 7 (two 8-byte loads) in place of
 # 64 d + 16 q .. + 15 (one 16-byte load), so that its two converted 16-byte chunks are chunks q
@@ -396,7 +388,7 @@ PLAYOUT = _dev_knob("PLAYOUT", 0, (0, 1))
 # chunks 0-3 in one store instruction and 4-7 in the next, whole 32-byte sectors, where
 # token_store_offsets' chunks 2 q and 2 q + 1 share a sector written half by each instruction.
 # Same values, same places in the MMAs' layout; the local stores stay conflict-free. Session 43:
-# the exchange's half-sector st.async stores slow the pair's chain (PLAYOUT's comment). SECTORS
+# the exchange's half-sector st.async stores slowed the pair's chain (PLAYOUT above). SECTORS
 # 1 measured (H100, same start): 188.0 against 201.5 us at 128,1,128 (-6.7%; FlashMLA 183.6),
 # 359.8 against 388.9 at 128,2,128, 71.7 against 75.9 at 32,1,128; its GPU tests and memcheck
 # passed. The default since session 43 (0: the old layout).
@@ -488,11 +480,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     @cute.jit
     def _clear_stale(self, k_base, tidx):
-        """PEER 0, ROPE 0 and PLAYOUT 1 (timing only) leave parts of the page buffers unwritten
-        or written out of place: zeroed here once, so that the scores stay finite and the
-        combine's checks (an lse of +inf stops the launch) pass in their timing runs. With the
-        defaults: nothing."""
-        if const_expr(PEER == 0 or ROPE == 0 or PLAYOUT == 1):
+        """PEER 0 and ROPE 0 (timing only) leave parts of the page buffers unwritten: zeroed
+        here once, so that the scores stay finite and the combine's checks (an lse of +inf
+        stops the launch) pass in their timing runs. With the defaults: nothing."""
+        if const_expr(PEER == 0 or ROPE == 0):
             base = k_base.toint()
             for i in cutlass.range(tidx * 16, 2 * PAGE_SIZE * D_QK * 2, self.num_threads * 16,
                                    unroll=1):
@@ -752,13 +743,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 for d in cutlass.range_constexpr(4):
                     places = sector_store_offsets if self.sectors else token_store_offsets
                     d0, d1 = places(h, d, key, q)
-                    to_peer = peer
-                    if const_expr(PLAYOUT == 1 and peer is not None):  # (its comment)
-                        lin = (4 * h * TILE16 + cute.arch.block_idx_in_cluster() * 8192
-                               + d * 2048 + (warp * 32 + lane) * 16 + 16)
-                        to_peer = (peer[0] + lin - d0, peer[1])
                     e4m3_store16(buf + d0, buf + d1, words[4 * i + d], True,
-                                 scales[i][d // 2], early=True, peer=to_peer, route=CONVERT)
+                                 scales[i][d // 2], early=True, peer=peer, route=CONVERT)
             if const_expr(self.xbulk):
                 self._send_half(buf, bar, h, warp)
         self._copy_and_arrive(rows, slots, buf, h, bar, warp,
