@@ -309,8 +309,9 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # clamped into the request's row (loads that cannot wait on the length), and applies the length
 # afterwards. A segment's first block then needs one dependent DRAM round trip less before its
 # rows can load (meta row -> length and entries at once -> rows); the later blocks' entries
-# already load a block ahead. Built in session 42, not yet run: ~0.5-1 us a segment, so a few %
-# at b 2 (one block a CTA) and under 1% at b 128.
+# already load a block ahead. Session 43 (H100, same start): -0.6 us at 2,1,128 and -0.9 at
+# 2,1,64, +0.7% at 128,1,128 and +6.6% at 128,1,64 (the pair-less build spills 16 / 48 bytes).
+# Not the default.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
@@ -365,7 +366,9 @@ PEER_BYTES = 32 * 256 * 2
 # wait for half 1 ending ~800 ns after its own producer's arrival there. Half 1's phase also
 # waits for the peer's bytes and for this CTA's rope gather, issued right after the producer's
 # wait for the free half (ROPE_FIRST), ~1.55 us before WG0's wait ends in every build traced,
-# the pair-less one included: the two knobs tell the two apart.
+# the pair-less one included: the two knobs tell the two apart. Session 43 (H100): with random
+# entries both slower (PEER 0 +8.1%, ROPE 0 +3.0% at 128,1,128; PEER 0's producer schedule
+# moved); with nothing read PEER 0 152.4 us against 192.4, ROPE 0 183.6 (kernel-notes).
 PEER = _dev_knob("PEER", 1, (0, 1))
 ROPE = _dev_knob("ROPE", 1, (0, 1))
 # XBULK 1 (developer knob TORCH_MLA_DEV_SPLIT_XBULK; the pair): the exchange as four bulk copies
@@ -375,9 +378,9 @@ ROPE = _dev_knob("ROPE", 1, (0, 1))
 # NB_PRODUCER), one thread copies the four tiles' rows to the same places in the peer,
 # completing the same PEER_BYTES on the peer's tile mbarrier. The peer's release of the half
 # follows its wait for those bytes, so the copies have read this CTA's rows before the
-# producer may overwrite them. Built in session 42 beside PEER.
+# producer may overwrite them. Built in session 42 beside PEER; measured 14% slower at b 32 and
+# 128 (session 43, H100): it stays a knob, off.
 XBULK = _dev_knob("XBULK", 0, (0, 1))
-# XBULK 1 measured 14% slower at b 32 and 128 (session 43); it stays a knob, off.
 # (PLAYOUT, session 43, removed: a timing-only probe that sent the exchange's st.async stores to
 # lane-contiguous addresses; with nothing read it took b 128 h_q 128 from 192 to 168 us, which
 # led to SECTORS; kernel-notes, session 43.)
