@@ -9,6 +9,9 @@ flash_mla_with_kvcache call, each run 20 times eagerly under torch.profiler afte
 Prints, per call, every GPU kernel that ran once a call with its mean time (us) and their sum,
 then the schedule's part count: where the small-batch rows' time goes (the decode kernel, the
 combine, anything else), which a CUDA-graph total (tools/sparse_rows.py) does not show.
+A second line per call gives the call's timeline: each kernel's mean start and end (us) from
+the call's first kernel start, so a programmatic dependent's span (the combine starts while
+the decode kernel runs) reads as its tail after the kernel before it.
 """
 
 from __future__ import annotations
@@ -19,8 +22,10 @@ import sys
 CALLS = 20
 
 
-def kernel_times(fn) -> list[tuple[str, float]]:
-    """(kernel name, mean us a call) of the GPU kernels fn launches once a call."""
+def kernel_times(fn, timeline: list | None = None) -> list[tuple[str, float]]:
+    """(kernel name, mean us a call) of the GPU kernels fn launches once a call; if timeline
+    is a list, appended to it: (kernel name, mean start, mean end), us from each call's first
+    kernel start, in start order."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
@@ -31,6 +36,16 @@ def kernel_times(fn) -> list[tuple[str, float]]:
         for _ in range(CALLS):
             fn()
         torch.cuda.synchronize()
+    if timeline is not None:
+        kernels = sorted((e for e in prof.events() if e.device_type.name == "CUDA"),
+                         key=lambda e: e.time_range.start)
+        per_call = len(kernels) // CALLS
+        if per_call * CALLS == len(kernels):
+            for i in range(per_call):
+                calls = [kernels[c * per_call:(c + 1) * per_call] for c in range(CALLS)]
+                starts = [k[i].time_range.start - k[0].time_range.start for k in calls]
+                ends = [k[i].time_range.end - k[0].time_range.start for k in calls]
+                timeline.append((calls[0][i].name, sum(starts) / CALLS, sum(ends) / CALLS))
     return [(e.key, e.device_time_total / CALLS) for e in prof.key_averages()
             if e.device_type.name == "CUDA" and e.count >= CALLS]
 
@@ -61,9 +76,12 @@ def main(argv: list[str]) -> None:
     for spec in argv:
         calls = row_calls(spec)
         for name in ("ours", "flashmla"):
-            times = kernel_times(calls[name])
+            timeline = []
+            times = kernel_times(calls[name], timeline)
             parts = " | ".join(f"{k[:60]} {us:.1f}" for k, us in times)
             print(f"{spec} {name}: {sum(us for _, us in times):.1f} us | {parts}", flush=True)
+            spans = " | ".join(f"{k[:40]} {a:.1f}-{b:.1f}" for k, a, b in timeline)
+            print(f"{spec} {name} timeline: {spans or 'not one kernel list a call'}", flush=True)
         print(f"{spec} schedule parts: {calls['parts']}", flush=True)
 
 

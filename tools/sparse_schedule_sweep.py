@@ -1,6 +1,6 @@
 """Sparse decode's call time against its schedule's size (development tool, needs an SM90 GPU).
 
-    python -m tools.sparse_schedule_sweep            # the table below
+    python -m tools.sparse_schedule_sweep [B,S_Q,H_Q ...]   # the table below (ROWS by default)
     python -m tools.sparse_schedule_sweep --once B,S_Q,H_Q   # three eager calls (for ncu)
 
 Over DeepSeek-V3.2's 656-byte rows (topk 2048, s_k 32768: benchmarks/bench_decode.py's sparse
@@ -60,10 +60,10 @@ def _us(q, cache, idx, sched, lengths) -> float:
                                                              topk_length=lengths))
 
 
-def sweep() -> None:
+def sweep(rows=ROWS) -> None:
     import torch_mla
 
-    for b, s_q, h_q in ROWS:
+    for b, s_q, h_q in rows:
         q, cache, idx, sched, lengths = _problem(b, s_q, h_q)
         us = []
         for checks in (True, False):
@@ -82,10 +82,11 @@ def sweep() -> None:
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--once"] and len(argv) == 2:
         once(argv[1])
-    elif not argv:
-        sweep()
+    elif not argv or "--once" not in argv:
+        sweep([tuple(int(x) for x in spec.split(",")) for spec in argv] or ROWS)
     else:
-        raise SystemExit("usage: python -m tools.sparse_schedule_sweep [--once B,S_Q,H_Q]")
+        raise SystemExit("usage: python -m tools.sparse_schedule_sweep [--once B,S_Q,H_Q | "
+                         "B,S_Q,H_Q ...]")
 
 
 if __name__ == "__main__":
