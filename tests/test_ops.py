@@ -289,8 +289,12 @@ def test_schedule_balances_parts():
     load = [0] * 132
     for p, _r, lo, hi, _slot in walk_schedule(meta, splits, lens):
         load[p] += hi - lo
-    # Every part gets blocks, and none more than its share of the stream, ceil(T / P) units.
-    assert min(load) > 0 and max(load) <= -(-total // 132), (min(load), max(load))
+    # None gets more than its share of the stream, C = ceil(T / P) units, and as few parts as
+    # that allows get work, each of them blocks: the first ceil(T / C).
+    per_part = -(-total // 132)
+    busy = -(-total // per_part)
+    assert busy < 132 and max(load) <= per_part, (busy, max(load))
+    assert min(load[:busy]) > 0 and max(load[busy:]) == 0, load
 
 
 def test_schedule_takes_whole_requests_when_that_costs_little():

@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# The schedule's part count (session 44: as few parts as keep the heaviest at ceil(T / P)
+# units) on an H100/H200, one device call: logs in $OUT, a summary printed last.
+#
+#   source .devpkgs/b/setup.sh && bash tools/gpu_schedule.sh [MODE]
+#
+#   check   the schedule kernel against compute_schedule and the schedule-mismatch tests
+#           (tests/test_small_kernels.py -k schedule, tests/test_schedule_mismatch.py), the
+#           split's sparse tests (tests/test_sparse_kernel.py -k sm90_split), then the sparse
+#           rows (ROWS) of the working tree and of .abtrees/old (the tree before the change: `git
+#           archive COMMIT torch_mla tools benchmarks | tar -x -C .abtrees/old`), each in its own
+#           kernel cache, alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla)
+#   dense   tools/ab_trees.sh over the dense rows (DROWS), old=.abtrees/old new=. with FlashMLA
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/.peers/flashmla-sm90-sparse:${PYTHONPATH:-}"
+ROWS=${ROWS:-"2,1,128 2,2,128 2,1,64 2,2,64 4,1,128 8,1,128 32,1,128 32,2,64 128,1,128"}
+DROWS=${DROWS:-"1,1,4096,128 2,1,4096,128 4,1,4096,128 1,1,16384,128 8,1,4096,128 1,1,4096,16"}
+summary=()
+run() {  # NAME TIMEOUT CMD...: the command's output in $OUT/NAME.log, its status in the summary
+  local name=$1 limit=$2; shift 2
+  timeout "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  summary+=("$(printf '%-10s rc %s  %s' "$name" "$rc" "$(tail -n 1 "$OUT/$name.log" | cut -c1-110)")")
+}
+case ${1:-check} in
+  check)
+    python -c "import cutlass" || { echo "no cutlass: source .devpkgs/b/setup.sh first"; exit 3; }
+    [[ -d .abtrees/old/torch_mla ]] || { echo "no .abtrees/old"; exit 2; }
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    K=(--arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 8)
+    TORCH_MLA_CACHE_DIR=/tmp/cnew timeout 150 python -m torch_mla.precompile "${K[@]}" \
+      > "$OUT/pre_new.log" 2>&1 &
+    (cd .abtrees/old && TORCH_MLA_CACHE_DIR=/tmp/cold timeout 150 python -m torch_mla.precompile \
+      "${K[@]}" > "$OUT/pre_old.log" 2>&1) &
+    wait
+    export TORCH_MLA_CACHE_DIR=/tmp/cnew
+    run sched 120 python -m pytest -m cuda -q -p no:cacheprovider tests/test_small_kernels.py \
+      -k schedule
+    run mismatch 150 python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_schedule_mismatch.py
+    run split 170 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse_kernel.py -k sm90_split
+    for i in 1 2; do
+      TAG=new timeout 60 python -m tools.sparse_rows split 656 $ROWS
+      (cd .abtrees/old && TORCH_MLA_CACHE_DIR=/tmp/cold TAG=old timeout 60 \
+        python -m tools.sparse_rows split 656 $ROWS)
+      TAG=fm timeout 60 python -m tools.sparse_rows flashmla 656 $ROWS
+    done > "$OUT/rows.log" 2>&1
+    grep -v "^#" "$OUT/rows.log" | cut -c1-110 ;;
+  dense)
+    ROWS="$DROWS" PEER=1 timeout 520 bash tools/ab_trees.sh old=.abtrees/old new=. \
+      > "$OUT/dense.log" 2>&1
+    tail -n 30 "$OUT/dense.log" ;;
+  *) echo "modes: check, dense"; exit 2 ;;
+esac
+printf '%s\n' "${summary[@]}"
