@@ -5,11 +5,12 @@
 #   source .devpkgs/b/setup.sh && bash tools/gpu_schedule.sh [MODE]
 #
 #   check   the schedule kernel against compute_schedule and the schedule-mismatch tests
-#           (tests/test_small_kernels.py -k schedule, tests/test_schedule_mismatch.py), the
-#           split's sparse tests (tests/test_sparse_kernel.py -k sm90_split), then the sparse
-#           rows (ROWS) of the working tree and of .abtrees/old (the tree before the change: `git
-#           archive COMMIT torch_mla tools benchmarks | tar -x -C .abtrees/old`), each in its own
-#           kernel cache, alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla)
+#           (tests/test_small_kernels.py -k schedule), the sparse rows (ROWS) of the working
+#           tree and of .abtrees/old (the tree before the change: `git archive COMMIT torch_mla
+#           tools benchmarks | tar -x -C .abtrees/old`), each in its own kernel cache,
+#           alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla), then
+#           tests/test_schedule_mismatch.py and the split's sparse tests
+#           (tests/test_sparse_kernel.py -k sm90_split)
 #   dense   tools/ab_trees.sh over the dense rows (DROWS), old=.abtrees/old new=. with FlashMLA
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -38,17 +39,18 @@ case ${1:-check} in
     export TORCH_MLA_CACHE_DIR=/tmp/cnew
     run sched 120 python -m pytest -m cuda -q -p no:cacheprovider tests/test_small_kernels.py \
       -k schedule
-    run mismatch 150 python -m pytest -m cuda -q -p no:cacheprovider \
-      tests/test_schedule_mismatch.py
-    run split 170 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
-      tests/test_sparse_kernel.py -k sm90_split
     for i in 1 2; do
       TAG=new timeout 60 python -m tools.sparse_rows split 656 $ROWS
       (cd .abtrees/old && TORCH_MLA_CACHE_DIR=/tmp/cold TAG=old timeout 60 \
         python -m tools.sparse_rows split 656 $ROWS)
       TAG=fm timeout 60 python -m tools.sparse_rows flashmla 656 $ROWS
     done > "$OUT/rows.log" 2>&1
-    grep -v "^#" "$OUT/rows.log" | cut -c1-110 ;;
+    run mismatch 100 python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_schedule_mismatch.py
+    run split 170 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse_kernel.py -k sm90_split
+    grep -v "^#" "$OUT/rows.log" | cut -c1-110
+    grep -h "passed\|failed" "$OUT"/sched.log "$OUT"/mismatch.log "$OUT"/split.log | tail -n 3 ;;
   dense)
     ROWS="$DROWS" PEER=1 timeout 520 bash tools/ab_trees.sh old=.abtrees/old new=. \
       > "$OUT/dense.log" 2>&1

@@ -77,8 +77,13 @@ def build(variant: registry.Variant) -> tuple[registry.Variant, str, float, str]
 
 
 def _worker_start() -> None:
-    # The DSL's import (seconds) once per worker, not in its first variant's time.
-    import cutlass.cute  # noqa: F401
+    # The DSL's import (seconds) once per worker, not in its first variant's time. A failed
+    # import is left to the worker's first build, which reports it: an initializer that raises
+    # makes multiprocessing.Pool start new workers forever, and the run hangs.
+    try:
+        import cutlass.cute  # noqa: F401
+    except Exception:
+        pass
 
 
 def _list(choices):
