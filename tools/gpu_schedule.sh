@@ -32,8 +32,9 @@ case ${1:-check} in
     F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
     K=(--arch sm_90a --kernels sparse_split,schedule --dtypes bf16 --jobs 8)
     # (the mismatch tests' dense steps too)
-    TORCH_MLA_CACHE_DIR=/tmp/cnew timeout 150 python -m torch_mla.precompile "${K[@]}",step \
-      --causal both > "$OUT/pre_new.log" 2>&1 &
+    TORCH_MLA_CACHE_DIR=/tmp/cnew timeout 150 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule,step --causal both --dtypes bf16 --jobs 8 \
+      > "$OUT/pre_new.log" 2>&1 &
     (cd .abtrees/old && TORCH_MLA_CACHE_DIR=/tmp/cold timeout 150 python -m torch_mla.precompile \
       "${K[@]}" > "$OUT/pre_old.log" 2>&1) &
     wait
