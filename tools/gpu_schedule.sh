@@ -11,6 +11,8 @@
 #           alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla), then
 #           tests/test_schedule_mismatch.py and the split's sparse tests
 #           (tests/test_sparse_kernel.py -k sm90_split)
+#   quick   check's steps for a short call: the working tree's rows and FlashMLA's, one round,
+#           no old tree; the split's tests last
 #   dense   tools/ab_trees.sh over the dense rows (DROWS), old=.abtrees/old new=. with FlashMLA
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
@@ -53,10 +55,28 @@ case ${1:-check} in
       tests/test_sparse_kernel.py -k sm90_split
     grep -v "^#" "$OUT/rows.log" | cut -c1-110
     grep -h "passed\|failed" "$OUT"/sched.log "$OUT"/mismatch.log "$OUT"/split.log | tail -n 3 ;;
+  quick)  # check's steps for a short call: no old tree, one round, the split's tests last
+    python -c "import cutlass" || { echo "no cutlass: source .devpkgs/b/setup.sh first"; exit 3; }
+    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
+    export TORCH_MLA_CACHE_DIR=/tmp/cnew
+    timeout 120 python -m torch_mla.precompile --arch sm_90a --kernels sparse_split,schedule,step \
+      --causal both --dtypes bf16 --jobs 16 > "$OUT/pre_new.log" 2>&1
+    run sched 90 python -m pytest -m cuda -q -p no:cacheprovider tests/test_small_kernels.py \
+      -k schedule
+    grep -h "passed\|failed" "$OUT/sched.log" | tail -n 1
+    (TAG=new timeout 40 python -m tools.sparse_rows split 656 $ROWS
+     TAG=fm timeout 40 python -m tools.sparse_rows flashmla 656 $ROWS) > "$OUT/rows.log" 2>&1
+    grep -v "^#" "$OUT/rows.log" | cut -c1-90
+    run mismatch 80 python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_schedule_mismatch.py
+    grep -h "passed\|failed" "$OUT/mismatch.log" | tail -n 1
+    run split 170 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
+      tests/test_sparse_kernel.py -k sm90_split
+    grep -h "passed\|failed" "$OUT/split.log" | tail -n 1 ;;
   dense)
     ROWS="$DROWS" PEER=1 timeout 520 bash tools/ab_trees.sh old=.abtrees/old new=. \
       > "$OUT/dense.log" 2>&1
     tail -n 30 "$OUT/dense.log" ;;
-  *) echo "modes: check, dense"; exit 2 ;;
+  *) echo "modes: check, quick, dense"; exit 2 ;;
 esac
 printf '%s\n' "${summary[@]}"
