@@ -271,7 +271,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
         columns = split_pair_rows(h_q, cache, b * s_q)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
-        topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
+        topk_length = full_topk_length(b, topk, q.device)
     parts = sched_metadata.shape[0]
     slots = b * s_q + parts
     oacc = q.new_empty(slots, h_q, D_V, dtype=torch.float32)
@@ -292,6 +292,28 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
 
 
 run_sparse_sm80 = partial(run_sparse_step, "sm80")
+
+# (device index, topk) -> int32 [n >= b] of topk: full_topk_length's constants.
+_FULL_LENGTHS: dict[tuple[int, int], torch.Tensor] = {}
+
+
+def full_topk_length(b: int, topk: int, device: torch.device) -> torch.Tensor:
+    """int32 [b] of topk on a CUDA device, the kernels' topk_length when the call gives none.
+
+    A view of a constant kept per (device, topk), made on first use outside a CUDA-graph
+    capture: one fill, then a synchronisation of the current stream, so that a call on another
+    stream never reads it before the fill. Later calls, and the graphs captured after it, launch
+    nothing for it; a fill a call cost ~1 us more at b 2 (docs/kernel-notes.md, session 44). A
+    capture that finds no constant long enough captures its own fill (correct, as before)."""
+    key = (device.index, topk)
+    full = _FULL_LENGTHS.get(key)
+    if full is None or full.shape[0] < b:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((b,), topk, dtype=torch.int32, device=device)
+        full = torch.full((max(b, 256),), topk, dtype=torch.int32, device=device)
+        torch.cuda.current_stream(device).synchronize()
+        _FULL_LENGTHS[key] = full
+    return full[:b]
 
 
 def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
