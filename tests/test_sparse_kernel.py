@@ -272,8 +272,8 @@ def test_cuda_graph_without_topk_length(backend):
         key = (torch.cuda.current_device(), 128)
         if cached:
             torch_mla.mla_decode_sparse(q, cache, idx)  # (eager: makes the constant)
-        else:
-            sparse_ops._FULL_LENGTHS.pop(key, None)
+        elif key in sparse_ops._FULL_LENGTHS:  # (kept alive, as full_topk_length keeps it)
+            sparse_ops._RETIRED.append(sparse_ops._FULL_LENGTHS.pop(key))
         g = torch.cuda.CUDAGraph()
         with torch.cuda.graph(g):
             out, lse = torch_mla.mla_decode_sparse(q, cache, idx)

@@ -162,7 +162,8 @@ def flashmla_busy_parts(requests: int, blocks: int, parts: int,
     its blocks: a whole request blocks + overhead, a cut one the part's remaining units less
     overhead in blocks. So every piece but a request's last holds ceil(T / parts) blocks, and
     at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2
-    blocks a piece; our even cut, compute_schedule, makes 28 pieces of a request there). For
+    blocks a piece; compute_schedule makes 17 and 16 pieces of the requests there, on 37
+    parts). For
     the sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
     if requests <= 0 or parts <= 0:
         return 0
@@ -207,8 +208,8 @@ def compute_schedule(
     # (module docstring); 1 <= Q <= min(T, P) for T >= 1.
     q = (t + (t + num_parts - 1) // num_parts - 1) // ((t + num_parts - 1) // num_parts)
     # Part p < Q takes stream positions [p T / Q, (p + 1) T / Q) (rounded down): sizes differ by
-    # at most one unit, none is empty (T >= Q), and the parts from Q on are (cut at T). With
-    # ceil(T / Q) units per part instead, the last parts could be left empty.
+    # at most one unit, none is empty (T >= Q), and the parts from Q on are (cut at T). (Cuts
+    # at multiples of C would also make Q runs, the last one shorter.)
     cut = torch.arange(num_parts + 1, device=dev, dtype=torch.int64).clamp(max=q) * total // q
     a, z = cut[:-1], cut[1:]
     nonempty = a < z
@@ -222,7 +223,7 @@ def compute_schedule(
     # The part holding stream position x: the p with p T / Q <= x < (p + 1) T / Q (rounded down).
     first_part = ((first_real + 1) * q + t - 1) // t - 1
     last_part = ((first_real + nb) * q + t - 1) // t - 1
-    # Pieces are counted over non-empty parts only (the parts from Q on).
+    # Pieces are counted over non-empty parts only (the parts from Q on are empty).
     rank = torch.cumsum(nonempty.to(torch.int64), 0) - 1
     first_rank = rank[first_part.clamp(0, num_parts - 1)]
     nsplit = torch.where(nb > 0, rank[last_part.clamp(0, num_parts - 1)] - first_rank + 1, 0)

@@ -131,7 +131,8 @@ class DecodeSchedule:
         t = cutlass.max(T, Int64(1))
         per_part = (t + P64 - 1) // P64
         Q = (t + per_part - 1) // per_part  # the parts with work (module docstring)
-        # The largest numerator below is (T + 6) Q + T (module docstring).
+        # The largest numerator below is (T + 6) Q + T <= (T + 6) P + T (module docstring): the
+        # bound taken with P, as compute_schedule's arithmetic does not depend on it.
         small = (T + OVERHEAD_BLOCKS + 1) * P64 + T < 2**31
         by_Q = (Q, cute.FastDivmodDivisorV2(Int32(Q)), small)
         by_t = (t, cute.FastDivmodDivisorV2(Int32(cutlass.select_(small, t, Int64(1)))), small)
