@@ -447,6 +447,25 @@ print(json.dumps({"rc": rc, "dsl": sorted(m for m in sys.modules if m.split(".")
 """
 
 
+def test_precompile_worker_start_never_raises(monkeypatch):
+    # A worker initializer that raises makes multiprocessing.Pool start new workers forever
+    # (session 44: a machine without the DSL hung a precompile until its call's limit); the
+    # warm-up import's failure is left to the build, which reports it.
+    import builtins
+
+    from torch_mla import precompile
+
+    real_import = builtins.__import__
+
+    def no_dsl(name, *args, **kwargs):
+        if name.startswith("cutlass"):
+            raise ModuleNotFoundError("No module named 'cutlass'")
+        return real_import(name, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "__import__", no_dsl)
+    precompile._worker_start()
+
+
 @needs_cc
 def test_precompile_in_parallel_processes(tmp_path):
     """--jobs 2 compiles real kernels (the cheapest: the schedule and the combine, for sm_80) in

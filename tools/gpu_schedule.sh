@@ -6,8 +6,9 @@
 #
 #   check   the schedule kernel against compute_schedule and the schedule-mismatch tests
 #           (tests/test_small_kernels.py -k schedule), the sparse rows (ROWS) of the working
-#           tree and of .abtrees/old (the tree before the change: `git archive COMMIT torch_mla
-#           tools benchmarks | tar -x -C .abtrees/old`), each in its own kernel cache,
+#           tree and of .abtrees/old (the tree before the change: `git archive main torch_mla
+#           tools benchmarks | tar -x -C .abtrees/old` before merging branch
+#           schedule-fewer-parts), each in its own kernel cache,
 #           alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla), then
 #           tests/test_schedule_mismatch.py and the split's sparse tests
 #           (tests/test_sparse_kernel.py -k sm90_split)
