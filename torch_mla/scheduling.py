@@ -4,18 +4,16 @@ The decode kernel runs one wave of ``num_m_blocks x num_parts`` CTAs per KV head
 h_kv > 1 heads runs one launch per head, each over the same schedule). Each request's key blocks
 (pages of 64 tokens) are laid end to end in one stream, each request preceded by a fixed overhead
 of ``OVERHEAD_BLOCKS`` (the cost of starting a request: loading Q, writing its output), and the
-stream is cut into runs of equal length (within one unit): as few runs as keep the heaviest at
-``C = ceil(T / num_parts)`` units (T: the stream's length), that is ``Q = ceil(T / C)`` runs, one
-for each of the first Q parts; the other parts are empty. A part walks its run request by
-request; a request cut across parts is computed as partial results that the combine step
-merges. Cutting the stream into num_parts runs would not shorten the heaviest, but would cut
-requests into more pieces, each writing fp32 partial results that the combine reads back: at
-b 2, topk 2048, h_q 128 (74 units, 66 parts) 37 runs of 2 units instead of 66 of 1 or 2: the
-same schedule made for fewer SMs ran 24.7 against 26.0 us a step (H100, docs/kernel-notes.md,
-session 44). When cutting only at request boundaries
-costs little (the heaviest part at most ``OVERHEAD_BLOCKS`` units heavier: a batch of many
-equal requests), no request is split
-(:func:`whole_request_cuts`).
+stream is cut into runs of equal length (within one unit): as few runs as keep the heaviest at ``C =
+ceil(T / num_parts)`` units (T: the stream's length), that is ``Q = ceil(T / C)`` runs, one for each
+of the first Q parts; the other parts are empty. A part walks its run request by request; a request
+cut across parts is computed as partial results that the combine step merges. Cutting the stream
+into num_parts runs would not shorten the heaviest, but would cut requests into more pieces, each
+writing fp32 partial results that the combine reads back: at b 2, topk 2048, h_q 128 (74 units, 66
+parts) 37 runs of 2 units instead of 66 of 1 or 2: the same schedule made for fewer SMs ran 24.7
+against 26.0 us a step (H100, docs/kernel-notes.md, session 44). When cutting only at request
+boundaries costs little (the heaviest part at most ``OVERHEAD_BLOCKS`` units heavier: a batch of
+many equal requests), no request is split (:func:`whole_request_cuts`).
 
 Everything here is a handful of tensor ops with static shapes and no host synchronisation, so the
 schedule can be computed once per decode step, shared by every layer, and captured in a CUDA graph.
@@ -161,10 +159,9 @@ def flashmla_busy_parts(requests: int, blocks: int, parts: int,
     stream, T = requests x (blocks + overhead), and each piece costs `overhead` units besides
     its blocks: a whole request blocks + overhead, a cut one the part's remaining units less
     overhead in blocks. So every piece but a request's last holds ceil(T / parts) blocks, and
-    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2
-    blocks a piece; compute_schedule makes 17 and 16 pieces of the requests there, on 37
-    parts). For
-    the sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
+    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2 blocks
+    a piece; compute_schedule makes 17 and 16 pieces of the requests there, on 37 parts). For the
+    sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
     if requests <= 0 or parts <= 0:
         return 0
     payload = -(-requests * (blocks + overhead) // parts) + overhead
