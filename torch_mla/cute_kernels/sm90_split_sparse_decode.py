@@ -403,8 +403,9 @@ SECTORS = _dev_knob("SECTORS", 1, (0, 1))
 # it), while the request's length and split count load; the entries' own loads, which wait for
 # those, then find them in the L2. ENTRY_EARLY's aim (one DRAM round trip less before a
 # segment's first rows can load: at b 2 h_q 128 block 0 is filled 4.8 us after the CTA starts,
-# session 44's trace) without its registers. Prediction: -0.2 to -0.5 us at b 2, no change at
-# b 32 and 128 (within 0.5%).
+# session 44's trace) without its registers. Prediction: 0 to -0.3 us at b 2 (the benchmark's
+# entries, 16-32 KB a step and the same every replay, may already sit in the L2, and then
+# nothing changes), no change at b 32 and 128 (within 0.5%).
 ENTRY_PREFETCH = _dev_knob("ENTRY_PREFETCH", 0, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
