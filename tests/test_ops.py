@@ -289,8 +289,28 @@ def test_schedule_balances_parts():
     load = [0] * 132
     for p, _r, lo, hi, _slot in walk_schedule(meta, splits, lens):
         load[p] += hi - lo
-    # Every part gets blocks, and none more than its share of the stream, ceil(T / P) units.
-    assert min(load) > 0 and max(load) <= -(-total // 132), (min(load), max(load))
+    # None gets more than its share of the stream, C = ceil(T / P) units, and as few parts as
+    # that allows get work, each of them blocks: the first ceil(T / C).
+    per_part = -(-total // 132)
+    busy = -(-total // per_part)
+    assert busy < 132 and max(load) <= per_part, (busy, max(load))
+    assert min(load[:busy]) > 0 and max(load[busy:]) == 0, load
+
+
+def test_schedule_cuts_requests_into_no_more_pieces_than_its_heaviest_part_needs():
+    from torch_mla.scheduling import compute_schedule, walk_schedule
+
+    # Sparse decode at b 2, topk 2048 (32 blocks a token), h_q 128 on 132 SMs: 66 parts for
+    # 74 units. The heaviest part takes 2 blocks either way; 37 parts of 2 units cut the
+    # tokens into 17 and 16 pieces where all 66 parts cut them into 28 (session 44: 1.3 us a
+    # step).
+    lens = torch.full((2,), 2048, dtype=torch.int32)
+    meta, splits = compute_schedule(lens, 66)
+    load = [0] * 66
+    for p, _r, lo, hi, _slot in walk_schedule(meta, splits, lens):
+        load[p] += hi - lo
+    assert max(load) == 2 and load[37:] == [0] * 29, load
+    assert splits.tolist() == [0, 17, 33]
 
 
 def test_schedule_takes_whole_requests_when_that_costs_little():

@@ -107,7 +107,7 @@ def test_schedule_for_longer_lengths_with_parts_starting_on_emptied_requests():
     for row in sched.metadata.cpu().tolist():
         r0, blk0, r1, blk1 = (row[META_BEGIN_REQ], row[META_BEGIN_BLK], row[META_END_REQ],
                               row[META_END_BLK])
-        if blk0 != 0 or lens[r0] != longer[r0]:
+        if r0 >= len(longer) or blk0 != 0 or lens[r0] != longer[r0]:  # (an empty part: r0 = b)
             continue
         if "A" not in found and r0 + 1 < r1 and blk1 > 0 and unsplit[r0] and unsplit[r0 + 1]:
             lens[r0] = lens[r0 + 1] = 0

@@ -255,6 +255,42 @@ def graph_replays_new_indices(fmt: str):
         torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_TOL[0], rtol=LSE_TOL[1])
 
 
+def test_cuda_graph_without_topk_length(backend):
+    # topk_length None: the kernels' lengths are a cached constant (ops.sparse.full_topk_length)
+    # made outside a capture; a capture that finds none captures its own fill instead. Both
+    # graphs replay new q and indices right.
+    cache, _ = make_cache(8, "bf16", torch.ones(8 * PAGE, dtype=torch.bool))
+    cache = cache.cuda()
+    q = torch.randn(4, 1, 16, 576, device="cuda").bfloat16()
+    idx = torch.zeros(4, 1, 128, dtype=torch.int32, device="cuda")
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        torch_mla.mla_decode_sparse(q, cache, idx)
+    torch.cuda.current_stream().wait_stream(s)
+    for cached in (False, True):
+        key = (torch.cuda.current_device(), 128)
+        if cached:
+            torch_mla.mla_decode_sparse(q, cache, idx)  # (eager: makes the constant)
+        elif key in sparse_ops._FULL_LENGTHS:  # (kept alive, as full_topk_length keeps it)
+            sparse_ops._RETIRED.append(sparse_ops._FULL_LENGTHS.pop(key))
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out, lse = torch_mla.mla_decode_sparse(q, cache, idx)
+        assert (key in sparse_ops._FULL_LENGTHS) == cached
+        for _ in range(2):
+            q.copy_(torch.randn(4, 1, 16, 576).bfloat16())
+            idx.copy_(poisoned_indices(4, 1, 128, 8 * PAGE))
+            g.replay()
+            torch.cuda.synchronize()
+            ref_out, ref_lse = sparse_decode_fp64(q.cpu(), cache.cpu(), idx.cpu())
+            torch.testing.assert_close(out.double().cpu(), ref_out,
+                                       atol=p_atol(torch.bfloat16, cache.cpu()),
+                                       rtol=DECODE_TOL[torch.bfloat16][1])
+            torch.testing.assert_close(lse.double().cpu(), ref_lse, atol=LSE_TOL[0],
+                                       rtol=LSE_TOL[1])
+
+
 BAD = """
 import sys, torch, torch_mla
 topk, length, bad = int(sys.argv[1]), int(sys.argv[2]), [int(c) for c in sys.argv[3].split(",")]

@@ -4,11 +4,16 @@ The decode kernel runs one wave of ``num_m_blocks x num_parts`` CTAs per KV head
 h_kv > 1 heads runs one launch per head, each over the same schedule). Each request's key blocks
 (pages of 64 tokens) are laid end to end in one stream, each request preceded by a fixed overhead
 of ``OVERHEAD_BLOCKS`` (the cost of starting a request: loading Q, writing its output), and the
-stream is cut into ``num_parts`` pieces of equal size (within one block). A part walks its piece
-request by request; a request cut across parts is computed as partial results that the combine
-step merges. When cutting only at request boundaries costs little (the heaviest part at most
-``OVERHEAD_BLOCKS`` units heavier: a batch of many equal requests), no request is split
-(:func:`whole_request_cuts`).
+stream is cut into runs of equal length (within one unit): as few runs as keep the heaviest at ``C =
+ceil(T / num_parts)`` units (T: the stream's length), that is ``Q = ceil(T / C)`` runs, one for each
+of the first Q parts; the other parts are empty. A part walks its run request by request; a request
+cut across parts is computed as partial results that the combine step merges. Cutting the stream
+into num_parts runs would not shorten the heaviest, but would cut requests into more pieces, each
+writing fp32 partial results that the combine reads back: at b 2, topk 2048, h_q 128 (74 units, 66
+parts) 37 runs of 2 units instead of 66 of 1 or 2: the same schedule made for fewer SMs ran 24.7
+against 26.0 us a step (H100, docs/kernel-notes.md, session 44). When cutting only at request
+boundaries costs little (the heaviest part at most ``OVERHEAD_BLOCKS`` units heavier: a batch of
+many equal requests), no request is split (:func:`whole_request_cuts`).
 
 Everything here is a handful of tensor ops with static shapes and no host synchronisation, so the
 schedule can be computed once per decode step, shared by every layer, and captured in a CUDA graph.
@@ -154,9 +159,9 @@ def flashmla_busy_parts(requests: int, blocks: int, parts: int,
     stream, T = requests x (blocks + overhead), and each piece costs `overhead` units besides
     its blocks: a whole request blocks + overhead, a cut one the part's remaining units less
     overhead in blocks. So every piece but a request's last holds ceil(T / parts) blocks, and
-    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2
-    blocks a piece; our even cut, compute_schedule, makes 28 pieces of a request there). For
-    the sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
+    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2 blocks
+    a piece; compute_schedule makes 17 and 16 pieces of the requests there, on 37 parts). For the
+    sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
     if requests <= 0 or parts <= 0:
         return 0
     payload = -(-requests * (blocks + overhead) // parts) + overhead
@@ -195,10 +200,14 @@ def compute_schedule(
     end = torch.cumsum(units, 0)
     first_real = end - units + OVERHEAD_BLOCKS  # stream position of each request's block 0
     total = end[-1]
-    # Part p takes stream positions [p T / P, (p + 1) T / P) (rounded down): sizes differ by at
-    # most one unit, and every part gets work when T >= P (with ceil(T / P) units per part, the
-    # last ~P / 2 parts could be left empty: 6 of 132 at 64 x 2048, h_q 16).
-    cut = torch.arange(num_parts + 1, device=dev, dtype=torch.int64) * total // num_parts
+    t = total.clamp(min=1)  # (all requests empty: no part has work, nothing is split)
+    # Q = ceil(T / C) parts with work, C = ceil(T / P): no more than keep the heaviest at C units
+    # (module docstring); 1 <= Q <= min(T, P) for T >= 1.
+    q = (t + (t + num_parts - 1) // num_parts - 1) // ((t + num_parts - 1) // num_parts)
+    # Part p < Q takes stream positions [p T / Q, (p + 1) T / Q) (rounded down): sizes differ by
+    # at most one unit, none is empty (T >= Q), and the parts from Q on are (cut at T). (Cuts
+    # at multiples of C would also make Q runs, the last one shorter.)
+    cut = torch.arange(num_parts + 1, device=dev, dtype=torch.int64).clamp(max=q) * total // q
     a, z = cut[:-1], cut[1:]
     nonempty = a < z
     cut_req = torch.searchsorted(end, cut, right=True)  # the request holding each cut (b at T)
@@ -208,11 +217,10 @@ def compute_schedule(
     ei = end_req.clamp(max=b - 1)
     begin_blk = torch.minimum((a - first_real[bi]).clamp(min=0), nb[bi])
     end_blk = torch.minimum((z - first_real[ei]).clamp(min=0), nb[ei])
-    # The part holding stream position x: the p with p T / P <= x < (p + 1) T / P (rounded down).
-    t = total.clamp(min=1)  # (all requests empty: no part has work, nothing is split)
-    first_part = ((first_real + 1) * num_parts + t - 1) // t - 1
-    last_part = ((first_real + nb) * num_parts + t - 1) // t - 1
-    # Pieces are counted over non-empty parts only (parts are empty only when T < P).
+    # The part holding stream position x: the p with p T / Q <= x < (p + 1) T / Q (rounded down).
+    first_part = ((first_real + 1) * q + t - 1) // t - 1
+    last_part = ((first_real + nb) * q + t - 1) // t - 1
+    # Pieces are counted over non-empty parts only (the parts from Q on are empty).
     rank = torch.cumsum(nonempty.to(torch.int64), 0) - 1
     first_rank = rank[first_part.clamp(0, num_parts - 1)]
     nsplit = torch.where(nb > 0, rank[last_part.clamp(0, num_parts - 1)] - first_rank + 1, 0)
@@ -224,7 +232,7 @@ def compute_schedule(
     meta[:, 4] = torch.where(nonempty, begin_split, 0).to(torch.int32)
     # Whole requests instead, when that costs little (see whole_request_cuts): chosen on the
     # device (no host sync), so both schedules are computed and one is selected.
-    snap, use_snap = whole_request_cuts(cut, cut_req, end, units, total)
+    snap, use_snap = whole_request_cuts(cut, cut_req, end, units, total, q)
     sa, sz = snap[:-1], snap[1:]
     s_nonempty = sa < sz
     s_begin = torch.searchsorted(end, sa, right=True).clamp(max=b - 1)
@@ -242,14 +250,15 @@ def compute_schedule(
 
 
 def whole_request_cuts(cut: torch.Tensor, cut_req: torch.Tensor, end: torch.Tensor,
-                       units: torch.Tensor,
-                       total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                       units: torch.Tensor, total: torch.Tensor,
+                       q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """The schedule that splits no request, and whether to use it (a 0-dim bool tensor).
 
-    Each of the uniform cut positions ``cut`` (p T / P, p = 0..P; ``cut_req``: the request
-    holding each, b for T) moves to the nearer boundary of that request (the lower one on a
-    tie): parts take whole requests. That is chosen when its largest part is at most
-    ``OVERHEAD_BLOCKS`` units above the uniform cut's, ceil(T / P), and the batch fits the
+    Each of the uniform cut positions ``cut`` (min(p, Q) T / Q, p = 0..P; ``cut_req``: the
+    request holding each, b for T; q: Q, the parts with work, compute_schedule) moves to the
+    nearer boundary of that request (the lower one on a tie): parts take whole requests. That is
+    chosen when its largest part is at most ``OVERHEAD_BLOCKS`` units above the uniform cut's,
+    ceil(T / Q), and the batch fits the
     schedule kernel's one chunk (``WHOLE_MAX_BATCH``). A split request costs more than the
     closed form charges: each of its pieces writes fp32 partial results that the combine reads
     back (H200, 64 or 128 requests of 4097 keys, h_q 128: 154.3 -> 139.8 us and 284.5 -> 270.8
@@ -257,13 +266,13 @@ def whole_request_cuts(cut: torch.Tensor, cut_req: torch.Tensor, end: torch.Tens
 
     Returns ``(cuts int64 [num_parts + 1], use)``: part p takes stream positions
     [cuts[p], cuts[p + 1])."""
-    b, num_parts = end.shape[0], cut.shape[0] - 1
+    b = end.shape[0]
     kc = cut_req.clamp(max=b - 1)
     hi = torch.where(cut_req < b, end[kc], total)
     lo = torch.where(cut_req < b, hi - units[kc], total)
     cuts = torch.where(cut - lo <= hi - cut, lo, hi)
     largest = (cuts[1:] - cuts[:-1]).max()
-    use = (largest <= (total + num_parts - 1) // num_parts + OVERHEAD_BLOCKS) & (total > 0)
+    use = (largest <= (total + q - 1) // q + OVERHEAD_BLOCKS) & (total > 0)
     return cuts, use & (b <= WHOLE_MAX_BATCH)
 
 

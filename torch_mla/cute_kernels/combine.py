@@ -43,18 +43,17 @@ from .device_error import fail
 
 UNROLL = 4
 # CHUNK (developer knob TORCH_MLA_DEV_COMBINE_CHUNK, read at import, 0, 4 or 8; in the kernel
-# cache's key when set): 0, the loop over a warp's pieces unrolled
-# UNROLL times, whose remainder (up to UNROLL - 1 pieces, taken first) runs one piece a branch:
-# each piece's loads wait for the previous piece's FMAs, one round trip a piece (the PTX of
-# session 34: at b 2 h_q 128, 28 pieces over 16 warps a row, two serial round trips for a warp
-# of 2). CHUNK c: min(c, 32 / warps_per_row) pieces a step with no branch between them (a
-# piece past the warp's last reads that last piece again with weight 0), so their loads go
-# out together: one round trip a step. Registers (ptxas, session 34's review): 64 / 72 / 80 at
-# 1 / 4 / 16 warps a row with 0; 126 / 126 / 104 with 4; 218 / 208 / 75 with 8 (at 16 warps a
-# row: 2 pieces a step; 8 there spilled ~2 KB before the cap). Session 35 (H100, same start
-# as FlashMLA, docs/benchmarks-h100.md): 8 up to 0.9 us faster at b 2, 4-12 us slower at b 32
-# (32,1,64 72.5 against 61.0); 4 slower at b 32 too. The split-KV GPU tests (sparse and dense)
-# pass with 8. Off.
+# cache's key when set): 0, the loop over a warp's pieces unrolled UNROLL times, whose remainder (up
+# to UNROLL - 1 pieces, taken first) runs one piece a branch: each piece's loads wait for the
+# previous piece's FMAs, one round trip a piece (the PTX of session 34: at b 2 h_q 128, 28 pieces
+# over 16 warps a row, two serial round trips for a warp of 2; since session 44's schedule 17 pieces
+# there). CHUNK c: min(c, 32 / warps_per_row) pieces a step with no branch between them (a piece
+# past the warp's last reads that last piece again with weight 0), so their loads go out together:
+# one round trip a step. Registers (ptxas, session 34's review): 64 / 72 / 80 at 1 / 4 / 16 warps a
+# row with 0; 126 / 126 / 104 with 4; 218 / 208 / 75 with 8 (at 16 warps a row: 2 pieces a step; 8
+# there spilled ~2 KB before the cap). Session 35 (H100, same start as FlashMLA,
+# docs/benchmarks-h100.md): 8 up to 0.9 us faster at b 2, 4-12 us slower at b 32 (32,1,64 72.5
+# against 61.0); 4 slower at b 32 too. The split-KV GPU tests (sparse and dense) pass with 8. Off.
 CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
 if CHUNK not in (0, 4, 8):
     raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")

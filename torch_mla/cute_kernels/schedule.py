@@ -5,30 +5,32 @@ int32 [b + 1], bit for bit, with one CTA: the schedule is a few hundred integers
 CTA needs no grid-wide synchronisation for the two prefix sums over the batch.
 
 Algorithm (notation of scheduling.py: nb_r pages of request r, units_r = nb_r + 5 or 0, end_r
-the inclusive prefix sum of units, T = end_{b-1}, P parts, t = max(T, 1)):
-  pass 1  T = sum of units (block reduction); a negative length fails here (when ``check``).
+the inclusive prefix sum of units, T = end_{b-1}, P parts, t = max(T, 1), Q = ceil(t / ceil(t /
+P)) parts with work, cut(p) = min(p, Q) T / Q):
+  pass 1  T = sum of units (block reduction); a negative length fails here (when ``check``);
+          then Q (two int64 divisions, once).
   pass 2  over the batch in chunks of THREADS x ITEMS requests (each thread ITEMS consecutive
           ones): a block-wide exclusive scan of the units gives end_r for the chunk, kept in
           shared memory; each request's piece count nsplit_r (from its first and last part) is
-          scanned likewise into num_splits. Then every part p whose first (a = pT / P) or last
-          (z - 1 = (p + 1)T / P - 1) stream position falls in the chunk finds its request by a
+          scanned likewise into num_splits. Then every part p whose first (a = cut(p)) or last
+          (z - 1 = cut(p + 1) - 1) stream position falls in the chunk finds its request by a
           binary search over the chunk's end_r and writes its begin or end columns.
   whole   with one chunk (b <= 1024), after the units scan, unless the largest request (a max
           taken in pass 1) alone exceeds the bound below: each part's cuts snapped to the
           nearer request boundary (binary searches over end_r), the heaviest snapped part by a
-          CTA-wide max; when it is at most OVERHEAD_BLOCKS above ceil(T / P) every request
+          CTA-wide max; when it is at most OVERHEAD_BLOCKS above ceil(T / Q) every request
           counts one piece and each part writes its whole requests instead
           (scheduling.whole_request_cuts).
   rank    compute_schedule's cumulative count of non-empty parts has a closed form, so no third
-          scan: part q is empty iff floor((q + 1)T / P) = floor(qT / P); when T <= P the sizes
-          are 0 or 1 and the count up to p telescopes to floor((p + 1)T / P), when T >= P every
-          part is non-empty (count p + 1): rank(p) = min(p, floor((p + 1)T / P) - 1).
+          scan: the parts before Q are non-empty (T >= Q), the rest empty, so rank(p) = p for
+          the parts p < Q that the rank is taken of.
   last    empty parts get (b, 0, b - 1, 0, 0) (zeros when b = 0), columns 5-7 get 0.
 Stream positions and T are int64 (a batch of long requests passes 2^31 units). The divisions
-(by P and by t, about 25 per thread) are the costliest instructions: an int64 division is a
-~70-instruction subroutine. Every numerator is at most (T + 6) P + T, so while that is below
-2^31 (T < 16M at P = 132: any realistic batch) they are 32-bit multiply-shifts by the two
-divisors' precomputed magic numbers (cute.FastDivmodDivisorV2); past it, int64 divisions.
+(by Q and by t, about 25 per thread) are the costliest instructions: an int64 division is a
+~70-instruction subroutine. Every numerator is at most (T + 6) Q + T <= (T + 6) P + T, so while
+that is below 2^31 (T < 16M at P = 132: any realistic batch) they are 32-bit multiply-shifts by
+the two divisors' precomputed magic numbers (cute.FastDivmodDivisorV2); past it, int64
+divisions.
 
 Tiles: THREADS = 256 threads x ITEMS = 4 requests per chunk (1024): a decode batch is one chunk,
 so the lengths are read twice (the second time from L1) and the scans run once, and a thread
@@ -127,9 +129,12 @@ class DecodeSchedule:
             T += sWarp[w, 0]
             top = cutlass.max(top, sWarp[w, 3])
         t = cutlass.max(T, Int64(1))
-        # The largest numerator below is (T + 6) P + T (module docstring).
+        per_part = (t + P64 - 1) // P64
+        Q = (t + per_part - 1) // per_part  # the parts with work (module docstring)
+        # The largest numerator below is (T + 6) Q + T <= (T + 6) P + T (module docstring): the
+        # bound taken with P, as compute_schedule's arithmetic does not depend on it.
         small = (T + OVERHEAD_BLOCKS + 1) * P64 + T < 2**31
-        by_P = (P64, cute.FastDivmodDivisorV2(P), small)
+        by_Q = (Q, cute.FastDivmodDivisorV2(Int32(Q)), small)
         by_t = (t, cute.FastDivmodDivisorV2(Int32(cutlass.select_(small, t, Int64(1)))), small)
 
         # Pass 2: chunk by chunk.
@@ -154,22 +159,20 @@ class DecodeSchedule:
                 # the binary search below looks up in this chunk.
                 sEnd[tidx * ITEMS + k] = start + units[k]
                 nb = units[k] - OVERHEAD_BLOCKS
-                last_part = self.div((start + OVERHEAD_BLOCKS + nb) * P64 + t - 1, by_t) - 1
-                n = (self.rank(self.clamp_part(last_part, P), T, by_P)
-                     - self.first_rank(start, T, P, by_P, by_t) + 1)
+                last_part = self.div((start + OVERHEAD_BLOCKS + nb) * Q + t - 1, by_t) - 1
+                n = (self.clamp_part(last_part, Q) - self.first_rank(start, Q, by_t) + 1)
                 nsplit.append(cutlass.select_(units[k] > 0, n, Int32(0)))
                 start = start + units[k]
             # Whole requests per part when that costs little (scheduling.whole_request_cuts):
             # sEnd published, then the heaviest part of the snapped cut, CTA-wide. Skipped
             # (uniform over the CTA) when the largest request alone is already too heavy.
-            limit = self.div(T + P64 - 1, by_P) + OVERHEAD_BLOCKS
+            limit = self.div(T + Q - 1, by_Q) + OVERHEAD_BLOCKS
             if (b <= CHUNK) & (T > 0) & (top <= limit):
                 cute.arch.sync_threads()
                 largest = Int64(0)
                 for p in cutlass.range(tidx, P, THREADS, unroll=1):
-                    a = self.snap(sEnd, self.div(Int64(p) * T, by_P), T)
-                    largest = cutlass.max(largest,
-                                          self.snap(sEnd, self.div((Int64(p) + 1) * T, by_P), T)
+                    a = self.snap(sEnd, self.cut(p, T, by_Q), T)
+                    largest = cutlass.max(largest, self.snap(sEnd, self.cut(p + 1, T, by_Q), T)
                                           - a)
                 largest = cute.arch.warp_reduction_max(largest)
                 if lane == 0:
@@ -196,8 +199,8 @@ class DecodeSchedule:
             hi = carry_units + chunk_units
             if whole != 0:  # (one chunk: stream positions are sEnd's own)
                 for p in cutlass.range(tidx, P, THREADS, unroll=1):
-                    a = self.snap(sEnd, self.div(Int64(p) * T, by_P), T)
-                    z = self.snap(sEnd, self.div((Int64(p) + 1) * T, by_P), T)
+                    a = self.snap(sEnd, self.cut(p, T, by_Q), T)
+                    z = self.snap(sEnd, self.cut(p + 1, T, by_Q), T)
                     first, last, last_nb = b, cutlass.max(b - 1, 0), Int32(0)
                     if a < z:
                         first = self.upper_bound(sEnd, a)
@@ -211,8 +214,8 @@ class DecodeSchedule:
                     mMeta[p, 4] = 0
             else:
                 for p in cutlass.range(tidx, P, THREADS, unroll=1):
-                    a = self.div(Int64(p) * T, by_P)
-                    z = self.div((Int64(p) + 1) * T, by_P)
+                    a = self.cut(p, T, by_Q)
+                    z = self.cut(p + 1, T, by_Q)
                     if a < z:
                         if (lo <= a) & (a < hi):
                             j = self.upper_bound(sEnd, a)
@@ -221,9 +224,8 @@ class DecodeSchedule:
                             nb = end - begin - OVERHEAD_BLOCKS
                             blk = cutlass.min(
                                 cutlass.max(a - begin - OVERHEAD_BLOCKS, Int64(0)), nb)
-                            # rank(p) = min(p, z - 1)
-                            split = cutlass.max(Int32(cutlass.min(Int64(p), z - 1))
-                                                - self.first_rank(begin, T, P, by_P, by_t), 0)
+                            # rank(p) = p (a non-empty part)
+                            split = cutlass.max(p - self.first_rank(begin, Q, by_t), 0)
                             mMeta[p, 0] = c0 + j
                             mMeta[p, 1] = Int32(blk)
                             mMeta[p, 4] = Int32(split)
@@ -243,7 +245,7 @@ class DecodeSchedule:
         if tidx == 0:
             mNumSplits[0] = 0
         for p in cutlass.range(tidx, P, THREADS, unroll=1):
-            empty = self.div(Int64(p) * T, by_P) == self.div((Int64(p) + 1) * T, by_P)
+            empty = self.cut(p, T, by_Q) == self.cut(p + 1, T, by_Q)
             if (whole == 0) & empty:
                 mMeta[p, 0] = b
                 mMeta[p, 1] = 0
@@ -262,7 +264,7 @@ class DecodeSchedule:
 
     @cute.jit
     def div(self, n, by):
-        """floor(n / d) for 0 <= n <= (T + 6) P + T; by = (d int64, its FastDivmodDivisorV2,
+        """floor(n / d) for 0 <= n <= (T + 6) Q + T; by = (d int64, its FastDivmodDivisorV2,
         whether every numerator fits 31 bits)."""
         d, fast, small = by
         q = Int64(0)
@@ -273,21 +275,23 @@ class DecodeSchedule:
         return q
 
     @cute.jit
-    def rank(self, p, T, by_P):
-        """Non-empty parts among 0..p, minus one (see the module docstring)."""
-        return Int32(cutlass.min(p, self.div((p + 1) * T, by_P) - 1))
+    def cut(self, p, T, by_Q):
+        """Part p's first stream position, min(p, Q) T / Q (the parts from Q on are empty)."""
+        return self.div(cutlass.min(Int64(p), by_Q[0]) * T, by_Q)
 
     @cute.jit
-    def clamp_part(self, x, P):
-        return cutlass.min(cutlass.max(x, Int64(0)), Int64(P - 1))
+    def clamp_part(self, x, Q):
+        """x clamped to the parts with work, 0..Q - 1, as an Int32: there its rank (module
+        docstring)."""
+        return Int32(cutlass.min(cutlass.max(x, Int64(0)), Q - 1))
 
     @cute.jit
-    def first_rank(self, start, T, P, by_P, by_t):
+    def first_rank(self, start, Q, by_t):
         """rank of the part holding the request's first page (it starts at stream position
         start, its pages after the overhead)."""
         t = by_t[0]
-        first_part = self.div((start + OVERHEAD_BLOCKS + 1) * Int64(P) + t - 1, by_t) - 1
-        return self.rank(self.clamp_part(first_part, P), T, by_P)
+        first_part = self.div((start + OVERHEAD_BLOCKS + 1) * Q + t - 1, by_t) - 1
+        return self.clamp_part(first_part, Q)
 
     @cute.jit
     def snap(self, sEnd, x, T):

@@ -73,8 +73,10 @@ def get_decode_schedule(
         DecodeSchedule(metadata int32 [num_parts, 8], num_splits int32 [batch + 1]). It depends on
         the values of ``cache_seqlens``: recompute it whenever they change (once per step).
 
-    What a schedule depends on: it cuts the stream of every request's 64-key blocks into
-    num_parts runs, so it is a function of the batch size, each request's block count
+    What a schedule depends on: it cuts the stream of every request's 64-key blocks into at
+    most num_parts runs of equal length (as few as keep the heaviest part as light as
+    num_parts runs would: torch_mla.scheduling; the other parts are empty), so it is a
+    function of the batch size, each request's block count
     ``ceil(L / 64)`` (the lengths' cut points; lengths with the same block counts share a
     schedule, the kernels mask the last block by the length they are given) and num_parts.
     s_q, h_q, h_kv and num_sms only choose num_parts, the schedule's size: the kernels read

@@ -271,7 +271,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
         columns = split_pair_rows(h_q, cache, b * s_q)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
     if topk_length is None:
-        topk_length = torch.full((b,), topk, dtype=torch.int32, device=q.device)
+        topk_length = full_topk_length(b, topk, q.device)
     parts = sched_metadata.shape[0]
     slots = b * s_q + parts
     oacc = q.new_empty(slots, h_q, D_V, dtype=torch.float32)
@@ -292,6 +292,40 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
 
 
 run_sparse_sm80 = partial(run_sparse_step, "sm80")
+
+# (device index, topk) -> int32 [n >= b] of topk: full_topk_length's constants. A constant is
+# never freed, also when a longer one replaces it (_RETIRED): a CUDA graph captured with it
+# keeps its address, and a graph does not keep tensors alive.
+_FULL_LENGTHS: dict[tuple[int, int], torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def full_topk_length(b: int, topk: int, device: torch.device) -> torch.Tensor:
+    """int32 [b] of topk, the kernels' topk_length when the call gives none.
+
+    A view of a constant kept per (device, topk) and never freed, made on first use outside a
+    CUDA-graph capture, on a stream of its own (so no graph pool of the caller's stream, e.g.
+    torch.compile's CUDA-graph trees, holds it): one fill, then that stream's synchronisation,
+    so that no call on any stream reads it before the fill. Later calls, and the graphs
+    captured after it, launch nothing for it; a fill a call cost ~1 us more at b 2
+    (docs/kernel-notes.md, session 44). A capture that finds no constant long enough captures
+    its own fill (correct, as before)."""
+    if device.type != "cuda":  # (the host path's tests run it on CPU tensors)
+        return torch.full((b,), topk, dtype=torch.int32, device=device)
+    key = (device.index, topk)
+    full = _FULL_LENGTHS.get(key)
+    if full is None or full.shape[0] < b:
+        if torch.cuda.is_current_stream_capturing():
+            return torch.full((b,), topk, dtype=torch.int32, device=device)
+        side = torch.cuda.Stream(device)
+        with torch.cuda.stream(side):
+            longer = torch.full((max(b, 1024, 2 * (0 if full is None else full.shape[0])),),
+                                topk, dtype=torch.int32, device=device)
+        side.synchronize()
+        if full is not None:
+            _RETIRED.append(full)
+        _FULL_LENGTHS[key] = full = longer
+    return full[:b]
 
 
 def apply_attn_sink(out: torch.Tensor, lse: torch.Tensor, attn_sink: torch.Tensor) -> torch.Tensor:
@@ -375,8 +409,9 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
 def _flashmla_pieces() -> bool:
     """TORCH_MLA_DEV_SPARSE_PIECES=flashmla (a developer knob for the small-batch A/B,
     docs/kernels/sparse.md session 32): the sparse schedule gets as many parts as FlashMLA's
-    split rule keeps busy (scheduling.flashmla_busy_parts), cut evenly as ever (at b 2 h_q 128:
-    32 parts, pieces of 1-3 blocks and a few parts idle, where FlashMLA's are 2 blocks each).
+    split rule keeps busy (scheduling.flashmla_busy_parts), cut as compute_schedule cuts (at
+    b 2 h_q 128: 32 parts, of which 25 get runs of 3 units, where FlashMLA's pieces are 2
+    blocks each).
     Unset: the dense schedule's part count. Not measured yet; the loop runs on the host, so
     under torch.compile b and topk are fixed at their traced values."""
     value = os.environ.get("TORCH_MLA_DEV_SPARSE_PIECES") or ""
