@@ -314,34 +314,6 @@ def test_schedule_is_the_dense_one_over_each_tokens_entry_count():
         assert torch.equal(got.num_splits, want.num_splits)
 
 
-def test_flashmla_piece_rule_knob(monkeypatch):
-    # TORCH_MLA_DEV_SPARSE_PIECES=flashmla (a developer knob): as many parts as FlashMLA's split
-    # rule keeps busy. Worked by hand from the rule (each part ceil(T / P) + 5 units, 5 units a
-    # piece besides its blocks; T = requests x (blocks + 5)):
-    from torch_mla.scheduling import flashmla_busy_parts
-
-    assert flashmla_busy_parts(2, 32, 66) == 32  # payload 7: pieces of 2 blocks, 16 a request
-    assert flashmla_busy_parts(2, 32, 132) == 64  # payload 6: pieces of 1 block
-    assert flashmla_busy_parts(32, 32, 66) == 64  # payload 23: pieces of 18 and 14 blocks
-    assert flashmla_busy_parts(128, 32, 66) == 64  # payload 77: two whole requests a part
-    assert flashmla_busy_parts(3, 1, 132) == 3  # payload 6: one whole request a part
-    assert flashmla_busy_parts(0, 32, 66) == 0
-    idx = torch.zeros(2, 1, 2048, dtype=torch.int32)
-    lens = torch.full((2,), 2048, dtype=torch.int32)
-    monkeypatch.setenv("TORCH_MLA_DEV_SPARSE_PIECES", "flashmla")
-    for h_q, parts in ((128, 32), (64, 64)):
-        got = torch_mla.get_sparse_decode_schedule(idx, h_q)
-        want = torch_mla.get_decode_schedule(lens, 1, h_q, num_sms=parts * (h_q // 64))
-        assert got.metadata.shape[0] == parts
-        assert torch.equal(got.metadata, want.metadata)
-        assert torch.equal(got.num_splits, want.num_splits)
-    monkeypatch.setenv("TORCH_MLA_DEV_SPARSE_PIECES", "fm")
-    with pytest.raises(ValueError, match="takes flashmla"):
-        torch_mla.get_sparse_decode_schedule(idx, 128)
-    monkeypatch.delenv("TORCH_MLA_DEV_SPARSE_PIECES")
-    assert torch_mla.get_sparse_decode_schedule(idx, 128).metadata.shape[0] == 66
-
-
 @pytest.mark.parametrize("arch", ["sm_90a", "sm_86", "sm_100a"])
 def test_sm90_kernel_where_it_pays_on_sm90a(monkeypatch, arch):
     # The SM90 sparse kernel runs on sm_90a only, over a 16-bit cache where h_q >= 64 and the

@@ -82,8 +82,8 @@
 #             those knobs: docs/benchmarks-h100.md, session 40)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
-#             longer pieces and fewer CTAs) and under FlashMLA's piece rule
-#             (TORCH_MLA_DEV_SPARSE_PIECES=flashmla), two rounds alternated with FlashMLA:
+#             longer pieces and fewer CTAs), two rounds alternated with FlashMLA (session 44;
+#             its FlashMLA piece-rule round went with that knob in session 45):
 #             whether the small batches' time is the pieces' fixed cost (docs/kernels/sparse.md,
 #             session 32)
 #   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla,
@@ -566,7 +566,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     finish; exit ;;
   times)  # (where the small batches' time goes: each kernel of one call, ours and FlashMLA's,
     # under torch.profiler (tools/sparse_kernel_times.py), then the rows' CUDA-graph times under
-    # the default schedule and FlashMLA's piece rule, alternated twice with FlashMLA)
+    # the default schedule, alternated twice with FlashMLA)
     preamble flashmla-sm90-sparse
     run precompile 150 python -m torch_mla.precompile --arch sm_90a \
       --kernels sparse_split,schedule --dtypes bf16 --jobs 8
@@ -577,12 +577,9 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     for round in 1 2; do
       run "tr_$round" 40 env TAG="r$round" python -m tools.sparse_rows split 656 $R
       stop_if_hung "tr_$round"
-      run "tp_$round" 40 env TAG="r$round pieces" TORCH_MLA_DEV_SPARSE_PIECES=flashmla \
-        python -m tools.sparse_rows split 656 $R
-      stop_if_hung "tp_$round"
       run "tf_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
-    grep -h " us" "$OUT"/t[rpf]_*.log | sort > "$OUT/t_all.txt"
+    grep -h " us" "$OUT"/t[rf]_*.log | sort > "$OUT/t_all.txt"
     finish; exit ;;
   trace_fm)  # (the split's per-CTA timeline under the exact conversion and the f16mul bound,
     # each build in its own cache directory; the raw stamps as .pt files in $OUT/ex and $OUT/fm)
@@ -618,9 +615,6 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
           python -m tools.sparse_rows split 656 $R
         stop_if_hung "sms_${sms}_$round"
       done
-      run "sms_rule_$round" 40 env TORCH_MLA_DEV_SPARSE_PIECES=flashmla TAG="r$round rule" \
-        python -m tools.sparse_rows split 656 $R
-      stop_if_hung "sms_rule_$round"
       run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"

@@ -150,35 +150,6 @@ def _indexer_pages_per_cta(batch: int, n_pages: int, num_sms: int) -> int:
     return next(c for c, t in zip(sizes, cost) if t <= least * (1 + IndexerSplit.SLACK))
 
 
-@functools.lru_cache(maxsize=1024)
-def flashmla_busy_parts(requests: int, blocks: int, parts: int,
-                        overhead: int = OVERHEAD_BLOCKS) -> int:
-    """How many of `parts` parts FlashMLA's split rule gives work to, for `requests` requests
-    of `blocks` key blocks each (its get_decoding_sched_meta, read at 9241ae3; the rule
-    transcribed, no code taken). Each part may take ceil(T / parts) + overhead units of the
-    stream, T = requests x (blocks + overhead), and each piece costs `overhead` units besides
-    its blocks: a whole request blocks + overhead, a cut one the part's remaining units less
-    overhead in blocks. So every piece but a request's last holds ceil(T / parts) blocks, and
-    at small T most parts stay empty (2 requests of 32 blocks over 66 parts: 32 busy parts, 2 blocks
-    a piece; compute_schedule makes 17 and 16 pieces of the requests there, on 37 parts). For the
-    sparse schedule's developer knob (ops.sparse.get_sparse_decode_schedule)."""
-    if requests <= 0 or parts <= 0:
-        return 0
-    payload = -(-requests * (blocks + overhead) // parts) + overhead
-    busy, left, done = 0, requests, 0  # requests left, blocks done of the current one
-    while left and busy < parts:
-        busy += 1
-        room = payload
-        while left:
-            if room >= blocks - done + overhead:  # the rest of the request fits
-                room -= blocks - done + overhead
-                left, done = left - 1, 0
-            else:
-                done += max(room - overhead, 0)
-                break
-    return busy
-
-
 def default_num_sms(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.get_device_properties(device).multi_processor_count

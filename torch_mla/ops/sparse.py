@@ -15,9 +15,8 @@ from ..constants import BLOCK_M, D_QK, D_V, LOG2_E, PAGE_SIZE
 from ..contract import keysm_columns_for
 from ..reference import append_kv_reference
 from ..reference_sparse import mla_decode_sparse_reference, quantize_fp8_ds_mla
-from ..scheduling import DecodeSplitConfig, default_num_sms, flashmla_busy_parts, num_m_blocks
 from . import dispatch, registry
-from .checks import check_count, check_schedule_args, checks_values, unpack_schedule
+from .checks import check_schedule_args, checks_values, unpack_schedule
 from .checks_sparse import (
     cache_format,
     check_fp8_ds_mla_append_args,
@@ -401,36 +400,7 @@ def get_sparse_decode_schedule(indices: torch.Tensor, h_q: int,
         if s_q > 1:
             lengths = lengths.repeat_interleave(s_q)
     heads = _schedule_heads(h_q)
-    if _flashmla_pieces():
-        num_sms = _flashmla_sms(indices.device, b * s_q, topk, heads, num_sms)
     return get_decode_schedule(lengths, 1, heads, num_sms)
-
-
-def _flashmla_pieces() -> bool:
-    """TORCH_MLA_DEV_SPARSE_PIECES=flashmla (a developer knob for the small-batch A/B,
-    docs/kernels/sparse.md session 32): the sparse schedule gets as many parts as FlashMLA's
-    split rule keeps busy (scheduling.flashmla_busy_parts), cut as compute_schedule cuts (at
-    b 2 h_q 128: 32 parts, of which 25 get runs of 3 units, where FlashMLA's pieces are 2
-    blocks each).
-    Unset: the dense schedule's part count. Not measured yet; the loop runs on the host, so
-    under torch.compile b and topk are fixed at their traced values."""
-    value = os.environ.get("TORCH_MLA_DEV_SPARSE_PIECES") or ""
-    if value not in ("", "flashmla"):
-        raise ValueError(f"TORCH_MLA_DEV_SPARSE_PIECES takes flashmla (or nothing), not {value!r}")
-    return value == "flashmla"
-
-
-def _flashmla_sms(device: torch.device, requests: int, topk: int, heads: int,
-                  num_sms: int | None) -> int:
-    """The SM count whose schedule has flashmla_busy_parts parts for `requests` one-token
-    requests of topk entries (every request taken as full: the host reads no topk_length) and
-    `heads` heads, starting from num_sms (None: the device's)."""
-    if num_sms is None:
-        num_sms = default_num_sms(device)
-    check_count("num_sms", num_sms)
-    m = num_m_blocks(1, heads)
-    parts = DecodeSplitConfig.from_heuristic(1, heads, num_sms).num_parts
-    return m * max(flashmla_busy_parts(requests, max(1, -(-topk // PAGE_SIZE)), parts), 1)
 
 
 def _schedule_heads(h_q: int) -> int:
