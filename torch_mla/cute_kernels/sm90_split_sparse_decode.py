@@ -127,7 +127,6 @@ from .ptx import (
     mapa_shared,
     mbarrier_wait_cluster,
     pack16x2,
-    prefetch_l2,
     stg_b32,
     stg_f32x2,
     sts,
@@ -397,16 +396,6 @@ XBULK = _dev_knob("XBULK", 0, (0, 1))
 # 359.8 against 388.9 at 128,2,128, 71.7 against 75.9 at 32,1,128; its GPU tests and memcheck
 # passed. The default since session 43 (0: the old layout).
 SECTORS = _dev_knob("SECTORS", 1, (0, 1))
-# ENTRY_PREFETCH 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_PREFETCH; session 44, compiled, not
-# yet run): as soon as the producer has its part's metadata, lanes 0-3 ask the L2 for the lines
-# of the first segment's first two blocks of entries (prefetch.global.L2: no register waits on
-# it), while the request's length and split count load; the entries' own loads, which wait for
-# those, then find them in the L2. ENTRY_EARLY's aim (one DRAM round trip less before a
-# segment's first rows can load: at b 2 h_q 128 block 0 is filled 4.8 us after the CTA starts,
-# session 44's trace) without its registers. Prediction: 0 to -0.3 us at b 2 (the benchmark's
-# entries, 16-32 KB a step and the same every replay, may already sit in the L2, and then
-# nothing changes), no change at b 32 and 128 (within 0.5%).
-ENTRY_PREFETCH = _dev_knob("ENTRY_PREFETCH", 0, (0, 1))
 NB_PRODUCER = 8  # the producer warpgroup only (XBULK)
 NB_P = NB_P0  # WG0 -> WG1 (the seesaw's ids, unused by this split)
 NB_FREE = NB_SCALE1  # WG1 -> WG0
@@ -568,9 +557,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         slots = cute.make_rmem_tensor(4, Int32)  # this lane's entries: this block's, the next's
         carry = cute.make_rmem_tensor(max(self.lookahead, 1) * self._half_words(), Int32)
         last = cute.size(mLens) - 1
-        if const_expr(ENTRY_PREFETCH == 1):
-            self._prefetch_entries(mIdx, cutlass.min(walk.begin_req, last), walk.begin_blk,
-                                   Int32(walk.begin_req <= walk.end_req))
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
             early = None
@@ -637,17 +623,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """This lane's two entries of block blk of request r (_entries), with the request's
         length read once a segment (ENTRY_LEN 1) or with every block (0)."""
         return self._entries(self._page(mIdx, r, blk), length if ENTRY_LEN == 1 else None)
-
-    @cute.jit
-    def _prefetch_entries(self, mIdx, r, blk, ok: Int32):
-        """ENTRY_PREFETCH: lanes 0-3 of each producer warp ask the L2 for the 128-byte lines of
-        entries (keys 32 lane ..) of blocks blk and blk + 1 of one-token request r, clamped
-        into the row (nothing outside mIdx is named; ok 0 or topk 0: none)."""
-        lane = cute.arch.lane_idx()
-        n = mIdx.shape[1]
-        key = cutlass.min(cutlass.max(blk, 0) * PAGE_SIZE + 32 * lane, cutlass.max(n - 1, 0))
-        addr = (mIdx.iterator + cute.crd2idx((r, key), mIdx.layout)).toint()
-        prefetch_l2(addr, Int32((lane < 4) & (ok != 0) & (n > 0)))
 
     @cute.jit
     def _raw_entries(self, mIdx, r, blk):
