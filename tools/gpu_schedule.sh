@@ -1,14 +1,14 @@
 #!/usr/bin/env bash
-# The schedule's part count (session 44: as few parts as keep the heaviest at ceil(T / P)
-# units) on an H100/H200, one device call: logs in $OUT, a summary printed last.
+# The schedule's part count (as few parts as keep the heaviest at ceil(T / P) units; built in
+# session 44, run and merged in session 45) on an H100/H200, one device call: logs in $OUT, a
+# summary printed last.
 #
 #   source .devpkgs/b/setup.sh && bash tools/gpu_schedule.sh [MODE]
 #
-#   check   the schedule kernel against compute_schedule and the schedule-mismatch tests
-#           (tests/test_small_kernels.py -k schedule), the sparse rows (ROWS) of the working
-#           tree and of .abtrees/old (the tree before the change: `git archive main torch_mla
-#           tools benchmarks | tar -x -C .abtrees/old` before merging branch
-#           schedule-fewer-parts), each in its own kernel cache,
+#   check   the schedule kernel against compute_schedule (tests/test_small_kernels.py -k
+#           schedule), the sparse rows (ROWS) of the working tree and of .abtrees/old (a tree
+#           to compare with; before the rule: `git archive 13cf9de torch_mla tools benchmarks |
+#           tar -x -C .abtrees/old`, as run in session 45), each in its own kernel cache,
 #           alternated twice with FlashMLA (tools/sparse_rows.py split / flashmla), then
 #           tests/test_schedule_mismatch.py and the split's sparse tests
 #           (tests/test_sparse_kernel.py -k sm90_split)

@@ -82,8 +82,8 @@
 #             those knobs: docs/benchmarks-h100.md, session 40)
 #   sms       the small-batch rows (b 2-32, the 656-byte rows, h_q 64 and 128) on the split under
 #             schedules made for fewer SMs (tools/sparse_rows.py's SMS: 132, 64, 32, 16; fewer,
-#             longer pieces and fewer CTAs), two rounds alternated with FlashMLA (session 44;
-#             its FlashMLA piece-rule round went with that knob in session 45):
+#             longer pieces and fewer CTAs), two rounds alternated with FlashMLA (its round
+#             under TORCH_MLA_DEV_SPARSE_PIECES=flashmla went with that knob in session 45):
 #             whether the small batches' time is the pieces' fixed cost (docs/kernels/sparse.md,
 #             session 32)
 #   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla,
@@ -115,8 +115,8 @@
 #             producer's conversion gets shorter (session 36); then FlashMLA's times
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
-#             (tools/sparse_kernel_times.py), then the rows under the default schedule and
-#             FlashMLA's piece rule, alternated twice with FlashMLA
+#             (tools/sparse_kernel_times.py), then the rows under the default schedule,
+#             alternated twice with FlashMLA
 #   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY; RE: builds among
 #             D, C (SCOPE cta), E, CE, default "D E") against the defaults, smoke, the rows
 #             alternated twice with FlashMLA, then the split's fp8 tests (ETESTS, default E);

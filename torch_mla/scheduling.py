@@ -10,8 +10,8 @@ of the first Q parts; the other parts are empty. A part walks its run request by
 cut across parts is computed as partial results that the combine step merges. Cutting the stream
 into num_parts runs would not shorten the heaviest, but would cut requests into more pieces, each
 writing fp32 partial results that the combine reads back: at b 2, topk 2048, h_q 128 (74 units, 66
-parts) 37 runs of 2 units instead of 66 of 1 or 2: the same schedule made for fewer SMs ran 24.7
-against 26.0 us a step (H100, docs/kernel-notes.md, session 44). When cutting only at request
+parts) 37 runs of 2 units instead of 66 of 1 or 2: 24.7 against 26.2 us a step (H100, same start,
+docs/kernel-notes.md, session 45). When cutting only at request
 boundaries costs little (the heaviest part at most ``OVERHEAD_BLOCKS`` units heavier: a batch of
 many equal requests), no request is split (:func:`whole_request_cuts`).
 
