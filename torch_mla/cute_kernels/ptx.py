@@ -312,6 +312,13 @@ def stg_f32x2(addr, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
+def stg_b32x4(addr, words: list, *, loc=None, ip=None) -> None:
+    """Four 32-bit words to global address addr (16-byte aligned): one st.global.v4.b32."""
+    _store_global(addr, [Int32(w) for w in words], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+                  "l,r,r,r,r", loc, ip)
+
+
+@dsl_user_op
 def stg_b32(addr, word: Int32, *, loc=None, ip=None) -> None:
     """One 32-bit word to global address addr (4-byte aligned): st.global.b32."""
     _store_global(addr, [Int32(word)], "st.global.b32 [$0], $1;", "l,r", loc, ip)

@@ -78,6 +78,8 @@ from .ptx import (
 
 N_TILES = D_QK // 64  # 64-column tiles of a page (8 of V + 1 of RoPE)
 HALF_V = D_V // 2
+# The epilogue's staged O: a warpgroup's 64 x HALF_V rows, this many elements apart (_stage_o).
+STAGE_STRIDE = HALF_V + 8
 # Fast mode's P is 2^P_SHIFT times the probabilities (at most 256 of e4m3's 448).
 P_SHIFT = 8.0
 
@@ -1439,16 +1441,32 @@ class MLADecodeSm90(DecodeKernel):
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
                          m_block, valid_rows, r0, c0, wg, wtid):
-        """This warpgroup's half of O (64 x 256) * inv -> smem (its own region of the page
-        buffers, rows padded by 8 elements so that the lanes of a store phase hit 32 distinct
-        banks) -> rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy
-        per row. The issuing threads wait until the copies have read shared memory, so the
-        buffers are free at the next __syncthreads."""
+        """This warpgroup's half of O (64 x 256) * inv staged in shared memory (_stage_o) ->
+        rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:] by one bulk copy per row.
+        The issuing threads wait until the copies have read shared memory, so the buffers are
+        free at the next __syncthreads."""
         nbytes = out_dtype.width // 8
+        base = self._stage_o(acc_O, inv, k_base, out_dtype, r0, c0, wg)
+        self._stamp(7)
+        if wtid < valid_rows:
+            row = m_block * BLOCK_M + wtid
+            dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
+            src = base + wtid * STAGE_STRIDE
+            bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
+            cute.arch.cp_async_bulk_commit_group()
+            cute.arch.cp_async_bulk_wait_group(0, read=True)
+        self._stamp(8)
+
+    @cute.jit
+    def _stage_o(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, r0, c0, wg):
+        """This warpgroup's half of O (64 x 256) * inv in out_dtype -> its own region of the
+        page buffers, rows STAGE_STRIDE elements apart (padded by 8 so that the lanes of a store
+        phase hit 32 distinct banks), fenced for the async proxy and then the warpgroup's
+        barrier: the region's pointer (out_dtype elements)."""
         # Lane (k, m) = (lane // 4, lane % 4) stores at word k * stride_words + 2 m (fp32 pairs,
         # two 16-lane phases) or k * stride_words + m (16-bit pairs, one phase): a stride of
         # 8 words mod 32 (fp32) or 4 words mod 32 (16-bit) spreads them over all 32 banks.
-        stride = HALF_V + 8
+        stride = STAGE_STRIDE
         base = cute.recast_ptr(k_base, dtype=out_dtype) + wg * (BLOCK_M * stride)
         sO = cute.make_tensor(base, cute.make_layout((BLOCK_M, HALF_V), stride=(stride, 1)))
         pair = cute.make_rmem_tensor(2, out_dtype)
@@ -1463,15 +1481,7 @@ class MLADecodeSm90(DecodeKernel):
             cute.arch.barrier(barrier_id=NB_WG0, number_of_threads=128)
         else:
             cute.arch.barrier(barrier_id=NB_WG1, number_of_threads=128)
-        self._stamp(7)
-        if wtid < valid_rows:
-            row = m_block * BLOCK_M + wtid
-            dst = gOut.iterator + cute.crd2idx((row, wg * HALF_V), gOut.layout)
-            src = base + wtid * stride
-            bulk_s2g(dst.toint(), src.toint(), HALF_V * nbytes)
-            cute.arch.cp_async_bulk_commit_group()
-            cute.arch.cp_async_bulk_wait_group(0, read=True)
-        self._stamp(8)
+        return base
 
     @cute.jit
     def _page(self, mBlockTable, r: Int32, blk: Int32) -> Int32:

@@ -124,15 +124,17 @@ from .ptx import (
     bulk_s2cluster,
     e4m3_store16,
     ldg_or_zero,
+    lds128,
     mapa_shared,
     mbarrier_wait_cluster,
     pack16x2,
     stg_b32,
+    stg_b32x4,
     stg_f32x2,
     sts,
 )
 from .sm80_sparse_decode import MLASparseDecodeStep
-from .sm90_decode import BLOCK_M, HALF_V, N_TILES, NB_P0, NB_SCALE1, fence_operand
+from .sm90_decode import BLOCK_M, HALF_V, N_TILES, NB_P0, NB_SCALE1, STAGE_STRIDE, fence_operand
 from .sm90_producer_sparse_decode import MLASparseDecodeSm90Producer
 from .sm90_sparse_decode import TILE16, request_length, row_source
 
@@ -190,6 +192,16 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # first block converted before the next one's loads, measured 3-9% slower on every row on an
 # H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
+# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; session 45, compiled, not yet run):
+# O staged in the page buffers as by default, then copied out by the warpgroup's threads, 16
+# bytes a lane (ld.shared.v4, st.global.v4: a warp writes 512 contiguous bytes an instruction),
+# in place of a 1 KB bulk copy a row and the wait for the bulk engine to read it. The 2,1,128
+# trace of session 45: 2.6 us of a 3.8 us epilogue waiting for 64 bulk copies a warpgroup to
+# read 128 KB a CTA (~49 GB/s an SM); a thread's stores need no wait (its loads have returned
+# before it stores), so if the bulk engine's per-copy cost, not the store path, holds that
+# wait, the threads' copy ends sooner. Prediction (before any run): -0.5 to -1.5 us at b 2
+# (h_q 64 and 128), within 1% at b 32 and 128; if the SM's store path is the bound, no gain.
+EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -824,7 +836,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:]: columns 8 j + c0 + {0, 1} of rows
         r0 and r0 + 8, one st.global of 8 bytes (fp32) or 4 (16-bit) a pair; a quad's four
         lanes write 32 or 16 contiguous bytes."""
-        if const_expr(not self.o_direct):
+        if const_expr(not self.o_direct and EPI_COPY == 1):
+            self._stage_and_copy(acc_O, inv, k_base, out_dtype, gOut, m_block, valid_rows, r0,
+                                 c0, wg, wtid)
+        elif const_expr(not self.o_direct):
             MLASparseDecodeSm90Producer._stage_and_store(
                 self, acc_O, inv, k_base, out_dtype, gOut, m_block, valid_rows, r0, c0, wg,
                 wtid)
@@ -843,6 +858,29 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         else:
                             stg_b32(addr + 8 * j * nbytes,
                                     pack16x2(lo, hi, out_dtype == cutlass.BFloat16))
+
+    @cute.jit
+    def _stage_and_copy(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut, m_block,
+                        valid_rows, r0, c0, wg, wtid):
+        """EPI_COPY: O staged as by default (_stage_o), then rows [0, valid_rows) of the
+        warpgroup's 64 x 256 copied to gOut[m_block * 64 + row, 256 wg:] by its 128 threads, 16
+        bytes a lane a step: chunk i of the region is row i // per_row, bytes 16 (i % per_row)
+        of it, so a warp reads 512 contiguous bytes of a staged row (no bank conflict) and
+        writes 512 contiguous bytes of the output row. The loads complete before the stores
+        that use them, so the buffers are free once the loop ends: no wait."""
+        nbytes = out_dtype.width // 8
+        per_row = HALF_V * nbytes // 16  # 16-byte chunks of a row: 64 (fp32) or 32 (16-bit)
+        base = self._stage_o(acc_O, inv, k_base, out_dtype, r0, c0, wg)
+        self._stamp(7)
+        src0 = base.toint()
+        for i in cutlass.range(wtid, valid_rows * per_row, 128, unroll=4):
+            row = i // per_row
+            col = (i % per_row) * 16
+            words = lds128(src0 + row * (STAGE_STRIDE * nbytes) + col)
+            dst = gOut.iterator + cute.crd2idx((m_block * BLOCK_M + row, wg * HALF_V),
+                                               gOut.layout)
+            stg_b32x4(dst.toint() + col, words)
+        self._stamp(8)
 
     @cute.jit
     def _wg0_block(self, b, lo, hi, s: cutlass.Constexpr[int], border, min_border, acc_S,
