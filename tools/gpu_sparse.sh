@@ -86,6 +86,9 @@
 #             under TORCH_MLA_DEV_SPARSE_PIECES=flashmla went with that knob in session 45):
 #             whether the small batches' time is the pieces' fixed cost (docs/kernels/sparse.md,
 #             session 32)
+#   pairmin   h_q 128 at 2-16 one-token requests (ROWS) with the cluster pair (the default) and
+#             without it (TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16), two rounds alternated with
+#             FlashMLA (session 45's plan, docs/kernel-notes.md)
 #   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla,
 #             benchmarks and tools, taken along), same start: both trees' split steps built at once, the
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
@@ -618,6 +621,22 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"
+    finish; exit ;;
+  pairmin)  # (session 45's plan: the pair against one CTA an m-block at few tokens, h_q 128)
+    preamble flashmla-sm90-sparse
+    run precompile 100 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule --dtypes bf16 --jobs 16
+    R=${ROWS:-"2,1,128 2,2,128 4,1,128 8,1,128 16,1,128"}
+    for round in 1 2; do
+      run "pm_d_$round" 40 env TAG="r$round pair" python -m tools.sparse_rows split 656 $R
+      stop_if_hung "pm_d_$round"
+      run "pm_n_$round" 40 env TAG="r$round nopair" TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 \
+        python -m tools.sparse_rows split 656 $R
+      stop_if_hung "pm_n_$round"
+      run "pm_fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    grep -h " us" "$OUT"/pm_*.log > "$OUT/pm_all.txt"
+    cat "$OUT/pm_all.txt"
     finish; exit ;;
   split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
     # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)
