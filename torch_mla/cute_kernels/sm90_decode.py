@@ -281,6 +281,9 @@ class MLADecodeSm90(DecodeKernel):
     # Q K^T's RoPE tile from registers (rQ8: its shared-memory tile holds P1); False: from
     # shared memory like the others (the split subclass, which has no P1).
     rope_in_regs = True
+    # The part's metadata row loaded before the prologue's barrier setup and syncs (its
+    # latency under theirs) rather than after them (the split subclass's META_EARLY knob).
+    meta_early = False
 
     def _wait_half(self, bar, parity):
         """A wait on a buffer half's mbarrier: its tiles' before its MMAs (and a producer
@@ -462,6 +465,8 @@ class MLADecodeSm90(DecodeKernel):
         barK = storage.barK.data_ptr()
         barQ = storage.barQ.data_ptr()
 
+        if const_expr(self.meta_early):
+            walk = splitkv.read_part(mMeta, part)
         if const_expr(could_be(wg, 0)):  # (thread 0 is WG0's)
             if tidx == 0:
                 if const_expr(not self.fast):
@@ -569,7 +574,8 @@ class MLADecodeSm90(DecodeKernel):
         self.d_rows = mO.shape[1]
         self.d_h_q = mLSE.shape[1]
         self.d_s_q = mLSE.shape[2]
-        walk = splitkv.read_part(mMeta, part)
+        if const_expr(not self.meta_early):
+            walk = splitkv.read_part(mMeta, part)
 
         # With a producer warpgroup (WG2: the sparse producer subclass) it fills the page
         # buffers over the same walk, and the consumers below only release buffer halves.

@@ -202,6 +202,13 @@ O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # wait, the threads' copy ends sooner. Prediction (before any run): -0.5 to -1.5 us at b 2
 # (h_q 64 and 128), within 1% at b 32 and 128; if the SM's store path is the bound, no gain.
 EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
+# META_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY; session 45, compiled, not yet
+# run): the part's metadata row is loaded before the prologue's mbarrier setup, __syncthreads
+# and (with the pair) the cluster sync, not after them (MLADecodeSm90.meta_early). The 2,1,128
+# trace of session 45: the segment is known 1.7 us after the post-sync start stamp (the
+# metadata, then the request's length: two dependent loads). Prediction (before any run): 0 to
+# -0.3 us at b 2 (the syncs' time, not measured), b 32 and 128 within 0.5%.
+META_EARLY = _dev_knob("META_EARLY", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -472,6 +479,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.o_direct = O_DIRECT == 1  # (its comment)
         self.xbulk = XBULK == 1 and pair and PEER == 1  # (its comment)
         self.sectors = SECTORS == 1 and pair  # (its comment)
+        self.meta_early = META_EARLY == 1  # (its comment)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
