@@ -1409,7 +1409,8 @@ class MLADecodeSm90(DecodeKernel):
                   r_next: Int32):
         """Normalizes O and writes it (dtype) or the fp32 partial of a split request (slot).
         Once both warpgroups are past their last MMA, the next segment's Q starts loading
-        (next_q); the output is staged in the page buffers and written by bulk copies."""
+        (next_q); the output is staged in the page buffers and written by bulk copies (the split
+        subclass's EPI_COPY: by its threads)."""
         tidx = wg * 128 + wtid
         for h in cutlass.range_constexpr(2):
             s = row_sum[h]

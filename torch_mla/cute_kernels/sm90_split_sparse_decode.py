@@ -192,14 +192,17 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # first block converted before the next one's loads, measured 3-9% slower on every row on an
 # H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
-# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; session 45, compiled, not yet run):
+# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; session 45, compiled, not yet run;
+# spills 0 / 0 bytes with the pair, 12 / 44 without it and over the 16-bit cache):
 # O staged in the page buffers as by default, then copied out by the warpgroup's threads, 16
 # bytes a lane (ld.shared.v4, st.global.v4: a warp writes 512 contiguous bytes an instruction),
-# in place of a 1 KB bulk copy a row and the wait for the bulk engine to read it. The 2,1,128
-# trace of session 45: 2.6 us of a 3.8 us epilogue waiting for 64 bulk copies a warpgroup to
-# read 128 KB a CTA (~49 GB/s an SM); a thread's stores need no wait (its loads have returned
-# before it stores), so if the bulk engine's per-copy cost, not the store path, holds that
-# wait, the threads' copy ends sooner. Prediction (before any run): -0.5 to -1.5 us at b 2
+# in place of a bulk copy a row (1 KB of fp32 partials, 512 B of output) and the wait for the
+# bulk engine to read them. The 2,1,128 trace of session 45: 2.6 us of a 3.8 us epilogue
+# waiting for 64 bulk copies a warpgroup to read 128 KB a CTA (~49 GB/s an SM). The threads
+# need no such wait: their ld.shared reads come before the next segment's consumer barrier and
+# release in program order, as every other read of the buffers does, so if the bulk engine's
+# per-copy cost, not the store path, holds that wait, the threads' copy ends sooner. O_DIRECT
+# takes precedence. Prediction (before any run): -0.5 to -1.5 us at b 2
 # (h_q 64 and 128), within 1% at b 32 and 128; if the SM's store path is the bound, no gain.
 EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
 # META_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY; session 45, compiled, not yet
@@ -839,11 +842,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     @cute.jit
     def _stage_and_store(self, acc_O, inv, k_base, out_dtype: cutlass.Constexpr, gOut,
                          m_block, valid_rows, r0, c0, wg, wtid):
-        """The dense kernel's epilogue store (O staged in the page buffers, bulk copies), or
-        with o_direct this thread's values of O * inv straight from the accumulators to rows
-        [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:]: columns 8 j + c0 + {0, 1} of rows
-        r0 and r0 + 8, one st.global of 8 bytes (fp32) or 4 (16-bit) a pair; a quad's four
-        lanes write 32 or 16 contiguous bytes."""
+        """The dense kernel's epilogue store (O staged in the page buffers, bulk copies), with
+        EPI_COPY the same staging copied out by the threads (_stage_and_copy), or with o_direct
+        (which takes precedence over EPI_COPY) this thread's values of O * inv straight from
+        the accumulators to rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:]: columns
+        8 j + c0 + {0, 1} of rows r0 and r0 + 8, one st.global of 8 bytes (fp32) or 4 (16-bit)
+        a pair; a quad's four lanes write 32 or 16 contiguous bytes."""
         if const_expr(not self.o_direct and EPI_COPY == 1):
             self._stage_and_copy(acc_O, inv, k_base, out_dtype, gOut, m_block, valid_rows, r0,
                                  c0, wg, wtid)
@@ -874,20 +878,25 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         warpgroup's 64 x 256 copied to gOut[m_block * 64 + row, 256 wg:] by its 128 threads, 16
         bytes a lane a step: chunk i of the region is row i // per_row, bytes 16 (i % per_row)
         of it, so a warp reads 512 contiguous bytes of a staged row (no bank conflict) and
-        writes 512 contiguous bytes of the output row. The loads complete before the stores
-        that use them, so the buffers are free once the loop ends: no wait."""
+        writes 512 contiguous bytes of the output row. No wait after: the reads come before the
+        next segment's consumer barrier and release of these buffers in program order. The loop
+        has the same trip count in every thread (a predicated body), so ptxas keeps its proof
+        that the walk is warp-convergent (splitkv.empty_segment's reason)."""
         nbytes = out_dtype.width // 8
         per_row = HALF_V * nbytes // 16  # 16-byte chunks of a row: 64 (fp32) or 32 (16-bit)
         base = self._stage_o(acc_O, inv, k_base, out_dtype, r0, c0, wg)
         self._stamp(7)
         src0 = base.toint()
-        for i in cutlass.range(wtid, valid_rows * per_row, 128, unroll=4):
-            row = i // per_row
-            col = (i % per_row) * 16
-            words = lds128(src0 + row * (STAGE_STRIDE * nbytes) + col)
-            dst = gOut.iterator + cute.crd2idx((m_block * BLOCK_M + row, wg * HALF_V),
-                                               gOut.layout)
-            stg_b32x4(dst.toint() + col, words)
+        total = valid_rows * per_row
+        for j in cutlass.range((total + 127) // 128, unroll=4):
+            i = j * 128 + wtid
+            if i < total:
+                row = i // per_row
+                col = (i % per_row) * 16
+                words = lds128(src0 + row * (STAGE_STRIDE * nbytes) + col)
+                dst = gOut.iterator + cute.crd2idx((m_block * BLOCK_M + row, wg * HALF_V),
+                                                   gOut.layout)
+                stg_b32x4(dst.toint() + col, words)
         self._stamp(8)
 
     @cute.jit
