@@ -191,11 +191,11 @@ def compute_schedule(
     # The part holding stream position x: the p with p T / Q <= x < (p + 1) T / Q (rounded down).
     first_part = ((first_real + 1) * q + t - 1) // t - 1
     last_part = ((first_real + nb) * q + t - 1) // t - 1
-    # Pieces are counted over non-empty parts only (the parts from Q on are empty).
-    rank = torch.cumsum(nonempty.to(torch.int64), 0) - 1
-    first_rank = rank[first_part.clamp(0, num_parts - 1)]
-    nsplit = torch.where(nb > 0, rank[last_part.clamp(0, num_parts - 1)] - first_rank + 1, 0)
-    begin_split = (rank - first_rank[bi]).clamp(min=0)
+    # Pieces are counted over non-empty parts only: those are the parts before Q, so a part's
+    # rank among them is its index, clamped to Q - 1 (the schedule kernel's closed form).
+    first_rank = first_part.clamp(min=0, max=q - 1)
+    nsplit = torch.where(nb > 0, last_part.clamp(min=0, max=q - 1) - first_rank + 1, 0)
+    begin_split = (torch.arange(num_parts, device=dev) - first_rank[bi]).clamp(min=0)
     meta[:, 0] = torch.where(nonempty, begin_req, b).to(torch.int32)
     meta[:, 1] = torch.where(nonempty, begin_blk, 0).to(torch.int32)
     meta[:, 2] = torch.where(nonempty, end_req, b - 1).to(torch.int32)
