@@ -193,8 +193,9 @@ def compute_schedule(
     last_part = ((first_real + nb) * q + t - 1) // t - 1
     # Pieces are counted over non-empty parts only: those are the parts before Q, so a part's
     # rank among them is its index, clamped to Q - 1 (the schedule kernel's closed form).
-    first_rank = first_part.clamp(min=0, max=q - 1)
-    nsplit = torch.where(nb > 0, last_part.clamp(min=0, max=q - 1) - first_rank + 1, 0)
+    # (torch.minimum: q is a 0-dim tensor, which clamp's max would read on the host)
+    first_rank = torch.minimum(first_part.clamp(min=0), q - 1)
+    nsplit = torch.where(nb > 0, torch.minimum(last_part.clamp(min=0), q - 1) - first_rank + 1, 0)
     begin_split = (torch.arange(num_parts, device=dev) - first_rank[bi]).clamp(min=0)
     meta[:, 0] = torch.where(nonempty, begin_req, b).to(torch.int32)
     meta[:, 1] = torch.where(nonempty, begin_blk, 0).to(torch.int32)
