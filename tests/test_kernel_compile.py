@@ -360,7 +360,9 @@ from torch_mla.ops import registry
 """ + PTXAS_FIGURES + r"""
 backend, cls = sys.argv[3], sys.argv[4]  # ("sm90_producer", its class name) or the split's
 columns = int(sys.argv[5]) if len(sys.argv) > 5 else 0  # (the split's cluster pair: 128)
-registry.build(registry.SparseStepConfig(backend, sys.argv[1], sys.argv[2], columns), "sm_90a")
+short = len(sys.argv) > 6 and sys.argv[6] == "True"  # (the split's short build)
+registry.build(registry.SparseStepConfig(backend, sys.argv[1], sys.argv[2], columns, short),
+               "sm_90a")
 counts, ptxas = {}, {}
 for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
     for ptx in open(f).read().split(".entry ")[1:]:
@@ -374,7 +376,8 @@ for f in glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx")):
                   "mbarrier.arrive.release.cluster", "mbarrier.arrive.shared::cluster.b64",
                   "mbarrier.arrive.expect_tx",
                   "try_wait.parity.acquire.cluster",
-                  "ld.local", "st.local", "vprintf", "trap;", "%globaltimer", "%clock64"]:
+                  "ld.local", "st.local", "vprintf", "trap;", "%globaltimer", "%clock64",
+                  "st.global.v4", "ld.shared.v4", "cp.async.bulk.global.shared"]:
             counts[k] = counts.get(k, 0) + len(re.findall(re.escape(k), ptx))
         for v in ("v4", "v2"):  # (the read-only loads, whatever their cache hints)
             counts["ldnc." + v] = counts.get("ldnc." + v, 0) + len(
@@ -388,18 +391,18 @@ print(json.dumps({"counts": counts, "ptxas": ptxas}))
 
 
 def producer_run(dtype, cache, backend="sm90_producer", cls="MLASparseDecodeSm90Producer",
-                 columns=0):
-    return python("-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend, cls, columns,
+                 columns=0, short=False):
+    return python("-c", PRODUCER_SPARSE_SCRIPT, dtype, cache, backend, cls, columns, short,
                   env={"CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx", **REMARKS})
 
 
-def split_run(dtype, cache, columns):
-    return producer_run(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns)
+def split_run(dtype, cache, columns, short):
+    return producer_run(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns, short)
 
 
-def _producer_counts(dtype, cache, backend, cls, columns=0):
+def _producer_counts(dtype, cache, backend, cls, columns=0, short=False):
     """PRODUCER_SPARSE_SCRIPT on one producer-kernel variant: (PTX counts, ptxas figures)."""
-    res = result(producer_run(dtype, cache, backend, cls, columns))
+    res = result(producer_run(dtype, cache, backend, cls, columns, short))
     assert res.returncode == 0, res.stderr[-4000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
     return got["counts"], got["ptxas"] or kernel_figures(res.stdout + res.stderr, cls)
@@ -442,9 +445,11 @@ def test_sm90_producer_sparse_kernel_compiles(dtype, cache):
 
 
 @ahead(split_run)
-@pytest.mark.parametrize("dtype,cache,columns", [("bf16", "fp8_ds_mla", 0), ("fp16", "plain", 0),
-                                                 ("bf16", "fp8_ds_mla", 128)])
-def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
+@pytest.mark.parametrize("dtype,cache,columns,short", [
+    ("bf16", "fp8_ds_mla", 0, False), ("fp16", "plain", 0, False),
+    ("bf16", "fp8_ds_mla", 128, False), ("fp16", "plain", 0, True),
+    ("bf16", "fp8_ds_mla", 128, True)])
+def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     """The SM90 sparse kernel with FlashMLA's warpgroup split (sm90_split_sparse_decode.py;
     the default at 64-128 heads over the 16-bit cache and the 656-byte rows). Its producer
     fills one block a loop step, the buffer a runtime index: two inlined fills (one a half).
@@ -471,10 +476,17 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     complete acquiring at cluster scope); each traced copy syncs the cluster after the
     barriers' set-up and at the end. Its producer loads the next block's chunks before
     converting this block's (AHEAD_PAIR 2): the chunk and scale loads at two sites, the
-    segment's first block and the loop's next."""
+    segment's first block and the loop's next.
+
+    short, the build for parts of few blocks (EPI_COPY and ENTRY_EARLY on): O copied out by
+    the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
+    warpgroup's copy of the epilogue, for each output dtype), no bulk store from shared memory;
+    the default build the reverse; ptxas: spill at most 64 bytes (12 / 44 seen over the
+    16-bit cache, session 46)."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import (
         AHEAD,
         AHEAD_PAIR,
+        EPI_COPY,
         PIPE,
         REGS,
         SCOPE,
@@ -482,7 +494,12 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     )
 
     assert sum(REGS) == 3 * 168, REGS
-    c, p = _producer_counts(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns)
+    c, p = _producer_counts(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns,
+                            short)
+    copies = short or EPI_COPY == 1
+    assert (c["st.global.v4"] > 0) == copies and (c["ld.shared.v4"] > 0) == copies, c
+    assert c["st.global.v4"] == c["ld.shared.v4"], c
+    assert (c["cp.async.bulk.global.shared"] == 0) == copies, c
     # (PIPE, a developer knob: WG0's a segment's first S before the loop, the loop's two block
     # sites each issuing the next block's, then the last one or two blocks: 36 + 2 x 40 + 44 + 4;
     # WG1's two sites 2 x 4)
@@ -524,7 +541,8 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns):
     print(f"sm90_split {dtype} {cache}: ptxas {p}")
     if p:
         assert not p["serialised"] and p["registers"] == 168, p
-        assert p["spill"] <= (64 if ds else 0), p
+        # (the short build over the 16-bit cache: 12 / 44 bytes, session 46)
+        assert p["spill"] <= (64 if ds or short else 0), p
 
 KEYSM_SPARSE_SCRIPT = r"""
 import glob, json, os, re, sys

@@ -3,6 +3,7 @@
 call. The oracle here is independent of torch_mla: a float64 loop over query tokens, and cache
 bytes decoded from their bit fields (not through torch's fp8/bf16/fp32 views)."""
 
+import dataclasses
 import math
 import struct
 import warnings
@@ -909,10 +910,10 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
         sparse_ops.run_sparse_step("sm90_keysm", q, cache, idx, None, None, sched.metadata,
                                    sched.num_splits, 0.1, 512, kv_scale)
         assert calls.pop()[0] == ("sm90_keysm", torch.bfloat16,
-                                  {"bf16": "plain", "fp8": "e4m3"}[fmt], "sm_86", 16)
+                                  {"bf16": "plain", "fp8": "e4m3"}[fmt], "sm_86", 16, False)
     ((key, args),) = calls
     assert key == ("sm80", torch.bfloat16, {"bf16": "plain", "fp8": "e4m3"}.get(fmt, fmt), "sm_86",
-                   0)
+                   0, False)
     assert len(args) == 13 and args[-1] is kv_scale
     width = 656 if fmt == "fp8_ds_mla" else 576
     assert args[1].shape == (2, PAGE, width)
@@ -988,6 +989,35 @@ def test_split_pair_rows(monkeypatch):
     assert registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128).key() == {
         "dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128}
     for bad in [("sm90_split", "bf16", "plain", 128), ("sm90_split", "bf16", "fp8_ds_mla", 64),
-                ("sm90_producer", "bf16", "fp8_ds_mla", 128)]:
+                ("sm90_producer", "bf16", "fp8_ds_mla", 128),
+                ("sm90", "bf16", "fp8_ds_mla", 0, True)]:
         with pytest.raises(ValueError, match="no sparse decode kernel"):
             registry.SparseStepConfig(*bad)
+
+
+def test_split_short_parts(monkeypatch):
+    """The split's short build (ops.sparse.split_short_parts) where the tokens' blocks of 64
+    entries come to at most SPLIT_SHORT_BLOCKS a part; its own cache entry (key "short"), in
+    the precompile list beside each default split build."""
+    from torch_mla.ops import registry
+
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 2)
+    # h_q 128 on 132 SMs: 66 parts; topk 2048 is 32 blocks a token
+    assert [sparse_ops.split_short_parts(n, 2048, 66) for n in (1, 2, 4, 5, 32)] == [
+        True, True, True, False, False]
+    assert sparse_ops.split_short_parts(8, 2048, 132)  # (h_q 64: twice the parts)
+    assert not sparse_ops.split_short_parts(9, 2048, 132)
+    assert sparse_ops.split_short_parts(16, 500, 66)  # (8 blocks a token: 500 rounds up)
+    assert not sparse_ops.split_short_parts(17, 500, 66)
+    assert not sparse_ops.split_short_parts(2, 2048, 0)  # (no part)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 0)
+    assert not sparse_ops.split_short_parts(1, 64, 132)
+    short = registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128, True)
+    assert short.key() == {"dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128, "short": True}
+    assert registry.SparseStepConfig("sm90_split", "fp16", "plain", 0, True).key() == {
+        "dtype": "fp16", "short": True}
+    listed = [v.config for v in registry.variants(("bf16", "fp16"), kernels=("sparse",))]
+    split = [c for c in listed if isinstance(c, registry.SparseStepConfig)
+             and c.backend == "sm90_split"]
+    assert len(split) == 2 * 4 and {c for c in split if c.short} == {
+        dataclasses.replace(c, short=True) for c in split if not c.short}, split

@@ -41,7 +41,13 @@ def _take(kernel: str, monkeypatch) -> str:
     TORCH_MLA_SPARSE_KEYSM_RS=1 for "sm90_keysm_rs" (its ping-pong variant: the FP8 caches,
     every h_q): the other shapes' cases skip (check_against_fp64); "sm90_producer" as "sm90"
     with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant), "sm90_split" with
-    =split (FlashMLA's warpgroup split)."""
+    =split (FlashMLA's warpgroup split) and its default build at every shape, and
+    "sm90_split_short" the same with its short build at every shape
+    (ops.sparse.SPLIT_SHORT_BLOCKS). Returns the backend's name ("sm90_split" for both)."""
+    if kernel.startswith("sm90_split"):
+        short = kernel == "sm90_split_short"
+        monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 1 << 30 if short else 0)
+        kernel = "sm90_split"
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
     sm90 = kernel in ("sm90", "sm90_producer", "sm90_split")
     if sm90 or keysm:
@@ -56,7 +62,8 @@ def _take(kernel: str, monkeypatch) -> str:
     return kernel
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer", "sm90_split"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer", "sm90_split",
+                        "sm90_split_short"])
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
     yield _take(request.param, monkeypatch)
@@ -345,7 +352,7 @@ FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", tor
 
 
 @pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_keysm_rs", "sm90_producer",
-                        "sm90_split"])
+                        "sm90_split", "sm90_split_short"])
 def fp8_kernel(request, monkeypatch):
     """The kernel the FP8 cases run (_take)."""
     yield _take(request.param, monkeypatch)
@@ -423,12 +430,13 @@ def test_fp8_entry_kinds_sm90_keysm_rs32(monkeypatch, fmt, dtype, h_q):
         _TAKEN["kernel"] = None
 
 
+@pytest.mark.parametrize("build", ["sm90_split", "sm90_split_short"])
 @pytest.mark.parametrize("h_q,s_q,topk", [(100, 3, 200), (128, 1, 2048), (128, 2, 64)])
-def test_fp8_entry_kinds_sm90_split_no_pair(monkeypatch, h_q, s_q, topk):
+def test_fp8_entry_kinds_sm90_split_no_pair(monkeypatch, h_q, s_q, topk, build):
     # The split over the 656-byte rows at 65-128 heads without its cluster pair
     # (TORCH_MLA_SPARSE_SPLIT_PAIR=0, and what ops.sparse.SPLIT_PAIR_MIN_TOKENS gives few
-    # tokens): one CTA an m-block, the second with h_q - 64 real rows.
-    _take("sm90_split", monkeypatch)
+    # tokens): one CTA an m-block, the second with h_q - 64 real rows; each build (_take).
+    _take(build, monkeypatch)
     monkeypatch.setenv("TORCH_MLA_SPARSE_SPLIT_PAIR", "0")
     try:
         assert sparse_ops.split_pair_rows(h_q, "fp8_ds_mla") == 0

@@ -89,6 +89,10 @@
 #   pairmin   h_q 128 at 2-16 one-token requests (ROWS) with the cluster pair (the default) and
 #             without it (TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16), two rounds alternated with
 #             FlashMLA (session 45's plan, docs/kernel-notes.md)
+#   short     the split's short build (TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS: 1073741824, every
+#             shape) against its default build (0, every shape) over the 656-byte rows (ROWS:
+#             h_q 128 and 64, b 2-128), two rounds alternated with FlashMLA (session 46: where
+#             ops.sparse.SPLIT_SHORT_BLOCKS should cut)
 #   tree_ab   the current tree against .abtrees/old (a copy of an earlier commit's torch_mla,
 #             benchmarks and tools, taken along), same start: both trees' split steps built at once, the
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
@@ -621,6 +625,23 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
       run "fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"
+    finish; exit ;;
+  short)  # (session 46: the short build's crossover)
+    preamble flashmla-sm90-sparse
+    run precompile 100 python -m torch_mla.precompile --arch sm_90a \
+      --kernels sparse_split,schedule --dtypes bf16 --jobs 16
+    R=${ROWS:-"2,1,128 2,2,128 4,1,128 4,2,128 8,1,128 16,1,128 32,1,128 128,1,128 2,1,64 2,2,64 4,1,64 8,1,64 16,1,64 32,1,64 128,1,64"}
+    for round in 1 2; do
+      run "sh_d_$round" 60 env TAG="r$round default" TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=0 \
+        python -m tools.sparse_rows split 656 $R
+      stop_if_hung "sh_d_$round"
+      run "sh_s_$round" 60 env TAG="r$round short" TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=1073741824 \
+        python -m tools.sparse_rows split 656 $R
+      stop_if_hung "sh_s_$round"
+      run "sh_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
+    done
+    grep -h " us" "$OUT"/sh_*.log > "$OUT/sh_all.txt"
+    cat "$OUT/sh_all.txt"
     finish; exit ;;
   pairmin)  # (session 45's plan: the pair against one CTA an m-block at few tokens, h_q 128)
     preamble flashmla-sm90-sparse

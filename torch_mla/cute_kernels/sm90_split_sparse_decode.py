@@ -192,26 +192,31 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # first block converted before the next one's loads, measured 3-9% slower on every row on an
 # H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
-# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; session 45, compiled, not yet run;
-# spills 0 / 0 bytes with the pair, 12 / 44 without it and over the 16-bit cache):
+# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; on in the short build, SHORT below):
 # O staged in the page buffers as by default, then copied out by the warpgroup's threads, 16
 # bytes a lane (ld.shared.v4, st.global.v4: a warp writes 512 contiguous bytes an instruction),
 # in place of a bulk copy a row (1 KB of fp32 partials, 512 B of output) and the wait for the
 # bulk engine to read them. The 2,1,128 trace of session 45: 2.6 us of a 3.8 us epilogue
 # waiting for 64 bulk copies a warpgroup to read 128 KB a CTA (~49 GB/s an SM). The threads
 # need no such wait: their ld.shared reads come before the next segment's consumer barrier and
-# release in program order, as every other read of the buffers does, so if the bulk engine's
-# per-copy cost, not the store path, holds that wait, the threads' copy ends sooner. O_DIRECT
-# takes precedence. Prediction (before any run): -0.5 to -1.5 us at b 2
-# (h_q 64 and 128), within 1% at b 32 and 128; if the SM's store path is the bound, no gain.
+# release in program order, as every other read of the buffers does. O_DIRECT takes
+# precedence. Predicted (session 45): -0.5 to -1.5 us at b 2, within 1% at b 32 and 128.
+# Measured (session 46, H100, same start as FlashMLA, two rounds, us, defaults / EPI_COPY 1):
+# 2,1,128 24.8, 24.9 / 24.0, 24.0; 2,1,64 22.9, 22.8 / 21.9, 21.9; but 2,2,128 27.7, 27.7 /
+# 28.4, 28.5; 32,1,128 70.8, 71.0 / 76.8, 76.6; 128,1,128 185.6, 186.2 / 202.8, 202.4: 8-9%
+# slower from b 32, more than the epilogues' count can cost (16 blocks a part at 32,1,128:
+# the blocks' code slower, not measured why). Alone, not a default; see SHORT.
 EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
-# META_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY; session 45, compiled, not yet
-# run): the part's metadata row is loaded before the prologue's mbarrier setup, __syncthreads
-# and (with the pair) the cluster sync, not after them (MLADecodeSm90.meta_early). The 2,1,128
-# trace of session 45: the segment is known 1.7 us after the post-sync start stamp (the
-# metadata, then the request's length: two dependent loads). Prediction (before any run): 0 to
-# -0.3 us at b 2 (the syncs' time, not measured), b 32 and 128 within 0.5%.
-META_EARLY = _dev_knob("META_EARLY", 0, (0, 1))
+# META_EARLY (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY, default 1 since session 46): the
+# part's metadata row is loaded before the prologue's mbarrier setup, __syncthreads and (with
+# the pair) the cluster sync, not after them (MLADecodeSm90.meta_early). The 2,1,128 trace of
+# session 45: the segment is known 1.7 us after the post-sync start stamp (the metadata, then
+# the request's length: two dependent loads). Predicted (session 45): 0 to -0.3 us at b 2, b 32
+# and 128 within 0.5%. Measured (session 46, H100, same start, two rounds, us, 0 / 1): 2,1,128
+# 24.8, 24.9 / 24.4, 24.4; 2,2,64 25.9, 26.0 / 25.9, 25.4; 32,1,128 70.8, 71.0 / 70.5, 70.4;
+# 128,1,128 185.6, 186.2 / 186.3, 185.8; 128,1,64 131.9, 131.8 / 131.3, 131.5; no row slower
+# by more than 0.1%. Its build passed the split's GPU tests (124) and memcheck (with SHORT's).
+META_EARLY = _dev_knob("META_EARLY", 1, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -333,8 +338,19 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # rows can load (meta row -> length and entries at once -> rows); the later blocks' entries
 # already load a block ahead. Session 43 (H100, same start): -0.6 us at 2,1,128 and -0.9 at
 # 2,1,64, +0.7% at 128,1,128 and +6.6% at 128,1,64 (the pair-less build spills 16 / 48 bytes).
-# Not the default.
+# Session 46 (H100, same start, two rounds, us, defaults / ENTRY_EARLY 1): 2,1,128 24.8, 24.9 /
+# 23.8, 23.8; 2,1,64 22.9, 22.8 / 21.4, 21.3; 2,2,64 25.9, 26.0 / 24.8, 24.8; but 32,1,128
+# 70.8, 71.0 / 75.4, 75.2, 128,1,128 185.6, 186.2 / 195.7, 195.8, 128,1,64 131.9, 131.8 /
+# 139.8, 139.8. Alone, not a default; see SHORT.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
+# The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
+# part holds few blocks): EPI_COPY and ENTRY_EARLY on. Each alone is ~1 us faster at b 2 and
+# 5-9% slower from b 32 (their comments); together (session 46, H100, same start as FlashMLA,
+# two rounds, us, defaults / both with META_EARLY / FlashMLA): 2,1,128 24.8, 24.9 / 22.6, 22.7
+# / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5, 26.7 / 23.7, 23.7; 2,1,64 22.9, 22.8 / 21.4, 21.7 /
+# 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0, 25.1 / 24.2, 24.1; 32,1,128 70.8, 71.0 / 73.6, 73.7;
+# 128,1,128 185.6, 186.2 / 194.0, 193.2: a build for short parts only. Its GPU tests (the
+# split's 124) and memcheck (h_q 100 and 64) passed under the two knobs.
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half
@@ -470,10 +486,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
     regs = REGS
     rope_in_regs = False  # (Q's RoPE tile stays in shared memory: sP1 does not use it)
 
-    def __init__(self, dtype, cache: str = "plain", pair: bool = False):
+    def __init__(self, dtype, cache: str = "plain", pair: bool = False, short: bool = False):
         """pair: the two m-blocks of a token (h_q 65-128) as a cluster of two CTAs whose
         producers each convert half of every block's keys (rows 32 rank .. + 31) into both
-        CTAs' buffers (the 656-byte rows only); see the module docstring."""
+        CTAs' buffers (the 656-byte rows only); see the module docstring. short: the build for
+        parts of few blocks (EPI_COPY and ENTRY_EARLY on: the comment above ENTRY_EARLY)."""
         assert not pair or cache == "fp8_ds_mla", cache
         super().__init__(dtype, cache)
         self.pair = pair
@@ -483,6 +500,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.xbulk = XBULK == 1 and pair and PEER == 1  # (its comment)
         self.sectors = SECTORS == 1 and pair  # (its comment)
         self.meta_early = META_EARLY == 1  # (its comment)
+        self.epi_copy = EPI_COPY == 1 or short  # (its comment; the short build's)
+        self.entry_early = ENTRY_EARLY == 1 or short  # (likewise)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
@@ -583,14 +602,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
             early = None
-            if const_expr(ENTRY_EARLY == 1):  # (segment()'s lo, which needs no length)
+            if const_expr(self.entry_early):  # (segment()'s lo, which needs no length)
                 early = self._raw_entries(mIdx, rr, cutlass.select_(
                     r == walk.begin_req, walk.begin_blk, Int32(0)))
             lo, hi = splitkv.segment(walk, r, mLens[rr], width,
                                      mNumSplits[rr + 1] - mNumSplits[rr])
             length = request_length(mIdx, mLens, rr)
             if lo < hi:
-                if const_expr(ENTRY_EARLY == 1):
+                if const_expr(self.entry_early):
                     first = self._entries_of(early, lo, length)
                 else:
                     first = self._block_entries(mIdx, r, lo, length)
@@ -848,7 +867,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         the accumulators to rows [0, valid_rows) of gOut[m_block * 64 + row, 256 wg:]: columns
         8 j + c0 + {0, 1} of rows r0 and r0 + 8, one st.global of 8 bytes (fp32) or 4 (16-bit)
         a pair; a quad's four lanes write 32 or 16 contiguous bytes."""
-        if const_expr(not self.o_direct and EPI_COPY == 1):
+        if const_expr(not self.o_direct and self.epi_copy):
             self._stage_and_copy(acc_O, inv, k_base, out_dtype, gOut, m_block, valid_rows, r0,
                                  c0, wg, wtid)
         elif const_expr(not self.o_direct):
@@ -1038,7 +1057,8 @@ def compile_sparse_step(config, arch: str):
     from ..contract import compile_sparse_step_kernel, dsl_dtype
 
     dtype = dsl_dtype(config.dtype)
-    decode = MLASparseDecodeSm90Split(dtype, config.cache, pair=config.columns > 0)
+    decode = MLASparseDecodeSm90Split(dtype, config.cache, pair=config.columns > 0,
+                                      short=config.short)
     return compile_sparse_step_kernel(
         MLASparseDecodeStep(decode, dtype, use_pdl=True),
         dtype, arch, config.cache)

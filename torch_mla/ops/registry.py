@@ -215,12 +215,14 @@ class SparseStepConfig(_Config):
     split runs there),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
-    bf16 only)."""
+    bf16 only). short (sm90_split only): the split's build for parts of few blocks
+    (ops.sparse.split_short_parts), its epilogue and first entries tuned for latency."""
 
     backend: str
     dtype: str
     cache: str = "plain"
     columns: int = 0
+    short: bool = False
 
     def __post_init__(self):
         columns = {"sm90_keysm": SPARSE_KEYSM_COLUMNS,
@@ -229,10 +231,11 @@ class SparseStepConfig(_Config):
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
                 or (self.backend == "sm90_split" and self.columns and self.cache != "fp8_ds_mla")
+                or (self.short and self.backend != "sm90_split")
                 or (self.backend == "sm90_keysm_rs" and self.cache == "plain")
                 or (self.backend in ("sm90_producer", "sm90_split") and self.cache == "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
-                             f"{self.dtype!r}, columns {self.columns}")
+                             f"{self.dtype!r}, columns {self.columns}, short {self.short}")
         if self.cache not in sparse_caches(self.dtype):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
                              f"{self.dtype!r} over a {self.cache!r} cache")
@@ -247,6 +250,8 @@ class SparseStepConfig(_Config):
             config["kv"] = self.cache  # (16-bit-cache entries keep their names)
         if self.columns:
             config["columns"] = self.columns
+        if self.short:
+            config["short"] = True
         return config
 
     @property
@@ -413,18 +418,21 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                 # one's place at 64-128 heads)
                 out += [SparseStepConfig("sm90", dt, c) for c in sparse_caches(dt)]
                 if "sparse_split" not in kernels:
-                    out += [SparseStepConfig("sm90_split", dt, c, n) for c in sparse_caches(dt)
+                    out += [SparseStepConfig("sm90_split", dt, c, n, short)
+                            for c in sparse_caches(dt)
                             for n in ((0, SPARSE_SPLIT_PAIR) if c == "fp8_ds_mla" else (0,))
-                            if c != "e4m3"]
+                            for short in (False, True) if c != "e4m3"]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:
                                ("sparse_split", "sm90_split")):  # TORCH_MLA_SPARSE_PRODUCER)
             if group in kernels and native == "sm90":
-                out += [SparseStepConfig(backend, dt, c) for c in sparse_caches(dt)
-                        if c != "e4m3"]
+                shorts = (False, True) if backend == "sm90_split" else (False,)
+                out += [SparseStepConfig(backend, dt, c, 0, short) for c in sparse_caches(dt)
+                        for short in shorts if c != "e4m3"]
                 if backend == "sm90_split" and "fp8_ds_mla" in sparse_caches(dt):
-                    out.append(SparseStepConfig(backend, dt, "fp8_ds_mla", SPARSE_SPLIT_PAIR))
+                    out += [SparseStepConfig(backend, dt, "fp8_ds_mla", SPARSE_SPLIT_PAIR, short)
+                            for short in shorts]
         if "sparse_rs" in kernels and native == "sm90":  # (opt-in: TORCH_MLA_SPARSE_KEYSM_RS=1)
             out += [SparseStepConfig("sm90_keysm_rs", dt, c, n)
                     for c in sparse_caches(dt) if c != "plain" for n in SPARSE_KEYSM_RS_COLUMNS]

@@ -129,6 +129,26 @@ def split_pair_rows(h_q: int, cache: str, tokens: int | None = None) -> int:
                     and not dispatch.sparse_split_pair_off()) else 0
 
 
+# The split's short build (SparseStepConfig short=True) for parts of at most this many blocks
+# of 64 entries (split_short_parts). Session 46 (H100, same start as FlashMLA, 656-byte rows;
+# docs/kernels/sparse.md "The short build"): at b 2 (a block a part at h_q 128) it is 0.9-2.2
+# us faster, from b 32 (16 blocks a part) 4-5% slower. TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS (a
+# developer knob, read at import) sets it; 0: never.
+SPLIT_SHORT_BLOCKS = int(os.environ.get("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS") or 2)
+if SPLIT_SHORT_BLOCKS < 0:
+    raise ValueError("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS takes a count from 0, not "
+                     f"{SPLIT_SHORT_BLOCKS}")
+
+
+def split_short_parts(tokens: int, topk: int, parts: int) -> bool:
+    """Whether the split kernel runs its short build: tokens one-token requests (b * s_q) of
+    topk entries each, cut over the schedule's parts (its metadata rows), leave at most
+    SPLIT_SHORT_BLOCKS blocks of 64 entries a part (topk_length may leave fewer; the shape
+    decides, so a captured graph keeps its build)."""
+    blocks = tokens * -(-topk // PAGE_SIZE)
+    return parts > 0 and blocks <= SPLIT_SHORT_BLOCKS * parts
+
+
 # The keys-on-M backends' column counts for h_q heads (run_sparse_step, on every eager call).
 _COLUMNS = {"sm90_keysm": keysm_sparse_columns, "sm90_keysm_rs": keysm_rs_sparse_columns}
 
@@ -219,9 +239,11 @@ def find_sparse_decode_kernel(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int)
 
 
 @functools.lru_cache(maxsize=None)
-def _sparse_step(backend: str, dtype: torch.dtype, cache: str, arch: str, columns: int = 0):
+def _sparse_step(backend: str, dtype: torch.dtype, cache: str, arch: str, columns: int = 0,
+                 short: bool = False):
     return registry.compiled(
-        registry.SparseStepConfig(backend, registry.dtype_name(dtype), cache, columns), arch)
+        registry.SparseStepConfig(backend, registry.dtype_name(dtype), cache, columns, short),
+        arch)
 
 
 def _rows16(t: torch.Tensor) -> torch.Tensor:
@@ -266,12 +288,15 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     cache = _STEP_CACHE[cache_format(kv_cache)]
     kv = _rows16(kv_cache[:, :, 0]) if cache == "plain" else fp8_cache_bytes(kv_cache)
     columns = _COLUMNS[backend](h_q) if backend in _COLUMNS else 0
+    parts = sched_metadata.shape[0]
+    short = False
     if backend == "sm90_split":
         columns = split_pair_rows(h_q, cache, b * s_q)
-    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns)
+        short = split_short_parts(b * s_q, topk, parts)
+    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns,
+                        short)
     if topk_length is None:
         topk_length = full_topk_length(b, topk, q.device)
-    parts = sched_metadata.shape[0]
     slots = b * s_q + parts
     oacc = q.new_empty(slots, h_q, D_V, dtype=torch.float32)
     lseacc = q.new_empty(slots, h_q, dtype=torch.float32)
