@@ -108,7 +108,8 @@ def cache_dir(arch: str) -> Path | None:
 
 # Developer knobs the dispatch reads (ops/), not the kernels: they change no build, so they stay
 # out of the key (tests/test_kernel_cache.py checks this list against ops/).
-HOST_KNOBS = ("TORCH_MLA_DEV_COMBINE_WPR", "TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS")
+HOST_KNOBS = ("TORCH_MLA_DEV_COMBINE_WPR", "TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS",
+              "TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS")
 
 
 def entry_key(kernel: str, config: dict, arch: str) -> dict:
