@@ -207,7 +207,7 @@ O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # slower from b 32, more than the epilogues' count can cost (16 blocks a part at 32,1,128:
 # the blocks' code slower, not measured why). Alone, not a default; see SHORT.
 EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
-# META_EARLY (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY, default 1 since session 46): the
+# META_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY; on in the short build): the
 # part's metadata row is loaded before the prologue's mbarrier setup, __syncthreads and (with
 # the pair) the cluster sync, not after them (MLADecodeSm90.meta_early). The 2,1,128 trace of
 # session 45: the segment is known 1.7 us after the post-sync start stamp (the metadata, then
@@ -215,8 +215,9 @@ EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
 # and 128 within 0.5%. Measured (session 46, H100, same start, two rounds, us, 0 / 1): 2,1,128
 # 24.8, 24.9 / 24.4, 24.4; 2,2,64 25.9, 26.0 / 25.9, 25.4; 32,1,128 70.8, 71.0 / 70.5, 70.4;
 # 128,1,128 185.6, 186.2 / 186.3, 185.8; 128,1,64 131.9, 131.8 / 131.3, 131.5; no row slower
-# by more than 0.1%. Its build passed the split's GPU tests (124) and memcheck (with SHORT's).
-META_EARLY = _dev_knob("META_EARLY", 1, (0, 1))
+# by more than 0.4%. Only its smoke cases ran on the default build with it, so it is on in the
+# short build (whose build passed the split's GPU tests and memcheck) and off by default.
+META_EARLY = _dev_knob("META_EARLY", 0, (0, 1))
 # Developer knobs of the session-30 A/B (in the cache key when set, as above):
 # L2 prefetch size of the producer's fp8 loads (0: none; 256: FlashMLA's), their L1 eviction
 # priority, and FENCE 0: WG0 skips the async-proxy fences its tiles do not need over the
@@ -344,7 +345,7 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # 139.8, 139.8. Alone, not a default; see SHORT.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
-# part holds few blocks): EPI_COPY and ENTRY_EARLY on. Each alone is ~1 us faster at b 2 and
+# part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on. Each alone is ~1 us faster at b 2 and
 # 5-9% slower from b 32 (their comments); together (session 46, H100, same start as FlashMLA,
 # two rounds, us, defaults / both with META_EARLY / FlashMLA): 2,1,128 24.8, 24.9 / 22.6, 22.7
 # / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5, 26.7 / 23.7, 23.7; 2,1,64 22.9, 22.8 / 21.4, 21.7 /
@@ -490,7 +491,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """pair: the two m-blocks of a token (h_q 65-128) as a cluster of two CTAs whose
         producers each convert half of every block's keys (rows 32 rank .. + 31) into both
         CTAs' buffers (the 656-byte rows only); see the module docstring. short: the build for
-        parts of few blocks (EPI_COPY and ENTRY_EARLY on: the comment above ENTRY_EARLY)."""
+        parts of few blocks (EPI_COPY, ENTRY_EARLY and META_EARLY on: the comment below
+        ENTRY_EARLY)."""
         assert not pair or cache == "fp8_ds_mla", cache
         super().__init__(dtype, cache)
         self.pair = pair
@@ -499,7 +501,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.o_direct = O_DIRECT == 1  # (its comment)
         self.xbulk = XBULK == 1 and pair and PEER == 1  # (its comment)
         self.sectors = SECTORS == 1 and pair  # (its comment)
-        self.meta_early = META_EARLY == 1  # (its comment)
+        self.meta_early = META_EARLY == 1 or short  # (its comment)
         self.epi_copy = EPI_COPY == 1 or short  # (its comment; the short build's)
         self.entry_early = ENTRY_EARLY == 1 or short  # (likewise)
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
