@@ -347,11 +347,12 @@ ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on. The first two alone are ~1
 # us faster at b 2 and 5-9% slower from b 32 (their comments); the three together (session 46,
-# H100, same start as FlashMLA, two rounds, us, defaults / the three / FlashMLA): 2,1,128 24.8, 24.9 / 22.6, 22.7
-# / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5, 26.7 / 23.7, 23.7; 2,1,64 22.9, 22.8 / 21.4, 21.7 /
-# 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0, 25.1 / 24.2, 24.1; 32,1,128 70.8, 71.0 / 73.6, 73.7;
-# 128,1,128 185.6, 186.2 / 194.0, 193.2: a build for short parts only. Its GPU tests (the
-# split's 124) and memcheck (h_q 100 and 64) passed under the two knobs.
+# H100, same start as FlashMLA, two rounds, us, defaults / the three / FlashMLA): 2,1,128
+# 24.8, 24.9 / 22.6, 22.7 / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5, 26.7 / 23.7, 23.7; 2,1,64
+# 22.9, 22.8 / 21.4, 21.7 / 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0, 25.1 / 24.2, 24.1; 32,1,128
+# 70.8, 71.0 / 73.6, 73.7; 128,1,128 185.6, 186.2 / 194.0, 193.2: a build for short parts
+# only. The three knobs' build passed the split's GPU tests (124) and memcheck (h_q 100 and
+# 64); the short builds' PTX is that build's (md5, each of the three builds).
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half
