@@ -997,21 +997,26 @@ def test_split_pair_rows(monkeypatch):
 
 def test_split_short_parts(monkeypatch):
     """The split's short build (ops.sparse.split_short_parts) where the tokens' blocks of 64
-    entries come to at most SPLIT_SHORT_BLOCKS a part; its own cache entry (key "short"), in
-    the precompile list beside each default split build."""
+    entries come to at most SPLIT_SHORT_BLOCKS a part (SPLIT_SHORT_BLOCKS_PAIR with the cluster
+    pair); its own cache entry (key "short"), in the precompile list beside each default split
+    build."""
     from torch_mla.ops import registry
 
-    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 2)
-    # h_q 128 on 132 SMs: 66 parts; topk 2048 is 32 blocks a token
-    assert [sparse_ops.split_short_parts(n, 2048, 66) for n in (1, 2, 4, 5, 32)] == [
-        True, True, True, False, False]
-    assert sparse_ops.split_short_parts(8, 2048, 132)  # (h_q 64: twice the parts)
-    assert not sparse_ops.split_short_parts(9, 2048, 132)
-    assert sparse_ops.split_short_parts(16, 500, 66)  # (8 blocks a token: 500 rounds up)
-    assert not sparse_ops.split_short_parts(17, 500, 66)
-    assert not sparse_ops.split_short_parts(2, 2048, 0)  # (no part)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 1)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS_PAIR", 4)
+    # h_q 128 with the pair on 132 SMs: 66 parts; topk 2048 is 32 blocks a token
+    assert [sparse_ops.split_short_parts(n, 2048, 66, True) for n in (1, 2, 4, 8, 9, 16)] == [
+        True, True, True, True, False, False]
+    # h_q 64: 132 parts, 1 block a part at most
+    assert [sparse_ops.split_short_parts(n, 2048, 132) for n in (2, 4, 5, 8)] == [
+        True, True, False, False]
+    assert sparse_ops.split_short_parts(16, 500, 132)  # (8 blocks a token: 500 rounds up)
+    assert not sparse_ops.split_short_parts(17, 500, 132)
+    assert not sparse_ops.split_short_parts(2, 2048, 0, True)  # (no part)
     monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 0)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS_PAIR", 0)
     assert not sparse_ops.split_short_parts(1, 64, 132)
+    assert not sparse_ops.split_short_parts(1, 64, 132, True)
     short = registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128, True)
     assert short.key() == {"dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128, "short": True}
     assert registry.SparseStepConfig("sm90_split", "fp16", "plain", 0, True).key() == {

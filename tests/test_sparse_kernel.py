@@ -43,10 +43,11 @@ def _take(kernel: str, monkeypatch) -> str:
     with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant), "sm90_split" with
     =split (FlashMLA's warpgroup split) and its default build at every shape, and
     "sm90_split_short" the same with its short build at every shape
-    (ops.sparse.SPLIT_SHORT_BLOCKS). Returns the backend's name ("sm90_split" for both)."""
+    (ops.sparse.SPLIT_SHORT_BLOCKS and SPLIT_SHORT_BLOCKS_PAIR). Returns the backend's name ("sm90_split" for both)."""
     if kernel.startswith("sm90_split"):
         short = kernel == "sm90_split_short"
-        monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 1 << 30 if short else 0)
+        for name in ("SPLIT_SHORT_BLOCKS", "SPLIT_SHORT_BLOCKS_PAIR"):
+            monkeypatch.setattr(sparse_ops, name, 1 << 30 if short else 0)
         kernel = "sm90_split"
     keysm = kernel in ("sm90_keysm", "sm90_keysm_rs")
     sm90 = kernel in ("sm90", "sm90_producer", "sm90_split")

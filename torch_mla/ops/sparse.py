@@ -130,23 +130,31 @@ def split_pair_rows(h_q: int, cache: str, tokens: int | None = None) -> int:
 
 
 # The split's short build (SparseStepConfig short=True) for parts of at most this many blocks
-# of 64 entries (split_short_parts). Session 46 (H100, same start as FlashMLA, 656-byte rows;
-# docs/kernels/sparse.md "The short build"): at b 2 (a block a part at h_q 128) it is 0.9-2.2
-# us faster, from b 32 (16 blocks a part) 4-5% slower. TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS (a
-# developer knob, read at import) sets it; 0: never.
-SPLIT_SHORT_BLOCKS = int(os.environ.get("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS") or 2)
+# of 64 entries (split_short_parts): SPLIT_SHORT_BLOCKS_PAIR with the cluster pair,
+# SPLIT_SHORT_BLOCKS without. Session 46 (H100, same start as FlashMLA, 656-byte rows, topk
+# 2048, two rounds, us, default / short build; docs/kernels/sparse.md "Session 46"): with the
+# pair (h_q 128, 66 parts) 2,1,128 (1 block a part) 24.5, 24.6 / 22.9, 22.8; 4,1,128 (2)
+# 27.7, 27.8 / 26.8, 26.9; 8,1,128 (4) 34.9, 35.0 / 34.5, 34.3; 16,1,128 (8) 47.7, 48.0 /
+# 48.6, 48.5; without it (h_q 64, 132 parts) 2,1,64 (0.5) and 2,2,64 (1) 0.9-1.3 us faster
+# (the knobs' A/B), 8,1,64 (2) 30.3, 30.3 / 30.6, 30.6; 16,1,64 (4) 40.0, 40.2 / 40.1, 40.2;
+# 32,1,64 (8) 58.7, 58.8 / 60.0, 60.1. TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS (a developer knob, read
+# at import) sets both; 0: never.
+_SHORT_KNOB = os.environ.get("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS") or ""
+SPLIT_SHORT_BLOCKS = int(_SHORT_KNOB or 1)
+SPLIT_SHORT_BLOCKS_PAIR = int(_SHORT_KNOB or 4)
 if SPLIT_SHORT_BLOCKS < 0:
     raise ValueError("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS takes a count from 0, not "
                      f"{SPLIT_SHORT_BLOCKS}")
 
 
-def split_short_parts(tokens: int, topk: int, parts: int) -> bool:
+def split_short_parts(tokens: int, topk: int, parts: int, pair: bool = False) -> bool:
     """Whether the split kernel runs its short build: tokens one-token requests (b * s_q) of
     topk entries each, cut over the schedule's parts (its metadata rows), leave at most
-    SPLIT_SHORT_BLOCKS blocks of 64 entries a part (topk_length may leave fewer; the shape
-    decides, so a captured graph keeps its build)."""
-    blocks = tokens * -(-topk // PAGE_SIZE)
-    return parts > 0 and blocks <= SPLIT_SHORT_BLOCKS * parts
+    SPLIT_SHORT_BLOCKS blocks of 64 entries a part (SPLIT_SHORT_BLOCKS_PAIR with the cluster
+    pair, pair). topk_length may leave fewer; the shape decides, so a captured graph keeps its
+    build."""
+    most = SPLIT_SHORT_BLOCKS_PAIR if pair else SPLIT_SHORT_BLOCKS
+    return parts > 0 and tokens * -(-topk // PAGE_SIZE) <= most * parts
 
 
 # The keys-on-M backends' column counts for h_q heads (run_sparse_step, on every eager call).
@@ -292,7 +300,7 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     short = False
     if backend == "sm90_split":
         columns = split_pair_rows(h_q, cache, b * s_q)
-        short = split_short_parts(b * s_q, topk, parts)
+        short = split_short_parts(b * s_q, topk, parts, columns > 0)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns,
                         short)
     if topk_length is None:
