@@ -359,7 +359,7 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int32'}
 append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     assert len(registry.variants(["bf16", "fp16"], (False, True), list(registry.KERNELS))) \
         == 1 + 2 * (2 * 2 + 2 + 15 + 2 + 4 + 6 + 16 + 8 + 6 + 4) + 2 + 2 + 2 + 6 - 5 + 4 + 6 \
-        + 3 + 2 * (3 + 1)  # schedule;
+        + 3 + 3 + 1 + 2  # schedule;
     # per dtype: sm90 + portable steps, fp8 steps, the sparse steps (portable, SM90 and keys-on-M
     # (3 column counts) over the three cache formats, the 656-byte one bf16 only: - 5),
     # decode, combine (4 variants), append_kv, the
@@ -372,8 +372,8 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
     # fast-mode steps again with P dithered ("fp8_dither", opt-in: 2 per dtype + 2: + 6); the
     # SM90 sparse steps with a producer warpgroup ("sparse_producer", opt-in: the 16-bit cache
     # and, bf16 only, the 656-byte rows: + 3), and with its warpgroup split ("sparse_split":
-    # the same, + 3, and its cluster pair over the 656-byte rows, bf16 only: + 1; each with
-    # its short build beside it: x 2)
+    # the same, + 3, and its cluster pair over the 656-byte rows, bf16 only: + 1; its short
+    # build beside each of its two builds over the 656-byte rows: + 2)
     # The SM90 sparse steps only for sm_90a (run where ops.sparse.sm90_sparse_pays; its split
     # variant over the 16-bit cache at 64-128 heads).
     assert [(v.name, v.key()) for v in registry.variants(["fp16"], (False,), ["sparse"])] == [
@@ -381,8 +381,7 @@ append_kv {'cache': 'bf16', 'source': 'fp32', 'slot': 'int64'}""")
         ("sparse_step_sm80", {"dtype": "fp16", "kv": "e4m3"}),
         ("sparse_step_sm90", {"dtype": "fp16"}),
         ("sparse_step_sm90", {"dtype": "fp16", "kv": "e4m3"}),
-        ("sparse_step_sm90_split", {"dtype": "fp16"}),
-        ("sparse_step_sm90_split", {"dtype": "fp16", "short": True})] + [
+        ("sparse_step_sm90_split", {"dtype": "fp16"})] + [
         ("sparse_step_sm90_keysm", dict(dtype="fp16", **kv, columns=n))
         for kv in ({}, {"kv": "e4m3"}) for n in (8, 16, 32)]
     for bad in [("sm90", "fp16", "fp8_ds_mla"), ("sm80", "fp16", "fp8_ds_mla"),

@@ -1019,10 +1019,11 @@ def test_split_short_parts(monkeypatch):
     assert not sparse_ops.split_short_parts(1, 64, 132, True)
     short = registry.SparseStepConfig("sm90_split", "bf16", "fp8_ds_mla", 128, True)
     assert short.key() == {"dtype": "bf16", "kv": "fp8_ds_mla", "columns": 128, "short": True}
-    assert registry.SparseStepConfig("sm90_split", "fp16", "plain", 0, True).key() == {
-        "dtype": "fp16", "short": True}
+    with pytest.raises(ValueError, match="no sparse decode kernel"):
+        registry.SparseStepConfig("sm90_split", "bf16", "plain", 0, True)
     listed = [v.config for v in registry.variants(("bf16", "fp16"), kernels=("sparse",))]
     split = [c for c in listed if isinstance(c, registry.SparseStepConfig)
              and c.backend == "sm90_split"]
-    assert len(split) == 2 * 4 and {c for c in split if c.short} == {
-        dataclasses.replace(c, short=True) for c in split if not c.short}, split
+    assert len(split) == 4 + 2 and {c for c in split if c.short} == {
+        dataclasses.replace(c, short=True) for c in split
+        if not c.short and c.cache == "fp8_ds_mla"}, split

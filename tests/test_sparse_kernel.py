@@ -42,8 +42,8 @@ def _take(kernel: str, monkeypatch) -> str:
     every h_q): the other shapes' cases skip (check_against_fp64); "sm90_producer" as "sm90"
     with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant), "sm90_split" with
     =split (FlashMLA's warpgroup split) and its default build at every shape, and
-    "sm90_split_short" the same with its short build at every shape
-    (ops.sparse.SPLIT_SHORT_BLOCKS and SPLIT_SHORT_BLOCKS_PAIR). Returns the backend's name ("sm90_split" for both)."""
+    "sm90_split_short" the same with its short build at every shape over the 656-byte rows
+    (ops.sparse.SPLIT_SHORT_BLOCKS and SPLIT_SHORT_BLOCKS_PAIR; it takes no other format). Returns the backend's name ("sm90_split" for both)."""
     if kernel.startswith("sm90_split"):
         short = kernel == "sm90_split_short"
         for name in ("SPLIT_SHORT_BLOCKS", "SPLIT_SHORT_BLOCKS_PAIR"):
@@ -63,8 +63,7 @@ def _take(kernel: str, monkeypatch) -> str:
     return kernel
 
 
-@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer", "sm90_split",
-                        "sm90_split_short"])
+@pytest.fixture(params=["sm80", "sm90", "sm90_keysm", "sm90_producer", "sm90_split"])
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
     yield _take(request.param, monkeypatch)

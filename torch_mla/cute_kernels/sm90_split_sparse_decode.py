@@ -352,7 +352,8 @@ ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # 22.9, 22.8 / 21.4, 21.7 / 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0, 25.1 / 24.2, 24.1; 32,1,128
 # 70.8, 71.0 / 73.6, 73.7; 128,1,128 185.6, 186.2 / 194.0, 193.2: a build for short parts
 # only. The three knobs' build passed the split's GPU tests (124) and memcheck (h_q 100 and
-# 64); the short builds' PTX is that build's (md5, each of the three builds).
+# 64); the short builds' PTX is that build's (md5, with the pair and without; the dispatch takes
+# the short build over the 656-byte rows only, where it was measured).
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half

@@ -215,8 +215,9 @@ class SparseStepConfig(_Config):
     split runs there),
     dtype "bf16" or "fp16" (q's and out's), cache "plain" (q's dtype), "e4m3"
     (float8_e4m3fn with a per-tensor scale) or "fp8_ds_mla" (DeepSeek-V3.2's 656-byte rows,
-    bf16 only). short (sm90_split only): the split's build for parts of few blocks
-    (ops.sparse.split_short_parts), its epilogue and first entries tuned for latency."""
+    bf16 only). short (sm90_split over the 656-byte rows only): the split's build for parts of
+    few blocks (ops.sparse.split_short_parts), its epilogue and first entries tuned for
+    latency."""
 
     backend: str
     dtype: str
@@ -231,7 +232,7 @@ class SparseStepConfig(_Config):
         if (self.backend not in SPARSE_BACKENDS or self.dtype not in ("bf16", "fp16")
                 or self.columns not in columns
                 or (self.backend == "sm90_split" and self.columns and self.cache != "fp8_ds_mla")
-                or (self.short and self.backend != "sm90_split")
+                or (self.short and (self.backend != "sm90_split" or self.cache != "fp8_ds_mla"))
                 or (self.backend == "sm90_keysm_rs" and self.cache == "plain")
                 or (self.backend in ("sm90_producer", "sm90_split") and self.cache == "e4m3")):
             raise ValueError(f"no sparse decode kernel for backend {self.backend!r}, dtype "
@@ -421,7 +422,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
                     out += [SparseStepConfig("sm90_split", dt, c, n, short)
                             for c in sparse_caches(dt)
                             for n in ((0, SPARSE_SPLIT_PAIR) if c == "fp8_ds_mla" else (0,))
-                            for short in (False, True) if c != "e4m3"]
+                            for short in ((False, True) if c == "fp8_ds_mla" else (False,))
+                            if c != "e4m3"]
                 out += [SparseStepConfig("sm90_keysm", dt, c, n)
                         for c in sparse_caches(dt) for n in SPARSE_KEYSM_COLUMNS]
         for group, backend in (("sparse_producer", "sm90_producer"),  # (opt-in:
@@ -429,7 +431,8 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
             if group in kernels and native == "sm90":
                 shorts = (False, True) if backend == "sm90_split" else (False,)
                 out += [SparseStepConfig(backend, dt, c, 0, short) for c in sparse_caches(dt)
-                        for short in shorts if c != "e4m3"]
+                        for short in (shorts if c == "fp8_ds_mla" else (False,))
+                        if c != "e4m3"]
                 if backend == "sm90_split" and "fp8_ds_mla" in sparse_caches(dt):
                     out += [SparseStepConfig(backend, dt, "fp8_ds_mla", SPARSE_SPLIT_PAIR, short)
                             for short in shorts]

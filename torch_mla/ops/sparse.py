@@ -148,11 +148,11 @@ if SPLIT_SHORT_BLOCKS < 0:
 
 
 def split_short_parts(tokens: int, topk: int, parts: int, pair: bool = False) -> bool:
-    """Whether the split kernel runs its short build: tokens one-token requests (b * s_q) of
-    topk entries each, cut over the schedule's parts (its metadata rows), leave at most
-    SPLIT_SHORT_BLOCKS blocks of 64 entries a part (SPLIT_SHORT_BLOCKS_PAIR with the cluster
-    pair, pair). topk_length may leave fewer; the shape decides, so a captured graph keeps its
-    build."""
+    """Whether the split kernel runs its short build (over the 656-byte rows): tokens
+    one-token requests (b * s_q) of topk entries each, cut over the schedule's parts (its
+    metadata rows), leave at most SPLIT_SHORT_BLOCKS blocks of 64 entries a part
+    (SPLIT_SHORT_BLOCKS_PAIR with the cluster pair, pair). topk_length may leave fewer; the
+    shape decides, so a captured graph keeps its build."""
     most = SPLIT_SHORT_BLOCKS_PAIR if pair else SPLIT_SHORT_BLOCKS
     return parts > 0 and tokens * -(-topk // PAGE_SIZE) <= most * parts
 
@@ -300,7 +300,8 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     short = False
     if backend == "sm90_split":
         columns = split_pair_rows(h_q, cache, b * s_q)
-        short = split_short_parts(b * s_q, topk, parts, columns > 0)
+        # (over the 656-byte rows, where it was measured)
+        short = cache == "fp8_ds_mla" and split_short_parts(b * s_q, topk, parts, columns > 0)
     step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns,
                         short)
     if topk_length is None:
