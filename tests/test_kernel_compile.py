@@ -478,7 +478,8 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     converting this block's (AHEAD_PAIR 2): the chunk and scale loads at two sites, the
     segment's first block and the loop's next.
 
-    short, the build for parts of few blocks (EPI_COPY and ENTRY_EARLY on): O copied out by
+    short, the build for parts of few blocks (EPI_COPY, ENTRY_EARLY and META_EARLY on; O_DIRECT,
+    a developer knob, takes precedence over the copy): O copied out by
     the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
     warpgroup's copy of the epilogue, for each output dtype), no bulk store from shared memory;
     the default build the reverse (over the 656-byte rows only)."""
@@ -486,6 +487,7 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
         AHEAD,
         AHEAD_PAIR,
         EPI_COPY,
+        O_DIRECT,
         PIPE,
         REGS,
         SCOPE,
@@ -495,10 +497,10 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     assert sum(REGS) == 3 * 168, REGS
     c, p = _producer_counts(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns,
                             short)
-    copies = short or EPI_COPY == 1
+    copies = (short or EPI_COPY == 1) and O_DIRECT == 0
     assert (c["st.global.v4"] > 0) == copies and (c["ld.shared.v4"] > 0) == copies, c
     assert c["st.global.v4"] == c["ld.shared.v4"], c
-    assert (c["cp.async.bulk.global.shared"] == 0) == copies, c
+    assert (c["cp.async.bulk.global.shared"] == 0) == (copies or O_DIRECT == 1), c
     # (PIPE, a developer knob: WG0's a segment's first S before the loop, the loop's two block
     # sites each issuing the next block's, then the last one or two blocks: 36 + 2 x 40 + 44 + 4;
     # WG1's two sites 2 x 4)

@@ -921,6 +921,48 @@ def test_run_sparse_step_passes_the_cache_as_the_kernel_reads_it(monkeypatch, fm
     assert args[1].data_ptr() == cache.data_ptr()  # (no copy)
 
 
+def test_run_sparse_step_picks_the_split_build(monkeypatch):
+    # The split's build as run_sparse_step asks for it (the compiled step stubbed, CPU
+    # tensors): the cluster pair at 65-128 heads and the short build where a part holds at most
+    # SPLIT_SHORT_BLOCKS_PAIR (4) blocks of 64 entries with the pair, SPLIT_SHORT_BLOCKS (1)
+    # without, over the 656-byte rows only; topk 2048 on 132 SMs (66 parts at 128 heads, 132 at
+    # 64). The shipped limits are these unless the developer knob is set.
+    import os
+
+    from torch_mla.ops import dispatch
+
+    if not os.environ.get("TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS"):
+        assert (sparse_ops.SPLIT_SHORT_BLOCKS, sparse_ops.SPLIT_SHORT_BLOCKS_PAIR) == (1, 4)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS", 1)
+    monkeypatch.setattr(sparse_ops, "SPLIT_SHORT_BLOCKS_PAIR", 4)
+    calls = []
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(dispatch, "device_arch", lambda index: "sm_90a")
+    monkeypatch.setattr(sparse_ops, "_sparse_step",
+                        lambda *key: lambda *args: calls.append(key))
+    got = {}
+    for fmt in ("bf16", "fp8_ds_mla"):
+        cache, _ = make_cache(1, fmt, torch.ones(PAGE, dtype=torch.bool))
+        for h_q, batches in ((128, (2, 8, 9, 16)), (64, (2, 4, 5, 8))):
+            for b in batches:
+                q = torch.randn(b, 1, h_q, 576).bfloat16()
+                idx = torch.zeros(b, 1, 2048, dtype=torch.int32)
+                sched = torch_mla.get_sparse_decode_schedule(idx, h_q, num_sms=132)
+                sparse_ops.run_sparse_step("sm90_split", q, cache, idx, None, None,
+                                           sched.metadata, sched.num_splits, 0.1, 512)
+                key = calls.pop()
+                got[fmt, h_q, b] = (key[4], key[5])
+                assert key[:4] == ("sm90_split", torch.bfloat16,
+                                   "plain" if fmt == "bf16" else fmt, "sm_90a")
+    assert got == {
+        **{("bf16", h, b): (0, False) for h, bs in ((128, (2, 8, 9, 16)), (64, (2, 4, 5, 8)))
+           for b in bs},
+        ("fp8_ds_mla", 128, 2): (128, True), ("fp8_ds_mla", 128, 8): (128, True),
+        ("fp8_ds_mla", 128, 9): (128, False), ("fp8_ds_mla", 128, 16): (128, False),
+        ("fp8_ds_mla", 64, 2): (0, True), ("fp8_ds_mla", 64, 4): (0, True),
+        ("fp8_ds_mla", 64, 5): (0, False), ("fp8_ds_mla", 64, 8): (0, False)}, got
+
+
 def test_sparse_rows_tool_modes(monkeypatch):
     """tools/sparse_rows.py: each mode's flags make the dispatch (on sm_90a) pick the kernel it
     names, at h_q 16 over each FP8 format ("rs", "rs32": its ping-pong variant; over bf16 the

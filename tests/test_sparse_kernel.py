@@ -31,7 +31,15 @@ from torch_mla.testing import DECODE_TOL, LSE_TOL
 
 pytestmark = pytest.mark.cuda
 
-_TAKEN = {"kernel": None}  # the kernel _take asked for (check_against_fp64 checks it ran)
+# the kernel _take asked for (check_against_fp64 checks it ran); short: the split's short build
+_TAKEN = {"kernel": None, "short": False}
+
+
+def _skip_short_elsewhere(fmt: str):
+    """Skips a case of the split's short build (_take's "sm90_split_short") over a cache other
+    than the 656-byte rows, the only one it takes (the default build would run)."""
+    if _TAKEN["short"] and fmt != "fp8_ds_mla":
+        pytest.skip("the split's short build takes the 656-byte rows only")
 
 
 def _take(kernel: str, monkeypatch) -> str:
@@ -43,9 +51,11 @@ def _take(kernel: str, monkeypatch) -> str:
     with TORCH_MLA_SPARSE_PRODUCER=1 (its producer-warpgroup variant), "sm90_split" with
     =split (FlashMLA's warpgroup split) and its default build at every shape, and
     "sm90_split_short" the same with its short build at every shape over the 656-byte rows
-    (ops.sparse.SPLIT_SHORT_BLOCKS and SPLIT_SHORT_BLOCKS_PAIR; it takes no other format). Returns the backend's name ("sm90_split" for both)."""
+    (ops.sparse.SPLIT_SHORT_BLOCKS and SPLIT_SHORT_BLOCKS_PAIR; it takes no other format: its
+    cases over the others skip, _skip_short_elsewhere). Returns the backend's name
+    ("sm90_split" for both)."""
+    _TAKEN["short"] = short = kernel == "sm90_split_short"
     if kernel.startswith("sm90_split"):
-        short = kernel == "sm90_split_short"
         for name in ("SPLIT_SHORT_BLOCKS", "SPLIT_SHORT_BLOCKS_PAIR"):
             monkeypatch.setattr(sparse_ops, name, 1 << 30 if short else 0)
         kernel = "sm90_split"
@@ -67,7 +77,7 @@ def _take(kernel: str, monkeypatch) -> str:
 def backend(request, monkeypatch):
     """The kernel the 16-bit cases run (_take)."""
     yield _take(request.param, monkeypatch)
-    _TAKEN["kernel"] = None
+    _TAKEN.update(kernel=None, short=False)
 
 
 GRID = [(h, s, k) for h in (1, 3, 16, 64, 128) for s in (1, 2, 3, 4) for k in (64, 128, 2048)]
@@ -106,6 +116,7 @@ def check_against_fp64(q, kv_cache, indices, topk_length=None, attn_sink=None, k
     """The kernel's (out, lse) on these CUDA tensors against the float64 loop on their CPU
     copies (an FP8 cache decoded from its bytes): bf16/fp16 output rounding, fp32 lse; +inf
     exactly where a token uses no entry."""
+    _skip_short_elsewhere(sparse_ops.cache_format(kv_cache))
     taken = sparse_ops.sparse_backend(q, kv_cache, 512)[0]
     if (_TAKEN["kernel"] in ("sm90_keysm", "sm90_keysm_rs", "sm90_producer", "sm90_split")
             and taken != _TAKEN["kernel"]):
@@ -356,7 +367,7 @@ FP8_KINDS = [("fp8", torch.bfloat16), ("fp8", torch.float16), ("fp8_ds_mla", tor
 def fp8_kernel(request, monkeypatch):
     """The kernel the FP8 cases run (_take)."""
     yield _take(request.param, monkeypatch)
-    _TAKEN["kernel"] = None
+    _TAKEN.update(kernel=None, short=False)
 
 
 @pytest.mark.parametrize("fmt,dtype", FP8_KINDS)
@@ -427,7 +438,7 @@ def test_fp8_entry_kinds_sm90_keysm_rs32(monkeypatch, fmt, dtype, h_q):
     try:
         entry_kinds_case(fmt, dtype, h_q)
     finally:
-        _TAKEN["kernel"] = None
+        _TAKEN.update(kernel=None, short=False)
 
 
 @pytest.mark.parametrize("build", ["sm90_split", "sm90_split_short"])
@@ -448,7 +459,7 @@ def test_fp8_entry_kinds_sm90_split_no_pair(monkeypatch, h_q, s_q, topk, build):
             assert sparse_ops.sparse_backend(q, cache, 512) == ("sm90_split", "")
             check_against_fp64(q, cache, idx, lens)
     finally:
-        _TAKEN["kernel"] = None
+        _TAKEN.update(kernel=None, short=False)
 
 
 def entry_kinds_case(fmt, dtype, h_q):
@@ -480,4 +491,5 @@ def test_fp8_ds_mla_splits_and_long_rows(fp8_kernel, b, topk):
 
 @pytest.mark.parametrize("fmt", ["fp8", "fp8_ds_mla"])
 def test_fp8_cuda_graph_replays_new_indices(fp8_kernel, fmt):
+    _skip_short_elsewhere(fmt)
     graph_replays_new_indices(fmt)

@@ -46,9 +46,12 @@
 #             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
 #             100 on D
 #   verify    the defaults as they ship, one call: the sparse steps precompiled (16 jobs), the
-#             split's GPU tests (tests/test_sparse_kernel.py -k sm90_split), memcheck over the
-#             656-byte rows at h_q 100 and 64, then the bench (bench_decode.py --sparse,
-#             FlashMLA beside); for a default changed without its full tests (session 38)
+#             split's GPU tests (tests/test_sparse_kernel.py -k sm90_split: both its builds),
+#             memcheck over the 656-byte rows at h_q 100 and 64 (the short build, which
+#             sparse_memcheck's shape takes) and at 100 on the default build
+#             (TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=0), then the bench (bench_decode.py
+#             --sparse, FlashMLA beside); for a default changed without its full tests (session
+#             38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS:
@@ -297,10 +300,12 @@ case $kernel in
     run tests 150 env "${F[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
       tests/test_sparse_kernel.py -k sm90_split
     stop_if_hung tests
-    for hq in 100 64; do
-      if (( SECONDS < 330 )); then
-        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" python -m tools.sparse_memcheck \
-          --cache fp8_ds_mla --heads $hq
+    # (sparse_memcheck's shape takes the short build by default: "d", the default build there)
+    for hq in 100 64 100d; do
+      if (( SECONDS < 340 )); then
+        MEMCHECK_NAME=memcheck_$hq memcheck 45 env "${F[@]}" \
+          TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=$([[ $hq == *d ]] && echo 0) \
+          python -m tools.sparse_memcheck --cache fp8_ds_mla --heads ${hq%d}
       else
         summary+=("memcheck_$hq     skipped: too little time left")
       fi

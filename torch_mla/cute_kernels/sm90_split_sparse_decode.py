@@ -192,7 +192,8 @@ AHEAD_PAIR = _dev_knob("AHEAD_PAIR", 2, (0, 1, 2))
 # first block converted before the next one's loads, measured 3-9% slower on every row on an
 # H100, session 42, and is gone.)
 O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
-# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; on in the short build, SHORT below):
+# EPI_COPY 1 (developer knob TORCH_MLA_DEV_SPLIT_EPI_COPY; on in the short build: its comment
+# below ENTRY_EARLY):
 # O staged in the page buffers as by default, then copied out by the warpgroup's threads, 16
 # bytes a lane (ld.shared.v4, st.global.v4: a warp writes 512 contiguous bytes an instruction),
 # in place of a bulk copy a row (1 KB of fp32 partials, 512 B of output) and the wait for the
@@ -203,9 +204,11 @@ O_DIRECT = _dev_knob("O_DIRECT", 0, (0, 1))
 # precedence. Predicted (session 45): -0.5 to -1.5 us at b 2, within 1% at b 32 and 128.
 # Measured (session 46, H100, same start as FlashMLA, two rounds, us, defaults / EPI_COPY 1):
 # 2,1,128 24.8, 24.9 / 24.0, 24.0; 2,1,64 22.9, 22.8 / 21.9, 21.9; but 2,2,128 27.7, 27.7 /
-# 28.4, 28.5; 32,1,128 70.8, 71.0 / 76.8, 76.6; 128,1,128 185.6, 186.2 / 202.8, 202.4: 8-9%
-# slower from b 32, more than the epilogues' count can cost (16 blocks a part at 32,1,128:
-# the blocks' code slower, not measured why). Alone, not a default; see SHORT.
+# 28.4, 28.5, 2,2,64 25.9, 26.0 / 26.4, 26.4; 32,1,128 70.8, 71.0 / 76.8, 76.6; 128,1,128
+# 185.6, 186.2 / 202.8, 202.4 (8-9% slower at h_q 128 from b 32, more than the epilogues'
+# count can cost: 16 blocks a part at 32,1,128, the blocks' code slower, not measured why);
+# 128,1,64 131.9, 131.8 / 133.1, 133.1. Alone, not a default; see the short build's comment
+# below ENTRY_EARLY.
 EPI_COPY = _dev_knob("EPI_COPY", 0, (0, 1))
 # META_EARLY 1 (developer knob TORCH_MLA_DEV_SPLIT_META_EARLY; on in the short build): the
 # part's metadata row is loaded before the prologue's mbarrier setup, __syncthreads and (with
@@ -342,18 +345,20 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # Session 46 (H100, same start, two rounds, us, defaults / ENTRY_EARLY 1): 2,1,128 24.8, 24.9 /
 # 23.8, 23.8; 2,1,64 22.9, 22.8 / 21.4, 21.3; 2,2,64 25.9, 26.0 / 24.8, 24.8; but 32,1,128
 # 70.8, 71.0 / 75.4, 75.2, 128,1,128 185.6, 186.2 / 195.7, 195.8, 128,1,64 131.9, 131.8 /
-# 139.8, 139.8. Alone, not a default; see SHORT.
+# 139.8, 139.8 (at 2,2,128 27.7, 27.7 / 27.6, 27.6). Alone, not a default; see the short
+# build's comment below.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on. The first two alone are ~1
-# us faster at b 2 and 5-9% slower from b 32 (their comments); the three together (session 46,
-# H100, same start as FlashMLA, two rounds, us, defaults / the three / FlashMLA): 2,1,128
-# 24.8, 24.9 / 22.6, 22.7 / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5, 26.7 / 23.7, 23.7; 2,1,64
-# 22.9, 22.8 / 21.4, 21.7 / 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0, 25.1 / 24.2, 24.1; 32,1,128
-# 70.8, 71.0 / 73.6, 73.7; 128,1,128 185.6, 186.2 / 194.0, 193.2: a build for short parts
-# only. The three knobs' build passed the split's GPU tests (124) and memcheck (h_q 100 and
-# 64); the short builds' PTX is that build's (md5, with the pair and without; the dispatch takes
-# the short build over the 656-byte rows only, where it was measured).
+# us faster at b 2 s_q 1 and 5-9% slower from b 32 at h_q 128 (their comments: each figure);
+# the three together (session 46, H100, same start as FlashMLA, two rounds, us, defaults / the
+# three / FlashMLA): 2,1,128 24.8, 24.9 / 22.6, 22.7 / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5,
+# 26.7 / 23.7, 23.7; 2,1,64 22.9, 22.8 / 21.4, 21.7 / 24.2, 24.1; 2,2,64 25.9, 26.0 / 25.0,
+# 25.1 / 24.2, 24.1; 32,1,128 70.8, 71.0 / 73.6, 73.7 / 67.1, 67.1; 128,1,128 185.6, 186.2 /
+# 194.0, 193.2 / 183.7, 183.9; 128,1,64 131.9, 131.8 / 135.2, 134.9 / 130.1, 130.1: a build for
+# short parts only. The three knobs' build passed the split's GPU tests (124) and memcheck
+# (h_q 100 and 64); the short builds' PTX is that build's (md5, with the pair and without).
+# The dispatch takes the short build over the 656-byte rows only, where it was measured.
 # LOAD_BLOCK (developer knob TORCH_MLA_DEV_SPLIT_LOAD_BLOCK; with
 # AHEAD / AHEAD_PAIR 0): 1 with the pair, 2 with and without it, the producer issues both
 # halves' loads of a block before its wait for half 0, so half 1's load latency runs under half

@@ -108,9 +108,10 @@ def keysm_rs_sparse_columns(h_q: int) -> int:
 # The pair from this many one-token requests (b s_q). Session 35 (H100, same start as
 # FlashMLA, 656-byte rows, h_q 128): one CTA an m-block was 0.2-1.0 us faster up to 8 tokens
 # (b 2 s_q 1 27.6 against 28.5 us) and 1.6-4.9 us slower from 16 (16,1,128 54.7 against 52.8;
-# docs/benchmarks-h100.md). 1 (every shape) until the split's GPU tests have run without the
-# pair at 100-128 heads on the current kernel (test_fp8_entry_kinds_sm90_split_no_pair; not
-# yet run); TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS (a developer knob, read at import) sets it.
+# docs/benchmarks-h100.md). Session 46 (H100, same start, two rounds): the pair faster at every
+# count from 2 to 16 (2,1,128 24.4 against 25.2 us, 8,1,128 35.1 against 36.55, 16,1,128 47.9
+# against 47.9), so 1 (every shape); TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS (a developer knob,
+# read at import) sets it.
 SPLIT_PAIR_MIN_TOKENS = int(os.environ.get("TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS") or 1)
 if SPLIT_PAIR_MIN_TOKENS < 1:
     raise ValueError("TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS takes a count from 1, not "
