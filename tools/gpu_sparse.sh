@@ -185,6 +185,15 @@ ab_rows() {
   cat "$OUT/${pre}_all.txt"
 }
 
+# the split's host knobs of the short and pairmin modes (ab_rows' KNOBS): the short build
+# nowhere / everywhere; the cluster pair from 1 / 16 one-token requests
+short_knobs() {
+  echo "TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=$([[ $1 == short ]] && echo 1073741824 || echo 0)"
+}
+pair_knobs() {
+  echo "TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=$([[ $1 == nopair ]] && echo 16 || echo 1)"
+}
+
 kernel=${1:-portable}
 flag=()  # the environment the kernel needs
 groups=sparse,sparse_rs,schedule,append_kv  # what precompile builds
@@ -631,38 +640,17 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/sms_*.log "$OUT"/fm_*.log | sort > "$OUT/sms_all.txt"
     finish; exit ;;
-  short)  # (session 46: the short build's crossover)
+  short|pairmin)  # (session 46: the short build's crossover; session 45's plan: the pair
+    # against one CTA an m-block at few tokens, h_q 128)
     preamble flashmla-sm90-sparse
     run precompile 100 python -m torch_mla.precompile --arch sm_90a \
       --kernels sparse_split,schedule --dtypes bf16 --jobs 16
-    R=${ROWS:-"2,1,128 2,2,128 4,1,128 4,2,128 8,1,128 16,1,128 32,1,128 128,1,128 2,1,64 2,2,64 4,1,64 8,1,64 16,1,64 32,1,64 128,1,64"}
-    for round in 1 2; do
-      run "sh_d_$round" 60 env TAG="r$round default" TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=0 \
-        python -m tools.sparse_rows split 656 $R
-      stop_if_hung "sh_d_$round"
-      run "sh_s_$round" 60 env TAG="r$round short" TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=1073741824 \
-        python -m tools.sparse_rows split 656 $R
-      stop_if_hung "sh_s_$round"
-      run "sh_fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
-    done
-    grep -h " us" "$OUT"/sh_*.log > "$OUT/sh_all.txt"
-    cat "$OUT/sh_all.txt"
-    finish; exit ;;
-  pairmin)  # (session 45's plan: the pair against one CTA an m-block at few tokens, h_q 128)
-    preamble flashmla-sm90-sparse
-    run precompile 100 python -m torch_mla.precompile --arch sm_90a \
-      --kernels sparse_split,schedule --dtypes bf16 --jobs 16
-    R=${ROWS:-"2,1,128 2,2,128 4,1,128 8,1,128 16,1,128"}
-    for round in 1 2; do
-      run "pm_d_$round" 40 env TAG="r$round pair" python -m tools.sparse_rows split 656 $R
-      stop_if_hung "pm_d_$round"
-      run "pm_n_$round" 40 env TAG="r$round nopair" TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 \
-        python -m tools.sparse_rows split 656 $R
-      stop_if_hung "pm_n_$round"
-      run "pm_fm_$round" 40 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
-    done
-    grep -h " us" "$OUT"/pm_*.log > "$OUT/pm_all.txt"
-    cat "$OUT/pm_all.txt"
+    if [[ $kernel == short ]]; then
+      ab_rows sh short_knobs "${ROWS:-"2,1,128 2,2,128 4,1,128 4,2,128 8,1,128 16,1,128
+        32,1,128 128,1,128 2,1,64 2,2,64 4,1,64 8,1,64 16,1,64 32,1,64 128,1,64"}" default short
+    else
+      ab_rows pm pair_knobs "${ROWS:-"2,1,128 2,2,128 4,1,128 8,1,128 16,1,128"}" pair nopair
+    fi
     finish; exit ;;
   split_ncu)  # (ncu of the split at b 128 h_q 64 over the 656-byte rows, random entries and
     # every entry -1: the source page's CSV gzipped into $OUT, tools/ncu_sass.py's summary)
