@@ -55,8 +55,10 @@
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS:
-#             EPI_COPY:META_EARLY, each in its own cache directory; missing fields the defaults
-#             0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0, 0:0:cluster:... before session 41's
+#             EPI_COPY:META_EARLY:ENTRY_EARLY2, each in its own cache directory; missing fields
+#             the defaults 0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0 (since session 46
+#             the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY on where a
+#             part holds few blocks, whatever the build's fields), 0:0:cluster:... before session 41's
 #             new defaults for the pair; sessions 37-38's LOAD_PIN and
 #             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
 #             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
@@ -330,8 +332,8 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-2} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cta} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
@@ -342,7 +344,7 @@ case $kernel in
         TORCH_MLA_DEV_SPLIT_XBULK=${xb:-0} TORCH_MLA_DEV_SPLIT_ENTRY_EARLY=${ee:-0} \
         TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-1} \
         TORCH_MLA_DEV_SPLIT_EPI_COPY=${ec:-0} TORCH_MLA_DEV_SPLIT_META_EARLY=${me:-0} \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2=${e2:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")

@@ -348,6 +348,15 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # 139.8, 139.8 (at 2,2,128 27.7, 27.7 / 27.6, 27.6). Alone, not a default; see the short
 # build's comment below.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
+# ENTRY_EARLY2 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2; session 46, compiled, not yet
+# run; where ENTRY_EARLY is on, as in the short build, and the producer loads ahead, as with
+# the pair): the segment's second block's entries loaded before the length too (the first
+# block's where the segment has one). With a lookahead the producer issues block lo + 1's row
+# loads before it converts block lo, so block lo's conversion waits on lo + 1's entries, which
+# by default load only once the length has come (meta row -> length -> entries -> rows). The
+# session-46 crossover: with the short build ours is 1.2 us behind FlashMLA at one block a
+# part (2,1,128) and ~3 us from two (4,1,128 to 16,1,128).
+ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on. The first two alone are ~1
 # us faster at b 2 s_q 1 and 5-9% slower from b 32 at h_q 128 (their comments: each figure);
@@ -511,6 +520,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.meta_early = META_EARLY == 1 or short  # (its comment)
         self.epi_copy = EPI_COPY == 1 or short  # (its comment; the short build's)
         self.entry_early = ENTRY_EARLY == 1 or short  # (likewise)
+        self.entry_early2 = ENTRY_EARLY2 == 1 and self.entry_early and self.lookahead > 0
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
@@ -610,10 +620,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         last = cute.size(mLens) - 1
         for r in cutlass.range(walk.begin_req, walk.end_req + 1, unroll=1):
             rr = cutlass.min(r, last)  # (as the base class's walk)
-            early = None
+            early = early2 = None
             if const_expr(self.entry_early):  # (segment()'s lo, which needs no length)
-                early = self._raw_entries(mIdx, rr, cutlass.select_(
-                    r == walk.begin_req, walk.begin_blk, Int32(0)))
+                lo0 = cutlass.select_(r == walk.begin_req, walk.begin_blk, Int32(0))
+                early = self._raw_entries(mIdx, rr, lo0)
+                if const_expr(self.entry_early2):
+                    early2 = self._raw_entries(mIdx, rr, lo0 + 1)
             lo, hi = splitkv.segment(walk, r, mLens[rr], width,
                                      mNumSplits[rr + 1] - mNumSplits[rr])
             length = request_length(mIdx, mLens, rr)
@@ -625,7 +637,14 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                 slots[0] = first[0]
                 slots[1] = first[1]
                 if const_expr(self.lookahead > 0):
-                    second = self._block_entries(mIdx, r, cutlass.min(lo + 1, hi - 1), length)
+                    if const_expr(self.entry_early2):  # (block lo + 1, or lo where it is last)
+                        two = lo + 1 < hi
+                        second = self._entries_of(
+                            [cutlass.select_(two, early2[h], early[h]) for h in range(2)],
+                            cutlass.min(lo + 1, hi - 1), length)
+                    else:
+                        second = self._block_entries(mIdx, r, cutlass.min(lo + 1, hi - 1),
+                                                     length)
                     slots[2] = second[0]
                     slots[3] = second[1]
                     for h in cutlass.range_constexpr(self.lookahead):
