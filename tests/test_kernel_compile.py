@@ -478,7 +478,8 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     converting this block's (AHEAD_PAIR 2): the chunk and scale loads at two sites, the
     segment's first block and the loop's next.
 
-    short, the build for parts of few blocks (EPI_COPY, ENTRY_EARLY and META_EARLY on; O_DIRECT,
+    short, the build for parts of few blocks (EPI_COPY, ENTRY_EARLY, META_EARLY and, with the
+    pair, ENTRY_EARLY2 on; O_DIRECT,
     a developer knob, takes precedence over the copy): O copied out by
     the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
     warpgroup's copy of the epilogue, for each output dtype), no bulk store from shared memory;

@@ -55,15 +55,16 @@
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS:
-#             EPI_COPY:META_EARLY:ENTRY_EARLY2, each in its own cache directory; missing fields
-#             the defaults 0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0 (since session 46
-#             the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY on where a
+#             EPI_COPY:META_EARLY:ENTRY_EARLY2:LIGHT, each in its own cache directory; missing
+#             fields the defaults 0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0:0 (since
+#             session 46 the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY
+#             on, session 47 ENTRY_EARLY2 too, where a
 #             part holds few blocks, whatever the build's fields), 0:0:cluster:... before session 41's
 #             new defaults for the pair; sessions 37-38's LOAD_PIN and
 #             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
 #             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
 #             all but the first build (SMOKE=0: none; never of CONVERT f16mul, PEER 0 or
-#             ROPE 0 builds: wrong values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
+#             ROPE 0 or LIGHT 1 builds: wrong values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
 #             alternated twice with the first build without its pair (NOPAIR=0: not) and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
 #             memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME; TESTS_FIRST
@@ -332,8 +333,8 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-2} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cta} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
@@ -344,7 +345,8 @@ case $kernel in
         TORCH_MLA_DEV_SPLIT_XBULK=${xb:-0} TORCH_MLA_DEV_SPLIT_ENTRY_EARLY=${ee:-0} \
         TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-1} \
         TORCH_MLA_DEV_SPLIT_EPI_COPY=${ec:-0} TORCH_MLA_DEV_SPLIT_META_EARLY=${me:-0} \
-        TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2=${e2:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2=${e2:-0} TORCH_MLA_DEV_SPLIT_LIGHT=${lt:-0} \
+        TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")
@@ -376,7 +378,8 @@ case $kernel in
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
       # (f16mul, PEER 0 and ROPE 0: wrong values by construction; SMOKE=0: none)
-      [[ $v == *:f16mul* || $(knobs "$v") =~ SPLIT_(PEER|ROPE)=0 || ${SMOKE:-1} == 0 ]] &&
+      [[ $v == *:f16mul* || $(knobs "$v") =~ SPLIT_(PEER|ROPE)=0|SPLIT_LIGHT=1 ||
+         ${SMOKE:-1} == 0 ]] &&
         continue
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"

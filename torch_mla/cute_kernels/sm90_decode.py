@@ -273,6 +273,10 @@ class MLADecodeSm90(DecodeKernel):
     # the consumers' _load_tiles only release buffer halves to it, and regs is the
     # (producer, consumer) register split setmaxnreg makes. Without one, the consumers load.
     producer = False
+    # Timing only (the split's LIGHT knob): the k-steps of 16 a 64-column tile that Q K^T
+    # issues, and at most how many P V issues; fewer compute wrong values.
+    qk_ksteps = 4
+    pv_ksteps = 4
     consumer_threads = 256
     regs = None
     # The split subclass (a producer subclass too): WG0 runs every block's Q K^T and softmax
@@ -943,7 +947,7 @@ class MLADecodeSm90(DecodeKernel):
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
                 warpgroup.fence()
-                for kk in cutlass.range_constexpr(4):
+                for kk in cutlass.range_constexpr(self.qk_ksteps):
                     k = tile * 4 + kk
                     if const_expr(tile == N_TILES - 1 and self.rope_in_regs):
                         atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
@@ -1011,7 +1015,8 @@ class MLADecodeSm90(DecodeKernel):
         if const_expr(a_in_regs):
             fence_operand(tA)
         warpgroup.fence()
-        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):  # k16 (k32 with e4m3)
+        # (k16 steps; k32 with e4m3)
+        for k in cutlass.range_constexpr(min(cute.size(tA, mode=[2]), self.pv_ksteps)):
             cute.gemm(atom, acc_O, tA[None, None, k], tB[None, None, k], acc_O)
         warpgroup.commit_group()
 

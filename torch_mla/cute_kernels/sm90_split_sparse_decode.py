@@ -348,17 +348,29 @@ ENTRY_LEN = _dev_knob("ENTRY_LEN", 1, (0, 1))
 # 139.8, 139.8 (at 2,2,128 27.7, 27.7 / 27.6, 27.6). Alone, not a default; see the short
 # build's comment below.
 ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
-# ENTRY_EARLY2 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2; session 46, compiled, not yet
-# run; where ENTRY_EARLY is on, as in the short build, and the producer loads ahead, as with
-# the pair): the segment's second block's entries loaded before the length too (the first
+# ENTRY_EARLY2 1 (developer knob TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2; session 46; on in the short
+# build since session 47; where ENTRY_EARLY is on and the producer loads ahead, as with the
+# pair): the segment's second block's entries loaded before the length too (the first
 # block's where the segment has one). With a lookahead the producer issues block lo + 1's row
 # loads before it converts block lo, so block lo's conversion waits on lo + 1's entries, which
 # by default load only once the length has come (meta row -> length -> entries -> rows). The
 # session-46 crossover: with the short build ours is 1.2 us behind FlashMLA at one block a
-# part (2,1,128) and ~3 us from two (4,1,128 to 16,1,128).
+# part (2,1,128) and ~3 us from two (4,1,128 to 16,1,128). Session 47 (H100, same start as
+# FlashMLA, two rounds, us, the short build / with ENTRY_EARLY2 / FlashMLA): 2,1,128 23.2, 22.9
+# / 23.0, 22.8 / 21.7, 21.8; 2,2,128 26.9, 27.0 / 26.5, 26.4 / 23.8, 23.8; 4,1,128 27.3, 27.0 /
+# 27.1, 26.8 / 24.3, 24.2; 8,1,128 34.5, 34.4 / 33.9, 33.8 / 31.8, 31.6 (32,1,128, the default
+# build, which it leaves alone: 71.3, 70.8 / 71.1, 71.1). Its build passed the split's GPU tests
+# (156) and memcheck (h_q 100 and 64).
 ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
+# LIGHT 1 (developer knob TORCH_MLA_DEV_SPLIT_LIGHT, timing only: wrong values by construction;
+# session 47): Q K^T issues one k-step of 16 of each 64-column tile and P V one of its four,
+# a quarter of the MMAs, as a keys-on-M kernel at 16 columns would issue over the same
+# producer. Its time bounds what such a kernel could reach at h_q 16 (issue 29's 2x bar)
+# before one is written.
+LIGHT = _dev_knob("LIGHT", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
-# part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on. The first two alone are ~1
+# part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on, and ENTRY_EARLY2 with the
+# pair (since session 47: its comment). The first two alone are ~1
 # us faster at b 2 s_q 1 and 5-9% slower from b 32 at h_q 128 (their comments: each figure);
 # the three together (session 46, H100, same start as FlashMLA, two rounds, us, defaults / the
 # three / FlashMLA): 2,1,128 24.8, 24.9 / 22.6, 22.7 / 21.7, 21.6; 2,2,128 27.7, 27.7 / 26.5,
@@ -520,7 +532,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.meta_early = META_EARLY == 1 or short  # (its comment)
         self.epi_copy = EPI_COPY == 1 or short  # (its comment; the short build's)
         self.entry_early = ENTRY_EARLY == 1 or short  # (likewise)
-        self.entry_early2 = ENTRY_EARLY2 == 1 and self.entry_early and self.lookahead > 0
+        self.entry_early2 = (ENTRY_EARLY2 == 1 or short) and self.entry_early and self.lookahead > 0
+        if LIGHT == 1:
+            self.qk_ksteps = self.pv_ksteps = 1
         self.producer_fences = PFENCE == 1 or PFENCE == 0 and not pair  # (PFENCE's comment)
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
