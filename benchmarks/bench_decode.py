@@ -11,7 +11,10 @@ call (split-KV kernel + combine) is captured in a CUDA graph, and the replay is 
 triton.testing.do_bench(warmup=50, rep=300, return_mode="median"). With mean length Lm:
     FLOP  = b * h_q * s_q * (2 * 576 * Lm + 2 * 512 * Lm)
     bytes = b * (s_q * h_q * 576 * 2 + Lm * 576 * 2 + s_q * h_q * 512 * 2)
-Ceilings (same H200): 4246 GB/s device-to-device copy, 679 TFLOP/s bf16 matmul. FlashMLA's figures
+Ceilings ("% copy", "% matmul"): this GPU's, measured at the start of the run as
+shared/anchors/README.md measured the H200's (a device-to-device copy, bytes read + written; a
+bf16 8192^3 matmul: torch_mla.testing.measure_ceilings), printed first; --anchor-ceilings takes
+the H200's 4246 GB/s and 679 TFLOP/s instead (tables before session 47). FlashMLA's figures
 (deepseek-ai/FlashMLA 9241ae3, measured the same way on the same machine) are built in; FlashMLA
 is also timed side by side when `flash_mla` is importable (on the GPU machine: the build of
 shared/anchors/flashmla-sm90 on PYTHONPATH; torch_mla.testing.load_flash_mla).
@@ -38,10 +41,13 @@ from torch_mla.testing import (
     graph_time_us,
     load_flash_mla,
     make_anchor_inputs,
+    measure_ceilings,
     parse_config,
     quantize_per_tensor,
 )
 
+# The H200's ceilings (shared/anchors/README.md); main() replaces them by this GPU's, measured
+# in the same run, unless --anchor-ceilings.
 COPY_GBPS = 4246.0
 MATMUL_TFLOPS = 679.0
 
@@ -323,8 +329,17 @@ def main(argv=None):
                     help="with --keysm --fp8: also fast mode (compute='fp8') on the heads-on-M "
                          "kernel and, where it takes the shape, the keys-on-M fast variant "
                          "(the dispatch's choice there)")
+    ap.add_argument("--anchor-ceilings", action="store_true",
+                    help="the %% columns against the H200's ceilings (4246 GB/s, 679 TFLOP/s) "
+                         "instead of this GPU's, measured at the start of the run")
     args = ap.parse_args(argv)
     flash_mla = load_flash_mla()
+    global COPY_GBPS, MATMUL_TFLOPS
+    if not args.anchor_ceilings:
+        COPY_GBPS, MATMUL_TFLOPS = measure_ceilings()
+    print(f"# ceilings ({'the H200 anchor' if args.anchor_ceilings else 'measured in this run'}"
+          f"): copy {COPY_GBPS:.0f} GB/s (read + written), bf16 matmul {MATMUL_TFLOPS:.0f} "
+          "TFLOP/s")
     if args.sparse:
         print(f"# {torch.cuda.get_device_name()}, torch {torch.__version__}, sparse decode")
         return main_sparse(flash_mla)

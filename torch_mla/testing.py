@@ -323,6 +323,24 @@ def graph_time_us(fn: Callable[[], object]) -> float:
     return triton.testing.do_bench(g.replay, warmup=50, rep=300, return_mode="median") * 1e3
 
 
+def measure_ceilings(copy_mib: int = 1024, n: int = 8192) -> tuple[float, float]:
+    """(GB/s, TFLOP/s): this GPU's practical ceilings, measured as shared/anchors/README.md
+    measured the H200's (4246 GB/s, 679 TFLOP/s): a device-to-device copy of copy_mib MiB
+    (bytes read + written) and a bf16 n x n x n torch matmul, each under
+    triton.testing.do_bench, median. A benchmark's "% of the ceiling" then means this GPU's."""
+    import triton.testing
+
+    src = torch.empty(copy_mib << 20, dtype=torch.uint8, device="cuda").random_()
+    dst = torch.empty_like(src)
+    ms = triton.testing.do_bench(lambda: dst.copy_(src), warmup=25, rep=200,
+                                 return_mode="median")
+    copy_gbps = 2 * src.numel() / ms / 1e6
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    ms = triton.testing.do_bench(lambda: a @ b, warmup=25, rep=200, return_mode="median")
+    return copy_gbps, 2 * n**3 / ms / 1e9
+
+
 # The FlashMLA peer -------------------------------------------------------------------------
 
 
