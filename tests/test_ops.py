@@ -302,8 +302,8 @@ def test_schedule_cuts_requests_into_no_more_pieces_than_its_heaviest_part_needs
 
     # Sparse decode at b 2, topk 2048 (32 blocks a token), h_q 128 on 132 SMs: 66 parts for
     # 74 units. The heaviest part takes 2 blocks either way; 37 parts of 2 units cut the
-    # tokens into 17 and 16 pieces where all 66 parts cut them into 28 (session 44: 1.3 us a
-    # step).
+    # tokens into 17 and 16 pieces where all 66 parts cut them into 28 (session 44 measured
+    # 1.3 us a step on a branch; the rule as merged, session 45: 26.2 -> 24.7 us on an H100).
     lens = torch.full((2,), 2048, dtype=torch.int32)
     meta, splits = compute_schedule(lens, 66)
     load = [0] * 66

@@ -963,6 +963,28 @@ def test_run_sparse_step_picks_the_split_build(monkeypatch):
         ("fp8_ds_mla", 64, 5): (0, False), ("fp8_ds_mla", 64, 8): (0, False)}, got
 
 
+def test_run_sparse_step_loads_no_kernel_for_an_empty_batch(monkeypatch):
+    # b s_q = 0 launches nothing, so it loads (or compiles) no step either; the outputs keep
+    # their shapes (the stubbed step's loader fails the test if called).
+    from torch_mla.ops import dispatch
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+    monkeypatch.setattr(dispatch, "device_arch", lambda index: "sm_90a")
+
+    def no_step(*key):
+        raise AssertionError(f"a step was loaded for an empty batch: {key}")
+
+    monkeypatch.setattr(sparse_ops, "_sparse_step", no_step)
+    cache, _ = make_cache(1, "fp8_ds_mla", torch.ones(PAGE, dtype=torch.bool))
+    for b, s_q in ((0, 1), (2, 0)):
+        q = torch.randn(b, s_q, 128, 576).bfloat16()
+        idx = torch.zeros(b, s_q, 2048, dtype=torch.int32)
+        sched = torch_mla.get_sparse_decode_schedule(idx, 128, num_sms=132)
+        out, lse = sparse_ops.run_sparse_step("sm90_split", q, cache, idx, None, None,
+                                              sched.metadata, sched.num_splits, 0.1, 512)
+        assert out.shape == (b, s_q, 128, 512) and lse.shape == (b, 128, s_q)
+
+
 def test_sparse_rows_tool_modes(monkeypatch):
     """tools/sparse_rows.py: each mode's flags make the dispatch (on sm_90a) pick the kernel it
     names, at h_q 16 over each FP8 format ("rs", "rs32": its ping-pong variant; over bf16 the

@@ -303,8 +303,6 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
         columns = split_pair_rows(h_q, cache, b * s_q)
         # (over the 656-byte rows, where it was measured)
         short = cache == "fp8_ds_mla" and split_short_parts(b * s_q, topk, parts, columns > 0)
-    step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index), columns,
-                        short)
     if topk_length is None:
         topk_length = full_topk_length(b, topk, q.device)
     slots = b * s_q + parts
@@ -312,7 +310,9 @@ def run_sparse_step(backend: str, q, kv_cache, indices, topk_length, attn_sink,
     lseacc = q.new_empty(slots, h_q, dtype=torch.float32)
     out = q.new_empty(b, s_q, h_q, D_V)
     lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
-    if b > 0 and s_q > 0:
+    if b > 0 and s_q > 0:  # (an empty batch loads no kernel)
+        step = _sparse_step(backend, q.dtype, cache, dispatch.device_arch(q.device.index),
+                            columns, short)
         variant = dispatch.combine_variant(b * s_q, parts, h_q,
                                            dispatch.device_num_sms(q.device))
         # kv_scale: the float8_e4m3fn cache's, else None (the 656-byte rows carry their
