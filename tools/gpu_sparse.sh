@@ -58,7 +58,7 @@
 #             EPI_COPY:META_EARLY:ENTRY_EARLY2:LIGHT, each in its own cache directory; missing
 #             fields the defaults 0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0:0 (since
 #             session 46 the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY
-#             on, session 47 ENTRY_EARLY2 too, where a
+#             on, session 47 ENTRY_EARLY2 too with the pair, where a
 #             part holds few blocks, whatever the build's fields), 0:0:cluster:... before session 41's
 #             new defaults for the pair; sessions 37-38's LOAD_PIN and
 #             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
@@ -377,7 +377,7 @@ case $kernel in
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
-      # (f16mul, PEER 0 and ROPE 0: wrong values by construction; SMOKE=0: none)
+      # (f16mul, PEER 0, ROPE 0 and LIGHT 1: wrong values by construction; SMOKE=0: none)
       [[ $v == *:f16mul* || $(knobs "$v") =~ SPLIT_(PEER|ROPE)=0|SPLIT_LIGHT=1 ||
          ${SMOKE:-1} == 0 ]] &&
         continue

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> None:
         us, _, gbps, _, _ = bench_decode.run_config(b, s_q, s_k, h_q, s_q > 1, check=False,
                                                     fp8=True, compute="fp8")
         print(f"{mode} b {b} s_q {s_q} s_k {s_k} h_q {h_q}: {us:.1f} us, {gbps:.0f} GB/s "
-              f"({100 * gbps / bench_decode.COPY_GBPS:.0f} % copy)", flush=True)
+              f"({100 * gbps / bench_decode.COPY_GBPS:.0f}% of the H200 copy)", flush=True)
 
 
 if __name__ == "__main__":

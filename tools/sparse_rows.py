@@ -104,8 +104,8 @@ def main(argv: list[str]) -> None:
                 continue
             us = bd._sparse_us(q, cache, idx, sched, kv_scale)
         gbps = b * s_q * topk * ROW_BYTES[fmt] / us / 1e3
-        print(f"{line} {us:.1f} us, {gbps:.0f} GB/s ({100 * gbps / bd.COPY_GBPS:.0f}% copy), "
-              f"{taken}", flush=True)
+        print(f"{line} {us:.1f} us, {gbps:.0f} GB/s "
+              f"({100 * gbps / bd.COPY_GBPS:.0f}% of the H200 copy), {taken}", flush=True)
         del cache, tokens
 
 

@@ -364,9 +364,12 @@ ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
 # LIGHT 1 (developer knob TORCH_MLA_DEV_SPLIT_LIGHT, timing only: wrong values by construction;
 # session 47): Q K^T issues one k-step of 16 of each 64-column tile and P V one of its four,
-# a quarter of the MMAs, as a keys-on-M kernel at 16 columns would issue over the same
-# producer. Its time bounds what such a kernel could reach at h_q 16 (issue 29's 2x bar)
-# before one is written.
+# a quarter of the MMAs (the FLOP a keys-on-M consumer at 16 columns would issue over the same
+# producer). Session 47 (H100, same start, two rounds, us, defaults / LIGHT): 128,1,64 130.4,
+# 130.7 / 123.1, 122.9; 128,2,64 244.5, 244.0 / 231.1, 230.5; 32,1,64 59.1, 58.8 / 57.4, 57.4;
+# 2,1,64 21.6, 21.6 / 20.0, 20.2: the MMAs' issue does not bound the split at h_q 64
+# (docs/kernels/sparse.md, session 47). Never a build the tests run (gpu_sparse.sh skips its
+# smoke cases; do not name it first or TESTED in split_ab).
 LIGHT = _dev_knob("LIGHT", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on, and ENTRY_EARLY2 with the
@@ -519,8 +522,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         """pair: the two m-blocks of a token (h_q 65-128) as a cluster of two CTAs whose
         producers each convert half of every block's keys (rows 32 rank .. + 31) into both
         CTAs' buffers (the 656-byte rows only); see the module docstring. short: the build for
-        parts of few blocks (EPI_COPY, ENTRY_EARLY and META_EARLY on: the comment below
-        ENTRY_EARLY)."""
+        parts of few blocks (EPI_COPY, ENTRY_EARLY, META_EARLY and, with the pair,
+        ENTRY_EARLY2 on: the comment below LIGHT)."""
         assert not pair or cache == "fp8_ds_mla", cache
         super().__init__(dtype, cache)
         self.pair = pair
