@@ -55,8 +55,9 @@
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
 #             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
 #             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS:
-#             EPI_COPY:META_EARLY:ENTRY_EARLY2:LIGHT, each in its own cache directory; missing
-#             fields the defaults 0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0:0 (since
+#             EPI_COPY:META_EARLY:ENTRY_EARLY2:LIGHT:ROPE_AHEAD, each in its own cache
+#             directory; missing fields the defaults
+#             0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0:0:0 (since
 #             session 46 the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY
 #             on, session 47 ENTRY_EARLY2 too with the pair, where a
 #             part holds few blocks, whatever the build's fields), 0:0:cluster:... before session 41's
@@ -333,8 +334,9 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt <<< "$1"
+      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt ra
+      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt ra \
+        <<< "$1"
       echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-2} \
         TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cta} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
         TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
@@ -346,7 +348,7 @@ case $kernel in
         TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-1} \
         TORCH_MLA_DEV_SPLIT_EPI_COPY=${ec:-0} TORCH_MLA_DEV_SPLIT_META_EARLY=${me:-0} \
         TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2=${e2:-0} TORCH_MLA_DEV_SPLIT_LIGHT=${lt:-0} \
-        TORCH_MLA_CACHE_DIR=/tmp/c$n
+        TORCH_MLA_DEV_SPLIT_ROPE_AHEAD=${ra:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")

@@ -371,6 +371,18 @@ ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
 # (docs/kernels/sparse.md, session 47). Never a build the tests run (gpu_sparse.sh skips its
 # smoke cases; do not name it first or TESTED in split_ab).
 LIGHT = _dev_knob("LIGHT", 0, (0, 1))
+# ROPE_AHEAD 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_AHEAD; session 47, compiled, not yet run;
+# with a lookahead, as with the pair): at a segment's start the consumers release both
+# buffers at once (_load_tiles), so the producer then waits for half 1 of the first two
+# blocks' buffers and gathers their rope tiles (cp.async) right away, instead of each after
+# the block's half 0 conversion (ROPE_FIRST) and, for the second block, after the whole first
+# block. Those two blocks' half-1 fills then skip their wait and their rope gather. Session
+# 46's reading beside FlashMLA (whose producer loads a block's rope with its chunks) and
+# session 47's trace (2,1,128: WG0 has half 1 of block 0 1.0 us after half 0). Prediction:
+# -0.3 to -0.8 us at 2,1,128, 2,2,128 and 4,1,128 in the short build; within 1% at b 32-128.
+# ptxas on the CPU: the short pair build 168 registers, no spill; the default pair build 12 / 44
+# bytes (as without it). The default and short builds' PTX unchanged (md5).
+ROPE_AHEAD = _dev_knob("ROPE_AHEAD", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on, and ENTRY_EARLY2 with the
 # pair (since session 47: its comment). The first two alone are ~1
@@ -542,6 +554,9 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.load_block = LOAD_BLOCK == 2 or LOAD_BLOCK == 1 and pair  # (LOAD_BLOCK's)
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
         assert not (self.rope_early and self.lookahead), "ROPE_EARLY takes AHEAD 0"
+        # (its comment; the rope gathers it moves are ROPE_FIRST's)
+        self.rope_ahead = (ROPE_AHEAD == 1 and cache == "fp8_ds_mla" and self.lookahead > 0
+                           and ROPE_FIRST == 1)
         assert not (self.rope_early and self.o_direct), "ROPE_EARLY takes O_DIRECT 0"
 
     def _extra_storage(self) -> dict:
@@ -585,6 +600,16 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
             parity[0] = parity[0] ^ (1 << bit)
             self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
+
+    @cute.jit
+    def _rope_ahead(self, rows, slots, s: cutlass.Constexpr[int], parity, warp):
+        """ROPE_AHEAD, at a segment's start: once half 1 of buffer s is free (the consumers
+        release a segment's first two buffers together), the rope gather of the block the lanes'
+        slots name into it; that block's _fill then skips half 1's wait and gather."""
+        bit = 2 * s + 1
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        parity[0] = parity[0] ^ (1 << bit)
+        self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
@@ -666,6 +691,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     slots[3] = second[1]
                     for h in cutlass.range_constexpr(self.lookahead):
                         self._stash(carry, h, self._load(rows, first, h, warp))
+                    if const_expr(self.rope_ahead):  # (both buffers were released together)
+                        self._rope_ahead(rows, first, 0, parity, warp)
+                        if lo + 1 < hi:
+                            self._rope_ahead(rows, second, 1, parity, warp)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     self._stamp("pblock", 256, blk - lo)  # (trace: the producer's block)
                     cur = [slots[0], slots[1]]
@@ -689,16 +718,19 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 2, hi - 1), length)
                         more = blk + 1 < hi
                         held = [self._unstash(carry, h) for h in range(self.lookahead)]
+                        ahead = None
+                        if const_expr(self.rope_ahead):  # (half 1 waited for, rope issued)
+                            ahead = blk < lo + 2
                         if const_expr(self.lookahead == 2):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
                             for h in cutlass.range_constexpr(2):
-                                self._fill(rows, cur, s, h, barK, parity, warp, held[h])
+                                self._fill(rows, cur, s, h, barK, parity, warp, held[h], ahead)
                         else:
                             half1 = self._load(rows, cur, 1, warp)
                             self._fill(rows, cur, s, 0, barK, parity, warp, held[0])
                             self._stash(carry, 0, self._load(rows, nx, 0, warp, more))
-                            self._fill(rows, cur, s, 1, barK, parity, warp, half1)
+                            self._fill(rows, cur, s, 1, barK, parity, warp, half1, ahead)
                         slots[0] = nx[0]
                         slots[1] = nx[1]
                     slots[2 * (self.lookahead > 0)] = nxt[0]
@@ -796,7 +828,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         return words, scales
 
     @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
+              ahead=None):
         """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold (keys
         lane and lane + 32), once the consumers released it. The 656-byte rows: this thread's
         chunks and scales are already loaded (`loaded`: _load, issued before the wait); it stores
@@ -806,22 +839,29 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         at the block's start). The 16-bit cache: the half's tiles by cp.async once released. Warp
         0 writes buffer s's bias row with half 0. Every thread then fences its writes for the
         async proxy (where producer_fences: PFENCE) and arrives on the half's tile mbarrier
-        (cp.async.mbarrier.arrive makes it wait for the copies too)."""
+        (cp.async.mbarrier.arrive makes it wait for the copies too). ahead (ROPE_AHEAD, half
+        1): the segment's start waited for this half and gathered its rope tile already."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
         bit = 2 * s + h
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
-        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
-        self._stamp(f"d_free{h}", 256)  # (trace: half h free)
-        parity[0] = parity[0] ^ (1 << bit)
-        if const_expr(h == 0):
-            self._half0_bias(s, slots, warp)
         rope_first = (self.cache == "fp8_ds_mla" and h == 1 and ROPE_FIRST == 1
                       and not self.rope_early)
-        if const_expr(rope_first):  # (its DRAM latency under the conversion: ROPE_FIRST)
-            self.rope_tile(rows, slots, buf, warp)
+        if const_expr(self.rope_ahead and h == 1):
+            if not ahead:
+                self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+                parity[0] = parity[0] ^ (1 << bit)
+                self.rope_tile(rows, slots, buf, warp)  # (ROPE_FIRST's place)
+        else:
+            self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+            parity[0] = parity[0] ^ (1 << bit)
+        self._stamp(f"d_free{h}", 256)  # (trace: half h free)
+        if const_expr(h == 0):
+            self._half0_bias(s, slots, warp)
+        if const_expr(rope_first and not self.rope_ahead):  # (its DRAM latency under the
+            self.rope_tile(rows, slots, buf, warp)  # conversion: ROPE_FIRST)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             peer = None
