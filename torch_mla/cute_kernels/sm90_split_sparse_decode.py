@@ -372,11 +372,14 @@ ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
 # smoke cases; do not name it first or TESTED in split_ab).
 LIGHT = _dev_knob("LIGHT", 0, (0, 1))
 # ROPE_AHEAD 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_AHEAD; session 47, compiled, not yet run;
-# with a lookahead, as with the pair): at a segment's start the consumers release both
-# buffers at once (_load_tiles), so the producer then waits for half 1 of the first two
-# blocks' buffers and gathers their rope tiles (cp.async) right away, instead of each after
-# the block's half 0 conversion (ROPE_FIRST) and, for the second block, after the whole first
-# block. Those two blocks' half-1 fills then skip their wait and their rope gather. Session
+# with a lookahead, as with the pair, ROPE_FIRST 1 and O_DIRECT 0; elsewhere it does nothing):
+# at a segment's start the consumers release both buffers at once (_load_tiles), so in its
+# first step, once block lo + 1's row loads are issued, the producer waits for half 1 of the
+# first two blocks' buffers and gathers their rope tiles (cp.async), instead of each after the
+# block's half 0 conversion (ROPE_FIRST) and, for the second block, after the whole first
+# block. Those two blocks' half-1 fills then skip their wait and their rope gather. Block lo's
+# half-1 arrival (cp.async.mbarrier.arrive: all of the thread's earlier copies) then also
+# waits for block lo + 1's rope, issued at about the same time. Session
 # 46's reading beside FlashMLA (whose producer loads a block's rope with its chunks) and
 # session 47's trace (2,1,128: WG0 has half 1 of block 0 1.0 us after half 0). Prediction:
 # -0.3 to -0.8 us at 2,1,128, 2,2,128 and 4,1,128 in the short build; within 1% at b 32-128.
@@ -556,7 +559,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         assert not (self.rope_early and self.lookahead), "ROPE_EARLY takes AHEAD 0"
         # (its comment; the rope gathers it moves are ROPE_FIRST's)
         self.rope_ahead = (ROPE_AHEAD == 1 and cache == "fp8_ds_mla" and self.lookahead > 0
-                           and ROPE_FIRST == 1)
+                           and ROPE_FIRST == 1 and not self.o_direct)
         assert not (self.rope_early and self.o_direct), "ROPE_EARLY takes O_DIRECT 0"
 
     def _extra_storage(self) -> dict:
@@ -603,7 +606,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
 
     @cute.jit
     def _rope_ahead(self, rows, slots, s: cutlass.Constexpr[int], parity, warp):
-        """ROPE_AHEAD, at a segment's start: once half 1 of buffer s is free (the consumers
+        """ROPE_AHEAD, in a segment's first step: once half 1 of buffer s is free (the consumers
         release a segment's first two buffers together), the rope gather of the block the lanes'
         slots name into it; that block's _fill then skips half 1's wait and gather."""
         bit = 2 * s + 1
@@ -691,10 +694,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                     slots[3] = second[1]
                     for h in cutlass.range_constexpr(self.lookahead):
                         self._stash(carry, h, self._load(rows, first, h, warp))
-                    if const_expr(self.rope_ahead):  # (both buffers were released together)
-                        self._rope_ahead(rows, first, 0, parity, warp)
-                        if lo + 1 < hi:
-                            self._rope_ahead(rows, second, 1, parity, warp)
                 for blk in cutlass.range(lo, hi, unroll=1):
                     self._stamp("pblock", 256, blk - lo)  # (trace: the producer's block)
                     cur = [slots[0], slots[1]]
@@ -724,10 +723,20 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         if const_expr(self.lookahead == 2):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
+                            if const_expr(self.rope_ahead):  # (after block lo + 1's row loads)
+                                if blk == lo:
+                                    self._rope_ahead(rows, cur, 0, parity, warp)
+                                    if more:
+                                        self._rope_ahead(rows, nx, 1, parity, warp)
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp, held[h], ahead)
                         else:
                             half1 = self._load(rows, cur, 1, warp)
+                            if const_expr(self.rope_ahead):
+                                if blk == lo:
+                                    self._rope_ahead(rows, cur, 0, parity, warp)
+                                    if more:
+                                        self._rope_ahead(rows, nx, 1, parity, warp)
                             self._fill(rows, cur, s, 0, barK, parity, warp, held[0])
                             self._stash(carry, 0, self._load(rows, nx, 0, warp, more))
                             self._fill(rows, cur, s, 1, barK, parity, warp, half1, ahead)
