@@ -849,7 +849,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         0 writes buffer s's bias row with half 0. Every thread then fences its writes for the
         async proxy (where producer_fences: PFENCE) and arrives on the half's tile mbarrier
         (cp.async.mbarrier.arrive makes it wait for the copies too). ahead (ROPE_AHEAD, half
-        1): the segment's start waited for this half and gathered its rope tile already."""
+        1): the segment's first step waited for this half and gathered its rope tile."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
