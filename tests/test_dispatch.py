@@ -415,6 +415,26 @@ def test_split_kv_hands_the_step_the_kernels_layout(monkeypatch, h_kv, s_q, misa
     torch.testing.assert_close(lse, inp.q[..., 0].float().transpose(1, 2), rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("h_kv", [1, 2])
+def test_split_kv_loads_no_step_for_an_empty_batch(monkeypatch, h_kv):
+    # b = 0 launches nothing, so it loads (or compiles) no step either; the outputs keep their
+    # shapes and dtypes (the stand-in loader fails the test if called).
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: None)
+
+    def no_step(*key):
+        raise AssertionError(f"a step was loaded for an empty batch: {key}")
+
+    monkeypatch.setattr(dispatch, "STEPS", {k: no_step for k in dispatch.STEPS})
+    inp = make_decode_inputs([3], 2, 4, h_kv=h_kv)
+    q = inp.q[:0]
+    lens = inp.cache_seqlens[:0]
+    meta, splits = torch_mla.get_decode_schedule(lens, 2, 4, h_kv=h_kv)
+    out, lse = dispatch.run_sm90(q, inp.kv_cache, inp.block_table[:0], lens, meta, splits, 0.5,
+                                 True)
+    assert out.shape == (0, 2, 4, 512) and out.dtype == q.dtype
+    assert lse.shape == (0, 4, 2) and lse.dtype == torch.float32
+
+
 @pytest.mark.parametrize("compute,dither", [("exact", False), ("fp8", False), ("fp8", True),
                                             ("exact", True)])
 def test_split_kv_hands_an_fp8_step_its_bytes_and_scales(monkeypatch, compute, dither):

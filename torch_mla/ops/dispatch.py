@@ -413,6 +413,9 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     # strided view of that head's latents (MLA models have one KV head: a single launch).
     g = h_q // h_kv
     rows = s_q * g
+    if b == 0:  # (launches nothing, so loads no step either)
+        return (q.new_empty(0, s_q, h_q, D_V, dtype=out_dtype),
+                q.new_empty(0, h_q, s_q, dtype=torch.float32))
     kind, columns = step_kind(backend, key, rows, compute, h_kv, b, scales is not None)
     if kind.startswith("sm90_fp8_fast") and fast_dither():
         kind += "_dither"
@@ -431,19 +434,16 @@ def run_split_kv(backend, q, kv_cache, block_table, cache_seqlens, meta, num_spl
     if h_kv == 1:
         out = q.new_empty(b, rows, D_V, dtype=out_dtype)
         lse = q.new_empty(b, h_q, s_q, dtype=torch.float32)
-        if b > 0:
-            # The cache is contiguous (checked): its one head's rows are a plain view. The
-            # combine also checks the lengths and the used page ids (combine.check_request).
-            step(_q_rows(q, b, rows), kv_cache.view(num_blocks, PAGE_SIZE, D_QK), block_table,
-                 cache_seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, variant,
-                 *extra)
+        # The cache is contiguous (checked): its one head's rows are a plain view. The combine
+        # also checks the lengths and the used page ids (combine.check_request).
+        step(_q_rows(q, b, rows), kv_cache.view(num_blocks, PAGE_SIZE, D_QK), block_table,
+             cache_seqlens, meta, num_splits, out, lse, oacc, lseacc, scale_log2, variant,
+             *extra)
         return out.view(b, s_q, h_q, D_V), lse
     out = q.new_empty(b, s_q, h_kv, g, D_V, dtype=out_dtype)
     lse = q.new_empty(b, h_kv, g, s_q, dtype=torch.float32)
     qg = q.view(b, s_q, h_kv, g, D_QK)
     for k in range(h_kv):
-        if b == 0:
-            break
         out_k = q.new_empty(b, rows, D_V, dtype=out_dtype)
         lse_k = q.new_empty(b, g, s_q, dtype=torch.float32)
         step(_q_rows(qg[:, :, k], b, rows), kv_cache[:, :, k], block_table, cache_seqlens, meta,
