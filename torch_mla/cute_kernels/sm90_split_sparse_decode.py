@@ -605,14 +605,20 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
     @cute.jit
-    def _rope_ahead(self, rows, slots, s: cutlass.Constexpr[int], parity, warp):
-        """ROPE_AHEAD, in a segment's first step: once half 1 of buffer s is free (the consumers
-        release a segment's first two buffers together), the rope gather of the block the lanes'
-        slots name into it; that block's _fill then skips half 1's wait and gather."""
-        bit = 2 * s + 1
-        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
-        parity[0] = parity[0] ^ (1 << bit)
-        self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
+    def _rope_ahead(self, rows, cur, nxt, first, more, parity, warp):
+        """ROPE_AHEAD, in a segment's first step (first): once half 1 of buffer 0 and, where
+        block lo + 1 exists (more), of buffer 1 is free (the consumers release a segment's first
+        two buffers together), the rope gathers of block lo (the lanes' slots cur) and lo + 1
+        (nxt) into them; those blocks' _fill then skips half 1's wait and gather."""
+        if first:
+            for s in cutlass.range_constexpr(2):
+                if s == 0 or more:
+                    bit = 2 * s + 1
+                    self._wait_half(self.d_storage.barE.data_ptr() + bit,
+                                    (parity[0] >> bit) & 1)
+                    parity[0] = parity[0] ^ (1 << bit)
+                    self.rope_tile(rows, nxt if s else cur,
+                                   self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
@@ -724,19 +730,13 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                             for h in cutlass.range_constexpr(2):
                                 self._stash(carry, h, self._load(rows, nx, h, warp, more))
                             if const_expr(self.rope_ahead):  # (after block lo + 1's row loads)
-                                if blk == lo:
-                                    self._rope_ahead(rows, cur, 0, parity, warp)
-                                    if more:
-                                        self._rope_ahead(rows, nx, 1, parity, warp)
+                                self._rope_ahead(rows, cur, nx, blk == lo, more, parity, warp)
                             for h in cutlass.range_constexpr(2):
                                 self._fill(rows, cur, s, h, barK, parity, warp, held[h], ahead)
                         else:
                             half1 = self._load(rows, cur, 1, warp)
                             if const_expr(self.rope_ahead):
-                                if blk == lo:
-                                    self._rope_ahead(rows, cur, 0, parity, warp)
-                                    if more:
-                                        self._rope_ahead(rows, nx, 1, parity, warp)
+                                self._rope_ahead(rows, cur, nx, blk == lo, more, parity, warp)
                             self._fill(rows, cur, s, 0, barK, parity, warp, held[0])
                             self._stash(carry, 0, self._load(rows, nx, 0, warp, more))
                             self._fill(rows, cur, s, 1, barK, parity, warp, half1, ahead)
