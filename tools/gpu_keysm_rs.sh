@@ -39,11 +39,11 @@ if [[ $mode == bulk ]]; then
   SECONDS=${ELAPSED:-0}
   preamble flashmla-sm90-sparse
   ROWS=${ROWS:-"128,1,8192,16 64,1,16384,16 128,2,8192,16 128,1,8192,32"}
-  for n in D B; do
-    kb=(); [[ $n == B ]] && kb=(TORCH_MLA_DEV_KEYSM_BULK=1)
+  for n in D B; do  # (D also the bf16 kernels bench_decode.py times)
+    kb=(); ks=keysm_rs,keysm_fast,schedule
+    if [[ $n == B ]]; then kb=(TORCH_MLA_DEV_KEYSM_BULK=1); else ks=$ks,keysm,step; fi
     (env "${kb[@]}" TORCH_MLA_CACHE_DIR=/tmp/c$n timeout 200 python -m torch_mla.precompile \
-      --arch sm_90a --kernels keysm_rs,keysm_fast,step,schedule --dtypes bf16 --jobs 8 \
-      > "$OUT/pre$n.log" 2>&1) &
+      --arch sm_90a --kernels $ks --dtypes bf16 --jobs 8 > "$OUT/pre$n.log" 2>&1) &
   done
   wait
   tail -n 2 "$OUT"/pre*.log
