@@ -33,9 +33,9 @@ mode=${1:-check}
 if [[ $mode == bulk ]]; then
   # TORCH_MLA_DEV_KEYSM_BULK (session 48) against the defaults, same start: each build in its
   # own kernel cache (D, B), the ping-pong (rs) and fast mode (fast) at ROWS, two rounds
-  # alternated, and the load-only ring under each in round 1; then (while time is left) the ping-pong's and fast
-  # mode's GPU tests and memcheck on B. bf16 (our dispatch's kernel, for the ratio)
-  # and FlashMLA's bf16 decode once a round, from bench_decode.py.
+  # alternated, and the load-only ring under each in round 1; then (while time is left) the
+  # ping-pong's and fast mode's GPU tests and memcheck on B. bf16 (our dispatch's kernel, for
+  # the ratio) and FlashMLA's bf16 decode once a round, from bench_decode.py.
   SECONDS=${ELAPSED:-0}
   preamble flashmla-sm90-sparse
   ROWS=${ROWS:-"128,1,8192,16 64,1,16384,16 128,2,8192,16 128,1,8192,32"}
