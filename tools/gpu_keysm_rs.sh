@@ -38,7 +38,7 @@ if [[ $mode == bulk ]]; then
   # the ratio) and FlashMLA's bf16 decode once a round, from bench_decode.py.
   SECONDS=${ELAPSED:-0}
   preamble flashmla-sm90-sparse
-  ROWS=${ROWS:-"128,1,8192,16 64,1,16384,16 128,2,8192,16 128,1,8192,32"}
+  ROWS=${ROWS:-"128,1,8192,16 64,1,16384,16 128,2,8192,16"}
   for n in D B; do  # (D also the bf16 kernels bench_decode.py times)
     kb=(); ks=keysm_rs,keysm_fast,schedule
     if [[ $n == B ]]; then kb=(TORCH_MLA_DEV_KEYSM_BULK=1); else ks=$ks,keysm,step; fi
