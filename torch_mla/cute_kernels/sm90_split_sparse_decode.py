@@ -613,10 +613,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         if first:
             for s in cutlass.range_constexpr(2):
                 if s == 0 or more:
-                    bit = 2 * s + 1
-                    self._wait_half(self.d_storage.barE.data_ptr() + bit,
-                                    (parity[0] >> bit) & 1)
-                    parity[0] = parity[0] ^ (1 << bit)
+                    self._take_half(2 * s + 1, parity)
                     self.rope_tile(rows, nxt if s else cur,
                                    self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
@@ -639,6 +636,12 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         else:
             cute.arch.mbarrier_wait(bar, parity)
         self._stamp("tiles")  # (trace point: thread 0's, WG0's waits for a block's tiles)
+
+    def _take_half(self, bit, parity):
+        """The producer: wait until half `bit` (2 s + h: half h of buffer s) is free, at its
+        parity bit in parity[0], then flip that bit."""
+        self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
+        parity[0] = parity[0] ^ (1 << bit)
 
     def half_has_copies(self, h: int) -> bool:
         """Over the 656-byte rows half 0 holds only the producer's own stores (fenced before it
@@ -860,12 +863,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                       and not self.rope_early)
         if const_expr(self.rope_ahead and h == 1):
             if not ahead:
-                self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
-                parity[0] = parity[0] ^ (1 << bit)
+                self._take_half(bit, parity)
                 self.rope_tile(rows, slots, buf, warp)  # (ROPE_FIRST's place)
         else:
-            self._wait_half(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
-            parity[0] = parity[0] ^ (1 << bit)
+            self._take_half(bit, parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
