@@ -475,46 +475,38 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     cluster pipelines release; at SCOPE "cluster" release.cluster ones, and the waits they
     complete acquiring at cluster scope); each traced copy syncs the cluster after the
     barriers' set-up and at the end. Its producer loads the next block's chunks before
-    converting this block's (AHEAD_PAIR 2): the chunk and scale loads at two sites, the
+    converting this block's (LOOKAHEAD_PAIR 2): the chunk and scale loads at two sites, the
     segment's first block and the loop's next.
 
     short, the build for parts of few blocks (EPI_COPY, ENTRY_EARLY, META_EARLY and, with the
-    pair, ENTRY_EARLY2 on; O_DIRECT,
-    a developer knob, takes precedence over the copy): O copied out by
-    the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
+    pair, ENTRY_EARLY2 on): O copied out by the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
     warpgroup's copy of the epilogue, for each output dtype), no bulk store from shared memory;
     the default build the reverse (over the 656-byte rows only)."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import (
-        AHEAD,
-        AHEAD_PAIR,
         EPI_COPY,
-        O_DIRECT,
-        PIPE,
+        LOOKAHEAD_PAIR,
         REGS,
         SCOPE,
-        SECTORS,
     )
 
     assert sum(REGS) == 3 * 168, REGS
     c, p = _producer_counts(dtype, cache, "sm90_split", "MLASparseDecodeSm90Split", columns,
                             short)
-    copies = (short or EPI_COPY == 1) and O_DIRECT == 0
+    copies = short or EPI_COPY == 1
     assert (c["st.global.v4"] > 0) == copies and (c["ld.shared.v4"] > 0) == copies, c
     assert c["st.global.v4"] == c["ld.shared.v4"], c
-    assert (c["cp.async.bulk.global.shared"] == 0) == (copies or O_DIRECT == 1), c
-    # (PIPE, a developer knob: WG0's a segment's first S before the loop, the loop's two block
-    # sites each issuing the next block's, then the last one or two blocks: 36 + 2 x 40 + 44 + 4;
-    # WG1's two sites 2 x 4)
-    assert c["wgmma.mma_async"] == (164 + 8 if PIPE else 2 * (36 + 4 + 4)), c
+    assert (c["cp.async.bulk.global.shared"] == 0) == copies, c
+    # (WG0's two block sites, 36 Q K^T and 4 P V wgmma each, WG1's 4 each)
+    assert c["wgmma.mma_async"] == 2 * (36 + 4 + 4), c
     ds = cache == "fp8_ds_mla"
     rounds = 1 if columns else 2
-    ahead = AHEAD_PAIR if columns else AHEAD
+    ahead = LOOKAHEAD_PAIR if columns else 0
     sites = {0: 1, 2: 2}.get(ahead)  # (the load sites: the docstring)
     assert sites, f"no load-site count written for a lookahead of {ahead}"
     assert c["cp.async.cg.shared.global"] == (4 if ds else 4 * (4 + 5)), c
-    # (SECTORS, the pair's default since session 43: each chunk two 8-byte loads, .v2)
+    # (with the pair each chunk is two 8-byte loads, .v2: sector_load_offsets)
     halves = 2 * 4 * rounds * sites if ds else 0  # (chunk loads: 4 a half and round)
-    split8 = bool(columns) and SECTORS == 1
+    split8 = bool(columns)
     assert c["ldnc.v4"] == (0 if split8 else halves), c
     assert c["ldnc.v2"] == (2 * rounds * sites if ds else 0) + (2 * halves if split8 else 0), c
     assert c["prefetch.global.L2"] == 0, c
@@ -528,9 +520,8 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     assert c["mbarrier.arrive.release.cluster"] == (8 if cluster else 0), c
     assert c["mbarrier.arrive.shared::cluster.b64"] == (8 if columns and not cluster else 0), c
     # (at SCOPE "cluster", the waits a peer's release completes: WG0's for each half at its
-    # two block sites, the producer's for a free half at its two fills; PIPE: WG0's at the
-    # first S and the three sites issuing a next one)
-    assert c["try_wait.parity.acquire.cluster"] == (2 * 2 + 2 + 2 * 2 * PIPE if cluster else 0), c
+    # two block sites, the producer's for a free half at its two fills)
+    assert c["try_wait.parity.acquire.cluster"] == (2 * 2 + 2 if cluster else 0), c
     assert c["mbarrier.arrive.expect_tx"] == 3 + (2 if columns else 0), c
     assert c["setmaxnreg"] == 3 and c["cp.async.bulk.tensor"] == 27, c
     # (.dec to a larger count is an illegal instruction: an H200 run of session 28's first

@@ -243,7 +243,7 @@ def test_split_producer_lanes_cover_each_chunk_once_without_bank_conflicts():
 
 
 def test_split_sector_lanes_write_whole_sectors():
-    """The split's SECTORS layout (sector_store_offsets; the pair: round u is the CTA's rank):
+    """The pair's store layout (sector_store_offsets; round u is the CTA's rank):
     each thread's two chunks (values 64 d + 8 q and 64 d + 32 + 8 q of its key) land where
     fp8_store_offsets puts those values; over both ranks every (key, 8-value chunk) of a half
     is named once; each store instruction's 32 lanes write whole 32-byte sectors (each sector

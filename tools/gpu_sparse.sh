@@ -27,9 +27,7 @@
 #             rows): tests, an A/B against the SM90 kernel over the 656-byte rows
 #             (tools/sparse_rows.py producer / sm90, alternated), memcheck over the 656-byte rows
 #             at h_q 16 and 100; producer_bench: the bench with FlashMLA (a second call), with
-#             and without the flag; producer_ahead: the A/B of its AHEAD (2, 4, 8: the
-#             TORCH_MLA_DEV_AHEAD knob, each build in its own cache directory) against the SM90
-#             kernel, then bench_sparse_patterns.py with the flag (FlashMLA beside it)
+#             and without the flag
 #   split     the SM90 kernel's variant with FlashMLA's warpgroup split
 #             (TORCH_MLA_SPARSE_PRODUCER=split, sm90_split_sparse_decode.py): an A/B over the
 #             656-byte rows of the split and the SM90 kernel (tools/sparse_rows.py split / sm90,
@@ -37,14 +35,6 @@
 #             bench_sparse_patterns.py with the flag (FlashMLA beside it), then the tests,
 #             memcheck over the 656-byte rows at h_q 16 and 100, and bench_decode.py
 #             --sparse-kernels at h_q 64 and 128, b 2, 32, 128 (FlashMLA beside it)
-#   split_pair  the split's cluster pair (h_q 65-128 over the 656-byte rows; session 30,
-#             compiled only until this runs): its smoke cases first (a hang shows there; on a
-#             failure the rest runs without it), then builds A (the
-#             defaults), D (TORCH_MLA_DEV_SPLIT_L2=256 TORCH_MLA_DEV_SPLIT_FENCE=0) and F (D with
-#             TORCH_MLA_DEV_SPLIT_L1=evict_last), each in its own cache directory, timed over
-#             the 656-byte rows alternated twice with A without the pair (A0) and FlashMLA
-#             (tools/sparse_rows.py split / flashmla), then the split's tests and memcheck at h_q
-#             100 on D
 #   verify    the defaults as they ship, one call: the sparse steps precompiled (16 jobs), the
 #             split's GPU tests (tests/test_sparse_kernel.py -k sm90_split: both its builds),
 #             memcheck over the 656-byte rows at h_q 100 and 64 (the short build, which
@@ -52,20 +42,13 @@
 #             (TORCH_MLA_DEV_SPLIT_SHORT_BLOCKS=0), then the issue's bench (bench_decode.py
 #             --sparse, FlashMLA beside); for a default changed without its full tests (session
 #             38)
-#   split_ab  an A/B of builds of the split with its developer knobs (BUILDS, entries
-#             NAME:AHEAD:AHEAD_PAIR:SCOPE:PFENCE:PVFENCE:PARRIVE:PIPE:ROPE_FIRST:ENTRY_LEN:
-#             LOAD_BLOCK:CONVERT:ROPE_EARLY:O_DIRECT:PEER:XBULK:ENTRY_EARLY:ROPE:SECTORS:
-#             EPI_COPY:META_EARLY:ENTRY_EARLY2:LIGHT:ROPE_AHEAD, each in its own cache
-#             directory; missing fields the defaults
-#             0:2:cta:2:0:late:0:1:1:1:exact:0:0:1:0:0:1:1:0:0:0:0:0 (since
-#             session 46 the dispatch's short build turns EPI_COPY, ENTRY_EARLY and META_EARLY
-#             on, session 47 ENTRY_EARLY2 too with the pair, where a
-#             part holds few blocks, whatever the build's fields), 0:0:cluster:... before session 41's
-#             new defaults for the pair; sessions 37-38's LOAD_PIN and
-#             LOAD_SEL fields, between LOAD_BLOCK and CONVERT and after it, and session 39's
-#             PAIR_FREE and ROPE_PAIR after CONVERT, are gone): the smoke cases of
-#             all but the first build (SMOKE=0: none; never of CONVERT f16mul, PEER 0 or
-#             ROPE 0 or LIGHT 1 builds: wrong values), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
+#   split_ab  an A/B of builds of the split with its developer knobs (BUILDS: entries NAME
+#             or NAME:KNOB=V,KNOB=V,..., KNOB a TORCH_MLA_DEV_SPLIT_ suffix, e.g. "D
+#             RA:ROPE_AHEAD=1"; each build in its own cache directory; unnamed knobs their
+#             defaults, and the dispatch's short build turns EPI_COPY, ENTRY_EARLY,
+#             META_EARLY and, with the pair, ENTRY_EARLY2 on where a part holds few blocks,
+#             whatever the build's knobs): the smoke cases of all but the first build (SMOKE=0:
+#             none), the rows over the 656-byte rows (R64, R128; with R128 empty, NOPAIR=0)
 #             alternated twice with the first build without its pair (NOPAIR=0: not) and with
 #             FlashMLA (tools/sparse_rows.py split / flashmla), then the split's tests and
 #             memcheck at h_q 100 and 64 on the first build (TESTED: another's NAME; TESTS_FIRST
@@ -73,16 +56,9 @@
 #             while time is left. By default D alone (the defaults).
 #             EXTRA: a command run after the numbers (EXTRA_S: its timeout, 60 s; e.g.
 #             EXTRA="python -m tools.sparse_kernel_times 2,1,64 2,2,64 2,1,128 2,2,128": the
-#             small-batch rows' kernels one by one, ours and
-#             FlashMLA's). Session 31 ran it (as split_ahead) with BUILDS "B0:0:0:cluster:1
-#             B2:1:2:cluster:1" and R64=128,1,64; session 32 with "B0:0:0:cluster:1 S:0:0:cta:1
-#             SA:1:0:cta:1 SF:1:0:cta:0"; session 33 B0, VL, P, PVL and O (PVFENCE 1, PARRIVE
-#             early); session 34 R1/R0 (ROPE_FIRST), R1/A1:0:1, P1/P0 (a rope L2 prefetch,
-#             removed: no change) and E1/E0 (docs/benchmarks-h100.md); session 35 E1, E0 and
-#             EL (ENTRY_LEN 1 with LOAD_BLOCK, then only 0 or 1), then L1 (LOAD_BLOCK 1, the
-#             pair only) and D, then ER (ENTRY_RAW 1, the next block's entries checked when
-#             it begins: no change, removed) and D; session 36 RR (ROPE_REGS 1, the rope tile
-#             through registers: slower with the pair, removed) and D
+#             small-batch rows' kernels one by one, ours and FlashMLA's). Sessions 31-47 ran
+#             it with positional BUILDS entries over knobs since removed (their commands in
+#             docs/benchmarks-h100.md; the knobs' figures in docs/kernel-notes.md)
 #   plain     the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
 #             portable kernel over the bf16 rows (ROWS), alternated twice (session 39)
 #   (pair_free, session 39's mode for session 40's run of PAIR_FREE and ROPE_PAIR, left with
@@ -112,21 +88,6 @@
 #             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
 #             it (EXTRA, EXTRA_S: as split_ab's, before those); run in session 35
 #             (docs/benchmarks-h100.md)
-#   smallb    session 35's small-batch candidates against the defaults (D): M2 (the 16-warp
-#             combine at two CTAs an SM, TORCH_MLA_DEV_COMBINE_MIN_CTAS=2), W4 (every combine at
-#             4 warps a row, TORCH_MLA_DEV_COMBINE_WPR=4), P16 (the split's pair from 16
-#             one-token requests, TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16); the split's tests on
-#             D (its pair-less cases at 100-128 heads among them), a few combine-heavy ones on
-#             M2, then the rows (ROWS) alternated twice with FlashMLA, then (time left) a trace
-#             of 2,1,128 and 2,2,64; run in session 36 (docs/benchmarks-h100.md)
-#   convert   the split producer's conversion route, timing only (TORCH_MLA_DEV_SPLIT_CONVERT:
-#             exact, bf16mul, f16mul; the last gives wrong values by construction: no tests),
-#             the rows (ROWS) alternated twice with FlashMLA: whether the conversion bounds
-#             the h_q 64 block; run in session 36
-#   trace_fm  tools/trace_sparse.py at 128,1,128 (ROWS) under the exact conversion (EX) and the
-#             f16mul bound (FM, TORCH_MLA_DEV_SPLIT_CONVERT=f16mul: wrong values, timing only),
-#             each in its own cache directory: why the pair gets 8% slower when its
-#             producer's conversion gets shorter (session 36); then FlashMLA's times
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule,
@@ -134,12 +95,11 @@
 #   rope_early  session 40: the split's rope tile released apart (ROPE_EARLY; RE: builds among
 #             D, C (SCOPE cta), E, CE, default "D E") against the defaults, smoke, the rows
 #             alternated twice with FlashMLA, then the split's fp8 tests (ETESTS, default E);
-#             since session 41 the pair's default is CTA scope (with AHEAD_PAIR 2), so C is
-#             that default with SCOPE set again
+#             since session 41 the pair's default is CTA scope, so C is that default with
+#             SCOPE set again
 #   trace     tools/trace_sparse.py (the split's per-CTA timeline from %globaltimer stamps; ROWS:
 #             b,s_q,h_q rows, default 2,1,128 2,1,64 128,1,128 128,1,64), then 128,1,128 without
-#             the pair and with the pair under session 40's defaults (cluster scope, no
-#             lookahead), and FlashMLA's times of the rows (DETAIL_FIRST=0: the detail
+#             the pair and with the pair at cluster scope (SCOPE), and FlashMLA's times of the rows (DETAIL_FIRST=0: the detail
 #             points on a segment's blocks 0-3, its ramp, instead of 8-11)
 #   split_ncu  ncu of the split at b 128 h_q 64 (ROW: another b,s_q,h_q) over the 656-byte rows
 #             (random entries, then every entry -1): stall samples by SASS instruction
@@ -244,65 +204,6 @@ case $kernel in
     run bench_sm90 200 python benchmarks/bench_decode.py --sparse-kernels --heads 64,128 \
       --batches "$b"
     finish; exit ;;
-  producer_ahead)
-    preamble flashmla-sm90-sparse
-    for A in 2 4 8; do
-      (TORCH_MLA_DEV_AHEAD=$A TORCH_MLA_CACHE_DIR=/tmp/c$A timeout 150 python -m \
-        torch_mla.precompile --arch sm_90a --kernels sparse_producer,schedule --dtypes bf16 \
-        --jobs 4 > "$OUT/pre$A.log" 2>&1) &
-    done
-    (TORCH_MLA_CACHE_DIR=/tmp/c0 timeout 150 python -m torch_mla.precompile --arch sm_90a \
-      --kernels sparse,schedule --dtypes bf16 --jobs 4 > "$OUT/pre0.log" 2>&1) &
-    wait
-    ROWS="2,1,64 32,1,64 128,1,64 128,2,64 32,1,128 128,1,128"
-    for round in 1 2; do
-      for A in 2 4 8; do
-        run "ab_${A}_$round" 60 env TAG="r$round a$A" TORCH_MLA_DEV_AHEAD=$A \
-          TORCH_MLA_CACHE_DIR=/tmp/c$A python -m tools.sparse_rows producer 656 $ROWS
-        stop_if_hung "ab_${A}_$round"
-      done
-      run "ab_sm90_$round" 60 env TAG="r$round" TORCH_MLA_CACHE_DIR=/tmp/c0 \
-        python -m tools.sparse_rows sm90 656 $ROWS
-    done
-    grep -h " us" "$OUT"/ab_*.log > "$OUT/ab_all.txt"
-    run pat 120 env TORCH_MLA_SPARSE_PRODUCER=1 TORCH_MLA_CACHE_DIR=/tmp/c4 \
-      python benchmarks/bench_sparse_patterns.py
-    finish; exit ;;
-  split_pair)
-    preamble flashmla-sm90-sparse
-    V="A:0:1:no_allocate D:256:0:no_allocate F:256:0:evict_last"
-    for v in $V; do IFS=: read -r n l2 fe l1 <<< "$v"
-      prebuild "$n" TORCH_MLA_DEV_SPLIT_L2=$l2 TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1
-    done
-    wait
-    export TORCH_MLA_SPARSE_SPLIT_PAIR=1  # (opt-in until this runs)
-    F0=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split
-        TORCH_MLA_CACHE_DIR=/tmp/cA)
-    if ! run smoke 90 env "${F0[@]}" python -m pytest -m cuda -q -x -p no:cacheprovider \
-        tests/test_sparse_kernel.py \
-        -k "sm90_split and (fp8_grid and fp8_ds_mla and 128 or entry_kinds and 100)"; then
-      echo "the pair's smoke failed: the rest without it"; export TORCH_MLA_SPARSE_SPLIT_PAIR=0
-    fi
-    ROWS="32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128"
-    for round in 1 2; do
-      for v in $V A0:0:1:no_allocate; do IFS=: read -r n l2 fe l1 <<< "$v"
-        pair=(); rows=$ROWS
-        if [[ $n == A0 ]]; then pair=(TORCH_MLA_SPARSE_SPLIT_PAIR=0); rows="32,1,128 128,1,128 128,2,128"; fi
-        run "ab_${n}_$round" 60 env TAG="r$round $n" TORCH_MLA_DEV_SPLIT_L2=$l2 \
-          TORCH_MLA_DEV_SPLIT_FENCE=$fe TORCH_MLA_DEV_SPLIT_L1=$l1 TORCH_MLA_CACHE_DIR=/tmp/c${n:0:1} \
-          "${pair[@]}" python -m tools.sparse_rows split 656 $rows
-        stop_if_hung "ab_${n}_$round"
-      done
-      run "ab_fm_$round" 90 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $ROWS
-    done
-    grep -h " us" "$OUT"/ab_*.log | sort -t: -k1,1 > "$OUT/ab_all.txt"
-    FD=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split
-        TORCH_MLA_DEV_SPLIT_L2=256 TORCH_MLA_DEV_SPLIT_FENCE=0 TORCH_MLA_CACHE_DIR=/tmp/cD)
-    run tests 150 env "${FD[@]}" python -m pytest -m cuda -q -p no:cacheprovider \
-      tests/test_sparse.py tests/test_sparse_kernel.py -k "sm90_split or not (sm80 or sm90 or fp8)"
-    MEMCHECK_NAME=memcheck memcheck 90 env "${FD[@]}" python -m tools.sparse_memcheck \
-      --cache fp8_ds_mla --heads 100
-    finish; exit ;;
   verify)  # (ELAPSED: seconds the device call ran before this script; stages that would not
     # end by ~570 s are skipped, so the summary comes back within a 600 s call)
     SECONDS=${ELAPSED:-0}
@@ -333,22 +234,12 @@ case $kernel in
     SECONDS=${ELAPSED:-0}
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
-    knobs() {  # the developer knobs of build $1 (a BUILDS entry; missing fields: the defaults)
-      local n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt ra
-      IFS=: read -r n a ap sc pf pv pa pp rf el lb cv re od pe xb ee ro se ec me e2 lt ra \
-        <<< "$1"
-      echo TORCH_MLA_DEV_SPLIT_AHEAD=${a:-0} TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=${ap:-2} \
-        TORCH_MLA_DEV_SPLIT_SCOPE=${sc:-cta} TORCH_MLA_DEV_SPLIT_PFENCE=${pf:-2} \
-        TORCH_MLA_DEV_SPLIT_PVFENCE=${pv:-0} TORCH_MLA_DEV_SPLIT_PARRIVE=${pa:-late} \
-        TORCH_MLA_DEV_SPLIT_PIPE=${pp:-0} TORCH_MLA_DEV_SPLIT_ROPE_FIRST=${rf:-1} \
-        TORCH_MLA_DEV_SPLIT_ENTRY_LEN=${el:-1} TORCH_MLA_DEV_SPLIT_LOAD_BLOCK=${lb:-1} \
-        TORCH_MLA_DEV_SPLIT_CONVERT=${cv:-exact} TORCH_MLA_DEV_SPLIT_ROPE_EARLY=${re:-0} \
-        TORCH_MLA_DEV_SPLIT_O_DIRECT=${od:-0} TORCH_MLA_DEV_SPLIT_PEER=${pe:-1} \
-        TORCH_MLA_DEV_SPLIT_XBULK=${xb:-0} TORCH_MLA_DEV_SPLIT_ENTRY_EARLY=${ee:-0} \
-        TORCH_MLA_DEV_SPLIT_ROPE=${ro:-1} TORCH_MLA_DEV_SPLIT_SECTORS=${se:-1} \
-        TORCH_MLA_DEV_SPLIT_EPI_COPY=${ec:-0} TORCH_MLA_DEV_SPLIT_META_EARLY=${me:-0} \
-        TORCH_MLA_DEV_SPLIT_ENTRY_EARLY2=${e2:-0} TORCH_MLA_DEV_SPLIT_LIGHT=${lt:-0} \
-        TORCH_MLA_DEV_SPLIT_ROPE_AHEAD=${ra:-0} TORCH_MLA_CACHE_DIR=/tmp/c$n
+    knobs() {  # the developer knobs of build $1 (a BUILDS entry NAME[:KNOB=V,...])
+      local n=${1%%:*} k=""
+      [[ $1 == *:* ]] && k=${1#*:}
+      local IFS=,
+      for kv in $k; do echo -n "TORCH_MLA_DEV_SPLIT_$kv "; done
+      echo "TORCH_MLA_CACHE_DIR=/tmp/c$n"
     }
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")
@@ -379,10 +270,7 @@ case $kernel in
     if [[ ${TESTS_FIRST:-1} == 1 ]]; then split_tests; fi  # (before the numbers: session 34's
     # run reached its device-time limit in the tests it had left for last)
     for v in "${VS[@]:1}"; do  # (the first build: the reference, the defaults by default)
-      # (f16mul, PEER 0, ROPE 0 and LIGHT 1: wrong values by construction; SMOKE=0: none)
-      [[ $v == *:f16mul* || $(knobs "$v") =~ SPLIT_(PEER|ROPE)=0|SPLIT_LIGHT=1 ||
-         ${SMOKE:-1} == 0 ]] &&
-        continue
+      [[ ${SMOKE:-1} == 0 ]] && continue
       run "smoke_${v%%:*}" 90 env "${F[@]}" $(knobs "$v") python -m pytest -m cuda -q -x \
         -p no:cacheprovider tests/test_sparse_kernel.py -k "$K"
       stop_if_hung "smoke_${v%%:*}"
@@ -468,72 +356,6 @@ case $kernel in
       summary+=("tests_dense      skipped: too little time left")
     fi
     finish; exit ;;
-  smallb)  # (session 35's small-batch candidates, same start, FlashMLA beside: D the defaults;
-    # M2 TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 (its own build: two 16-warp combine CTAs an SM); W4
-    # TORCH_MLA_DEV_COMBINE_WPR=4 and P16 TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 (host-side
-    # choices on D's build); first the split's tests on D (the pair-less 100-128 heads among
-    # them) and 46 split-heavy ones on M2, then the rows alternated twice, then ptxas -v on
-    # M2's 16-warp combine, then (time left) a trace of two rows)
-    SECONDS=${ELAPSED:-0}
-    preamble flashmla-sm90-sparse
-    prebuild D
-    prebuild M2 TORCH_MLA_DEV_COMBINE_MIN_CTAS=2
-    wait
-    tail -n 2 "$OUT"/pre*.log
-    F=(TORCH_MLA_SPARSE_SM90=1 TORCH_MLA_SPARSE_KEYSM=0 TORCH_MLA_SPARSE_PRODUCER=split)
-    run tests 150 env "${F[@]}" TORCH_MLA_CACHE_DIR=/tmp/cD python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
-    stop_if_hung tests
-    run tests_m2 120 env TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2 python \
-      -m pytest -m cuda -q -x -p no:cacheprovider tests/test_sparse_kernel.py \
-      -k "sm90_split and (splits or long_rows or many_blocks or grid_matches and 128)"
-    stop_if_hung tests_m2
-    sbk() {  # the environment of variant $1
-      case $1 in
-        D) echo TORCH_MLA_CACHE_DIR=/tmp/cD ;;
-        M2) echo TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 TORCH_MLA_CACHE_DIR=/tmp/cM2 ;;
-        W4) echo TORCH_MLA_DEV_COMBINE_WPR=4 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
-        P16) echo TORCH_MLA_DEV_SPLIT_PAIR_MIN_TOKENS=16 TORCH_MLA_CACHE_DIR=/tmp/cD ;;
-      esac
-    }
-    ab_rows sb sbk "${ROWS:-2,1,64 2,2,64 2,1,128 2,2,128 4,1,128 8,1,128 16,1,128 32,1,64 32,1,128}" \
-      D M2 W4 P16
-    if command -v ptxas > /dev/null; then  # (the 16-warp combine's registers under MIN_CTAS)
-      rm -rf /tmp/ptxM2 && mkdir -p /tmp/ptxM2
-      TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 CUTE_DSL_KEEP=ptx CUTE_DSL_DUMP_DIR=/tmp/ptxM2 \
-        timeout 60 python -c "from torch_mla.cute_kernels.combine import compile_combine
-from torch_mla.ops.registry import CombineKernelConfig
-compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
-      for f in /tmp/ptxM2/*.ptx; do
-        [[ -e $f ]] || continue
-        { echo "$f: $(grep -m1 -o 'reqntid [0-9]*' "$f") $(grep -m1 'minnctapersm' "$f")"
-          ptxas -arch=sm_90a -v "$f" -o /dev/null 2>&1 | tail -n 3; } | tee -a "$OUT/ptxas_m2.txt"
-      done
-    fi
-    if (( SECONDS < 420 )); then  # (the small batches' per-CTA timeline, while time is left)
-      run trace 120 env TORCH_MLA_CACHE_DIR=/tmp/cD python -m tools.trace_sparse "$OUT/trace" \
-        2,1,128 2,2,64
-    fi
-    finish; exit ;;
-  convert)  # (the producer's conversion route, timing only: EX the default exact route, BM
-    # FlashMLA's bf16 multiply (inexact), FM f16 bits read as bf16 (wrong values: a bound);
-    # TORCH_MLA_DEV_SPLIT_CONVERT, each build in its own cache directory; no tests, as FM's
-    # results are wrong by construction)
-    preamble flashmla-sm90-sparse
-    prebuild EX
-    prebuild BM TORCH_MLA_DEV_SPLIT_CONVERT=bf16mul
-    prebuild FM TORCH_MLA_DEV_SPLIT_CONVERT=f16mul
-    wait
-    tail -n 2 "$OUT"/pre*.log
-    cvk() {  # the environment of build $1
-      case $1 in
-        EX) echo TORCH_MLA_CACHE_DIR=/tmp/cEX ;;
-        BM) echo TORCH_MLA_DEV_SPLIT_CONVERT=bf16mul TORCH_MLA_CACHE_DIR=/tmp/cBM ;;
-        FM) echo TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cFM ;;
-      esac
-    }
-    ab_rows cv cvk "${ROWS:-32,1,64 128,1,64 128,2,64 32,1,128 128,1,128 128,2,128}" EX BM FM
-    finish; exit ;;
   plain)  # (the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
     # portable kernel over the bf16 rows (tools/sparse_rows.py sm90 / split / portable bf16),
     # alternated twice, one start; the split runs over that cache only when asked for, session 39)
@@ -609,17 +431,6 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     done
     grep -h " us" "$OUT"/t[rf]_*.log | sort > "$OUT/t_all.txt"
     finish; exit ;;
-  trace_fm)  # (the split's per-CTA timeline under the exact conversion and the f16mul bound,
-    # each build in its own cache directory; the raw stamps as .pt files in $OUT/ex and $OUT/fm)
-    preamble flashmla-sm90-sparse
-    R=${ROWS:-128,1,128}
-    run trace_ex 200 env TORCH_MLA_CACHE_DIR=/tmp/cex python -m tools.trace_sparse "$OUT/ex" $R
-    stop_if_hung trace_ex
-    run trace_fm 200 env TORCH_MLA_DEV_SPLIT_CONVERT=f16mul TORCH_MLA_CACHE_DIR=/tmp/cfm \
-      python -m tools.trace_sparse "$OUT/fm" $R
-    stop_if_hung trace_fm
-    run fm 60 python -m tools.sparse_rows flashmla 656 $R
-    finish; exit ;;
   trace)  # (tools/trace_sparse.py's per-CTA timeline of the split, ROWS or its default rows;
     # the raw stamps as .pt files in $OUT)
     preamble flashmla-sm90-sparse
@@ -628,7 +439,7 @@ compile_combine(CombineKernelConfig('bf16', 16), 'sm_90a')" > /dev/null 2>&1
     # lookahead)
     run trace_nopair 90 env TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.trace_sparse \
       "$OUT/nopair" 128,1,128
-    run trace_cluster 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cluster TORCH_MLA_DEV_SPLIT_AHEAD_PAIR=0 \
+    run trace_cluster 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cluster \
       TORCH_MLA_CACHE_DIR=/tmp/ccluster python -m tools.trace_sparse "$OUT/cluster" 128,1,128
     run fm 60 python -m tools.sparse_rows flashmla 656 ${ROWS:-2,1,128 2,1,64 128,1,128 128,1,64}
     finish; exit ;;

@@ -20,10 +20,9 @@ kernel cache's key holds the knobs that are set).
 PTX kept in a fresh temporary CUTE_DSL_DUMP_DIR): builds the traced step with and without the
 pair and counts the %globaltimer and %clock64 reads in its PTX (both required).
 
-DETAIL's labels assume PIPE 0 and no lookahead: with PIPE 1 a block's tile waits happen
-inside the previous block's steps, and with AHEAD, AHEAD_PAIR (2, the pair's default since
-session 41) or LOAD_BLOCK the producer's d_wait points no longer follow that half's own loads
-(its d_filled points, the arrivals, still mark when a half is filled).
+DETAIL's labels assume no lookahead: with the pair's (LOOKAHEAD_PAIR 2) the producer's
+d_wait points no longer follow that half's own loads (its d_filled points, the arrivals,
+still mark when a half is filled).
 """
 
 from __future__ import annotations

@@ -73,18 +73,6 @@ def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
 
 
 @dsl_user_op
-def bulk_s2cluster(dst, src, nbytes: int, mbar, *, loc=None, ip=None) -> None:
-    """cp.async.bulk shared::cluster <- shared::cta of nbytes (16-byte aligned): dst and mbar
-    are another CTA's shared::cluster addresses (mapa_shared); the copy completes nbytes on
-    that CTA's mbarrier at mbar."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes"
-        " [{$r0}], [{$r1}], {$r2}, [{$r3}];",
-        read_only_args=[Int32(dst), Int32(src), Int32(nbytes), Int32(mbar)], loc=loc, ip=ip,
-    )
-
-
-@dsl_user_op
 def bulk_g2s(dst, src_addr, nbytes: int, mbar, policy, *, loc=None, ip=None) -> None:
     """cp.async.bulk shared::cta (as shared::cluster) <- global of nbytes (16-byte aligned, a
     multiple of 16), completing nbytes on the mbarrier at mbar (this CTA's), with the L2
@@ -157,7 +145,7 @@ def lds128(addr: Int32, *, loc=None, ip=None):
 
 
 def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
-              early: bool = False, peer: bool = False, route: str = "exact") -> str:
+              early: bool = False, peer: bool = False) -> str:
     """PTX: 16 e4m3 values in $2..$5 (little-endian bytes) -> 16 f16 or bf16 values stored as
     two 16-byte chunks at shared addresses $0 (values 0-7) and $1 (values 8-15); scaled: each
     value times the float32 in $6 first (the product rounded to float32, then to the 16-bit
@@ -181,15 +169,7 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
 
     peer: each chunk also goes to the same place in a peer CTA's shared memory (st.async; the
     next two operands: the peer's shared::cluster address minus the local one, and the peer's
-    mbarrier, whose transaction count each 16-byte store completes).
-
-    route (scaled, hw only; a developer's timing experiment, never a default): "exact" as
-    above (6 instructions a pair of values); "bf16mul" FlashMLA's route, the exact bf16 value
-    times the scale rounded to bf16, in bf16 (mul.rn.bf16x2: 5 a pair, rounded twice);
-    "f16mul" the f16 value times the scale rounded to f16, in f16 (2 a pair), stored as f16
-    bits where the caller reads bf16: wrong values, for a timing bound only."""
-    assert route in ("exact", "bf16mul", "f16mul"), route
-    assert route == "exact" or (scaled and hw and to_bf16), route
+    mbarrier, whose transaction count each 16-byte store completes)."""
     lines = ["{", ".reg .b16 a<8>, l<8>, u<8>;",
              ".reg .b32 h<8>, x<8>, s<8>" + (", pa<2>;" if peer else ";"),
              ".reg .f32 fl<8>, fu<8>, sc;"]
@@ -207,28 +187,18 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
         lines += [".reg .b32 k256;", "mov.b32 k256, 0x5c005c00;"]  # 256.0 in both f16 halves
     if scaled:
         lines.append("mov.b32 sc, $6;")
-    if route != "exact":  # (the scale as a 16-bit pair, once)
-        pack = "bf16x2" if route == "bf16mul" else "f16x2"
-        lines.insert(1, ".reg .b32 sc2;")
-        lines.append(f"cvt.rn.{pack}.f32 sc2, sc, sc;")
     for w in range(4):
         lines.append(f"mov.b32 {{a{2 * w}, a{2 * w + 1}}}, ${2 + w};")
     for i in range(8):
         if hw:
             lines.append(f"cvt.rn.f16x2.e4m3x2 h{i}, a{i};")
-            if route == "f16mul":
-                lines.append(f"mul.rn.f16x2 h{i}, h{i}, sc2;")
-            elif route == "bf16mul":
-                lines += [f"mov.b32 {{l{i}, u{i}}}, h{i};", f"cvt.f32.f16 fl{i}, l{i};",
-                          f"cvt.f32.f16 fu{i}, u{i};", f"cvt.rn.bf16x2.f32 h{i}, fu{i}, fl{i};",
-                          f"mul.rn.bf16x2 h{i}, h{i}, sc2;"]
         else:
             sel = "0x4140" if i % 2 == 0 else "0x4342"  # bytes 0, 1 (or 2, 3) -> bytes 0, 2
             lines += [f"prmt.b32 x{i}, ${2 + i // 2}, 0, {sel};",
                       f"and.b32 s{i}, x{i}, 0x00800080;", f"shl.b32 s{i}, s{i}, 8;",
                       f"and.b32 x{i}, x{i}, 0x007f007f;", f"shl.b32 x{i}, x{i}, 7;",
                       f"or.b32 h{i}, s{i}, x{i};", f"mul.rn.f16x2 h{i}, h{i}, k256;"]
-        if (to_bf16 or scaled) and route == "exact":
+        if to_bf16 or scaled:
             lines += [f"mov.b32 {{l{i}, u{i}}}, h{i};", f"cvt.f32.f16 fl{i}, l{i};",
                       f"cvt.f32.f16 fu{i}, u{i};"]
             if scaled:
@@ -245,18 +215,17 @@ def _e4m3_asm(to_bf16: bool, scaled: bool = False, hw: bool = True,
 
 @dsl_user_op
 def e4m3_store16(dst0: Int32, dst1: Int32, words, to_bf16: bool, scale=None, hw: bool = True,
-                 early: bool = False, peer=None, route: str = "exact", *, loc=None,
-                 ip=None) -> None:
+                 early: bool = False, peer=None, *, loc=None, ip=None) -> None:
     """16 e4m3 values (four words) -> f16/bf16 at shared addresses dst0 (values 0-7) and dst1
     (values 8-15), times scale (a float32 word, as Int32) if given; hw: the SM89 cvt, else
     integer ops; early: values 0-7 stored before 8-15 are converted; peer: (delta, mbarrier),
     the chunks also stored at dst + delta in a peer CTA by st.async, completing bytes on that
-    shared::cluster mbarrier address; route: _e4m3_asm's (a timing experiment)."""
+    shared::cluster mbarrier address."""
     regs = ([dst0, dst1, *words] + ([] if scale is None else [scale])
             + ([] if peer is None else list(peer)))
     args = [Int32(x).ir_value(loc=loc, ip=ip) for x in regs]
     llvm.inline_asm(None, args, _e4m3_asm(to_bf16, scale is not None, hw, early,
-                                          peer is not None, route),
+                                          peer is not None),
                     ",".join(["r"] * len(regs)), has_side_effects=True, is_align_stack=False,
                     asm_dialect=llvm.AsmDialect.AD_ATT, loc=loc, ip=ip)
 
@@ -318,23 +287,10 @@ def _store_global(addr, args: list, asm: str, constraints: str, loc, ip) -> None
 
 
 @dsl_user_op
-def stg_f32x2(addr, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
-    """Two float32 values to global address addr (8-byte aligned): st.global.v2.f32."""
-    _store_global(addr, [Float32(a), Float32(b)], "st.global.v2.f32 [$0], {$1, $2};", "l,f,f",
-                  loc, ip)
-
-
-@dsl_user_op
 def stg_b32x4(addr, words: list, *, loc=None, ip=None) -> None:
     """Four 32-bit words to global address addr (16-byte aligned): one st.global.v4.b32."""
     _store_global(addr, [Int32(w) for w in words], "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
                   "l,r,r,r,r", loc, ip)
-
-
-@dsl_user_op
-def stg_b32(addr, word: Int32, *, loc=None, ip=None) -> None:
-    """One 32-bit word to global address addr (4-byte aligned): st.global.b32."""
-    _store_global(addr, [Int32(word)], "st.global.b32 [$0], $1;", "l,r", loc, ip)
 
 
 @dsl_user_op

@@ -273,10 +273,6 @@ class MLADecodeSm90(DecodeKernel):
     # the consumers' _load_tiles only release buffer halves to it, and regs is the
     # (producer, consumer) register split setmaxnreg makes. Without one, the consumers load.
     producer = False
-    # Timing only (the split's LIGHT knob): the k-steps of 16 a 64-column tile that Q K^T
-    # issues, and at most how many P V issues; fewer compute wrong values.
-    qk_ksteps = 4
-    pv_ksteps = 4
     consumer_threads = 256
     regs = None
     # The split subclass (a producer subclass too): WG0 runs every block's Q K^T and softmax
@@ -481,7 +477,6 @@ class MLADecodeSm90(DecodeKernel):
                     cute.arch.mbarrier_init(barK + i, self.k_arrivals)
                 cute.arch.mbarrier_init(barQ, 1)
                 self._init_barriers()
-        self._clear_stale(k_base, tidx)
         cute.arch.mbarrier_init_fence()
         cute.arch.sync_threads()
         if const_expr(self.cluster_m > 1):
@@ -790,10 +785,6 @@ class MLADecodeSm90(DecodeKernel):
     def _init_barriers(self):
         """Thread 0, after the page tiles' and Q's mbarriers: a producer subclass's own."""
 
-    def _clear_stale(self, k_base, tidx):
-        """Every thread, before the first barrier: a subclass's timing-only builds zero the
-        page buffers they never fill (the split's PEER 0 and ROPE 0)."""
-
     def _produce(self, walk, mKV, barK):
         """The producer warpgroup's walk (a producer subclass defines it)."""
         raise NotImplementedError
@@ -947,7 +938,7 @@ class MLADecodeSm90(DecodeKernel):
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
                 warpgroup.fence()
-                for kk in cutlass.range_constexpr(self.qk_ksteps):
+                for kk in cutlass.range_constexpr(4):  # (k-steps of 16 a 64-column tile)
                     k = tile * 4 + kk
                     if const_expr(tile == N_TILES - 1 and self.rope_in_regs):
                         atom_rs.set(warpgroup.Field.ACCUMULATE, not first)
@@ -1016,7 +1007,7 @@ class MLADecodeSm90(DecodeKernel):
             fence_operand(tA)
         warpgroup.fence()
         # (k16 steps; k32 with e4m3)
-        for k in cutlass.range_constexpr(min(cute.size(tA, mode=[2]), self.pv_ksteps)):
+        for k in cutlass.range_constexpr(cute.size(tA, mode=[2])):
             cute.gemm(atom, acc_O, tA[None, None, k], tB[None, None, k], acc_O)
         warpgroup.commit_group()
 
