@@ -81,13 +81,6 @@
 #             current tree's tests of TESTK (default: the combine's bad-entry messages through
 #             the split), then
 #             the rows (ROWS) alternated twice, old, new and FlashMLA
-#   checkb    the combine's variants: the index check at TORCH_MLA_DEV_CHECK_BATCH 64 (one round
-#             trip for topk 2048) against 16, the merge's pieces four or eight a step
-#             (TORCH_MLA_DEV_COMBINE_CHUNK) and 64 with 8; the split's sparse tests on the last
-#             first, then the rows alternated twice with FlashMLA, then while time is left the
-#             dense split-KV tests (tests/test_kernel_sm90.py, test_schedule_mismatch.py) on
-#             it (EXTRA, EXTRA_S: as split_ab's, before those); run in session 35
-#             (docs/benchmarks-h100.md)
 #   times     the small-batch rows (ROWS, default b 2 at s_q 1 and 2, h_q 64 and 128, and
 #             32,2,64): each GPU kernel of one call, ours and FlashMLA's
 #             (tools/sparse_kernel_times.py), then the rows under the default schedule,
@@ -319,43 +312,6 @@ case $kernel in
       run "fm_$round" 60 env TAG="r$round" python -m tools.sparse_rows flashmla 656 $R
     done
     finish; exit ;;
-  checkb)  # (the combine's variants, same start, FlashMLA beside: V16 the defaults, V64 the
-    # index check at 64 entries a lane (one round trip for topk 2048), K4 / K8 the merge's
-    # pieces four / eight a step (TORCH_MLA_DEV_COMBINE_CHUNK), KB V64 with K8; first the
-    # split's sparse tests on KB (its bad-entry cases among them), then the rows, then, while
-    # time is left, the dense split-KV tests on KB (their steps compile there))
-    SECONDS=${ELAPSED:-0}
-    preamble flashmla-sm90-sparse
-    VS=(V16 V64 K4 K8 KB)
-    ckn() {  # the knobs of variant $1 (without its cache directory: cknd)
-      case $1 in
-        V16) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
-        V64) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=0 ;;
-        K4) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=4 ;;
-        K8) echo TORCH_MLA_DEV_CHECK_BATCH=16 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
-        KB) echo TORCH_MLA_DEV_CHECK_BATCH=64 TORCH_MLA_DEV_COMBINE_CHUNK=8 ;;
-      esac
-    }
-    cknd() { echo $(ckn "$1") TORCH_MLA_CACHE_DIR=/tmp/c$1; }
-    for v in "${VS[@]}"; do prebuild "$v" $(ckn $v); done
-    wait
-    tail -n 2 "$OUT"/pre*.log
-    run tests 200 env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m pytest -m cuda -q \
-      -p no:cacheprovider tests/test_sparse_kernel.py -k "sm90_split"
-    stop_if_hung tests
-    ab_rows cb cknd "${ROWS:-2,1,128 2,1,64 8,1,128 32,1,128 32,1,64 128,1,128 128,1,64}" \
-      "${VS[@]}"
-    if [[ -n ${EXTRA:-} ]]; then  # (a developer's command, after the numbers)
-      run extra "${EXTRA_S:-60}" bash -c "$EXTRA"
-    fi
-    if (( SECONDS < 400 )); then
-      run tests_dense $((560 - SECONDS)) env $(ckn KB) TORCH_MLA_CACHE_DIR=/tmp/cKB python -m \
-        pytest -m cuda -q -x -p no:cacheprovider tests/test_kernel_sm90.py \
-        tests/test_schedule_mismatch.py
-    else
-      summary+=("tests_dense      skipped: too little time left")
-    fi
-    finish; exit ;;
   plain)  # (the 16-bit cache's kernel choice at 64-128 heads: the SM90 kernel, the split and the
     # portable kernel over the bf16 rows (tools/sparse_rows.py sm90 / split / portable bf16),
     # alternated twice, one start; the split runs over that cache only when asked for, session 39)
@@ -500,7 +456,7 @@ case $kernel in
         python -m tools.sparse_rows rs32 656 32,1,64 128,1,64"
     done
     finish; exit ;;
-  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|producer_ahead|split|split_pair|split_ab|split_ncu|rs_ab|times|smallb|convert|checkb|tree_ab|sms|trace]"; exit 2 ;;
+  *) echo "usage: gpu_sparse.sh [portable|fp8|sm90|keysm|keysm_rs|keysm_rs_bench|producer|producer_bench|split|verify|split_ab|tree_ab|plain|rope_early|times|trace|sms|split_ncu|rs_ab|pairmin|short]"; exit 2 ;;
 esac
 
 preamble flashmla-sm90-sparse

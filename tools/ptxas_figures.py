@@ -7,8 +7,7 @@ CombineKernelConfig, ...), FIELD=VALUE its fields (integers and true/false parse
 
     python -m tools.ptxas_figures SparseStepConfig backend=sm90_split dtype=bf16 \
         cache=fp8_ds_mla columns=128
-    TORCH_MLA_DEV_COMBINE_MIN_CTAS=2 python -m tools.ptxas_figures CombineKernelConfig \
-        dtype=bf16 warps_per_row=16
+    python -m tools.ptxas_figures CombineKernelConfig dtype=bf16 warps_per_row=16
 
 The DSL assembles its PTX with its own ptxas, also without a GPU, and prints that ptxas's
 figures among its remarks under CUTE_DSL_COMPILER_OPT="remarks{ptx}": this tool compiles the

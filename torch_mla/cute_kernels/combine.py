@@ -32,8 +32,6 @@ compiled with use_pdl=False and launched after the decode kernel as usual.
 
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -42,32 +40,10 @@ from ..constants import LN_2, PAGE_SIZE
 from .device_error import fail
 
 UNROLL = 4
-# CHUNK (developer knob TORCH_MLA_DEV_COMBINE_CHUNK, read at import, 0, 4 or 8; in the kernel
-# cache's key when set): 0, the loop over a warp's pieces unrolled UNROLL times, whose remainder (up
-# to UNROLL - 1 pieces, taken first) runs one piece a branch: each piece's loads wait for the
-# previous piece's FMAs, one round trip a piece (the PTX of session 34: at b 2 h_q 128, 28 pieces
-# over 16 warps a row, two serial round trips for a warp of 2; since session 44's schedule 17 pieces
-# there). CHUNK c: min(c, 32 / warps_per_row) pieces a step with no branch between them (a piece
-# past the warp's last reads that last piece again with weight 0), so their loads go out together:
-# one round trip a step. Registers (ptxas, session 34's review): 64 / 72 / 80 at 1 / 4 / 16 warps a
-# row with 0; 126 / 126 / 104 with 4; 218 / 208 / 75 with 8 (at 16 warps a row: 2 pieces a step; 8
-# there spilled ~2 KB before the cap). Session 35 (H100, same start as FlashMLA,
-# docs/benchmarks-h100.md): 8 up to 0.9 us faster at b 2, 4-12 us slower at b 32 (32,1,64 72.5
-# against 61.0); 4 slower at b 32 too. The split-KV GPU tests (sparse and dense) pass with 8. Off.
-CHUNK = int(os.environ.get("TORCH_MLA_DEV_COMBINE_CHUNK") or 0)
-if CHUNK not in (0, 4, 8):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_CHUNK takes 0, 4 or 8, not {CHUNK}")
-# MIN_CTAS (developer knob TORCH_MLA_DEV_COMBINE_MIN_CTAS, read at import, 0 or 2; its own
-# TORCH_MLA_CACHE_DIR): 2 asks ptxas for two CTAs an SM of the 16-warps-a-row variant (512
-# threads: at most 64 registers a thread, where it takes 80 and so runs one CTA an SM: the
-# sparse small batches' 256-512 rows in 2-4 waves). ptxas (the DSL's, CUTE_DSL_COMPILER_OPT=
-# "remarks{ptx}", session 35; `python -m tools.ptxas_figures`): 64 registers and 20 / 28 bytes
-# of spill stores / loads, against 80 and none without it (the sparse step's: 64 with 32 / 36,
-# against 77). Session 36 (H100, same start): 2,2,64 27.0 against 28.7 us, 2,1,64 22.7 against
-# 21.8: the (16, 2) variant (unroll 2) reaches two CTAs an SM without the spill. Off.
-MIN_CTAS = int(os.environ.get("TORCH_MLA_DEV_COMBINE_MIN_CTAS") or 0)
-if MIN_CTAS not in (0, 2):
-    raise ValueError(f"TORCH_MLA_DEV_COMBINE_MIN_CTAS takes 0 or 2, not {MIN_CTAS}")
+# (Removed in session 49, their A/Bs lost: CHUNK, the merge's pieces 4 or 8 a step with no
+# branch between them, 0.9 us faster at b 2 and 4-12 us slower at b 32 (session 35); MIN_CTAS,
+# two CTAs an SM of the 16-warp variant by .minnctapersm, spilling (session 36): the (16, 2)
+# variant reaches two CTAs an SM without it. Figures: docs/benchmarks-h100.md.)
 NO_COLUMN = 1 << 30  # larger than any block-table width
 
 
@@ -105,15 +81,10 @@ class MLACombine:
         stream,
     ):
         b, rows = cute.size(mO, mode=[0]), mO.shape[1]  # (mode 0 may be nested: sparse)
-        occupancy = {}
-        if const_expr(MIN_CTAS and self.warps == 16):
-            # (.minnctapersm; a carveout given, the default, so that the DSL does not ask a
-            # device for its shared memory: the compile runs without one)
-            occupancy = dict(min_blocks_per_mp=MIN_CTAS, preferred_smem_carveout=-1)
         self.kernel(mNumSplits, mOacc, mLSEacc, mO, mLSE, mBlockTable, mSeqlens,
                     num_pages).launch(
             grid=[b, (rows + self.rows_per_cta - 1) // self.rows_per_cta, 1],
-            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.use_pdl, **occupancy,
+            block=[32 * self.warps, 1, 1], stream=stream, use_pdl=self.use_pdl,
         )
 
     @cute.kernel
@@ -164,15 +135,12 @@ class MLACombine:
                     if c + lane < count:
                         w = cute.math.exp2(mLSEacc[start + c + lane, row] - lse2, fastmath=True)
                     n = cutlass.min(count - c, 32)
-                    if const_expr(CHUNK):
-                        self._merge_chunks(acc, w, mOacc, start + c, n, row, part, lane)
-                    else:
-                        for j in cutlass.range(part, n, self.wpr, unroll=self.unroll):
-                            wj = cute.arch.shuffle_sync(w, j)
-                            for k in cutlass.range_constexpr(self.n_vec):
-                                src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
-                                                      (lane + 32 * k,))
-                                acc[k].store(acc[k].load() + wj * src.load())
+                    for j in cutlass.range(part, n, self.wpr, unroll=self.unroll):
+                        wj = cute.arch.shuffle_sync(w, j)
+                        for k in cutlass.range_constexpr(self.n_vec):
+                            src = cute.local_tile(mOacc[start + c + j, row, None], (4,),
+                                                  (lane + 32 * k,))
+                            acc[k].store(acc[k].load() + wj * src.load())
             if const_expr(self.wpr > 1):
                 # Every warp of the CTA is here (the row and count are the CTA's).
                 for k in cutlass.range_constexpr(self.n_vec):
@@ -203,28 +171,6 @@ class MLACombine:
                 # decode kernel: one CTA waits for it, and the grid's completion (which later
                 # kernels in the stream wait for) then implies the decode kernel's.
                 cute.arch.griddepcontrol_wait()
-
-    @cute.jit
-    def _merge_chunks(self, acc, w, mOacc, first: Int32, n: Int32, row: Int32, part: Int32,
-                      lane: Int32):
-        """acc += sum over this warp's pieces j (part, part + wpr, ... < n) of w_j O_(first + j)
-        (w: lane j's weight), CHUNK pieces a step (at most 32 / wpr): every load of a step
-        before its FMAs and no branch between them (CHUNK's comment); a piece past n reads
-        piece n - 1 again with weight 0."""
-        chunk = min(CHUNK, 32 // self.wpr)  # (a row's 32 pieces of a pass over the warps)
-        for j0 in cutlass.range(part, n, self.wpr * chunk, unroll=1):
-            vals, ws = [], []
-            for u in cutlass.range_constexpr(chunk):
-                j = j0 + self.wpr * u
-                jj = cutlass.min(j, n - 1)
-                wj = cute.arch.shuffle_sync(w, jj)
-                ws.append(cutlass.select_(j < n, wj, Float32(0.0)))
-                vals.append([cute.local_tile(mOacc[first + jj, row, None], (4,),
-                                             (lane + 32 * k,)).load()
-                             for k in range(self.n_vec)])
-            for u in cutlass.range_constexpr(chunk):
-                for k in cutlass.range_constexpr(self.n_vec):
-                    acc[k].store(acc[k].load() + ws[u] * vals[u][k])
 
     @cute.jit
     def check_pieces(self, mSeqlens, r: Int32, row: Int32, count: Int32, lane: Int32,

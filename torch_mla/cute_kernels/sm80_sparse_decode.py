@@ -53,8 +53,6 @@ on the H200 (session 15: the GPU tests, memcheck, FlashMLA's own sparse cases th
 
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, const_expr
@@ -79,14 +77,11 @@ ROPE_TILE = D_V // 64  # the 64-column tile of the rope values (copied by every 
 CACHE_FORMATS = ("plain", "e4m3", "fp8_ds_mla")
 # Entries a combine lane loads before comparing them (combine.first_outside): 512 a round trip,
 # four for topk 2048, made by the request's first combine CTA after the decode kernel's last CTA
-# leaves its SM. TORCH_MLA_DEV_CHECK_BATCH (a developer knob read at import, 16, 32 or 64; in
-# the kernel cache's key when set) for the A/B of one round trip (64
-# registers of entries a lane) against four; session 35 (H100, checkb): 64 no faster on any
-# row (2,1,64 22.7 against 22.35 us, 32,1,64 61.45 against 61.0). Session 33 measured spreading the
-# check over the request's CTAs instead: b 2 h_q 128 -4%, b 2 h_q 64 +4.5% (reverted).
-CHECK_BATCH = int(os.environ.get("TORCH_MLA_DEV_CHECK_BATCH") or 16)
-if CHECK_BATCH not in (16, 32, 64):
-    raise ValueError(f"TORCH_MLA_DEV_CHECK_BATCH takes 16, 32 or 64, not {CHECK_BATCH}")
+# leaves its SM. One round trip (64 registers of entries a lane) against four was no faster
+# on any row (session 35, H100: 2,1,64 22.7 against 22.35 us, 32,1,64 61.45 against 61.0; its
+# knob removed in session 49). Session 33 measured spreading the check over the request's CTAs
+# instead: b 2 h_q 128 -4%, b 2 h_q 64 +4.5% (reverted).
+CHECK_BATCH = 16
 
 
 def fp8_units(cache: str, j: int, cols: tuple = (0, 9)) -> list:

@@ -39,9 +39,7 @@ expansion by 64 threads bound it. This version (registers, no in-place pass) ran
 180 bytes in it at AHEAD 4 (0 without the conversion; 132 at AHEAD 2, 324 at 8): the
 producer's 56 registers are the limit, and the consumers need their 224 (at 216 they spill).
 FlashMLA's producer has 152, beside consumers of 192 and 160 (one computes S and the softmax);
-see docs/kernel-notes.md. Kept opt-in as the base of that split. TORCH_MLA_DEV_AHEAD sets
-AHEAD at import, a developer knob for the A/B (tools/gpu_sparse.sh producer_ahead; since
-session 41 the cache key holds the developer knobs that are set, ops/kernel_cache.py).
+see docs/kernel-notes.md. Kept opt-in as the base of that split.
 
 Limits: as sm90_sparse_decode.py (h_q any, as 64-row m-blocks; s_q any; topk any), over the
 bf16/fp16 cache or the 656-byte rows (bf16 q); the e4m3 cache takes the heads-on-M kernel.
@@ -49,8 +47,6 @@ Opt-in (TORCH_MLA_SPARSE_PRODUCER=1, where the dispatch would take the SM90 spar
 """
 
 from __future__ import annotations
-
-import os
 
 import cutlass
 import cutlass.cute as cute
@@ -74,8 +70,9 @@ PRODUCER_THREADS = 128
 # Steps (of 8, two rows a warp each) of a half's fp8 chunks a producer thread holds in
 # registers across the wait for the half's release; the others' lines go to L2 meanwhile, and
 # after the wait each stored step loads the one AHEAD steps on (the registers: REGS' 56). 2
-# measured fastest of 2, 4 and 8 (session 28, docs/benchmarks-h100.md).
-AHEAD = int(os.environ.get("TORCH_MLA_DEV_AHEAD", "2"))  # (a developer knob: see above)
+# measured fastest of 2, 4 and 8 (session 28, docs/benchmarks-h100.md; its knob
+# TORCH_MLA_DEV_AHEAD removed in session 49).
+AHEAD = 2
 CACHES = ("plain", "fp8_ds_mla")
 
 
