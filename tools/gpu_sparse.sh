@@ -44,7 +44,7 @@
 #             38)
 #   split_ab  an A/B of builds of the split with its developer knobs (BUILDS: entries NAME
 #             or NAME:KNOB=V,KNOB=V,..., KNOB a TORCH_MLA_DEV_SPLIT_ suffix, e.g. "D
-#             RA:ROPE_AHEAD=1"; each build in its own cache directory; unnamed knobs their
+#             RE:ROPE_EARLY=1"; each build in its own cache directory; unnamed knobs their
 #             defaults, and the dispatch's short build turns EPI_COPY, ENTRY_EARLY,
 #             META_EARLY and, with the pair, ENTRY_EARLY2 on where a part holds few blocks,
 #             whatever the build's knobs): the smoke cases of all but the first build (SMOKE=0:

@@ -72,19 +72,6 @@ def bulk_s2g(dst_addr, src_addr, nbytes: int, *, loc=None, ip=None) -> None:
     )
 
 
-@dsl_user_op
-def bulk_g2s(dst, src_addr, nbytes: int, mbar, policy, *, loc=None, ip=None) -> None:
-    """cp.async.bulk shared::cta (as shared::cluster) <- global of nbytes (16-byte aligned, a
-    multiple of 16), completing nbytes on the mbarrier at mbar (this CTA's), with the L2
-    cache-policy operand policy (e.g. L2_EVICT_FIRST). One thread issues it."""
-    cute.arch.inline_ptx(
-        "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes.L2::cache_hint"
-        " [{$r0}], [{$r1}], {$r2}, [{$r3}], {$r4};",
-        read_only_args=[Int32(dst), cutlass.Int64(src_addr), Int32(nbytes), Int32(mbar),
-                        cutlass.Int64(policy)], loc=loc, ip=ip,
-    )
-
-
 def _cp_async(dst: Int32, src, src_size: Int32, nbytes: int, op: str, loc, ip) -> None:
     """cp.async.<op>.shared.global of nbytes from global address src to shared::cta address
     dst, of which the first src_size are read and the rest zero-filled."""

@@ -61,8 +61,6 @@ kernel's time on the memory-bound rows, up to 1.19x it at b 1 (1.36x at 32 colum
 
 from __future__ import annotations
 
-import os
-
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -77,7 +75,6 @@ from .ptx import (
     bar_arrive,
     bar_sync,
     bf16x2_to_f16x2,
-    bulk_g2s,
     e4m3x4_f16,
     fence_operand,
     hmul2,
@@ -142,16 +139,9 @@ def merge_rounds(columns: int) -> int:
 
 
 LINE_BOX = 256  # bytes of a page row of the TMA box (a page: 144 such rows, whole lines)
-# BULK 1 (developer knob TORCH_MLA_DEV_KEYSM_BULK, read at import; in the kernel cache's key
-# when set; session 48, compiled, not yet run): a page lands by one 1-D bulk copy of its 36 KB
-# (cp.async.bulk, the same bytes at the same places as the whole-line box) instead of the
-# tensor TMA. A page id outside the cache reads page 0 there (TMA zero-fills it); the
-# combine's check stops such a launch either way. The question: whether the 2-D box's
-# descriptor walk costs the load path (load-only 86% of the H200's copy ceiling, session 22,
-# against the bf16 kernel's 91%). Dense ping-pong and fast mode (the sparse subclass gathers).
-BULK = int(os.environ.get("TORCH_MLA_DEV_KEYSM_BULK") or 0)
-if BULK not in (0, 1):
-    raise ValueError(f"TORCH_MLA_DEV_KEYSM_BULK takes 0 or 1, not {BULK}")
+# (A page by one 1-D cp.async.bulk of its 36 KB instead of this box, session 48's BULK knob:
+# the same time on an H100 at b 128 s_k 8192 and b 64 s_k 16384, h_q 16, and at s_q 2, in both
+# modes and in the load-only ring (within 0.4%, session 49); removed.)
 
 
 # ---- index arithmetic, modelled in Python (tests/test_keysm_rs.py checks it) ------------------
@@ -205,8 +195,6 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     pingpong = True
     # P < 2^8 in f16; most pages then skip O^T's rescale (64 multiplies a thread at 16 columns)
     max_slack = 8.0
-
-    bulk = bool(BULK)  # (pages by 1-D bulk copies; the sparse subclass gathers its own)
 
     def __init__(self, dtype, causal: bool, columns: int):
         assert columns in KEYSM_RS_COLUMNS, columns
@@ -282,11 +270,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
             (LINE_BOX, PAGE_ELEMS // LINE_BOX, mKV.shape[0]),
             stride=(1, LINE_BOX, mKV.layout.stride[0])))
         box = cute.make_layout((LINE_BOX, PAGE_ELEMS // LINE_BOX), stride=(1, LINE_BOX))
-        atom, tma_view = cpasync.make_tiled_tma_atom(op, view, box,
-                                                     (LINE_BOX, PAGE_ELEMS // LINE_BOX))
-        if const_expr(self.bulk):  # (the atom unused: the pages' addresses come from mKV)
-            return atom, mKV
-        return atom, tma_view
+        return cpasync.make_tiled_tma_atom(op, view, box, (LINE_BOX, PAGE_ELEMS // LINE_BOX))
 
     def _tiled_s(self):
         """S^T's tiled MMA: f16, A (the page) from registers, B (Q^T) from shared memory."""
@@ -307,9 +291,7 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
     @cute.jit
     def _ring_partitions(self, tma_k, tma_mKV, sK_tma):
         """The TMA partitions of the ring's stages (TMA, stages) and the cache's pages (TMA,
-        pages): one box a page. BULK: the ring and mKV as they are."""
-        if const_expr(self.bulk):
-            return sK_tma, tma_mKV
+        pages): one box a page."""
         g = cute.local_tile(tma_mKV, (LINE_BOX, PAGE_ELEMS // LINE_BOX), (0, 0, None))
         return cpasync.tma_partition(tma_k, 0, cute.make_layout(1),
                                      cute.group_modes(sK_tma, 0, 2), cute.group_modes(g, 0, 2))
@@ -320,19 +302,10 @@ class MLADecodeSm90KeysMRS(MLADecodeSm90KeysM):
         once its last reader released it; cnt[0] += 1."""
         s, parity = ring_slot(cnt[0], self.stages)
         cute.arch.mbarrier_wait(bar_empty + s, parity ^ 1)
-        if const_expr(self.bulk):  # (tKgK: the cache, (num_blocks, 64, 576) bytes)
-            ok = page >= 0 and page < tKgK.shape[0]
-            src = tKgK.iterator.toint() + cutlass.Int64(
-                cutlass.select_(ok, page, Int32(0))) * cutlass.Int64(tKgK.layout.stride[0])
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
-                bulk_g2s(self.d_k8 + s * self.stage_bytes, src, PAGE_ELEMS,
-                         (bar_full + s).toint(), L2_EVICT_FIRST)
-        else:
-            with cute.arch.elect_one():
-                cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
-            cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
-                      cache_policy=cutlass.Int64(L2_EVICT_FIRST))
+        with cute.arch.elect_one():
+            cute.arch.mbarrier_arrive_and_expect_tx(bar_full + s, page_bytes)
+        cute.copy(tma_k, tKgK[None, page], tKsK[None, s], tma_bar_ptr=bar_full + s,
+                  cache_policy=cutlass.Int64(L2_EVICT_FIRST))
         cnt[0] = cnt[0] + 1
 
     # ---- the consumer's hooks -----------------------------------------------------------------

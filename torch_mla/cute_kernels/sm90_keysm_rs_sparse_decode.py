@@ -170,8 +170,6 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
     rows; see the module docstring. (EntryBias: the keys-on-M sparse kernel's bias rows; S^T's
     row m is page row m here too.)"""
 
-    bulk = False  # (its stages are gathered, never bulk-copied pages)
-
     def __init__(self, dtype, columns: int, cache: str = "e4m3"):
         assert cache in ("e4m3", "fp8_ds_mla"), cache
         assert cache == "e4m3" or dtype == cutlass.BFloat16, (cache, dtype)

@@ -125,7 +125,11 @@ LOOKAHEAD_PAIR = 2
 # 43: +14%); the pair's old half-sector store layout (SECTORS 0, session 43: +7%); FlashMLA's
 # bf16 conversion route (CONVERT bf16mul, session 36: no faster, inexact); and the timing-only
 # probes LIGHT (a quarter of the MMAs, session 47), PEER 0, ROPE 0 (session 43) and CONVERT
-# f16mul (session 36), whose questions their sessions answered.
+# f16mul (session 36), whose questions their sessions answered. ROPE_AHEAD (session 47: a
+# segment's first two blocks' rope gathers issued together once their halves 1 were free),
+# measured in session 49 (H100, same start as FlashMLA, two rounds): slower at every small row,
+# 2,1,128 22.6, 22.8 -> 23.1, 23.5 us, 2,2,128 26.3, 26.4 -> 27.1, 27.1, 8,1,128 33.6, 33.7 ->
+# 35.0, 34.8 (predicted 0.3-0.8 us faster); removed.
 # The scope of the pair's cross-CTA synchronisation: "cta" (the default since session 41: the
 # releases to the peer and the waits they complete at CTA scope, as CUTLASS's cluster
 # pipelines do, whose remote mbarrier.arrive.shared::cluster takes PTX's default .release.cta
@@ -187,18 +191,6 @@ ENTRY_EARLY = _dev_knob("ENTRY_EARLY", 0, (0, 1))
 # 26.5, 26.4 / 23.8, 23.8; 4,1,128 27.3, 27.0 / 27.1, 26.8 / 24.3, 24.2; 8,1,128 34.5, 34.4 /
 # 33.9, 33.8 / 31.8, 31.6. Its build passed the split's GPU tests (156) and memcheck.
 ENTRY_EARLY2 = _dev_knob("ENTRY_EARLY2", 0, (0, 1))
-# ROPE_AHEAD 1 (developer knob TORCH_MLA_DEV_SPLIT_ROPE_AHEAD; session 47, compiled, not yet run;
-# with the pair, whose producer loads ahead; elsewhere it does nothing): at a segment's start the
-# consumers release both buffers at once (_load_tiles), so in its first step, once block
-# lo + 1's row loads are issued, the producer waits for half 1 of the first two blocks' buffers
-# and gathers their rope tiles (cp.async), instead of each after the block's half 0 conversion
-# and, for the second block, after the whole first block. Those two blocks' half-1 fills then
-# skip their wait and their rope gather. Block lo's half-1 arrival (cp.async.mbarrier.arrive:
-# all of the thread's earlier copies) then also waits for block lo + 1's rope, issued at about
-# the same time. Session 47's trace (2,1,128: WG0 has half 1 of block 0 1.0 us after half 0).
-# Prediction: -0.3 to -0.8 us at 2,1,128, 2,2,128 and 4,1,128 in the short build; within 1% at
-# b 32-128. ptxas on the CPU: the short pair build 168 registers, no spill.
-ROPE_AHEAD = _dev_knob("ROPE_AHEAD", 0, (0, 1))
 # The short build (SparseStepConfig short=True; ops.sparse.split_short_parts picks it where a
 # part holds few blocks): EPI_COPY, ENTRY_EARLY and META_EARLY on, and ENTRY_EARLY2 with the
 # pair. The first two alone are ~1 us faster at b 2 s_q 1 and 5-9% slower from b 32 at h_q 128;
@@ -272,7 +264,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         producers each convert half of every block's keys (rows 32 rank .. + 31) into both
         CTAs' buffers (the 656-byte rows only); see the module docstring. short: the build for
         parts of few blocks (EPI_COPY, ENTRY_EARLY, META_EARLY and, with the pair,
-        ENTRY_EARLY2 on: the comment below ROPE_AHEAD)."""
+        ENTRY_EARLY2 on: the comment below ENTRY_EARLY2)."""
         assert not pair or cache == "fp8_ds_mla", cache
         super().__init__(dtype, cache)
         self.pair = pair
@@ -283,7 +275,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self.entry_early = ENTRY_EARLY == 1 or short  # (likewise)
         self.entry_early2 = (ENTRY_EARLY2 == 1 or short) and self.entry_early and self.lookahead > 0
         self.rope_early = ROPE_EARLY == 1 and cache == "fp8_ds_mla" and not pair  # (its comment)
-        self.rope_ahead = ROPE_AHEAD == 1 and self.lookahead > 0  # (its comment)
 
     def _extra_storage(self) -> dict:
         """barE: an "empty" mbarrier a buffer half, and with rope_early one a rope tile."""
@@ -314,19 +305,6 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
             cute.arch.mbarrier_wait(self.d_storage.barE.data_ptr() + bit, (parity[0] >> bit) & 1)
             parity[0] = parity[0] ^ (1 << bit)
             self.rope_tile(rows, slots, self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
-
-    @cute.jit
-    def _rope_ahead(self, rows, cur, nxt, first, more, parity, warp):
-        """ROPE_AHEAD, in a segment's first step (first): once half 1 of buffer 0 and, where
-        block lo + 1 exists (more), of buffer 1 is free (the consumers release a segment's first
-        two buffers together), the rope gathers of block lo (the lanes' slots cur) and lo + 1
-        (nxt) into them; those blocks' _fill then skips half 1's wait and gather."""
-        if first:
-            for s in cutlass.range_constexpr(2):
-                if s == 0 or more:
-                    self._take_half(2 * s + 1, parity)
-                    self.rope_tile(rows, nxt if s else cur,
-                                   self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2), warp)
 
     def _free(self, i: int):
         """Half i % 2 of buffer i // 2 released to this CTA's producer and, with pair, to the
@@ -429,15 +407,10 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
                         nxt = self._block_entries(mIdx, r, cutlass.min(blk + 2, hi - 1), length)
                         more = blk + 1 < hi
                         held = [self._unstash(carry, h) for h in range(self.lookahead)]
-                        ahead = None
-                        if const_expr(self.rope_ahead):  # (half 1 waited for, rope issued)
-                            ahead = blk < lo + 2
                         for h in cutlass.range_constexpr(2):
                             self._stash(carry, h, self._load(rows, nx, h, warp, more))
-                        if const_expr(self.rope_ahead):  # (after block lo + 1's row loads)
-                            self._rope_ahead(rows, cur, nx, blk == lo, more, parity, warp)
                         for h in cutlass.range_constexpr(2):
-                            self._fill(rows, cur, s, h, barK, parity, warp, held[h], ahead)
+                            self._fill(rows, cur, s, h, barK, parity, warp, held[h])
                         slots[0] = nx[0]
                         slots[1] = nx[1]
                     slots[2 * (self.lookahead > 0)] = nxt[0]
@@ -535,8 +508,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         return words, scales
 
     @cute.jit
-    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded,
-              ahead=None):
+    def _fill(self, rows, slots, s, h: cutlass.Constexpr[int], barK, parity, warp, loaded):
         """Half h of buffer s (a runtime index) from the 64 keys whose slots the lanes hold (keys
         lane and lane + 32), once the consumers released it. The 656-byte rows: this thread's
         chunks and scales are already loaded (`loaded`: _load, issued before the wait); it stores
@@ -546,8 +518,7 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         at the block's start). The 16-bit cache: the half's tiles by cp.async once released. Warp
         0 writes buffer s's bias row with half 0. Every thread then fences its writes for the
         async proxy (where producer_fences, never here) and arrives on the half's tile mbarrier
-        (cp.async.mbarrier.arrive makes it wait for the copies too). ahead (ROPE_AHEAD, half
-        1): the segment's first step waited for this half and gathered its rope tile."""
+        (cp.async.mbarrier.arrive makes it wait for the copies too)."""
         lane = cute.arch.lane_idx()
         buf = self.d_k_base.toint() + s * (PAGE_SIZE * D_QK * 2)
         words, scales = loaded
@@ -555,16 +526,11 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp(f"d_wait{h}", 256)  # (trace: this half's loads issued, its wait begins)
         # (with pair the peer's consumers release it too: _wait_half's acquire at SCOPE)
         rope_first = self.cache == "fp8_ds_mla" and h == 1 and not self.rope_early
-        if const_expr(self.rope_ahead and h == 1):
-            if not ahead:
-                self._take_half(bit, parity)
-                self.rope_tile(rows, slots, buf, warp)  # (rope_first's place)
-        else:
-            self._take_half(bit, parity)
+        self._take_half(bit, parity)
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
-        if const_expr(rope_first and not self.rope_ahead):  # (its DRAM latency under the
+        if const_expr(rope_first):  # (its DRAM latency under the
             self.rope_tile(rows, slots, buf, warp)  # conversion: rope_first)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
