@@ -479,9 +479,10 @@ def test_sm90_split_sparse_kernel_compiles(dtype, cache, columns, short):
     segment's first block and the loop's next.
 
     short, the build for parts of few blocks (EPI_COPY, ENTRY_EARLY, META_EARLY and, with the
-    pair, ENTRY_EARLY2 on): O copied out by the threads (ld.shared.v4 and st.global.v4, in a loop unrolled 4 times in each
-    warpgroup's copy of the epilogue, for each output dtype), no bulk store from shared memory;
-    the default build the reverse (over the 656-byte rows only)."""
+    pair, ENTRY_EARLY2 on): O copied out by the threads (ld.shared.v4 and st.global.v4, in a
+    loop unrolled 4 times in each warpgroup's copy of the epilogue, for each output dtype), no
+    bulk store from shared memory; the default build the reverse (over the 656-byte rows
+    only)."""
     from torch_mla.cute_kernels.sm90_split_sparse_decode import (
         EPI_COPY,
         LOOKAHEAD_PAIR,

@@ -228,12 +228,24 @@ case $kernel in
     preamble flashmla-sm90-sparse
     VS=(${BUILDS:-D})
     knobs() {  # the developer knobs of build $1 (a BUILDS entry NAME[:KNOB=V,...])
-      local n=${1%%:*} k=""
+      local n=${1%%:*} k="" kv
       [[ $1 == *:* ]] && k=${1#*:}
       local IFS=,
       for kv in $k; do echo -n "TORCH_MLA_DEV_SPLIT_$kv "; done
       echo "TORCH_MLA_CACHE_DIR=/tmp/c$n"
     }
+    # (a knob the kernel does not read would build the defaults under another cache key)
+    known=$(grep -o '_dev_knob("[A-Z0-9_]*"' torch_mla/cute_kernels/sm90_split_sparse_decode.py |
+      cut -d'"' -f2 | tr '\n' ' ')
+    for v in "${VS[@]}"; do
+      [[ $v == *:* ]] || continue
+      IFS=, read -ra kvs <<< "${v#*:}"
+      for kv in "${kvs[@]}"; do
+        if [[ " $known" != *" ${kv%%=*} "* ]]; then
+          echo "split_ab: no developer knob ${kv%%=*} in BUILDS entry $v (known: $known)"; exit 2
+        fi
+      done
+    done
     for v in "${VS[@]}"; do
       prebuild "${v%%:*}" $(knobs "$v")
     done
@@ -391,8 +403,7 @@ case $kernel in
     # the raw stamps as .pt files in $OUT)
     preamble flashmla-sm90-sparse
     run trace 240 python -m tools.trace_sparse "$OUT" ${ROWS:-}
-    # (h_q 128 without the pair, and the pair under session 40's defaults: cluster scope, no
-    # lookahead)
+    # (h_q 128 without the pair, and the pair at cluster scope: SCOPE)
     run trace_nopair 90 env TORCH_MLA_SPARSE_SPLIT_PAIR=0 python -m tools.trace_sparse \
       "$OUT/nopair" 128,1,128
     run trace_cluster 120 env TORCH_MLA_DEV_SPLIT_SCOPE=cluster \

@@ -114,8 +114,9 @@ L1_EVICT = "evict_last"
 # to -8.5% at b 32 and 128 h_q 128), without it 0 (each half's chunks load just before the wait
 # for it is free; 2 would hold ~144 words a thread against the producer's 128 registers).
 LOOKAHEAD_PAIR = 2
+assert LOOKAHEAD_PAIR == 2  # (_produce's lookahead branch holds both halves of a block)
 # Measured and removed (figures in docs/kernel-notes.md and docs/benchmarks-h100.md, by
-# session): one half ahead (AHEAD 1, sessions 34-35: 5% slower); both halves' loads before the
+# session): one half ahead (AHEAD_PAIR 1, session 34: 5% slower); both halves' loads before the
 # wait without a lookahead (LOAD_BLOCK 2, session 35: slower without the pair, 72 words held);
 # the length read with every block (ENTRY_LEN 0) and the rope gather after the conversion
 # (ROPE_FIRST 0), the old orders (session 34); the producer's own fences (PFENCE 0/1, sessions
