@@ -20,7 +20,9 @@ its halves and no segment start anything, was modelled here too; it measured slo
 the kernel in session 49.)
 
 Checks: every read sees both key halves of the block it expects, no write (local or the peer's)
-lands in a half while a warpgroup reads it, and nothing deadlocks. run_rope_early models one CTA
+lands in a half while a warpgroup reads it or stages O in it (each warpgroup's epilogue holds
+every half from its segment's last block until the next segment's start), and nothing
+deadlocks. run_rope_early models one CTA
 without the pair under the developer knob ROPE_EARLY (the rope tile's own release) the same way."""
 
 import random
@@ -29,11 +31,14 @@ import pytest
 from test_keysm import MBarrier, interleave
 
 
-def run_pair(segments, seed=0, empty_count=2, prologue=True, release_last=False):
+def run_pair(segments, seed=0, empty_count=2, prologue=True, release_last=False,
+             epilogue_sync=True):
     """One random interleaving of the pair over `segments` (blocks per segment); empty_count:
     the empty mbarriers' arrival count (the kernel's: 2); prologue: a segment's start frees
     its first two blocks' halves (the kernel's); release_last: a segment's last two blocks
-    free their halves too (not the kernel's: a mutant)."""
+    free their halves too (not the kernel's: a mutant); epilogue_sync: WG0's segment start
+    waits for WG1's epilogue (the kernel's _sync_consumers), not only for its blocks (a
+    mutant)."""
     rng = random.Random(seed)
     tile = [[[MBarrier(2) for _ in range(2)] for _ in range(2)] for _ in range(2)]  # [c][s][h]
     empty = [[MBarrier(empty_count) for _ in range(4)] for _ in range(2)]  # [c][2 s + h]
@@ -71,11 +76,25 @@ def run_pair(segments, seed=0, empty_count=2, prologue=True, release_last=False)
 
     nb_p = [[0, 0], [0, 0]]  # [c][0]: blocks WG0 handed to WG1 (NB_P); [c][1]: WG1 done (NB_FREE)
 
+    epilogues = {}  # (c, wg) -> segments whose epilogue that warpgroup finished
+
+    def epilogue(c, wg, k, n):
+        # O staged in the page buffers (every half) and copied out; a segment without blocks
+        # writes nothing there.
+        if n:
+            for i in range(4):
+                readers.setdefault((c, i // 2, i % 2), set()).add(f"EPI{wg}")
+            yield False
+            for i in range(4):
+                readers[(c, i // 2, i % 2)].discard(f"EPI{wg}")
+        epilogues[(c, wg)] = k + 1
+
     def wg0(c):
         waits = [[0, 0], [0, 0]]
         done = 0
         for k, n in enumerate(segments):
-            while progress.get((c, 1), 0) < done:  # (_sync_consumers: WG1 done too)
+            while (epilogues.get((c, 1), 0) < k if epilogue_sync  # (_sync_consumers: WG1's
+                   else progress.get((c, 1), 0) < done):  # epilogue done too)
                 yield True
             for s in range(min(n, 2) if prologue else 0):  # (frees the first two blocks')
                 for h in range(2):
@@ -98,6 +117,7 @@ def run_pair(segments, seed=0, empty_count=2, prologue=True, release_last=False)
                     release(c, s, 0)
                 done += 1
                 progress[(c, 0)] = done
+            yield from epilogue(c, 0, k, n)
 
     def wg1(c):
         done = 0
@@ -114,6 +134,7 @@ def run_pair(segments, seed=0, empty_count=2, prologue=True, release_last=False)
                 if release_last or b + 2 < n:
                     release(c, s, 1)
                 progress[(c, 1)] = done
+            yield from epilogue(c, 1, k, n)
 
     def land(item):  # (the peer's bytes, or its free)
         if item[0] == "data":
@@ -143,6 +164,8 @@ def test_pair_protocol():
     # half freed twice, so a producer overwrites a half while it is read, in some interleaving)
     (dict(release_last=True), "overwrite"),
     (dict(prologue=False), "deadlock"),  # (nothing frees the first two blocks' halves)
+    # (WG0 frees the next segment's buffers while WG1 still stages its half of O in them)
+    (dict(epilogue_sync=False), "overwrite"),
 ])
 def test_pair_protocol_model_catches_a_wrong_release(mutant, kind):
     failures = []
