@@ -124,7 +124,8 @@ assert LOOKAHEAD_PAIR == 2  # (_produce's lookahead branch holds both halves of 
 # (PARRIVE early) and the next S queued behind P V (PIPE 1, session 33: slower); O written from
 # the accumulators (O_DIRECT, session 42: +3.5-4%); the exchange by bulk copies (XBULK, session
 # 43: +14%); the pair's old half-sector store layout (SECTORS 0, session 43: +7%); FlashMLA's
-# bf16 conversion route (CONVERT bf16mul, session 36: no faster, inexact); and the timing-only
+# bf16 conversion route (CONVERT bf16mul, session 36: 1% faster at h_q 64, 2% slower with the
+# pair, inexact); and the timing-only
 # probes LIGHT (a quarter of the MMAs, session 47), PEER 0, ROPE 0 (session 43) and CONVERT
 # f16mul (session 36), whose questions their sessions answered. ROPE_AHEAD (session 47: a
 # segment's first two blocks' rope gathers issued together once their halves 1 were free),
