@@ -113,8 +113,8 @@ L1_EVICT = "evict_last"
 # with the pair 2 (the next block's two halves before this block's conversion; session 41: -6
 # to -8.5% at b 32 and 128 h_q 128), without it 0 (each half's chunks load just before the wait
 # for it is free; 2 would hold ~144 words a thread against the producer's 128 registers).
+# _produce's lookahead branch is written for 2 (both halves of the next block).
 LOOKAHEAD_PAIR = 2
-assert LOOKAHEAD_PAIR == 2  # (_produce's lookahead branch holds both halves of a block)
 # Measured and removed (figures in docs/kernel-notes.md and docs/benchmarks-h100.md, by
 # session): one half ahead (AHEAD_PAIR 1, session 34: 5% slower); both halves' loads before the
 # wait without a lookahead (LOAD_BLOCK 2, session 35: slower without the pair, 72 words held);
