@@ -6,7 +6,8 @@
 #
 # check (default): precompile, tests, tests_rows, memcheck, fuzz; bench: precompile (a warm
 # machine's cache makes it quick), bench_bf16, bench_fp8, ncu. Two device calls: together they
-# pass the 600 s a call may take. (Session 48-49's bulk mode, the BULK knob's A/B, went with
+# pass the 600 s a call may take. costs: each 16-column step's fixed cost and streaming rate
+# (tools/step_costs.py; COST_ROWS overrides its rows), with and without its combine. (Session 48-49's bulk mode, the BULK knob's A/B, went with
 # the knob: docs/kernels/keysm.md, session 49.)
 #
 # Stages (each has a timeout: a kernel whose mbarriers never complete hangs rather than fails):
@@ -31,10 +32,35 @@
 source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memcheck, finish
 
 mode=${1:-check}
-preamble flashmla-sm90
+preamble flashmla-sm90-sparse  # (FlashMLA 9241ae3: its dense decode as well)
 run precompile 150 python -m torch_mla.precompile --arch sm_90a \
-  --kernels keysm,keysm64,keysm_rs,fp8_step,schedule
-if [[ $mode == check ]]; then
+  --kernels step,keysm,keysm64,keysm_rs,keysm_fast,fp8_step,schedule
+if [[ $mode == costs ]]; then
+  # Each 16-column step's fixed cost and streaming rate (tools/step_costs.py): the four kinds,
+  # with and without the combine; the patched builds each in a kernel cache of their own,
+  # compiled in parallel, then every build timed one after another (each times its rows twice).
+  builds=()
+  for kind in bf16 exact fast ring; do builds+=("$kind" "$kind:--no-combine"); done
+  for b in "${builds[@]}"; do
+    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}
+    dir=$OUT/cache_${kind}${flag:+_nc}
+    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$dir; fi
+    # shellcheck disable=SC2086
+    timeout 200 python -m tools.step_costs "$kind" $flag --warm > "$OUT/warm_${kind}${flag:+_nc}.log" 2>&1 &
+    unset TORCH_MLA_CACHE_DIR
+  done
+  wait
+  for b in "${builds[@]}"; do
+    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}
+    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$OUT/cache_${kind}${flag:+_nc}; fi
+    # shellcheck disable=SC2086
+    run "costs_${kind}${flag:+_nc}" 90 python -m tools.step_costs "$kind" $flag \
+      ${COST_ROWS:-128,1,4096,16 128,1,8192,16 128,1,16384,16}
+    unset TORCH_MLA_CACHE_DIR
+  done
+  grep -h "fit over" "$OUT"/costs_*.log
+  rm -rf "$OUT"/cache_*
+elif [[ $mode == check ]]; then
   run tests 150 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm_rs.py
   stop_if_hung tests
   run tests_rows 120 python -m pytest -m cuda -q -p no:cacheprovider tests/test_keysm.py \

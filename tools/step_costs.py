@@ -1,0 +1,96 @@
+"""A memory-bound decode step's fixed cost and streaming rate (development tool, needs a GPU).
+
+    python -m tools.step_costs KIND [--no-combine] [--warm] [B,S_Q,S_K,H_Q ...]
+
+KIND is the step timed (rows of <= 32 query rows a KV head, one KV head):
+    bf16   the keys-on-M kernel over the bf16 cache (the dispatch's choice there)
+    exact  over the e4m3 cache in exact mode (the ping-pong from a batch of 8)
+    fast   over the e4m3 cache in fast mode (the keys-on-M fast variant)
+    ring   fast mode's load-only variant (tools.keysm_load_only.LoadOnly: each page's ring
+           stage released as soon as it lands; outputs are garbage)
+--no-combine drops the step's combine launch (decode_step.MLADecodeStep.combine): the outputs of
+split requests are then garbage, the time is what the step costs without it. A patched build
+(ring, --no-combine) must have a TORCH_MLA_CACHE_DIR of its own: the kernel cache would
+otherwise keep it under the shipped step's key. --warm compiles the step (one small call) and
+exits, so that the builds can run in parallel processes before the timed ones run one by one.
+
+Each row is one decode call in a CUDA graph (benchmarks/bench_decode.run_config, no check),
+every row timed twice (the rows in order, then again); bf16 times FlashMLA's bf16 decode
+beside it where its build is importable.
+The default rows are b 128, h_q 16 at s_k 4096, 8192 and 16384: the same length draws, scaled,
+so the bytes double from one to the next while the requests, the schedule's pieces and the
+combine's work stay. The least-squares line t = F + bytes / R through the rows gives F, the
+step's cost that does not grow with the bytes (launch, the first loads, the tail, the
+combine, each segment's start and end), and R, the rate it streams the cache at.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+ROWS = ["128,1,4096,16", "128,1,8192,16", "128,1,16384,16"]
+KINDS = ("bf16", "exact", "fast", "ring")
+
+
+def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
+    """(F us, R GB/s) of the least-squares line us = F + bytes / R through (bytes, us)."""
+    n = len(points)
+    mx = sum(x for x, _ in points) / n
+    my = sum(y for _, y in points) / n
+    sxx = sum((x - mx) ** 2 for x, _ in points)
+    slope = sum((x - mx) * (y - my) for x, y in points) / sxx  # us per byte
+    return my - slope * mx, 1e-3 / slope
+
+
+def main(argv: list[str]) -> None:
+    args = [a for a in argv if not a.startswith("--")]
+    flags = {a for a in argv if a.startswith("--")}
+    if not args or args[0] not in KINDS or flags - {"--no-combine", "--warm"}:
+        raise SystemExit(__doc__)
+    kind, rows = args[0], args[1:] or ROWS
+    patched = kind == "ring" or "--no-combine" in flags
+    if patched and "TORCH_MLA_CACHE_DIR" not in os.environ:
+        raise SystemExit("set TORCH_MLA_CACHE_DIR to a directory of this build's own")
+    if kind == "ring":
+        from torch_mla.cute_kernels import sm90_keysm_fast_decode as fast
+
+        from .keysm_load_only import LoadOnly
+
+        fast.MLADecodeSm90KeysMFast = LoadOnly  # (what decode_kernel builds)
+    if "--no-combine" in flags:
+        from torch_mla.cute_kernels.decode_step import MLADecodeStep
+
+        MLADecodeStep.combine = lambda self, variant, args: None  # (traced: launches nothing)
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
+    import bench_decode
+
+    from torch_mla.testing import load_flash_mla
+
+    fp8 = kind != "bf16"
+    compute = "fp8" if kind in ("fast", "ring") else "exact"
+    if "--warm" in flags:
+        bench_decode.run_config(8, 1, 1024, 16, False, check=False, fp8=fp8, compute=compute)
+        return
+    name = kind + (" without the combine" if "--no-combine" in flags else "")
+    # FlashMLA's bf16 decode beside the shipped bf16 step, where its build is importable.
+    flash_mla = load_flash_mla() if kind == "bf16" and "--no-combine" not in flags else None
+    for rep in (1, 2):  # (every row twice, in order: drift shows as a gap between the two)
+        points = []
+        for spec in rows:
+            b, s_q, s_k, h_q = (int(x) for x in spec.split(","))
+            us, _, gbps, _, fm_us = bench_decode.run_config(
+                b, s_q, s_k, h_q, s_q > 1, check=False, flash_mla=flash_mla, fp8=fp8,
+                compute=compute)
+            points.append((gbps * us * 1e3, us))
+            fm = f", FlashMLA bf16 {fm_us:.1f} us" if flash_mla is not None else ""
+            print(f"{name} ({rep}): {spec} {us:.1f} us, {points[-1][0] / 1e6:.0f} MB, "
+                  f"{gbps:.0f} GB/s{fm}", flush=True)
+        if len(points) > 1:
+            f, r = fit(points)
+            print(f"{name} ({rep}): fit over {len(points)} rows: F {f:.1f} us, R {r:.0f} GB/s",
+                  flush=True)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
