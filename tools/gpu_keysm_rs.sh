@@ -39,22 +39,24 @@ if [[ $mode == costs ]]; then
   # Each 16-column step's fixed cost and streaming rate (tools/step_costs.py): the four kinds,
   # with and without the combine; the patched builds each in a kernel cache of their own,
   # compiled in parallel, then every build timed one after another (each times its rows twice).
-  builds=()
-  for kind in bf16 exact fast ring; do builds+=("$kind" "$kind:--no-combine"); done
+  # COST_BUILDS: KIND or KIND:FLAG (a step_costs flag); a build's name is KIND_FLAG with the
+  # flag's letters and digits only.
+  read -r -a builds <<< "${COST_BUILDS:-bf16 bf16:--no-combine exact exact:--no-combine fast
+    fast:--no-combine ring ring:--no-combine bf16:--check-batch=8 exact:--check-batch=8}"
+  name_of() { local f=${1#*:}; [[ $f == "$1" ]] && f=; echo "${1%%:*}${f:+_${f//[^a-z0-9]/}}"; }
   for b in "${builds[@]}"; do
-    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}
-    dir=$OUT/cache_${kind}${flag:+_nc}
-    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$dir; fi
+    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}; name=$(name_of "$b")
+    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$OUT/cache_$name; fi
     # shellcheck disable=SC2086
-    timeout 200 python -m tools.step_costs "$kind" $flag --warm > "$OUT/warm_${kind}${flag:+_nc}.log" 2>&1 &
+    timeout 200 python -m tools.step_costs "$kind" $flag --warm > "$OUT/warm_$name.log" 2>&1 &
     unset TORCH_MLA_CACHE_DIR
   done
   wait
   for b in "${builds[@]}"; do
-    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}
-    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$OUT/cache_${kind}${flag:+_nc}; fi
+    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}; name=$(name_of "$b")
+    if [[ $kind == ring || -n $flag ]]; then export TORCH_MLA_CACHE_DIR=$OUT/cache_$name; fi
     # shellcheck disable=SC2086
-    run "costs_${kind}${flag:+_nc}" 90 python -m tools.step_costs "$kind" $flag \
+    run "costs_$name" 90 python -m tools.step_costs "$kind" $flag \
       ${COST_ROWS:-128,1,4096,16 128,1,8192,16 128,1,16384,16}
     unset TORCH_MLA_CACHE_DIR
   done

@@ -9,10 +9,13 @@ KIND is the step timed (rows of <= 32 query rows a KV head, one KV head):
     ring   fast mode's load-only variant (tools.keysm_load_only.LoadOnly: each page's ring
            stage released as soon as it lands; outputs are garbage)
 --no-combine drops the step's combine launch (decode_step.MLADecodeStep.combine): the outputs of
-split requests are then garbage, the time is what the step costs without it. A patched build
-(ring, --no-combine) must have a TORCH_MLA_CACHE_DIR of its own: the kernel cache would
-otherwise keep it under the shipped step's key. --warm compiles the step (one small call) and
-exits, so that the builds can run in parallel processes before the timed ones run one by one.
+split requests are then garbage, the time is what the step costs without it. --check-batch=N:
+the combine's block-table check (combine.check_request) loads N entries a lane before it
+compares them (combine.first_outside's batch; 1 in the shipped dense step). A patched build
+(ring, --no-combine, --check-batch) must have a TORCH_MLA_CACHE_DIR of its own: the kernel
+cache would otherwise keep it under the shipped step's key. --warm compiles the step (one small
+call) and exits, so that the builds can run in parallel processes before the timed ones run one
+by one.
 
 Each row is one decode call in a CUDA graph (benchmarks/bench_decode.run_config, no check),
 every row timed twice (the rows in order, then again); bf16 times FlashMLA's bf16 decode
@@ -45,11 +48,12 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
 
 def main(argv: list[str]) -> None:
     args = [a for a in argv if not a.startswith("--")]
-    flags = {a for a in argv if a.startswith("--")}
-    if not args or args[0] not in KINDS or flags - {"--no-combine", "--warm"}:
+    flags = {a.split("=")[0]: a.partition("=")[2] for a in argv if a.startswith("--")}
+    if not args or args[0] not in KINDS or set(flags) - {"--no-combine", "--warm",
+                                                         "--check-batch"}:
         raise SystemExit(__doc__)
     kind, rows = args[0], args[1:] or ROWS
-    patched = kind == "ring" or "--no-combine" in flags
+    patched = kind == "ring" or "--no-combine" in flags or "--check-batch" in flags
     if patched and "TORCH_MLA_CACHE_DIR" not in os.environ:
         raise SystemExit("set TORCH_MLA_CACHE_DIR to a directory of this build's own")
     if kind == "ring":
@@ -62,6 +66,15 @@ def main(argv: list[str]) -> None:
         from torch_mla.cute_kernels.decode_step import MLADecodeStep
 
         MLADecodeStep.combine = lambda self, variant, args: None  # (traced: launches nothing)
+    if "--check-batch" in flags:
+        from torch_mla.cute_kernels import combine
+
+        batch, check = int(flags["--check-batch"]), combine.first_outside
+
+        def batched(*a, **k):  # (the sparse check passes its own batch)
+            return check(*a, **{"batch": batch, **k})
+
+        combine.first_outside = batched
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "benchmarks"))
     import bench_decode
 
@@ -72,7 +85,8 @@ def main(argv: list[str]) -> None:
     if "--warm" in flags:
         bench_decode.run_config(8, 1, 1024, 16, False, check=False, fp8=fp8, compute=compute)
         return
-    name = kind + (" without the combine" if "--no-combine" in flags else "")
+    name = kind + (" without the combine" if "--no-combine" in flags else "") + (
+        f" (check batch {flags['--check-batch']})" if "--check-batch" in flags else "")
     # FlashMLA's bf16 decode beside the shipped bf16 step, where its build is importable.
     flash_mla = load_flash_mla() if kind == "bf16" and "--no-combine" not in flags else None
     for rep in (1, 2):  # (every row twice, in order: drift shows as a gap between the two)
