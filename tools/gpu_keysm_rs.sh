@@ -33,8 +33,10 @@ source "$(dirname "${BASH_SOURCE[0]}")/gpu_run.sh"  # $OUT, run, preamble, memch
 
 mode=${1:-check}
 preamble flashmla-sm90-sparse  # (FlashMLA 9241ae3: its dense decode as well)
-run precompile 150 python -m torch_mla.precompile --arch sm_90a \
-  --kernels step,keysm,keysm64,keysm_rs,keysm_fast,fp8_step,schedule
+if [[ $mode != costs ]]; then  # (costs compiles each of its builds in a process of its own)
+  run precompile 150 python -m torch_mla.precompile --arch sm_90a \
+    --kernels step,keysm,keysm64,keysm_rs,keysm_fast,fp8_step,schedule
+fi
 if [[ $mode == costs ]]; then
   # Each 16-column step's fixed cost and streaming rate (tools/step_costs.py): the four kinds,
   # with and without the combine; the patched builds each in a kernel cache of their own,
