@@ -43,8 +43,9 @@ if [[ $mode == costs ]]; then
   # compiled in parallel, then every build timed one after another (each times its rows twice).
   # COST_BUILDS: KIND or KIND:FLAG (a step_costs flag); a build's name is KIND_FLAG with the
   # flag's letters and digits only.
-  read -r -a builds <<< "${COST_BUILDS:-bf16 bf16:--no-combine exact exact:--no-combine fast
-    fast:--no-combine ring ring:--no-combine bf16:--check-batch=8 exact:--check-batch=8}"
+  # shellcheck disable=SC2206
+  builds=(${COST_BUILDS:-bf16 bf16:--no-combine exact exact:--no-combine fast
+    fast:--no-combine ring ring:--no-combine bf16:--check-batch=8 exact:--check-batch=8})
   name_of() { local f=${1#*:}; [[ $f == "$1" ]] && f=; echo "${1%%:*}${f:+_${f//[^a-z0-9]/}}"; }
   for b in "${builds[@]}"; do
     kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}; name=$(name_of "$b")
