@@ -11,7 +11,9 @@ KIND is the step timed (rows of <= 32 query rows a KV head, one KV head):
 --no-combine drops the step's combine launch (decode_step.MLADecodeStep.combine): the outputs of
 split requests are then garbage, the time is what the step costs without it. --check-batch=N:
 the combine's block-table check (combine.check_request) loads N entries a lane before it
-compares them (combine.first_outside's batch; 1 in the shipped dense step). A patched build
+compares them (combine.first_outside's batch; 1 in the shipped dense step). --overhead=N: the
+schedule charges each request N blocks (constants.OVERHEAD_BLOCKS, 5; schedule_with_overhead:
+no kernel changes, so no cache of its own). A patched build
 (ring, --no-combine, --check-batch) must have a TORCH_MLA_CACHE_DIR of its own: the kernel
 cache would otherwise keep it under the shipped step's key. --warm compiles the step (one small
 call) and exits, so that the builds can run in parallel processes before the timed ones run one
@@ -46,13 +48,33 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     return my - slope * mx, 1e-3 / slope
 
 
+def schedule_with_overhead(units: int) -> None:
+    """torch_mla.get_decode_schedule (what bench_decode calls) replaced by the schedule's torch
+    ops (scheduling.compute_schedule, the same cuts as the schedule kernel) charging each
+    request `units` blocks of overhead instead of constants.OVERHEAD_BLOCKS."""
+    import torch_mla
+    from torch_mla import scheduling
+    from torch_mla.ops.schedule import DecodeSchedule
+
+    scheduling.OVERHEAD_BLOCKS = units  # (compute_schedule and whole_request_cuts read it)
+
+    def get_decode_schedule(seqlens, s_q, h_q, num_sms=None, *, h_kv=1):
+        sms = num_sms or scheduling.default_num_sms(seqlens.device)
+        parts = scheduling.DecodeSplitConfig.from_heuristic(s_q, h_q, sms, h_kv).num_parts
+        return DecodeSchedule(*scheduling.compute_schedule(seqlens, parts))
+
+    torch_mla.get_decode_schedule = get_decode_schedule
+
+
 def main(argv: list[str]) -> None:
     args = [a for a in argv if not a.startswith("--")]
     flags = {a.split("=")[0]: a.partition("=")[2] for a in argv if a.startswith("--")}
     if not args or args[0] not in KINDS or set(flags) - {"--no-combine", "--warm",
-                                                         "--check-batch"}:
+                                                         "--check-batch", "--overhead"}:
         raise SystemExit(__doc__)
     kind, rows = args[0], args[1:] or ROWS
+    if "--overhead" in flags:
+        schedule_with_overhead(int(flags["--overhead"]))
     patched = kind == "ring" or "--no-combine" in flags or "--check-batch" in flags
     if patched and "TORCH_MLA_CACHE_DIR" not in os.environ:
         raise SystemExit("set TORCH_MLA_CACHE_DIR to a directory of this build's own")
@@ -86,7 +108,8 @@ def main(argv: list[str]) -> None:
         bench_decode.run_config(8, 1, 1024, 16, False, check=False, fp8=fp8, compute=compute)
         return
     name = kind + (" without the combine" if "--no-combine" in flags else "") + (
-        f" (check batch {flags['--check-batch']})" if "--check-batch" in flags else "")
+        f" (check batch {flags['--check-batch']})" if "--check-batch" in flags else "") + (
+        f" (overhead {flags['--overhead']} blocks)" if "--overhead" in flags else "")
     # FlashMLA's bf16 decode beside the shipped bf16 step, where its build is importable.
     flash_mla = load_flash_mla() if kind == "bf16" and "--no-combine" not in flags else None
     for rep in (1, 2):  # (every row twice, in order: drift shows as a gap between the two)
