@@ -7,8 +7,9 @@
 # check (default): precompile, tests, tests_rows, memcheck, fuzz; bench: precompile (a warm
 # machine's cache makes it quick), bench_bf16, bench_fp8, ncu. Two device calls: together they
 # pass the 600 s a call may take. costs: each 16-column step's fixed cost and streaming rate
-# (tools/step_costs.py; COST_ROWS overrides its rows), with and without its combine. (Session 48-49's bulk mode, the BULK knob's A/B, went with
-# the knob: docs/kernels/keysm.md, session 49.)
+# (tools/step_costs.py; COST_BUILDS and COST_ROWS override its builds and rows), with and
+# without its combine. (Session 48-49's bulk mode, the BULK knob's A/B, went with the knob:
+# docs/kernels/keysm.md, session 49.)
 #
 # Stages (each has a timeout: a kernel whose mbarriers never complete hangs rather than fails):
 #   precompile  the keys-on-M steps (8, 16, 32, 64 columns, both cache formats), the ping-pong

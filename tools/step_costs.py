@@ -1,6 +1,7 @@
 """A memory-bound decode step's fixed cost and streaming rate (development tool, needs a GPU).
 
-    python -m tools.step_costs KIND [--no-combine] [--warm] [B,S_Q,S_K,H_Q ...]
+    python -m tools.step_costs KIND [--no-combine] [--check-batch=N] [--overhead=N] [--warm]
+                               [B,S_Q,S_K,H_Q ...]
 
 KIND is the step timed (rows of <= 32 query rows a KV head, one KV head):
     bf16   the keys-on-M kernel over the bf16 cache (the dispatch's choice there)
@@ -13,9 +14,9 @@ split requests are then garbage, the time is what the step costs without it. --c
 the combine's block-table check (combine.check_request) loads N entries a lane before it
 compares them (combine.first_outside's batch; 1 in the shipped dense step). --overhead=N: the
 schedule charges each request N blocks (constants.OVERHEAD_BLOCKS, 5; schedule_with_overhead:
-no kernel changes, so no cache of its own). A patched build
-(ring, --no-combine, --check-batch) must have a TORCH_MLA_CACHE_DIR of its own: the kernel
-cache would otherwise keep it under the shipped step's key. --warm compiles the step (one small
+no kernel changes, so no cache of its own). A patched build (ring, --no-combine,
+--check-batch) must have a TORCH_MLA_CACHE_DIR of its own: the kernel cache would otherwise
+keep it under the shipped step's key. --warm compiles the step (one small
 call) and exits, so that the builds can run in parallel processes before the timed ones run one
 by one.
 
