@@ -47,26 +47,30 @@ if [[ $mode == costs ]]; then
   # shellcheck disable=SC2206
   builds=(${COST_BUILDS:-bf16 bf16:--no-combine exact exact:--no-combine fast
     fast:--no-combine ring ring:--no-combine bf16:--check-batch=8 exact:--check-batch=8})
-  # (a build whose kernels differ from the shipped ones: step_costs's --overhead changes only
-  # the schedule, computed by torch ops)
-  own_cache() { [[ $1 == ring || ( -n $2 && $2 != --overhead=* ) ]]; }
-  name_of() { local f=${1#*:}; [[ $f == "$1" ]] && f=; echo "${1%%:*}${f:+_${f//[^a-z0-9]/}}"; }
+  # (A build whose kernels differ from the shipped ones has a kernel cache of its own;
+  # step_costs's --overhead changes only the schedule, computed by torch ops.)
+  # take BUILD: its kind, flag and name, and the cache directory of its own where it needs one.
+  take() {
+    kind=${1%%:*}; flag=${1#"$kind"}; flag=${flag#:}
+    name=$kind${flag:+_${flag//[^a-z0-9]/}}
+    unset TORCH_MLA_CACHE_DIR
+    if [[ $kind == ring || ( -n $flag && $flag != --overhead=* ) ]]; then
+      export TORCH_MLA_CACHE_DIR=$OUT/cache_$name
+    fi
+  }
   for b in "${builds[@]}"; do
-    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}; name=$(name_of "$b")
-    if own_cache "$kind" "$flag"; then export TORCH_MLA_CACHE_DIR=$OUT/cache_$name; fi
+    take "$b"
     # shellcheck disable=SC2086
     timeout 200 python -m tools.step_costs "$kind" $flag --warm > "$OUT/warm_$name.log" 2>&1 &
-    unset TORCH_MLA_CACHE_DIR
   done
   wait
   for b in "${builds[@]}"; do
-    kind=${b%%:*}; flag=${b#"$kind"}; flag=${flag#:}; name=$(name_of "$b")
-    if own_cache "$kind" "$flag"; then export TORCH_MLA_CACHE_DIR=$OUT/cache_$name; fi
+    take "$b"
     # shellcheck disable=SC2086
     run "costs_$name" 90 python -m tools.step_costs "$kind" $flag \
       ${COST_ROWS:-128,1,4096,16 128,1,8192,16 128,1,16384,16}
-    unset TORCH_MLA_CACHE_DIR
   done
+  unset TORCH_MLA_CACHE_DIR
   grep -h "fit over" "$OUT"/costs_*.log
   rm -rf "$OUT"/cache_*
 elif [[ $mode == check ]]; then

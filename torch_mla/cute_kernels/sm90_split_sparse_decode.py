@@ -532,8 +532,8 @@ class MLASparseDecodeSm90Split(MLASparseDecodeSm90Producer):
         self._stamp(f"d_free{h}", 256)  # (trace: half h free)
         if const_expr(h == 0):
             self._half0_bias(s, slots, warp)
-        if const_expr(rope_first):  # (its DRAM latency under the
-            self.rope_tile(rows, slots, buf, warp)  # conversion: rope_first)
+        if const_expr(rope_first):  # (its DRAM latency under the conversion)
+            self.rope_tile(rows, slots, buf, warp)
         bar = barK + s * N_TILES + 4 * h
         if const_expr(self.cache == "fp8_ds_mla"):
             peer = None
