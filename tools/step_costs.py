@@ -9,6 +9,8 @@ KIND is the step timed (rows of <= 32 query rows a KV head, one KV head):
     fast   over the e4m3 cache in fast mode (the keys-on-M fast variant)
     ring   fast mode's load-only variant (tools.keysm_load_only.LoadOnly: each page's ring
            stage released as soon as it lands; outputs are garbage)
+    read   no decode: torch.amax over an int32 tensor of the row's e4m3 cache bytes (b s_k 576),
+           the GPU's own fixed cost and read rate over the same byte counts
 --no-combine drops the step's combine launch (decode_step.MLADecodeStep.combine): the outputs of
 split requests are then garbage, the time is what the step costs without it. --check-batch=N:
 the combine's block-table check (combine.check_request) loads N entries a lane before it
@@ -36,7 +38,7 @@ import os
 import sys
 
 ROWS = ["128,1,4096,16", "128,1,8192,16", "128,1,16384,16"]
-KINDS = ("bf16", "exact", "fast", "ring")
+KINDS = ("bf16", "exact", "fast", "ring", "read")
 
 
 def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
@@ -47,6 +49,17 @@ def fit(points: list[tuple[float, float]]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x, _ in points)
     slope = sum((x - mx) * (y - my) for x, y in points) / sxx  # us per byte
     return my - slope * mx, 1e-3 / slope
+
+
+def read_row(b: int, s_k: int) -> tuple[float, int]:
+    """(us, bytes) of one torch.amax over b * s_k * 576 bytes (an int32 tensor), timed as the
+    decode rows are (a CUDA graph of one call): a read with no decode around it."""
+    import torch
+
+    from torch_mla.testing import graph_time_us
+
+    x = torch.empty(b * s_k * 576 // 4, dtype=torch.int32, device="cuda").random_()
+    return graph_time_us(lambda: torch.amax(x)), x.numel() * 4
 
 
 def schedule_with_overhead(units: int) -> None:
@@ -106,7 +119,9 @@ def main(argv: list[str]) -> None:
     fp8 = kind != "bf16"
     compute = "fp8" if kind in ("fast", "ring") else "exact"
     if "--warm" in flags:
-        bench_decode.run_config(8, 1, 1024, 16, False, check=False, fp8=fp8, compute=compute)
+        if kind != "read":
+            bench_decode.run_config(8, 1, 1024, 16, False, check=False, fp8=fp8,
+                                    compute=compute)
         return
     name = kind + (" without the combine" if "--no-combine" in flags else "") + (
         f" (check batch {flags['--check-batch']})" if "--check-batch" in flags else "") + (
@@ -117,10 +132,15 @@ def main(argv: list[str]) -> None:
         points = []
         for spec in rows:
             b, s_q, s_k, h_q = (int(x) for x in spec.split(","))
-            us, _, gbps, _, fm_us = bench_decode.run_config(
-                b, s_q, s_k, h_q, s_q > 1, check=False, flash_mla=flash_mla, fp8=fp8,
-                compute=compute)
-            points.append((gbps * us * 1e3, us))
+            if kind == "read":
+                us, nbytes = read_row(b, s_k)
+                points.append((nbytes, us))
+                gbps, fm_us = nbytes / us / 1e3, float("nan")
+            else:
+                us, _, gbps, _, fm_us = bench_decode.run_config(
+                    b, s_q, s_k, h_q, s_q > 1, check=False, flash_mla=flash_mla, fp8=fp8,
+                    compute=compute)
+                points.append((gbps * us * 1e3, us))
             fm = f", FlashMLA bf16 {fm_us:.1f} us" if flash_mla is not None else ""
             print(f"{name} ({rep}): {spec} {us:.1f} us, {points[-1][0] / 1e6:.0f} MB, "
                   f"{gbps:.0f} GB/s{fm}", flush=True)
