@@ -265,7 +265,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         for q_dtype in (torch.bfloat16, torch.float16, FP8):
             name, why = dispatch.decode_backend("cuda", q_dtype, cache_dtype=FP8)
-            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs) (its keys-on-M variant where s_q * h_q <= 32)""")
+            self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs; its keys-on-M variant where s_q * h_q <= 32)""")
             with warnings.catch_warnings():
                 warnings.simplefilter("error")
                 self.assertIs(dispatch.find_decode_kernel(self.query(q_dtype), cache, 512),
@@ -284,7 +284,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         self.assertExpectedInline(f"{name}: {why}", """reference: d_qk=320, d_v=512, page size 64: the FP8 kernel is built for d_qk=576, d_v=512, page size 64""")
         self.mp.setenv("TORCH_MLA_PORTABLE", "1")
         name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8)
-        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache on TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
+        self.assertExpectedInline(f"{name}: {why}", """reference: float8_e4m3fn cache with TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)""")
         self.mp.delenv("TORCH_MLA_PORTABLE")
         for cap in [(8, 0), (8, 9), (10, 0)]:
             self.mp.setattr(dispatch, "cuda_capability", lambda device, cap=cap: cap)
@@ -308,7 +308,7 @@ class TestFp8Dispatch(expecttest.TestCase):
         cache = torch.empty(1, 64, 1, 576, dtype=FP8)
         name, why = dispatch.decode_backend("cuda", torch.bfloat16, cache_dtype=FP8,
                                             compute="fp8")
-        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too above 32 query rows a KV head, and above 16 at a batch below 4)""")
+        self.assertExpectedInline(f"{name}: {why}", """sm90: compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too, except on its keys-on-M variant, which keeps P in f16: bf16/fp16 q, one KV head, up to 16 query rows, or 32 from a batch of 4)""")
         self.assertIs(dispatch.find_decode_kernel(self.query(torch.bfloat16), cache, 512),
                       dispatch.run_sm90_fp8)
 

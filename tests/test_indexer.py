@@ -394,7 +394,7 @@ class TestIndexerErrors(expecttest.TestCase):
         bad[1, 0] = 9
         e = self.err
         self.assertExpectedInline(e(cache_seqlens=torch.tensor([70, 129], dtype=torch.int32)), """cache_seqlens[1] = 129, but block_table covers only 2 pages x 64 = 128 tokens""")
-        self.assertExpectedInline(e(fn=torch_mla.indexer_logits, block_table=bad), """block_table[1, 0] = 9 is not a page of kv_cache (num_blocks = 6): request 1 has 5 tokens, so its first entry must be a page id in [0, 6)""")
+        self.assertExpectedInline(e(fn=torch_mla.indexer_logits, block_table=bad), """block_table[1, 0] = 9 is not a page of index_cache (num_blocks = 6): request 1 has 5 tokens, so its first entry must be a page id in [0, 6)""")
 
     def test_append_errors(self):
         cache = torch.zeros(2, PAGE, 32)

@@ -39,10 +39,12 @@ class TestMain(expecttest.TestCase):
         self.assertNotIn("TORCH_MLA_PORTABLE", run.stdout)
         self.assertExpectedInline(table(run.stdout), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
-  device  q dtype   cache dtype  runs       why
-  cpu     bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu     float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu     float32   float32      reference  cpu tensors: the kernels run on NVIDIA GPUs
+  device  q dtype   cache dtype           runs       why
+  cpu     bfloat16  bfloat16              reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu     float16   float16               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu     float32   float32               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu     bfloat16  float8_e4m3fn         reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu     bfloat16  float8_e4m3fn (fast)  reference  cpu tensors: the kernels run on NVIDIA GPUs
 """)
 
     def fake_gpus(self, *gpus):
@@ -73,16 +75,22 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
                                 "141 GiB, kernels compiled for sm_80"])
         self.assertExpectedInline(table(text), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
-  device                          q dtype   cache dtype  runs       why
-  cuda:0 (NVIDIA H200)            bfloat16  bfloat16     sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
-  cuda:0 (NVIDIA H200)            float16   float16      sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
-  cuda:0 (NVIDIA H200)            float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16     sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
-  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16      sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
-  cuda:2 (NVIDIA A100-SXM4-80GB)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cpu                             bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu                             float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu                             float32   float32      reference  cpu tensors: the kernels run on NVIDIA GPUs""")
+  device                          q dtype   cache dtype           runs       why
+  cuda:0 (NVIDIA H200)            bfloat16  bfloat16              sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
+  cuda:0 (NVIDIA H200)            float16   float16               sm90       compute capability 9.0: the SM90 CuTe DSL kernel (its keys-on-M variant where s_q * h_q <= 32)
+  cuda:0 (NVIDIA H200)            float32   float32               reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cuda:0 (NVIDIA H200)            bfloat16  float8_e4m3fn         sm90       compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs; its keys-on-M variant where s_q * h_q <= 32)
+  cuda:0 (NVIDIA H200)            bfloat16  float8_e4m3fn (fast)  sm90       compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in e4m3 too, except on its keys-on-M variant, which keeps P in f16: bf16/fp16 q, one KV head, up to 16 query rows, or 32 from a batch of 4)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  bfloat16              sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  float16   float16               sm80       compute capability 8.0: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  float32   float32               reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  float8_e4m3fn         reference  float8_e4m3fn cache on compute capability 8.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cuda:2 (NVIDIA A100-SXM4-80GB)  bfloat16  float8_e4m3fn (fast)  reference  float8_e4m3fn cache on compute capability 8.0: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cpu                             bfloat16  bfloat16              reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                             float16   float16               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                             float32   float32               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                             bfloat16  float8_e4m3fn         reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                             bfloat16  float8_e4m3fn (fast)  reference  cpu tensors: the kernels run on NVIDIA GPUs""")
 
     def test_force_reference_is_reported(self):
         patches = self.fake_gpus(("NVIDIA H100 80GB HBM3", 9, 0, 132))
@@ -91,7 +99,7 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
             text = cli.report()
         self.assertIn("TORCH_MLA_FORCE_REFERENCE=1 is set: every call runs the reference path",
                       text)
-        self.assertIn("cuda:0 (NVIDIA H100 80GB HBM3)  bfloat16  bfloat16     reference  "
+        self.assertIn("cuda:0 (NVIDIA H100 80GB HBM3)  bfloat16  bfloat16              reference  "
                       "TORCH_MLA_FORCE_REFERENCE=1 is set", text)
         with mock.patch.dict(os.environ, TORCH_MLA_FORCE_REFERENCE="true"):
             self.assertIn("TORCH_MLA_FORCE_REFERENCE=true is set: no effect: only the value 1 "
@@ -107,13 +115,19 @@ torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
                       "the portable kernel", text)
         self.assertExpectedInline(table(text), """\
 torch_mla.mla_decode with d_qk 576, d_v 512, page size 64:
-  device                            q dtype   cache dtype  runs       why
-  cuda:0 (NVIDIA H200)              bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
-  cuda:0 (NVIDIA H200)              float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
-  cuda:0 (NVIDIA H200)              float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  bfloat16     sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
-  cuda:1 (NVIDIA GeForce RTX 5090)  float16   float16      sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
-  cuda:1 (NVIDIA GeForce RTX 5090)  float32   float32      reference  torch.float32 inputs: the kernels take bfloat16 or float16
-  cpu                               bfloat16  bfloat16     reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu                               float16   float16      reference  cpu tensors: the kernels run on NVIDIA GPUs
-  cpu                               float32   float32      reference  cpu tensors: the kernels run on NVIDIA GPUs""")
+  device                            q dtype   cache dtype           runs       why
+  cuda:0 (NVIDIA H200)              bfloat16  bfloat16              sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
+  cuda:0 (NVIDIA H200)              float16   float16               sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200)
+  cuda:0 (NVIDIA H200)              float32   float32               reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cuda:0 (NVIDIA H200)              bfloat16  float8_e4m3fn         reference  float8_e4m3fn cache with TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cuda:0 (NVIDIA H200)              bfloat16  float8_e4m3fn (fast)  reference  float8_e4m3fn cache with TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  bfloat16              sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:1 (NVIDIA GeForce RTX 5090)  float16   float16               sm80       TORCH_MLA_PORTABLE=1: the portable CuTe DSL kernel (SM80 instructions; verified on an H200, checked against the reference on first use on this GPU)
+  cuda:1 (NVIDIA GeForce RTX 5090)  float32   float32               reference  torch.float32 inputs: the kernels take bfloat16 or float16
+  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  float8_e4m3fn         reference  float8_e4m3fn cache with TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cuda:1 (NVIDIA GeForce RTX 5090)  bfloat16  float8_e4m3fn (fast)  reference  float8_e4m3fn cache with TORCH_MLA_PORTABLE=1: the only FP8 kernel is the SM90 one (the reference dequantizes the pages it reads to float32)
+  cpu                               bfloat16  bfloat16              reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               float16   float16               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               float32   float32               reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               bfloat16  float8_e4m3fn         reference  cpu tensors: the kernels run on NVIDIA GPUs
+  cpu                               bfloat16  float8_e4m3fn (fast)  reference  cpu tensors: the kernels run on NVIDIA GPUs""")

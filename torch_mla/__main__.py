@@ -1,8 +1,9 @@
 """``python -m torch_mla``: versions, GPUs, and which decode implementation each input kind gets.
 
-For every device here (each kind of GPU, and the CPU) and every (q dtype, cache dtype) pair, it
-names what :func:`torch_mla.mla_decode` would run and why, from
-:func:`torch_mla.ops.dispatch.decode_backend`: the answer to "why is this slow here?".
+For every device here (each kind of GPU, and the CPU) and each (q dtype, cache dtype) pair the
+ops take (an FP8 cache in both modes, with bf16 q), it names what :func:`torch_mla.mla_decode`
+would run and why, from :func:`torch_mla.ops.dispatch.decode_backend`: the answer to "why is
+this slow here?".
 """
 
 from __future__ import annotations
@@ -17,10 +18,12 @@ import torch_mla
 from torch_mla.ops.dispatch import D_QK, D_V, decode_backend, gpu_arch
 from torch_mla.scheduling import PAGE_SIZE
 
-# (q dtype, cache dtype) pairs the ops accept; an fp8 cache will add pairs like
-# (torch.bfloat16, torch.float8_e4m3fn) here.
-FORMATS = [(torch.bfloat16, torch.bfloat16), (torch.float16, torch.float16),
-           (torch.float32, torch.float32)]
+# (q dtype, cache dtype, compute): the 16-bit and fp32 caches, and the float8_e4m3fn cache in
+# exact and fast mode (mla_decode's compute="exact" / "fp8"; q may be fp16 or e4m3 there too).
+FORMATS = [(torch.bfloat16, torch.bfloat16, "exact"), (torch.float16, torch.float16, "exact"),
+           (torch.float32, torch.float32, "exact"),
+           (torch.bfloat16, torch.float8_e4m3fn, "exact"),
+           (torch.bfloat16, torch.float8_e4m3fn, "fp8")]
 
 
 def _version(dist: str) -> str:
@@ -96,10 +99,11 @@ def report() -> str:
     lines.append(f"torch_mla.mla_decode with d_qk {D_QK}, d_v {D_V}, page size {PAGE_SIZE}:")
     rows = [("device", "q dtype", "cache dtype", "runs", "why")]
     for dev, gpu in _devices():
-        for q_dtype, cache_dtype in FORMATS:
-            name, why = decode_backend(dev, q_dtype, D_QK, D_V, PAGE_SIZE)
+        for q_dtype, cache_dtype, compute in FORMATS:
+            name, why = decode_backend(dev, q_dtype, D_QK, D_V, PAGE_SIZE, cache_dtype, compute)
             label = f"{dev} ({gpu})" if gpu else dev
-            rows.append((label, _name(q_dtype), _name(cache_dtype), name, why))
+            cache = _name(cache_dtype) + (" (fast)" if compute == "fp8" else "")
+            rows.append((label, _name(q_dtype), cache, name, why))
     widths = [max(len(r[c]) for r in rows) for c in range(4)]
     for r in rows:
         lines.append("  " + "  ".join(f"{r[c]:<{widths[c]}}" for c in range(4)) + "  " + r[4])

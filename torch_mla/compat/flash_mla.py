@@ -63,8 +63,9 @@ def get_mla_metadata(
     if topk is not None:  # sparse: the object form, as FlashMLA's get_mla_metadata returns now
         return FlashMLASchedMeta(), None
     if is_fp8_kvcache:
-        raise NotImplementedError("torch_mla supports dense decode only (no FlashMLA "
-                                  "sparse FP8 cache, no topk); a dense float8_e4m3fn cache: "
+        raise NotImplementedError("is_fp8_kvcache=True without topk: FlashMLA's sparse FP8 "
+                                  "cache takes topk= here (then indices= in "
+                                  "flash_mla_with_kvcache); a dense float8_e4m3fn cache: "
                                   "get_mla_metadata_dense_fp8")
     if cache_seqlens is None:
         return FlashMLASchedMeta(), None

@@ -5,9 +5,9 @@ go through :func:`_require`: on CPU tensors the values are read on the host and 
 the offending entry; on other devices the check runs on the device, as an asynchronous assert
 (``torch._assert_async``: no host sync) with a fixed message; they are left out of CUDA-graph
 captures (see :func:`checks_values`), and :func:`torch_mla.set_value_checks` turns them off.
-The decode kernels check the lengths and page ids they use themselves (always, graphs included:
-a compare per page load), so these torch-op checks guard the reference path, append_kv and
-slot_mapping.
+The decode kernels' steps check the lengths and the page ids they use themselves (always, graphs
+included: the combine kernel compares each request's entries, combine.check_request), so these
+torch-op checks guard the reference path, append_kv and slot_mapping.
 """
 
 from __future__ import annotations
@@ -276,10 +276,17 @@ def decode_out_dtype(q_dtype: torch.dtype) -> torch.dtype:
     return torch.bfloat16 if q_dtype == FP8 else q_dtype
 
 
+def _for_op(key: str, op: str) -> str:
+    """DEVICE_MESSAGES[key] with its op name (the text before the first colon) replaced by op."""
+    return op + DEVICE_MESSAGES[key][DEVICE_MESSAGES[key].index(":"):]
+
+
 def check_decode_values(num_blocks: int, block_table: torch.Tensor,
-                        cache_seqlens: torch.Tensor) -> None:
+                        cache_seqlens: torch.Tensor, op: str = "torch_mla.mla_decode",
+                        cache: str = "kv_cache") -> None:
     """0 <= L <= max_blocks * 64 for every length L, and every block-table entry a request uses
-    (its first ceil(L / 64)) is a page of the cache; unused entries may hold anything."""
+    (its first ceil(L / 64)) is a page of the cache; unused entries may hold anything. op and
+    cache name the calling op and its cache argument in the messages."""
     L = cache_seqlens
     width = block_table.shape[1]
     cap = width * PAGE_SIZE
@@ -291,18 +298,18 @@ def check_decode_values(num_blocks: int, block_table: torch.Tensor,
         return (f"cache_seqlens[{r}] = {n}, but block_table covers only {width} pages x "
                 f"{PAGE_SIZE} = {cap} tokens")
 
-    _require((L < 0) | (L > cap), DEVICE_MESSAGES["cache_seqlens"], bad_length)
+    _require((L < 0) | (L > cap), _for_op("cache_seqlens", op), bad_length)
     used = torch.arange(width, device=L.device)[None, :] * PAGE_SIZE < L[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_blocks))
 
     def bad_page(r, j):
         n = -(-int(L[r]) // PAGE_SIZE)
         entries = "entry must be a page id" if n == 1 else f"{n} entries must be page ids"
-        return (f"block_table[{r}, {j}] = {int(block_table[r, j])} is not a page of kv_cache "
+        return (f"block_table[{r}, {j}] = {int(block_table[r, j])} is not a page of {cache} "
                 f"(num_blocks = {num_blocks}): request {r} has {int(L[r])} tokens, so its first "
                 f"{entries} in [0, {num_blocks})")
 
-    _require(bad, DEVICE_MESSAGES["block_table"], bad_page)
+    _require(bad, _for_op("block_table", op), bad_page)
 
 
 def check_schedule_args(metadata: torch.Tensor, num_splits: torch.Tensor, batch: int,
@@ -384,21 +391,23 @@ def check_append_devices_and_slots(kv_cache, kv_c, k_pe, slot_mapping, T: int,
         check_slot_values(kv_cache.shape[0], slot_mapping)
 
 
-def check_slot_values(num_blocks: int, slot_mapping: torch.Tensor) -> None:
-    """Every slot < num_blocks * 64, and no slot >= 0 twice (negative slots are padding)."""
+def check_slot_values(num_blocks: int, slot_mapping: torch.Tensor,
+                      op: str = "torch_mla.append_kv") -> None:
+    """Every slot < num_blocks * 64, and no slot >= 0 twice (negative slots are padding); op
+    names the calling op in the device messages."""
     cap = num_blocks * PAGE_SIZE
-    _require(slot_mapping >= cap, DEVICE_MESSAGES["slot_range"],
+    _require(slot_mapping >= cap, _for_op("slot_range", op),
              lambda t: f"slot_mapping[{t}] = {int(slot_mapping[t])}, but the cache has only "
                        f"{cap} slots ({num_blocks} pages x {PAGE_SIZE})")
-    check_slot_repeats(slot_mapping)
+    check_slot_repeats(slot_mapping, op)
 
 
-def check_slot_repeats(slot_mapping: torch.Tensor) -> None:
+def check_slot_repeats(slot_mapping: torch.Tensor, op: str = "torch_mla.append_kv") -> None:
     """No slot >= 0 twice."""
     # A repeated slot would be written by two tokens in an unspecified order; sorted, the
     # repeats are neighbours (stable: the earlier token comes first).
     s, order = torch.sort(slot_mapping, stable=True)
-    _require((s[1:] == s[:-1]) & (s[1:] >= 0), DEVICE_MESSAGES["slot_repeat"],
+    _require((s[1:] == s[:-1]) & (s[1:] >= 0), _for_op("slot_repeat", op),
              lambda i: f"slot_mapping[{int(order[i])}] and slot_mapping[{int(order[i + 1])}] "
                        f"both write slot {int(s[i])}; slots must be distinct (negative slots are "
                        "skipped and may repeat)")

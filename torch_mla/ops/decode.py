@@ -113,8 +113,10 @@ def mla_decode(
             ``q.float() * q_scale``): required with one, refused otherwise.
         compute: with a float8_e4m3fn cache, "exact" (default: the scores and P V in 16-bit
             MMAs over the dequantized pages; the bf16 kernel's error on top of the cache's own)
-            or "fp8" ("fast mode": Q, quantized per row, and P in float8_e4m3fn on the fp8
-            tensor cores; allowed up to 2.5x the error the fp8 cache itself costs): the SM90
+            or "fp8" ("fast mode": Q, quantized per row, in float8_e4m3fn on the fp8 tensor
+            cores, and P too except on the keys-on-M fast variant, which keeps P in f16 (up
+            to 16 query rows a KV head, or 32 from a batch of 4); allowed up to 2.5x the
+            error the fp8 cache itself costs): the SM90
             kernel (H100/H200); elsewhere the fp32 reference runs, which is at least as
             accurate (:func:`torch_mla.ops.dispatch.decode_backend` says which runs). Refused
             with a 16-bit cache.

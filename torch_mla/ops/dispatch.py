@@ -94,17 +94,19 @@ sparse_producer = _env_flag("TORCH_MLA_SPARSE_PRODUCER")
 # (cute_kernels/sm90_split_sparse_decode.py) wherever the SM90 kernel would run; at 64-128
 # heads over the 16-bit cache and the 656-byte rows the split is the default anyway (faster
 # than the SM90 kernel on every row measured on an H100: docs/kernels/sparse.md, sessions 30
-# and 39); =0: the SM90 kernel itself there.
+# and 39); =0: the SM90 kernel where it pays, else the portable one (the choice before the
+# split).
 sparse_split = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "split")
 sparse_heads_on_m = _env_flag("TORCH_MLA_SPARSE_PRODUCER", "0")
 # Where the split kernel runs over the 656-byte rows at h_q 65-128, its cluster pair
-# (ops.sparse.split_pair_rows; faster than one CTA an m-block on every row measured, session
-# 30); TORCH_MLA_SPARSE_SPLIT_PAIR=0: without it.
+# (ops.sparse.split_pair_rows; faster than one CTA an m-block at every token count from 2 to 16
+# measured in session 46); TORCH_MLA_SPARSE_SPLIT_PAIR=0: without it.
 sparse_split_pair_off = _env_flag("TORCH_MLA_SPARSE_SPLIT_PAIR", "0")
-# TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8
-# caches at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; compiled, not yet checked
-# on a GPU); =32: the same with at most 32 columns a CTA (above 32 heads a CTA for each 32,
-# where 1 would take 64 columns: the A/B of the two ways to take 64 heads).
+# TORCH_MLA_SPARSE_KEYSM_RS=1: the keys-on-M sparse kernel's ping-pong variant over the FP8 caches
+# at every h_q (cute_kernels/sm90_keysm_rs_sparse_decode.py; run on an H100 in session 26: correct,
+# slower than the default choice at h_q 64-128 and small batches); =32: the same with at most 32
+# columns a CTA (above 32 heads a CTA for each 32, where 1 would take 64 columns: the A/B of the two
+# ways to take 64 heads).
 _sparse_keysm_rs_1 = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS")
 sparse_keysm_rs_32 = _env_flag("TORCH_MLA_SPARSE_KEYSM_RS", "32")
 
@@ -219,7 +221,8 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
 
     Returns:
         ``(name, reason)``: name is ``"sm90"`` (the CuTe DSL kernel for H100/H200; with a
-        float8_e4m3fn cache its "exact" variant: pages converted to 16 bits on chip), ``"sm100"``
+        float8_e4m3fn cache its exact mode, pages converted to 16 bits on chip, or with
+        compute="fp8" its fast mode), ``"sm100"``
         (the CuTe DSL kernel for B200, only with ``TORCH_MLA_SM100=1``: it has not run on a
         Blackwell GPU yet), ``"sm80"`` (the portable CuTe DSL kernel on SM80-class
         instructions, for every other GPU of compute capability 8.0 or newer, and on any of them
@@ -274,16 +277,18 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
                              f"is built for d_qk={D_QK}, d_v={D_V}, page size {PAGE_SIZE}")
     major, minor = cuda_capability(device)
     if (major, minor) != (9, 0) or portable_forced():
-        why = "TORCH_MLA_PORTABLE=1" if portable_forced() else (
-            f"compute capability {major}.{minor}")
-        return "reference", (f"float8_e4m3fn cache on {why}: the only FP8 kernel is the SM90 "
+        why = "with TORCH_MLA_PORTABLE=1" if portable_forced() else (
+            f"on compute capability {major}.{minor}")
+        return "reference", (f"float8_e4m3fn cache {why}: the only FP8 kernel is the SM90 "
                              f"one ({deq})")
-    why = "exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs)"
     if compute == "fp8":
         why = ("fast mode (compute='fp8': Q, quantized per row, on the fp8 tensor cores; P in "
-               "e4m3 too above 32 query rows a KV head, and above 16 at a batch below 4)")
-    if compute != "fp8":
-        why += _keysm_note()
+               "e4m3 too, except on its keys-on-M variant, which keeps P in f16: bf16/fp16 q, "
+               "one KV head, up to 16 query rows, or 32 from a batch of 4)")
+    else:
+        n = keysm_max_rows()
+        why = ("exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs"
+               + (f"; its keys-on-M variant where s_q * h_q <= {n})" if n else ")"))
     return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"
 
 

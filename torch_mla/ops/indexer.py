@@ -80,7 +80,8 @@ def _logits_run(q, weights, index_cache, index_scale, block_table, cache_seqlens
         kernel(q, weights, index_cache, index_scale, block_table, cache_seqlens, out)
         return out
     if checks_values(cache_seqlens):
-        check_decode_values(index_cache.shape[0], block_table, cache_seqlens)
+        check_decode_values(index_cache.shape[0], block_table, cache_seqlens,
+                            "torch_mla.indexer_logits", "index_cache")
     return indexer_logits_reference(q, weights, index_cache, block_table, cache_seqlens,
                                     index_scale)
 
@@ -177,8 +178,11 @@ def indexer_logits(
         float32 [batch, s_q, max_blocks * 64]: position j of request r is its token j.
 
     Lengths must lie in [0, max_blocks * 64] and the block-table entries a request uses (its
-    first ceil(L / 64)) must be pages of the cache (checked as :func:`torch_mla.mla_decode`
-    checks them); unused entries are never read.
+    first ceil(L / 64)) must be pages of the cache: checked on the reference path as the
+    dense decode's reference checks them. The SM90 kernel does not check them: its TMA reads
+    zeros for a page outside the cache (nothing outside it is read); such a page's slots are
+    outside [-1, num_blocks * 64) but for one, and :func:`torch_mla.mla_decode_sparse` stops
+    on those the top-k selects. Unused entries are never read.
     """
     args = (q, weights, index_cache, index_scale, block_table, cache_seqlens)
     if _through_op(q, weights):
@@ -245,7 +249,7 @@ def _append_index_impl(index_cache, k, slot_mapping, index_scale=None) -> None:
     # (is_compiling first: dynamo cannot trace checks_values' stream-capture query)
     if not torch.compiler.is_compiling() and slot_mapping.shape[0] > 0 \
             and checks_values(slot_mapping):
-        check_slot_values(index_cache.shape[0], slot_mapping)
+        check_slot_values(index_cache.shape[0], slot_mapping, "torch_mla.append_index_keys")
     nb, page, d = index_cache.shape
     if index_cache.dtype != FP8:
         # The latent append's no-sync handling of skipped slots, on a one-head view.

@@ -91,9 +91,9 @@ class DecodeStepConfig(_Config):
     portable MLADecodeSm80, any arch from sm_80) or "sm90_keysm" (MLADecodeSm90KeysM, sm_90a,
     keys on the MMA's M side, by default where s_q * h_q <= 32: dispatch.keysm_columns;
     ``columns``, the query rows a CTA takes, 8, 16, 32 or 64, is part of its build), and over a
-    float8_e4m3fn cache at 8, 16 or 32 columns its ping-pong variant "sm90_keysm_rs" (exact
-    mode) and "sm90_keysm_fast" (its fast mode, compute="fp8"). dtype: "bf16" or "fp16", q's and
-    out's.
+    float8_e4m3fn cache its ping-pong variant "sm90_keysm_rs" (exact mode; 8, 16, 32 or 64
+    columns) and "sm90_keysm_fast" (its fast mode, compute="fp8"; 8, 16 or 32). dtype: "bf16"
+    or "fp16", q's and out's.
     kv_fp8 (sm90, sm90_keysm*): over a float8_e4m3fn cache. compute="fp8" (with kv_fp8): fast
     mode (MLADecodeSm90Fast; sm90_keysm_fast); q_fp8 (sm90 only): its q is float8_e4m3fn
     (passed as bytes; out is dtype).
@@ -371,8 +371,9 @@ def variants(dtypes: list[str] | tuple = ("bf16", "fp16"),
     ("fp8_step"; "fp8_fast": its fast mode, q in each dtype and, for bf16 output, in
     float8_e4m3fn; "fp8_dither": the same with P dithered, what TORCH_MLA_FAST_DITHER=1 runs,
     not built by default), the sparse decode step ("sparse": the portable kernel's, every arch,
-    and on sm_90a the SM90 one and, over the 656-byte rows, the split kernel that the dispatch
-    takes in its place; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns,
+    and on sm_90a the SM90 one, the keys-on-M one (8, 16, 32 columns) and, over the 16-bit
+    cache and the 656-byte rows, the split kernel that the dispatch takes in the SM90 one's
+    place at 64-128 heads; "keysm": the keys-on-M step on sm_90a for 8, 16 and 32 columns,
     both cache formats, what the dispatch picks by default; "keysm64": its 64-column variants,
     which TORCH_MLA_KEYSM=1 adds, not built by default; "keysm_rs": its ping-pong variant over
     an e4m3 cache, which the dispatch picks in exact mode from a batch of 8 (32 at 32 columns;

@@ -1,10 +1,11 @@
 """First-use check of a kernel that has not yet been validated on the GPU it runs on.
 
-The SM100 kernel is compile-checked on the CPU but has not run on a Blackwell GPU. Before a
-process uses it, it runs on a few small random problems whose caches are NaN-poisoned wherever
-the kernel must not read (slots past each length, spare pages; unused block-table entries are
-huge ids), and its output and lse are compared with the reference; the dispatch falls back to
-the reference, with a warning, if anything differs.
+The SM100 kernel is compile-checked on the CPU but has not run on a Blackwell GPU, and the
+portable dense decode kernel has run only on an H200 (forced). Before a process uses either on a
+GPU other than compute capability 9.0 (dispatch.find_decode_kernel), it runs on a few small random
+problems whose caches are NaN-poisoned wherever the kernel must not read (slots past each length,
+spare pages; unused block-table entries are huge ids), and its output and lse are compared with
+the reference; the dispatch falls back to the reference, with a warning, if anything differs.
 """
 
 from __future__ import annotations

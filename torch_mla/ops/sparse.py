@@ -197,7 +197,7 @@ def sparse_backend(q: torch.Tensor, kv_cache: torch.Tensor, d_v: int) -> tuple[s
         if fmt == "fp8_ds_mla" and q.dtype != torch.bfloat16:
             return "reference", ("the sparse kernel over the 656-byte cache takes bf16 q (the "
                                  f"rows' RoPE values are bf16), got {q.dtype}")
-    # (the FP8 caches; opt-in: not yet checked on a GPU)
+    # (the FP8 caches; opt-in: run on an H100, slower than the default choice where it matters)
     if (arch == registry.SM90_ARCH and dispatch.sparse_keysm_rs()
             and fmt in ("fp8", "fp8_ds_mla") and keysm_rs_sparse_columns(q.shape[2])):
         return "sm90_keysm_rs", ""
@@ -504,15 +504,18 @@ def mla_decode_sparse(
         topk_length 0) gets out = 0 and lse = +inf.
 
     Used entries must be -1 or slots in [0, num_blocks * page_size): checked on CPU tensors with a
-    ValueError naming the entry, on other devices by device-side asserts (see
-    :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or not.
+    ValueError naming the entry; on a GPU by the kernel step's combine, which prints the entry
+    and stops (always, in CUDA graphs too), and on the GPU reference path by device-side asserts
+    (see :func:`torch_mla.set_value_checks`). Out-of-range entries are never read, checks or
+    not.
 
     On a GPU a sparse kernel runs, over every cache format (docs/kernels/sparse.md): on
     H100/H200 the keys-on-M kernel for h_q <= 32, the SM90 kernel where it pays (64+ heads and
-    enough CTAs; over the 16-bit cache and the 656-byte rows at 64-128 heads its split
-    variant, from 2 query tokens), else the portable kernel, which also runs on other GPUs
-    from SM80; elsewhere, and where no kernel takes the inputs, the fp32 reference
-    (torch_mla.reference_sparse), on a GPU with a warning once per reason.
+    enough CTAs, or 33-63 heads over an FP8 cache from 128 CTAs; over the 16-bit cache and the
+    656-byte rows at 64-128 heads its split variant, from 2 query tokens), else the portable
+    kernel, which also runs on other GPUs from SM80; elsewhere, and where no kernel takes the
+    inputs, the fp32 reference (torch_mla.reference_sparse), on a GPU with a warning once per
+    reason.
     """
     check_sparse_decode_args(q, kv_cache, indices, topk_length, attn_sink, d_v, kv_scale)
     if schedule is None:
