@@ -62,33 +62,72 @@ def test_trace_slots_fit_the_table():
     """The per-segment slots end before the end slot, which comes before the pair slots."""
     td = trace_decode
     assert 1 + td.TRACE_PER_SEG * td.TRACE_SEGS <= td.TRACE_END < td.TRACE_PAIR0
-    assert td.TRACE_PAIR0 + td.TRACE_PAIRS * td.TRACE_PAIR_SEGS <= td.TRACE_SLOTS
+    assert td.TRACE_PAIR0 + td.TRACE_PAIRS * td.TRACE_PAIR_SEGS <= td.EV0
+    assert td.EV0 + 2 * td.EV_PAIRS * td.EV_KINDS <= td.TRACE_SLOTS
+    assert all(len(names) == td.EV_KINDS - 1 for names in td.EVENTS.values())
+
+
+def test_pair_events_reads_each_warpgroup_s_slots():
+    """Two CTAs; WG0's pairs 1-3 and WG1's pairs 1-2 stamped (us * 1000 ns), WG1's pair 3
+    left unstamped: medians of each event after its pair's start, the spans, the pair time."""
+    td = trace_decode
+    stamps = torch.zeros(2, td.TRACE_SLOTS, dtype=torch.int64)
+
+    def put(cta, wg, pair, ev, us):
+        stamps[cta, td.EV0 + (td.EV_PAIRS * wg + pair) * td.EV_KINDS + ev] = int(us * 1000)
+
+    for cta in (0, 1):
+        for pair in (1, 2, 3, 4):  # (pair 4 only gives pair 3 its next start)
+            t0 = 100.0 * pair + cta
+            put(cta, 0, pair, 0, t0)
+            for ev, dt in ((1, 0.5), (2, 1.0), (3, 1.2), (4, 1.5 + cta), (5, 1.6), (6, 2.0),
+                           (7, 3.0)):
+                put(cta, 0, pair, ev, t0 + dt)
+            if pair != 3:
+                put(cta, 1, pair, 0, t0 + 0.25)
+                put(cta, 1, pair, 1, t0 + 0.75)
+    res = td.pair_events(stamps, first=1, last=3)
+    assert res[0]["t1"] == pytest.approx(0.5) and res[0]["t7"] == pytest.approx(3.0)
+    # half 0's expansion takes 0.3 us in CTA 0, 1.3 in CTA 1: the median of six is the upper
+    assert res[0]["expand half 0"] == pytest.approx(1.3)
+    assert res[0]["expand half 1"] == pytest.approx(0.4)
+    assert res[0]["start to the other's scale"] == pytest.approx(0.5)
+    assert res[0]["pair"] == pytest.approx(100.0)
+    assert res[1]["t1"] == pytest.approx(0.5) and res[1]["t2"] != res[1]["t2"]  # (nan: none)
+    assert res[1]["pair"] == pytest.approx(100.0)  # (pair 1 -> 2; 2 -> 3 is unstamped)
 
 
 TRACE_SCRIPT = r"""
-import glob, json, os
+import glob, json, os, sys
 from tools import trace_decode
 
-trace_decode.traced_kernel(False)
+trace_decode.traced_kernel(False, kv_fp8=sys.argv[1] == "fp8")
 files = glob.glob(os.path.join(os.environ["CUTE_DSL_DUMP_DIR"], "*.ptx"))
 print(json.dumps({"traced": sum(open(f).read().count("%globaltimer") for f in files)}))
 """
 
 
-def test_trace_build_compiles(tmp_path):
-    """The trace build (one more argument, the stamp table) reads %globaltimer at each point
-    (tests/test_kernel_compile.py checks that the shipped kernels read none): the kernel's start and
-    end, the segment's points 0-5 and 9, WG0's pair start in each of the three pair variants
+@pytest.mark.parametrize("cache,reads", [("bf16", 49), ("fp8", 57)])
+def test_trace_build_compiles(tmp_path, cache, reads):
+    """The trace build (one more argument, the stamp table; over an e4m3 cache, exact mode, its
+    arguments after it) reads %globaltimer at each point (tests/test_kernel_compile.py checks
+    that the shipped kernels read none). The segment and kernel points: the kernel's start and
+    end, the segment's points 0-5 and 9, WG0's pair start in each of its three pair variants
     (has1, has2 compile-time), point 6 of the epilogue and 7, 8 of the output store (one
-    instance a dtype: fp32 partials, bf16 output): 2 + 7 + 3 + 1 + 2 * 2 = 17 reads."""
+    instance a dtype: fp32 partials, bf16 output): 2 + 7 + 3 + 1 + 2 * 2 = 17. The pair events:
+    WG0's pair start again (3 variants), its events 1 (3), 2 and 7 (the variant with a next
+    S: 2); WG1's start and events 1, 2 in each of its five pair calls (15) and 7 (1); the
+    halves' landing (bf16) or landing and expansion (fp8) in the four Q K^T calls of
+    those (two segment starts, the two pair variants with a next S): 4 x 2 or 4 x 4. bf16: 17
+    + 3 + 5 + 16 + 8 = 49; fp8: 57."""
     env = dict(os.environ, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx",
                CUTE_DSL_DUMP_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT], env=env, capture_output=True,
-                         text=True, timeout=1800, cwd=ROOT)
+    res = subprocess.run([sys.executable, "-c", TRACE_SCRIPT, cache], env=env,
+                         capture_output=True, text=True, timeout=1800, cwd=ROOT)
     assert res.returncode == 0, res.stderr[-4000:]
     counts = json.loads(res.stdout.strip().splitlines()[-1])
-    assert counts == {"traced": 17}, counts
+    assert counts == {"traced": reads}, counts
 
 
 def test_ptxas_figures_parses_the_dsl_remarks():

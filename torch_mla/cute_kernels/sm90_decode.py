@@ -840,7 +840,11 @@ class MLADecodeSm90(DecodeKernel):
         loop done, 4 WG1's loop done, 5 epilogue done (WG0), inside the epilogue 6 both
         warpgroups synced, 7 WG0's half of O staged, 8 its bulk copies read, 9 WG1's epilogue
         done (the segment's last); "pair": WG0 starts pair i, i.e. S of its block 2 i is
-        ready."""
+        ready; "pair1": WG1 starts pair i. "ev" (i: the event's number) inside a warpgroup's
+        pair: 1 its wait for the other warpgroup's row scale passed (WG0: NB_SCALE1, WG1:
+        NB_SCALE0), 2 WG0 starts the next S, WG1 passed NB_P0; in the next S's Q K^T (_qk),
+        3 / 5 the buffer's half 0 / 1 landed, 4 / 6 that half expanded (an e4m3 cache); 7 the
+        next S done."""
 
     @cute.jit
     def _v_half(self, k_base, s: cutlass.Constexpr[int], h: cutlass.Constexpr[int]):
@@ -937,6 +941,8 @@ class MLADecodeSm90(DecodeKernel):
                             cute.arch.fence_view_async_shared()
                 else:
                     cute.arch.mbarrier_wait(barK + s * N_TILES + tile, phase[s])
+                    if const_expr(tile == 0 or tile == 4):
+                        self._stamp("ev", 128 * s, 3 if tile == 0 else 5)
                 warpgroup.fence()
                 for kk in cutlass.range_constexpr(4):  # (k-steps of 16 a 64-column tile)
                     k = tile * 4 + kk
@@ -963,6 +969,7 @@ class MLADecodeSm90(DecodeKernel):
         bar_id = NB_WG0 if s == 0 else NB_WG1
         for t in cutlass.range_constexpr(t0, t0 + nt):
             cute.arch.mbarrier_wait(barK + s * N_TILES + t, phase[s])
+        self._stamp("ev", 128 * s, 3 + 2 * h)
         wtid = self.d_wtid
         # byte address
         half = self.d_k_base.toint() + (s * PAGE_SIZE * D_QK + t0 * PAGE_SIZE * 64) * 2
@@ -992,6 +999,7 @@ class MLADecodeSm90(DecodeKernel):
                              scale)
         cute.arch.fence_view_async_shared()
         cute.arch.barrier(barrier_id=bar_id, number_of_threads=128)
+        self._stamp("ev", 128 * s, 4 + 2 * h)
 
     @cute.jit
     def _pv(self, tiled, acc_O, tA, tB, a_in_regs: cutlass.Constexpr[bool],
@@ -1267,6 +1275,7 @@ class MLADecodeSm90(DecodeKernel):
         fence_operand(acc_O)
 
         cute.arch.barrier(barrier_id=NB_SCALE1, number_of_threads=256)
+        self._stamp("ev", 0, 1)
         if const_expr(has2 and not self.fast):
             if wtid < 32 * self.load_warps:
                 self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 0, 4)
@@ -1299,6 +1308,7 @@ class MLADecodeSm90(DecodeKernel):
             # The next S0's first four tiles (B0's left half, refilled above) queue behind
             # P1 @ V1L, so the tensor cores do not idle while this warpgroup waits for it and
             # refills B1's left half; the other five tiles follow.
+            self._stamp("ev", 0, 2)
             self._qk(acc_S, tSrQ, tSrK, tSrK_rs, rQ8, barK, phase, 0, (0, 1, 2, 3), True, False)
             warpgroup.wait_group(1)
             if const_expr(not self.fast):
@@ -1313,6 +1323,7 @@ class MLADecodeSm90(DecodeKernel):
                 self._transpose_v(0, 0, self._page_valid(blk0 + 2, nb_req, tail), NB_WG0, barK,
                                   phase, False)
             warpgroup.wait_group(0)
+            self._stamp("ev", 0, 7)
             fence_operand(acc_O)
             fence_operand(acc_S)
         elif const_expr(has1):
@@ -1330,7 +1341,9 @@ class MLADecodeSm90(DecodeKernel):
         page2 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 2, last))
         page3 = self._next_page(mBlockTable, r, cutlass.min(blk0 + 3, last))
         tail = L % PAGE_SIZE
+        self._stamp("pair1", 128, i)
         cute.arch.barrier(barrier_id=NB_SCALE0, number_of_threads=256)
+        self._stamp("ev", 128, 1)
         if const_expr(has1):
             self._mask(acc_S, blk0 + 1, border, min_border, c0, 1)
         else:
@@ -1372,6 +1385,7 @@ class MLADecodeSm90(DecodeKernel):
                 if wtid < 32 * self.load_warps:
                     self._load_tiles(tma_k, tKgK, tKsK, barK, page2, 0, 4, 9)
         cute.arch.barrier(barrier_id=NB_P0, number_of_threads=256)
+        self._stamp("ev", 128, 2)
         if const_expr(not self.fast):
             if blk0 == nb_req - 1:
                 if tail != 0:
@@ -1396,6 +1410,7 @@ class MLADecodeSm90(DecodeKernel):
                 self._transpose_v(1, 1, self._page_valid(blk0 + 3, nb_req, tail), NB_WG1, barK,
                                   phase, False)
             warpgroup.wait_group(0)
+            self._stamp("ev", 128, 7)
             fence_operand(acc_S)
 
     # ------------------------------------------------------------------------------------------
