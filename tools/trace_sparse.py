@@ -156,7 +156,7 @@ class TracedSplit(MLASparseDecodeSm90Split):
         elif const_expr(event == "pblock"):
             self.d_blk[1] = i
             self._detail("d_pstart", i)
-        else:
+        elif const_expr(event not in ("pair1", "ev")):  # (the dense pairs' events: none here)
             self._stamp_table(event, who, i)
 
     @cute.jit
