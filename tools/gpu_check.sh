@@ -12,6 +12,10 @@
 #   bench       benchmarks/bench_decode.py, FlashMLA timed beside it when .peers/ holds it
 #   bench_old   the same for the old tree (.baseline/benchmarks/bench_decode.py), on request
 #   tests       python -m pytest -m cuda -q
+#   trace       on request: tools/trace_decode.py over the 16-bit cache, then (--fp8) exact mode,
+#               at TRACE_ROWS (default b 128, s_k 8192, h_q 128 and 64): each warpgroup's waits
+#               in a pair and its next page's landing and expansion (docs/kernel-notes.md, "Exact
+#               mode at 128 heads")
 # Roughly 1.5 + 1.5 + 3 + 5 min on an H200 (a device call may run 10 min: give the stages over
 # two calls if needed; the disk cache stays while the machine is warm).
 #
@@ -86,7 +90,15 @@ for stage in $stages; do
     tests)
       run tests 540 python -m pytest -m cuda -q -p no:cacheprovider tests
       ;;
-    *) echo "unknown stage $stage (precompile, record, bench, tests)"; summary+=("$stage unknown");;
+    trace)
+      # shellcheck disable=SC2086
+      run trace 240 python -m tools.trace_decode "$OUT" ${TRACE_ROWS:-128,1,8192,128 128,1,8192,64}
+      # shellcheck disable=SC2086
+      run trace_fp8 240 python -m tools.trace_decode --fp8 "$OUT" \
+        ${TRACE_ROWS:-128,1,8192,128 128,1,8192,64}
+      ;;
+    *) echo "unknown stage $stage (precompile, record, bench, bench_old, tests, trace)"
+       summary+=("$stage unknown");;
   esac
 done
 

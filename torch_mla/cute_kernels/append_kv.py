@@ -11,7 +11,8 @@ Checks (runtime flags; each failure prints its message and traps, see device_err
   check_repeats  two tokens writing one slot (slots >= 0) fail: thread v of token t compares
      slot[t] with slot[j] for j < t, j = v (mod 72), so each pair is compared once, by the later
      token. That is T^2 / 2 int reads in all, from L1/L2 (the slot array is a few KB); at
-     T = 2048 it is 2M reads, ~29 per thread (8 in flight at a time), spread over the grid's
+     T = 2048 it is 2M reads, ~14 per thread on average, up to ~28 for the last tokens (8 in
+     flight at a time), spread over the grid's
      CTAs: about as long as the copy itself (2048 x 1152 bytes). The host asks for it up to
      that size and checks longer (prefill-sized) slot arrays with torch ops (ops/cache.py).
 

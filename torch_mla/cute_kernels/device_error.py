@@ -6,7 +6,8 @@ printf buffer is flushed at that synchronisation, so the message shows before th
 call it only behind a runtime ``check`` flag and a rare condition, so the check costs a compare
 and a predicated branch per value. Never in a kernel that issues wgmma: a printf is a function
 call, and ptxas then serialises every wgmma of the kernel (the SM90 decode ran 2.5x slower with
-one, docs/kernel-notes.md); such kernels leave the checks to the combine.
+one, docs/log.md, 2026-12-01 "input checks in the combine"); such kernels leave the checks to
+the combine.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ stages + P):
     227 KB (sm_90, sm_100, sm_103, sm_110): block_m 64, block_n 64, 2 stages: 72 + 144 + 8 KB
     163 KB (sm_80, sm_87):                  block_m 64, block_n 32, 2 stages: 72 + 72 + 4 KB
     99 KB (sm_86, sm_89, sm_120, sm_121):   block_m 32, block_n 16, 3 stages: 36 + 54 + 1 KB
-Only the first has run (on the H200, forced); the others are compile-checked. block_m 32
+All three ran on the H200 (forced; the smaller two with check_portable.py --tiles, session 3,
+before the warp-quad tiling); none has run on its own arch. block_m 32
 doubles the m-blocks of the grid (the schedule's parts assume 64-row m-blocks, so such a grid
 takes more than one wave). Registers (ptxas 13.0): 255
 (64x64x2, sm_90a, with 8 bytes of spill: two loop-invariant words stored once and reloaded 5
@@ -137,9 +138,10 @@ class Sm80DecodeConfig:
     @classmethod
     def from_heuristic(cls, arch: str) -> "Sm80DecodeConfig":
         smem = smem_per_block(arch)
-        # Not measured yet (compile-checked only). Each warp re-reads its Q rows from shared
-        # memory every stage, so the widest stage that fits double-buffered halves that
-        # traffic (70 KB of ldmatrix per warp and 64 keys against 88 KB at block_n 32).
+        # (The smaller shapes were timed on the H200 only, forced.) Each warp re-reads its Q
+        # rows from shared memory every stage, so the widest stage that fits double-buffered
+        # halves that traffic (70 KB of ldmatrix per warp and 64 keys against 88 KB at block_n
+        # 32).
         if smem >= 224 * 1024:  # sm_90/100/103/110: 225 KB of 227
             return cls(64, 64, 2)
         if smem >= 160 * 1024:  # sm_80/87: 149 KB of 163
@@ -328,7 +330,8 @@ class MLADecodeSm80(DecodeKernel):
         half = warp_idx % 2  # S: keys [half bn / 2, half bn / 2 + bn / 2) of a stage
         quad = warp_idx // 4  # O: rows [32 quad, 32 quad + 32), row groups 2 quad, 2 quad + 1
         quarter = warp_idx % 4  # O: columns [128 quarter, 128 quarter + 128)
-        kh = quarter // 2  # S partials: k-steps [18 kh, 18 kh + 18); keeps row group 2 quad + kh
+        kh = quarter // 2  # S partials: k-steps [16 kh, 16 kh + 16) and 32 + 2 kh + {0, 1};
+        # keeps row group 2 quad + kh
         lane = tidx % 32
         mma_tid = rg * 32 + lane  # this thread in its half's tiled MMA (Q K^T)
 

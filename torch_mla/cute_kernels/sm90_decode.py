@@ -135,8 +135,9 @@ def fp8_expand_addrs(n_tiles: int, w: int, i):
 
 
 # ---- fast mode (compute="fp8"): layouts of e4m3 Q, P and V^T, modelled in Python ----------
-# Not yet used by the kernel (docs/kernel-notes.md, "FP8 fast mode: design and state"); the
-# tests check them byte by byte so that the device code can be written against them.
+# Python models of the layouts MLADecodeSm90Fast's device code follows (_to_P8, _store_P8,
+# _transpose_v); the tests check them byte by byte (design: docs/log.md, 2026-12-01, "FP8
+# fast mode, design and state").
 
 
 def e4m3_dither_model(p: float) -> float:

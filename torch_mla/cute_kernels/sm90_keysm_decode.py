@@ -34,9 +34,10 @@ release the buffer. Q (N x 576) is loaded by the producer per segment (q_full / 
     <= 32 columns, 2 at 64); the consumer threads expand a page into one 16-bit work buffer
     (exact conversions, keys past the request's length written as 0) before its S^T, and release
     the ring stage right after, so the TMA of later pages runs under the MMAs. kv_scale (and
-    q_scale) fold into the softmax scale and the epilogue, as in sm90_decode.py. No fp8-MMA fast
-    mode: e4m3 wgmma takes both operands K-major, fine for S^T but V^T would need a transposed
-    copy of every page.
+    q_scale) fold into the softmax scale and the epilogue, as in sm90_decode.py. This class has
+    no fp8-MMA mode: e4m3 wgmma takes both operands K-major, fine for S^T but V^T would need
+    a transposed copy of every page; fast mode (sm90_keysm_fast_decode.py) runs S^T on e4m3
+    and keeps O^T in f16.
   - f16 MMAs (q_f16: bf16 q over an e4m3 cache): every e4m3 value is exact in f16, whose
     conversion is one cvt a pair (bf16 takes four: e4m3 -> f16 -> 2 x f32 -> bf16). Q, as TMA
     lands it, is converted in place once a segment, times the power of two q_f16_factors picks
@@ -53,17 +54,19 @@ Masking, empty rows, bad inputs: as sm90_decode.py. Keys at or past a column's h
 rows of the page past L in a request's last page are zeroed in smem before the MMAs (the cache
 may hold NaN there, 0 * NaN = NaN); TMA zero-fills page ids outside the cache; no printf.
 
-Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode; f16
-MMAs under bf16 q), one latent head per launch. Any s_q * h_q runs (a CTA per N rows and
-part), but the schedule gives a part per SM only for <= 64 rows. The dispatch uses it where
-s_q * h_q <= 32 (up to 64 with TORCH_MLA_KEYSM=1, never with TORCH_MLA_KEYSM=0:
-dispatch.keysm_columns). f16 MMAs: one factor per Q tile, so a row whose magnitude is below
-2^-29 of the tile's largest loses bits (not a case seen in models).
+Limits: d_qk 576, d_v 512, page 64, bf16/fp16 q and cache or an e4m3 cache (exact mode; f16 MMAs
+under bf16 q), one latent head per launch. Any s_q * h_q runs (a CTA per N rows and part), but the
+schedule gives a part per SM only for <= 64 rows. The dispatch uses it where s_q * h_q <= 32 (up to
+64 with TORCH_MLA_KEYSM=1, up to 128 with =128, a CTA for each 64, never with =0:
+dispatch.keysm_columns); over an e4m3 cache its ping-pong subclass from KEYSM_RS_MIN_BATCH
+requests, and in fast mode sm90_keysm_fast_decode.py (dispatch.keysm_kind). f16 MMAs: one factor
+per Q tile, so a row whose magnitude is below 2^-29 of the tile's largest loses bits (not a case
+seen in models).
 Status: verified on the H200 (tests, memcheck, fuzz); docs/kernels/keysm.md has its speed.
 The f16 MMAs ran there (session 19), with their exclusion of inf / NaN from the tile's factor
 in session 20 (no GPU test feeds an inf; tests/test_keysm.py checks the factors on the CPU).
 The ping-pong subclass (sm90_keysm_rs_decode.py) replaces the consumer's hooks (_operands,
-_q_ready, _mma_s, _mma_o, _prepare_stage, _key_row, _store_o) and adds _merge_and_store,
+_q_ready, _mma_s, _mma_o, _prepare_stage, _pt_key, _store_o) and adds _merge_and_store,
 which the consumer calls when pingpong; its fast subclass also replaces _page_scale.
 """
 

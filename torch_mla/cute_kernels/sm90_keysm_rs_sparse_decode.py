@@ -53,11 +53,10 @@ rows the four 44 KB stages leave the merge 21 rounds of 7 floats (merge_rounds),
 spills 20 bytes; at 64 it spills up to 20 outside the page loop (nvdisasm, session 25). Not
 causal; the sink is applied by the host. One producer warp a ring stage (producer_warps: 4, or
 3 at 64 columns).
-Status: the e4m3 step reached the H200 once (session 24) and was refused there: it had been
-compiled over a bf16 cache's signature (fixed: compile_sparse_step_kernel takes the config's
-format); neither format has run to a result on a GPU. Compiled for sm_90a (CPU; no spill at 8
-and 16 columns). The dispatch never takes it unless TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32: at most
-32 columns a CTA; ops/sparse.py).
+Status: run on an H100 in session 26 over both FP8 formats: correct (the GPU tests at h_q
+1-128, memcheck), slower than the default choice at h_q 64-128 and at small batches
+(docs/kernels/sparse.md, "Session 26"). No spill at 8 and 16 columns. The dispatch never takes
+it unless TORCH_MLA_SPARSE_KEYSM_RS=1 (or 32: at most 32 columns a CTA; ops/sparse.py).
 """
 
 from __future__ import annotations
@@ -185,8 +184,8 @@ class MLASparseDecodeKeysMRS(EntryBias, GatheredEntries, MLADecodeSm90KeysMRS):
         # (sparse.md, session 19).
         self.producer_warps = self.stages
         # The gather's steps as a loop at 32 columns: its 24 registers then suffice (ptxas
-        # spilled 20 bytes with them unrolled). At 64 columns the 20 bytes ptxas spills are not
-        # the producer's (40 registers there leave them): unrolled as before.
+        # spilled 20 bytes with them unrolled). At 64 columns the producer has 24 registers too,
+        # and the 20 bytes ptxas spills there are not its: unrolled as before.
         self.rolled_gather = self.pingpong and self.n_wg == 32
         # 32 columns a warpgroup (32, 64 columns): the four scale-group accumulators would not fit
         # beside O^T; S^T's A values are multiplied by their row's scale instead (f16)

@@ -8,10 +8,12 @@ Q K^T first expands the half's fp8 bytes to bf16 in shared memory, on its critic
 third warpgroup (WG2, the producer; 384 threads a CTA) does both, over the same walk
 (splitkv.segment per request, blocks in order, block j of a segment into buffer j % 2, a
 block's halves in the order its Q K^T reads them: fill_order). Per buffer half:
-  - the 656-byte rows: each producer thread loads its 8 chunks of 16 fp8 bytes (two rows a
-    warp and step, chunk_of_lane) and the rows' group scales straight into registers
-    (ld.global.nc, none for an entry that names no key: zeros), before it waits for the half
-    to be released, so the loads are in flight meanwhile; then it multiplies each value by its
+  - the 656-byte rows: each producer thread loads the first AHEAD (2) of its 8 chunks of 16
+    fp8 bytes (two rows a warp and step, chunk_of_lane) and the rows' group scales into
+    registers (ld.global.nc, none for an entry that names no key: zeros) and prefetches the
+    other chunks' lines into L2, before it waits for the half to be released, so the loads
+    are in flight meanwhile; after the wait each step loads the chunk AHEAD steps on. It
+    multiplies each value by its
     scale in fp32, rounds once to bf16 (the reference's dequantization) and stores the values
     to their places in the 128-byte-swizzled tiles the MMAs read (fp8_store_offsets: a phase of
     8 lanes covers two adjacent rows, no bank conflict); over half 1 the bf16 rope tile goes

@@ -54,8 +54,10 @@ slower than the portable kernel everywhere); the cp.async gather (session 17) fr
 0.57-0.76x FlashMLA at b 128 over the same 656-byte rows; from four warps with one wait a half
 (session 18) b 128, h_q 64 / 128 over bf16 121.3 / 200.8 us, FlashMLA over its 656-byte rows
 123.5 / 179.3 (0.60-0.79x over the same rows). The dispatch takes it where
-ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice"), but over the 656-byte
-rows at 64-128 heads, where its split variant runs (sm90_split_sparse_decode.py, session 30).
+ops.sparse.sm90_sparse_pays (docs/kernels/sparse.md, "Kernel choice"), but at 64-128 heads over
+the 16-bit cache and the 656-byte rows, where its split variant runs
+(sm90_split_sparse_decode.py, sessions 30 and 39): by default over the e4m3 cache, at 33-63
+heads and above 128.
 """
 
 from __future__ import annotations
@@ -187,7 +189,8 @@ def gather8(slots, rows, tiles, rope=None, warp=None):
 
 
 class GatheredEntries:
-    """What both SM90 sparse kernels (this one, sm90_keysm_sparse_decode's) change in their
+    """What the SM90 sparse kernels (this one and its producer and split subclasses, the
+    keys-on-M one and its ping-pong) change in their
     dense kernel's walk, as hooks of it: the walk's "page" is a block of 64 entries of a
     one-token request (_page, _table_blocks), the cache is read by the gathers as a plain
     tensor (no TMA: _cache_tma, _cache_partitions / _ring_partitions), each gathering warp's

@@ -59,7 +59,8 @@ producer's for a free half, WG0's for a filled one) are at CTA scope, as CUTLASS
 pipelines and FlashMLA's pair have them (SCOPE: the knob, and what CTA scope relies on).
 
 Status: the dispatch's kernel at 64-128 heads over the 656-byte rows and the 16-bit cache
-where the SM90 kernel pays (ops.sparse.split_sparse_pays), the pair at h_q 65-128 over the
+where the SM90 kernel pays or from 2 one-token requests, b s_q (ops.sparse.split_sparse_pays),
+the pair at h_q 65-128 over the
 656-byte rows (TORCH_MLA_SPARSE_SPLIT_PAIR=0: off), the short build where a part holds few
 blocks. Run on H100s and an H200 (sessions 28-47): the GPU tests, memcheck and FlashMLA's own
 sparse-decode cases through torch_mla.compat pass. How each piece came to be, with the
