@@ -256,7 +256,7 @@ def trace_config(cfg: str, out_dir: str, fp8: bool = False) -> None:
         extra, kw = (kv_scale, kv_scale, 0), {"kv_scale": kv_scale}
     for _ in range(3):
         traced(*args, stamps, *extra)
-    stamps.zero_()  # (pair events keep a slot's first write: one run's stamps only)
+    stamps.zero_()  # (the stamps of one run only: nothing kept from the warm-up runs)
     traced(*args, stamps, *extra)
     torch.cuda.synchronize()
     segs = [[] for _ in range(parts * m_blocks)]
