@@ -8,6 +8,8 @@ quantized-then-dequantized latents gives the fp8 run's logits); the decode step 
 graph that a new prefill's scale does not recompile; the bytes per token halve.
 """
 
+from unittest import mock
+
 import expecttest
 import pytest
 import torch
@@ -209,8 +211,23 @@ class TestCompute(expecttest.TestCase):
         self.assertExpectedInline(str(cm.exception), """compute must be 'exact' or 'fp8', got 'e4m3'""")
         ours = swapped(hf_model("v3_yarn"))
         ids, mask = left_padded_prompts(2, 9, pads=(0, 2))
-        runs = [generate(ours, ids, mask, MLACache(ours.config, 2, 9 + 6, dtype=FP8,
-                                                   compute=c), 6) for c in ("exact", "fp8")]
+        # Each generate's decode steps call mla_decode with the cache's compute (a spy on the
+        # modules' name for it); the logits are equal since the CPU runs the reference.
+        from torch_mla.modules import attention
+
+        seen, decode = [], attention.mla_decode
+
+        def spy(*args, **kwargs):
+            seen.append(kwargs.get("compute"))
+            return decode(*args, **kwargs)
+
+        runs = []
+        with mock.patch.object(attention, "mla_decode", spy):
+            for c in ("exact", "fp8"):
+                seen.clear()
+                runs.append(generate(ours, ids, mask, MLACache(ours.config, 2, 9 + 6, dtype=FP8,
+                                                               compute=c), 6))
+                assert seen and set(seen) == {c}, (c, seen)
         assert torch.equal(runs[0][0], runs[1][0]) and torch.equal(runs[0][1], runs[1][1])
 
 
