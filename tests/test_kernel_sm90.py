@@ -107,6 +107,10 @@ def test_deterministic():
     sched = torch_mla.get_decode_schedule(inp.cache_seqlens, 2, 128)
     args = (inp.q, inp.kv_cache, inp.block_table, inp.cache_seqlens, sched)
     o1, l1 = torch_mla.mla_decode(*args, causal=True)
+    # (right as well as repeatable: a deterministic kernel may still be wrong)
+    ref_out, ref_lse = mla_decode_reference(inp.q, inp.kv_cache, inp.block_table,
+                                            inp.cache_seqlens, 576**-0.5, True, 512)
+    check(o1, l1, ref_out, ref_lse, torch.bfloat16)
     for _ in range(5):
         o2, l2 = torch_mla.mla_decode(*args, causal=True)
         assert torch.equal(o1, o2) and torch.equal(l1, l2)
