@@ -11,7 +11,7 @@ import torch
 
 pytest.importorskip("transformers")
 
-from test_modules import assert_greedy_matches  # noqa: E402
+from test_modules import assert_greedy_matches, poison  # noqa: E402
 from transformers import AutoModelForCausalLM, DeepseekV3Config  # noqa: E402
 
 from torch_mla.modules import MLACache, generate_kwargs, swap_mla_attention  # noqa: E402
@@ -49,7 +49,9 @@ def decode_step(model, cache, ids):
 
 
 def prefilled(model, ids, mask, max_len):
-    cache = MLACache.for_model(model, ids.shape[0], max_len)
+    """The cache after the prompt's prefill; its slots NaN until written (nothing unwritten may
+    be read)."""
+    cache = poison(MLACache.for_model(model, ids.shape[0], max_len))
     with torch.no_grad():
         model(ids, attention_mask=mask, use_cache=True, **generate_kwargs(model, cache))
     return cache
