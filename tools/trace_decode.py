@@ -245,15 +245,16 @@ def trace_config(cfg: str, out_dir: str, fp8: bool = False) -> None:
     m_blocks = -(-rows // 64)
     stamps = torch.zeros(parts * m_blocks, TRACE_SLOTS, dtype=torch.int64, device="cuda")
     traced = traced_kernel(causal, kv_fp8=fp8)
-    args, extra, kw = kernel_args(inp, sched), (None, None, None), {}
+    extra, kw = (None, None, None), {}
     if fp8:
         from torch_mla.testing import quantize_per_tensor
 
         cache, kv_scale = quantize_per_tensor(inp.kv_cache)
         inp = dataclasses.replace(inp, kv_cache=cache)
-        args = kernel_args(inp, sched)
-        args = (args[0], args[1].view(torch.uint8), *args[2:])
         extra, kw = (kv_scale, kv_scale, 0), {"kv_scale": kv_scale}
+    args = kernel_args(inp, sched)
+    if fp8:  # (the kernel takes the cache's bytes)
+        args = (args[0], args[1].view(torch.uint8), *args[2:])
     for _ in range(3):
         traced(*args, stamps, *extra)
     stamps.zero_()  # (the stamps of one run only: nothing kept from the warm-up runs)

@@ -247,7 +247,9 @@ def decode_backend(device: torch.device | str, dtype: torch.dtype, d_qk: int = D
         return "reference", (f"compute capability {major}.{minor}: the kernels need 8.0 "
                              "(Ampere) or newer")
     if (major, minor) == (9, 0) and not portable_forced():
-        return "sm90", "compute capability 9.0: the SM90 CuTe DSL kernel" + _keysm_note()
+        keysm = _keysm_clause()
+        return "sm90", ("compute capability 9.0: the SM90 CuTe DSL kernel"
+                        + (f" ({keysm})" if keysm else ""))
     if (major, minor) == (10, 0) and _sm100_enabled() and not portable_forced():
         return "sm100", ("compute capability 10.0 and TORCH_MLA_SM100=1: the SM100 CuTe DSL "
                          "kernel (not yet run on a Blackwell GPU; checked against the "
@@ -286,15 +288,16 @@ def _fp8_backend(device: torch.device, dtype: torch.dtype, d_qk: int, d_v: int,
                "e4m3 too, except on its keys-on-M variant, which keeps P in f16: bf16/fp16 q, "
                "one KV head, up to 16 query rows, or 32 from a batch of 4)")
     else:
-        n = keysm_max_rows()
+        keysm = _keysm_clause()
         why = ("exact mode (pages converted exactly to 16 bits on chip, 16-bit MMAs"
-               + (f"; its keys-on-M variant where s_q * h_q <= {n})" if n else ")"))
+               + (f"; {keysm})" if keysm else ")"))
     return "sm90", f"compute capability 9.0, float8_e4m3fn cache: the SM90 CuTe DSL kernel, {why}"
 
 
-def _keysm_note() -> str:
+def _keysm_clause() -> str:
+    """The decode_backend reason's clause on the keys-on-M variant ("" where it never runs)."""
     n = keysm_max_rows()
-    return f" (its keys-on-M variant where s_q * h_q <= {n})" if n else ""
+    return f"its keys-on-M variant where s_q * h_q <= {n}" if n else ""
 
 
 _warned: set[str] = set()
